@@ -1,0 +1,76 @@
+//! The one error type of the library.
+
+/// Everything that can go wrong in pagedattn. Messages name the field, the value and what was
+/// expected, so that a caller can print them as they are.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// An argument, tensor or metadata field has a value the contract does not allow.
+    #[error("{field} = {value}: expected {expected}")]
+    Invalid {
+        /// The field (or tensor) at fault, e.g. `metadata.seq_lens[2]`.
+        field: String,
+        /// The value it had.
+        value: String,
+        /// What the contract expects instead.
+        expected: String,
+    },
+    /// The backend does not implement a feature the call asks for.
+    #[error("backend `{backend}` does not support {feature}")]
+    Unsupported {
+        /// Name of the backend that refused.
+        backend: String,
+        /// The feature, in words, e.g. `head size 72`.
+        feature: String,
+    },
+    /// A file (replay case or output) could not be parsed.
+    #[error("malformed file: {0}")]
+    Format(String),
+    /// Reading or writing a file failed.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The operating system's message.
+        message: String,
+    },
+}
+
+impl Error {
+    /// Builds [`Error::Invalid`] from anything printable.
+    pub fn invalid(
+        field: impl Into<String>,
+        value: impl std::fmt::Display,
+        expected: impl Into<String>,
+    ) -> Self {
+        Error::Invalid {
+            field: field.into(),
+            value: value.to_string(),
+            expected: expected.into(),
+        }
+    }
+
+    /// Builds [`Error::Unsupported`].
+    pub fn unsupported(backend: impl Into<String>, feature: impl Into<String>) -> Self {
+        Error::Unsupported {
+            backend: backend.into(),
+            feature: feature.into(),
+        }
+    }
+}
+
+/// The library's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Returns [`Error::Invalid`] unless `ok` holds.
+pub(crate) fn ensure(
+    ok: bool,
+    field: impl FnOnce() -> String,
+    value: impl std::fmt::Display,
+    expected: impl FnOnce() -> String,
+) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(field(), value, expected()))
+    }
+}

@@ -1,0 +1,489 @@
+//! The paged KV cache: its geometry, layouts, the write of new tokens through a slot mapping,
+//! fp8 quantization, and block swap / copy.
+//!
+//! A slot is `block * block_size + offset`. Every layout keeps a block contiguous (block-major),
+//! so swapping and copying move whole blocks as one byte range whatever the layout inside.
+
+use crate::config::KvCacheDtype;
+use crate::dtype::{DType, Element};
+use crate::error::{ensure, Result};
+use crate::fp8::Fp8Format;
+use crate::tensor::{Storage, Tensor};
+
+/// Dequantization scales of an fp8 cache (vLLM's `k_scale`, `v_scale`); 1.0 for other caches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvScales {
+    /// Keys are stored as `k / k_scale` and read as `code * k_scale`.
+    pub k_scale: f32,
+    /// Values are stored as `v / v_scale` and read as `code * v_scale`.
+    pub v_scale: f32,
+}
+
+impl Default for KvScales {
+    fn default() -> Self {
+        KvScales {
+            k_scale: 1.0,
+            v_scale: 1.0,
+        }
+    }
+}
+
+impl KvScales {
+    /// Checks the scales for a cache of `dtype`: finite and positive, and exactly 1.0 unless
+    /// the cache is fp8 (a scale that would be ignored is an error, not a silent no-op).
+    pub fn validate(&self, dtype: KvCacheDtype) -> Result<()> {
+        for (field, s) in [("k_scale", self.k_scale), ("v_scale", self.v_scale)] {
+            ensure(
+                s.is_finite() && s > 0.0,
+                || field.into(),
+                s,
+                || "a finite number > 0".into(),
+            )?;
+            ensure(
+                dtype.fp8_format().is_some() || s == 1.0,
+                || field.into(),
+                s,
+                || "1.0: scales apply only to fp8 KV caches".into(),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The geometry and element type of one layer's KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheSpec {
+    /// Number of blocks (NB).
+    pub num_blocks: usize,
+    /// Tokens per block (B).
+    pub block_size: usize,
+    /// Number of kv heads (Hkv).
+    pub num_kv_heads: usize,
+    /// Head size (D).
+    pub head_size: usize,
+    /// The activation dtype of the keys and values written into it.
+    pub dtype: DType,
+    /// How elements are stored (the activation dtype, or fp8).
+    pub kv_cache_dtype: KvCacheDtype,
+}
+
+impl KvCacheSpec {
+    /// The dtype of the stored elements: the activation dtype, or U8 for fp8.
+    pub fn storage_dtype(&self) -> DType {
+        match self.kv_cache_dtype {
+            KvCacheDtype::Auto => self.dtype,
+            _ => DType::U8,
+        }
+    }
+
+    /// Number of token slots (NB * B).
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+
+    /// Elements in one block of the key (or value) buffer: B * Hkv * D.
+    pub fn block_elems(&self) -> usize {
+        self.block_size * self.num_kv_heads * self.head_size
+    }
+
+    /// Elements in the key (or value) buffer.
+    pub fn buffer_elems(&self) -> usize {
+        self.num_blocks * self.block_elems()
+    }
+
+    /// Checks that the geometry is non-degenerate and the dtype is a float type.
+    pub fn validate(&self) -> Result<()> {
+        for (field, v) in [
+            ("block_size", self.block_size),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_size", self.head_size),
+        ] {
+            ensure(
+                v > 0,
+                || format!("kv_cache.{field}"),
+                v,
+                || "a positive integer".into(),
+            )?;
+        }
+        ensure(
+            self.dtype.is_float(),
+            || "kv_cache.dtype".into(),
+            self.dtype,
+            || "f32, f16 or bf16".into(),
+        )
+    }
+}
+
+/// How one block's elements are ordered inside the key and value buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CacheLayout {
+    /// `[NB, B, Hkv, D]`, token-major: the canonical layout (also the replay file's).
+    Nhd,
+    /// `[NB, Hkv, B, D]`, head-major: one kv head's keys of a block are contiguous, so a kernel
+    /// that walks one kv head streams `B * D` contiguous elements per block.
+    Hnd,
+}
+
+impl CacheLayout {
+    /// The cache's shape: `[2, NB, B, Hkv, D]` or `[2, NB, Hkv, B, D]` (index 0 of the first
+    /// axis holds keys, 1 holds values).
+    pub fn shape(self, spec: &KvCacheSpec) -> Vec<usize> {
+        let (nb, b, h, d) = (
+            spec.num_blocks,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+        );
+        match self {
+            CacheLayout::Nhd => vec![2, nb, b, h, d],
+            CacheLayout::Hnd => vec![2, nb, h, b, d],
+        }
+    }
+
+    /// Index of element `d = 0` of (`slot`, `head`) in a key or value buffer.
+    pub fn row_start(self, spec: &KvCacheSpec, slot: usize, head: usize) -> usize {
+        let (b, h, d) = (spec.block_size, spec.num_kv_heads, spec.head_size);
+        let (block, offset) = (slot / b, slot % b);
+        match self {
+            CacheLayout::Nhd => ((block * b + offset) * h + head) * d,
+            CacheLayout::Hnd => ((block * h + head) * b + offset) * d,
+        }
+    }
+}
+
+/// One layer's paged KV cache on the host: two buffers (keys, values) in a backend's layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvCache {
+    spec: KvCacheSpec,
+    layout: CacheLayout,
+    key: Storage,
+    value: Storage,
+}
+
+impl KvCache {
+    /// A zero-filled cache.
+    pub fn zeros(spec: KvCacheSpec, layout: CacheLayout) -> Result<Self> {
+        spec.validate()?;
+        let n = spec.buffer_elems();
+        Ok(KvCache {
+            spec,
+            layout,
+            key: Storage::zeros(spec.storage_dtype(), n),
+            value: Storage::zeros(spec.storage_dtype(), n),
+        })
+    }
+
+    /// A cache in `layout` from key and value buffers in the canonical `[NB, B, Hkv, D]` layout.
+    pub fn from_canonical(
+        spec: KvCacheSpec,
+        layout: CacheLayout,
+        key: Storage,
+        value: Storage,
+    ) -> Result<Self> {
+        spec.validate()?;
+        for (field, buf) in [("key_cache", &key), ("value_cache", &value)] {
+            ensure(
+                buf.dtype() == spec.storage_dtype(),
+                || format!("{field} dtype"),
+                buf.dtype(),
+                || {
+                    format!(
+                        "{} for kv_cache_dtype {}",
+                        spec.storage_dtype(),
+                        spec.kv_cache_dtype
+                    )
+                },
+            )?;
+            ensure(
+                buf.len() == spec.buffer_elems(),
+                || format!("{field} element count"),
+                buf.len(),
+                || format!("{} (= NB * B * Hkv * D)", spec.buffer_elems()),
+            )?;
+        }
+        let canonical = KvCache {
+            spec,
+            layout: CacheLayout::Nhd,
+            key,
+            value,
+        };
+        Ok(canonical.to_layout(layout))
+    }
+
+    /// The key and value buffers in the canonical `[NB, B, Hkv, D]` layout.
+    pub fn to_canonical(&self) -> (Storage, Storage) {
+        let c = self.to_layout(CacheLayout::Nhd);
+        (c.key, c.value)
+    }
+
+    /// The same cache in another layout.
+    pub fn to_layout(&self, layout: CacheLayout) -> KvCache {
+        if layout == self.layout {
+            return self.clone();
+        }
+        let spec = &self.spec;
+        let row_bytes = spec.head_size * spec.storage_dtype().size_bytes();
+        let relayout = |src: &Storage| {
+            let mut dst = Storage::zeros(src.dtype(), src.len());
+            let (s, d) = (src.as_bytes(), dst.as_bytes_mut());
+            for slot in 0..spec.num_slots() {
+                for head in 0..spec.num_kv_heads {
+                    let from = self.layout.row_start(spec, slot, head) * row_bytes / spec.head_size;
+                    let to = layout.row_start(spec, slot, head) * row_bytes / spec.head_size;
+                    d[to..to + row_bytes].copy_from_slice(&s[from..from + row_bytes]);
+                }
+            }
+            dst
+        };
+        KvCache {
+            spec: self.spec,
+            layout,
+            key: relayout(&self.key),
+            value: relayout(&self.value),
+        }
+    }
+
+    /// The geometry and dtypes.
+    pub fn spec(&self) -> &KvCacheSpec {
+        &self.spec
+    }
+    /// The element order inside a block.
+    pub fn layout(&self) -> CacheLayout {
+        self.layout
+    }
+    /// The shape in this cache's layout.
+    pub fn shape(&self) -> Vec<usize> {
+        self.layout.shape(&self.spec)
+    }
+    /// The key buffer, in this cache's layout.
+    pub fn key(&self) -> &Storage {
+        &self.key
+    }
+    /// The value buffer, in this cache's layout.
+    pub fn value(&self) -> &Storage {
+        &self.value
+    }
+    /// Both buffers, mutably (keys, values).
+    pub fn buffers_mut(&mut self) -> (&mut Storage, &mut Storage) {
+        (&mut self.key, &mut self.value)
+    }
+    /// Index of element `d = 0` of (`slot`, `head`) in either buffer.
+    pub fn row_start(&self, slot: usize, head: usize) -> usize {
+        self.layout.row_start(&self.spec, slot, head)
+    }
+
+    /// Checks that `key`/`value` are `[Tk, Hkv, D]` tensors of the cache's activation dtype and
+    /// that every slot is -1 or inside the cache. `field` names the slot mapping in errors.
+    pub fn check_write(
+        &self,
+        key: &Tensor,
+        value: &Tensor,
+        slot_mapping: &[i64],
+        field: &str,
+    ) -> Result<()> {
+        let spec = &self.spec;
+        for (name, t) in [("key", key), ("value", value)] {
+            ensure(
+                t.dtype() == spec.dtype,
+                || format!("{name}.dtype"),
+                t.dtype(),
+                || format!("{} (the KV cache's dtype)", spec.dtype),
+            )?;
+            let shape = t.shape();
+            ensure(
+                shape.len() == 3 && shape[1..] == [spec.num_kv_heads, spec.head_size],
+                || format!("{name}.shape"),
+                format!("{shape:?}"),
+                || {
+                    format!(
+                        "[Tk, {}, {}] (num_kv_heads, head_size)",
+                        spec.num_kv_heads, spec.head_size
+                    )
+                },
+            )?;
+        }
+        ensure(
+            key.shape()[0] == value.shape()[0],
+            || "value.shape[0]".into(),
+            value.shape()[0],
+            || format!("key.shape[0] = {}", key.shape()[0]),
+        )?;
+        ensure(
+            slot_mapping.len() == key.shape()[0],
+            || format!("{field}.len()"),
+            slot_mapping.len(),
+            || format!("the number of key tokens, {}", key.shape()[0]),
+        )?;
+        for (t, &slot) in slot_mapping.iter().enumerate() {
+            ensure(
+                slot == -1 || (slot >= 0 && (slot as u64) < spec.num_slots() as u64),
+                || format!("{field}[{t}]"),
+                slot,
+                || {
+                    format!(
+                        "-1 or a slot in [0, {}) (num_blocks * block_size)",
+                        spec.num_slots()
+                    )
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Writes token `t` of `key`/`value` ([Tk, Hkv, D]) to slot `slot_mapping[t]`; slot -1 is
+    /// skipped. fp8 caches store `encode(x / k_scale)` (resp. `v_scale`), see [`Fp8Format`].
+    pub fn write(
+        &mut self,
+        key: &Tensor,
+        value: &Tensor,
+        slot_mapping: &[i64],
+        scales: KvScales,
+    ) -> Result<()> {
+        self.check_write(key, value, slot_mapping, "slot_mapping")?;
+        scales.validate(self.spec.kv_cache_dtype)?;
+        let fp8 = self.spec.kv_cache_dtype.fp8_format();
+        let (spec, layout) = (self.spec, self.layout);
+        for (src, dst, scale) in [
+            (key, &mut self.key, scales.k_scale),
+            (value, &mut self.value, scales.v_scale),
+        ] {
+            crate::with_element!(spec.dtype, T => {
+                let src = src.storage().as_slice::<T>().expect("dtype checked");
+                write_tokens(&spec, layout, src, dst, slot_mapping, fp8, scale);
+            });
+        }
+        Ok(())
+    }
+
+    /// Both buffers decoded to f64 in this cache's layout (fp8 codes times their scale): what
+    /// an attention kernel reads. Slots never written decode to whatever they hold.
+    pub fn dequantize(&self, scales: KvScales) -> (Vec<f64>, Vec<f64>) {
+        let decode = |buf: &Storage, scale: f32| match (buf, self.spec.kv_cache_dtype.fp8_format())
+        {
+            (Storage::U8(codes), Some(f)) => codes
+                .iter()
+                .map(|&c| f.decode(c) as f64 * scale as f64)
+                .collect(),
+            _ => buf.to_f64_vec(),
+        };
+        (
+            decode(&self.key, scales.k_scale),
+            decode(&self.value, scales.v_scale),
+        )
+    }
+}
+
+/// Stores each token row of `src` at its slot in `dst`, quantizing to fp8 if asked.
+fn write_tokens<T: Element>(
+    spec: &KvCacheSpec,
+    layout: CacheLayout,
+    src: &[T],
+    dst: &mut Storage,
+    slot_mapping: &[i64],
+    fp8: Option<Fp8Format>,
+    scale: f32,
+) {
+    let d = spec.head_size;
+    for (t, &slot) in slot_mapping.iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        for head in 0..spec.num_kv_heads {
+            let row = &src[(t * spec.num_kv_heads + head) * d..][..d];
+            let at = layout.row_start(spec, slot as usize, head);
+            match fp8 {
+                None => {
+                    let out = dst
+                        .as_slice_mut::<T>()
+                        .expect("auto cache has the input dtype");
+                    out[at..at + d].copy_from_slice(row);
+                }
+                Some(format) => {
+                    let Storage::U8(out) = dst else {
+                        unreachable!("fp8 cache stores bytes")
+                    };
+                    for (o, &x) in out[at..at + d].iter_mut().zip(row) {
+                        *o = format.encode(x.to_f32() / scale);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Checks a list of (source block, destination block) pairs against two block counts.
+fn check_pairs(pairs: &[(usize, usize)], src_blocks: usize, dst_blocks: usize) -> Result<()> {
+    for (i, &(s, d)) in pairs.iter().enumerate() {
+        ensure(
+            s < src_blocks,
+            || format!("pairs[{i}].src"),
+            s,
+            || format!("a block in [0, {src_blocks})"),
+        )?;
+        ensure(
+            d < dst_blocks,
+            || format!("pairs[{i}].dst"),
+            d,
+            || format!("a block in [0, {dst_blocks})"),
+        )?;
+    }
+    Ok(())
+}
+
+/// Copies whole blocks from `src` to `dst` (vLLM's `swap_blocks`, e.g. device cache to host
+/// swap space). Both caches must have the same block geometry, dtype and layout; their block
+/// counts may differ.
+pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
+    let (a, b) = (src.spec, dst.spec);
+    ensure(
+        (
+            a.block_size,
+            a.num_kv_heads,
+            a.head_size,
+            a.dtype,
+            a.kv_cache_dtype,
+        ) == (
+            b.block_size,
+            b.num_kv_heads,
+            b.head_size,
+            b.dtype,
+            b.kv_cache_dtype,
+        ) && src.layout == dst.layout,
+        || "dst cache".into(),
+        format!("{b:?} {:?}", dst.layout),
+        || {
+            format!(
+                "the source's block geometry, dtype and layout: {a:?} {:?}",
+                src.layout
+            )
+        },
+    )?;
+    check_pairs(pairs, a.num_blocks, b.num_blocks)?;
+    let block_bytes = a.block_elems() * a.storage_dtype().size_bytes();
+    for (from, to) in [(&src.key, &mut dst.key), (&src.value, &mut dst.value)] {
+        let (s, d) = (from.as_bytes(), to.as_bytes_mut());
+        for &(sb, db) in pairs {
+            d[db * block_bytes..][..block_bytes]
+                .copy_from_slice(&s[sb * block_bytes..][..block_bytes]);
+        }
+    }
+    Ok(())
+}
+
+/// Copies block `src` to block `dst` inside every layer's cache, keys and values, pair by pair
+/// in order (vLLM's `copy_blocks`, used for copy-on-write).
+pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
+    for cache in caches.iter() {
+        check_pairs(pairs, cache.spec.num_blocks, cache.spec.num_blocks)?;
+    }
+    for cache in caches.iter_mut() {
+        let block_bytes = cache.spec.block_elems() * cache.spec.storage_dtype().size_bytes();
+        for buf in [&mut cache.key, &mut cache.value] {
+            let bytes = buf.as_bytes_mut();
+            for &(s, d) in pairs {
+                bytes.copy_within(s * block_bytes..(s + 1) * block_bytes, d * block_bytes);
+            }
+        }
+    }
+    Ok(())
+}
