@@ -998,18 +998,26 @@ def selftest(full=True):
 
 
 def _covered_slots(t, meta):
-    """Slots that hold real (written or pre-filled) data."""
+    """Slots that hold real (written or pre-filled) data; a slot -1 token's block-table slot is not one."""
     B = int(meta["block_size"])
     out = set()
-    sl = t["seq_lens"]
+    qsl, sl = t["query_start_loc"], t["seq_lens"]
     if meta["attn_type"] == "decoder":
+        sm = t["slot_mapping"]
         for s in range(len(sl)):
+            ctx = int(sl[s]) - int(qsl[s + 1] - qsl[s])
             for j in range(int(sl[s])):
+                if j >= ctx and sm[int(qsl[s]) + j - ctx] == -1:
+                    continue
                 out.add(int(t["block_tables"][s][j // B]) * B + j % B)
     else:
+        sm = t.get("cross_slot_mapping")
+        e0 = 0
         for s, E in enumerate(t["encoder_seq_lens"]):
             for j in range(int(E)):
-                out.add(int(t["cross_block_tables"][s][j // B]) * B + j % B)
+                if sm is None or sm[e0 + j] != -1:
+                    out.add(int(t["cross_block_tables"][s][j // B]) * B + j % B)
+            e0 += int(E)
     return out
 
 

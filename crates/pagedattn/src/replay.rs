@@ -20,8 +20,6 @@ use crate::tensor::{Storage, Tensor};
 pub struct ReplayCase {
     /// The layer config.
     pub config: AttentionConfig,
-    /// Tokens per cache block (also recorded when no cache is used).
-    pub block_size: usize,
     /// `[T, H, D]`.
     pub query: Tensor,
     /// New keys and values, `[Tk, Hkv, D]` each (absent at cross-attention decode).
@@ -189,7 +187,7 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
     let h: usize = meta.require("num_heads", int)?;
     let hkv: usize = meta.require("num_kv_heads", int)?;
     let d: usize = meta.require("head_size", int)?;
-    let block_size: usize = meta.require("block_size", int)?;
+    let block_size: Option<usize> = meta.get("block_size", int)?;
     let kv_cache_dtype: KvCacheDtype =
         meta.require("kv_cache_dtype", "one of auto, fp8_e4m3, fp8_e5m2")?;
     let num_prefills: usize = meta.require("num_prefills", int)?;
@@ -232,30 +230,31 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
         }
     };
 
-    let cache_dtype = [to_st_dtype(
-        KvCacheSpec {
-            num_blocks: 0,
-            block_size,
-            num_kv_heads: hkv,
-            head_size: d,
-            dtype: query.dtype(),
-            kv_cache_dtype,
-        }
-        .storage_dtype(),
-    )];
-    let cache_shape = [None, Some(block_size), Some(hkv), Some(d)];
-    let key_cache = tensors.float("key_cache", &cache_dtype, &cache_shape)?;
-    let num_blocks = key_cache.as_ref().map(|c| c.shape()[0]);
+    let cache_dtype = [to_st_dtype(match kv_cache_dtype {
+        KvCacheDtype::Auto => query.dtype(),
+        _ => DType::U8,
+    })];
+    let key_cache = tensors.float(
+        "key_cache",
+        &cache_dtype,
+        &[None, block_size, Some(hkv), Some(d)],
+    )?;
+    let cache_dims = key_cache.as_ref().map(|c| (c.shape()[0], c.shape()[1]));
     let value_cache = tensors.float(
         "value_cache",
         &cache_dtype,
-        &[num_blocks, Some(block_size), Some(hkv), Some(d)],
+        &[
+            cache_dims.map(|c| c.0),
+            cache_dims.map(|c| c.1),
+            Some(hkv),
+            Some(d),
+        ],
     )?;
     let kv_cache = match (key_cache, value_cache) {
         (Some(k), Some(v)) => {
             let spec = KvCacheSpec {
                 num_blocks: k.shape()[0],
-                block_size,
+                block_size: k.shape()[1],
                 num_kv_heads: hkv,
                 head_size: d,
                 dtype: query.dtype(),
@@ -394,7 +393,6 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
     )?;
     Ok(ReplayCase {
         config,
-        block_size,
         query,
         key_value,
         kv_cache,
@@ -442,7 +440,6 @@ pub fn write_case(case: &ReplayCase) -> Result<Vec<u8>> {
         ("head_size", c.head_size().to_string()),
         ("scale", c.scale().to_string()),
         ("num_prefills", md.num_prefills.to_string()),
-        ("block_size", case.block_size.to_string()),
         ("kv_cache_dtype", c.kv_cache_dtype().to_string()),
         ("k_scale", case.scales.k_scale.to_string()),
         ("v_scale", case.scales.v_scale.to_string()),
@@ -450,6 +447,9 @@ pub fn write_case(case: &ReplayCase) -> Result<Vec<u8>> {
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if let Some(cache) = &case.kv_cache {
+        meta.insert("block_size".into(), cache.spec().block_size.to_string());
+    }
     if let Some(w) = c.sliding_window() {
         meta.insert("sliding_window".into(), w.to_string());
     }
