@@ -1,5 +1,7 @@
 //! `pagedattn`: replay captured attention calls on any backend, and inspect the backends.
 
+#![warn(missing_docs)]
+
 mod example;
 
 use std::path::{Path, PathBuf};
@@ -59,11 +61,11 @@ fn write(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 fn forward(input: &Path, backend: &str, output: &Path) -> Result<()> {
-    let case = replay::read_case(&read(input)?)
-        .map_err(|e| Error::Format(format!("{}: {e}", input.display())))?;
+    let in_input = |e: Error| Error::Format(format!("{}: {e}", input.display()));
+    let case = replay::read_case(&read(input)?).map_err(in_input)?;
     let backend = registry::backend(backend)?;
     let start = Instant::now();
-    let result = replay::run_case(&case, backend.as_ref())?;
+    let result = replay::run_case(&case, backend.as_ref()).map_err(in_input)?;
     let elapsed = start.elapsed();
     write(output, &replay::write_output(&result)?)?;
     let md = &case.metadata;

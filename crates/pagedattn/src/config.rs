@@ -211,7 +211,7 @@ impl AttentionConfig {
         positive("num_heads", self.num_heads)?;
         positive("head_size", self.head_size)?;
         positive("num_kv_heads", self.num_kv_heads)?;
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(Error::invalid(
                 "num_kv_heads",
                 self.num_kv_heads,

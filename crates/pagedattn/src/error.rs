@@ -22,8 +22,8 @@ pub enum Error {
         /// The feature, in words, e.g. `head size 72`.
         feature: String,
     },
-    /// A file (replay case or output) could not be parsed.
-    #[error("malformed file: {0}")]
+    /// A file (replay case or output) could not be parsed; the message says what is wrong.
+    #[error("{0}")]
     Format(String),
     /// Reading or writing a file failed.
     #[error("{path}: {message}")]

@@ -1,6 +1,6 @@
 //! pagedattn: attention over a paged KV cache, with interchangeable backends.
 //!
-//! The contract every backend meets is DESIGN.md section 2; [`reference`] implements it as
+//! The contract every backend meets is DESIGN.md section 2; [`reference`](mod@reference) implements it as
 //! plainly as possible and is the oracle the other backends are tested against.
 //!
 //! ```
@@ -23,6 +23,8 @@
 //! assert!((out.to_f32_vec()[0] - 0.3).abs() < 1e-6);
 //! # Ok::<(), pagedattn::Error>(())
 //! ```
+
+#![warn(missing_docs)]
 
 pub mod backend;
 pub mod config;

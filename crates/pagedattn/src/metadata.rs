@@ -186,16 +186,16 @@ impl AttentionMetadata {
         num_kv_tokens: Option<usize>,
         cache: Option<&KvCacheSpec>,
     ) -> Result<()> {
+        ensure(
+            cache.is_none() || attn_type.uses_cache(),
+            || "kv_cache".into(),
+            "given",
+            || format!("none: attn_type {attn_type} never uses a KV cache"),
+        )?;
         self.check_lengths(attn_type, num_tokens)?;
         match attn_type {
             AttnType::Decoder => self.check_decoder(num_kv_tokens, cache),
             AttnType::Encoder | AttnType::EncoderOnly => {
-                ensure(
-                    cache.is_none(),
-                    || "kv_cache".into(),
-                    "given",
-                    || format!("none: attn_type {attn_type} never uses a KV cache"),
-                )?;
                 require_kv(num_kv_tokens, num_tokens, attn_type)
             }
             AttnType::EncoderDecoder => self.check_cross(num_kv_tokens, cache),

@@ -42,7 +42,7 @@ pub struct ReplayOutput {
 }
 
 fn format_err(msg: impl std::fmt::Display) -> Error {
-    Error::Format(msg.to_string())
+    Error::Format(format!("malformed safetensors file: {msg}"))
 }
 
 /// The file's `__metadata__` strings.
@@ -61,8 +61,11 @@ impl Meta {
     }
 
     fn require<T: FromStr>(&self, key: &str, expected: &str) -> Result<T> {
-        self.get(key, expected)?
-            .ok_or_else(|| Error::invalid(format!("metadata {key}"), "missing", expected))
+        self.get(key, expected)?.ok_or_else(|| {
+            Error::Format(format!(
+                "metadata key {key} is missing (expected {expected})"
+            ))
+        })
     }
 }
 
@@ -160,13 +163,7 @@ fn to_st_dtype(d: DType) -> StDtype {
 }
 
 fn required<T>(value: Option<T>, name: &str, when: &str) -> Result<T> {
-    value.ok_or_else(|| {
-        Error::invalid(
-            format!("tensor {name}"),
-            "missing",
-            format!("present {when}"),
-        )
-    })
+    value.ok_or_else(|| Error::Format(format!("tensor {name} is missing (it is required {when})")))
 }
 
 const FLOATS: [StDtype; 3] = [StDtype::F32, StDtype::F16, StDtype::BF16];
@@ -222,11 +219,9 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
         (None, None) => None,
         (k, _) => {
             let missing = if k.is_none() { "key" } else { "value" };
-            return Err(Error::invalid(
-                format!("tensor {missing}"),
-                "missing",
-                "key and value present together",
-            ));
+            return Err(Error::Format(format!(
+                "tensor {missing} is missing: key and value come together"
+            )));
         }
     };
 
@@ -275,11 +270,9 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
             } else {
                 "value_cache"
             };
-            return Err(Error::invalid(
-                format!("tensor {missing}"),
-                "missing",
-                "key_cache and value_cache present together",
-            ));
+            return Err(Error::Format(format!(
+                "tensor {missing} is missing: key_cache and value_cache come together"
+            )));
         }
     };
     let has_cache = kv_cache.is_some();
@@ -337,16 +330,10 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
     ];
     for (name, present, wanted, when) in presence {
         if present != wanted {
-            let (value, expected) = if present {
-                ("present", "absent")
-            } else {
-                ("missing", "present")
-            };
-            return Err(Error::invalid(
-                format!("tensor {name}"),
-                value,
-                format!("{expected}: it is present exactly {when}"),
-            ));
+            let state = if present { "present" } else { "missing" };
+            return Err(Error::Format(format!(
+                "tensor {name} is {state}: it belongs in a replay file exactly {when}"
+            )));
         }
     }
     let known = [
@@ -365,11 +352,9 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
         "cross_slot_mapping",
     ];
     if let Some(unknown) = tensors.st.names().into_iter().find(|n| !known.contains(n)) {
-        return Err(Error::invalid(
-            format!("tensor {unknown}"),
-            "present",
-            "no such tensor in a replay file",
-        ));
+        return Err(Error::Format(format!(
+            "unknown tensor {unknown} (see docs/replay-format.md for the tensors of a replay file)"
+        )));
     }
     let table = |t: Option<(Vec<usize>, Vec<i32>)>| match t {
         Some((shape, data)) => BlockTables::new(shape[0], shape[1], data),

@@ -32,7 +32,7 @@ impl Storage {
     /// Builds storage of `dtype` from raw little-endian bytes.
     pub fn from_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
         let size = dtype.size_bytes();
-        if bytes.len() % size != 0 {
+        if !bytes.len().is_multiple_of(size) {
             return Err(Error::invalid(
                 "byte length",
                 bytes.len(),

@@ -1,0 +1,204 @@
+//! Malformed input to the CLI is one line on stderr and exit code 2, never a panic.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+fn example_case() -> Vec<u8> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/mixed_batch.safetensors");
+    std::fs::read(path).expect("examples/mixed_batch.safetensors is committed")
+}
+
+/// A tensor of a safetensors file: dtype, shape, bytes.
+type Entry = (Dtype, Vec<usize>, Vec<u8>);
+
+/// Parses `bytes`, lets `edit` change the tensors and metadata, and serializes the result.
+fn rewrite(
+    bytes: &[u8],
+    edit: impl FnOnce(&mut HashMap<String, Entry>, &mut HashMap<String, String>),
+) -> Vec<u8> {
+    let st = SafeTensors::deserialize(bytes).unwrap();
+    let (_, header) = SafeTensors::read_metadata(bytes).unwrap();
+    let mut meta = header.metadata().clone().unwrap_or_default();
+    let mut tensors: HashMap<String, Entry> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| (name, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect();
+    edit(&mut tensors, &mut meta);
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize(views, Some(meta)).unwrap()
+}
+
+fn run(args: &[&str], input: Option<&[u8]>, name: &str) -> Output {
+    let dir = std::env::temp_dir().join(format!("pagedattn-cli-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pagedattn"));
+    cmd.args(args);
+    if let Some(bytes) = input {
+        let path: PathBuf = dir.join(format!("{name}.safetensors"));
+        std::fs::write(&path, bytes).unwrap();
+        cmd.arg("--input")
+            .arg(path)
+            .arg("--output")
+            .arg(dir.join(format!("{name}.out")));
+    }
+    cmd.output().unwrap()
+}
+
+/// Asserts exit code 2 and one stderr line that mentions `needle`.
+fn assert_one_line_error(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    assert_eq!(
+        stderr.trim_end().lines().count(),
+        1,
+        "one line expected: {stderr}"
+    );
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    assert!(stderr.contains(needle), "expected {needle:?} in {stderr}");
+}
+
+fn forward_error(name: &str, bytes: &[u8], needle: &str) {
+    let out = run(&["forward"], Some(bytes), name);
+    assert_one_line_error(&out, needle);
+}
+
+#[test]
+fn valid_example_runs() {
+    let out = run(&["forward"], Some(&example_case()), "valid");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn truncated_file() {
+    let bytes = example_case();
+    for cut in [0, 4, 9, 200, bytes.len() / 2, bytes.len() - 1] {
+        forward_error(
+            &format!("truncated{cut}"),
+            &bytes[..cut],
+            "malformed safetensors file",
+        );
+    }
+}
+
+#[test]
+fn missing_tensor() {
+    for name in [
+        "query",
+        "seq_lens",
+        "query_start_loc",
+        "block_tables",
+        "slot_mapping",
+        "value_cache",
+        "value",
+    ] {
+        let bytes = rewrite(&example_case(), |t, _| {
+            t.remove(name);
+        });
+        forward_error(&format!("missing_{name}"), &bytes, name);
+    }
+}
+
+#[test]
+fn mistyped_tensor() {
+    let bytes = rewrite(&example_case(), |t, _| {
+        let (_, shape, data) = t.remove("seq_lens").unwrap();
+        t.insert("seq_lens".into(), (Dtype::F32, shape, data));
+    });
+    forward_error("mistyped_seq_lens", &bytes, "seq_lens dtype");
+    let bytes = rewrite(&example_case(), |t, _| {
+        let (_, shape, data) = t.remove("key").unwrap();
+        t.insert("key".into(), (Dtype::F16, shape, data));
+    });
+    forward_error("mistyped_key", &bytes, "key dtype");
+}
+
+#[test]
+fn wrong_shape() {
+    let bytes = rewrite(&example_case(), |t, _| {
+        let q = t.get_mut("query").unwrap();
+        q.1 = vec![q.1[0] * 2, q.1[1] / 2, q.1[2]];
+    });
+    forward_error("wrong_shape", &bytes, "query shape");
+}
+
+#[test]
+fn inconsistent_metadata() {
+    let set_i32 = |name: &'static str, index: usize, value: i32| {
+        rewrite(&example_case(), move |t, _| {
+            t.get_mut(name).unwrap().2[index * 4..index * 4 + 4]
+                .copy_from_slice(&value.to_le_bytes());
+        })
+    };
+    forward_error("short_seq_len", &set_i32("seq_lens", 0, 3), "seq_lens[0]");
+    forward_error(
+        "block_out_of_range",
+        &set_i32("block_tables", 0, 100_000),
+        "block_tables[0][0]",
+    );
+    let bytes = rewrite(&example_case(), |t, _| {
+        t.get_mut("slot_mapping").unwrap().2[..8].copy_from_slice(&(1i64 << 40).to_le_bytes());
+    });
+    forward_error("slot_out_of_range", &bytes, "slot_mapping[0]");
+    let bytes = rewrite(&example_case(), |_, m| {
+        m.insert("num_prefills".into(), "1".into());
+    });
+    forward_error("num_prefills", &bytes, "decodes");
+    let bytes = rewrite(&example_case(), |_, m| {
+        m.insert("num_kv_heads".into(), "3".into());
+    });
+    forward_error("num_kv_heads", &bytes, "num_kv_heads");
+}
+
+#[test]
+fn unknown_attn_type_and_bad_metadata() {
+    let bytes = rewrite(&example_case(), |_, m| {
+        m.insert("attn_type".into(), "cross".into());
+    });
+    forward_error("attn_type", &bytes, "attn_type");
+    let bytes = rewrite(&example_case(), |_, m| {
+        m.insert("scale".into(), "abc".into());
+    });
+    forward_error("scale", &bytes, "scale");
+    let bytes = rewrite(&example_case(), |_, m| {
+        m.remove("num_heads");
+    });
+    forward_error("no_num_heads", &bytes, "num_heads");
+    let bytes = rewrite(&example_case(), |t, _| {
+        t.insert("extra".into(), (Dtype::F32, vec![1], vec![0; 4]));
+    });
+    forward_error("extra_tensor", &bytes, "unknown tensor extra");
+}
+
+#[test]
+fn unknown_backend_and_missing_file() {
+    let out = run(
+        &["forward", "--backend", "nope"],
+        Some(&example_case()),
+        "backend",
+    );
+    assert_one_line_error(&out, "backend");
+    let out = run(
+        &[
+            "forward",
+            "--input",
+            "/nonexistent/case.safetensors",
+            "--output",
+            "/tmp/x",
+        ],
+        None,
+        "",
+    );
+    assert_one_line_error(&out, "/nonexistent/case.safetensors");
+}

@@ -1,0 +1,506 @@
+//! Golden values, every error path of the public API, and cache round trips.
+
+use pagedattn::*;
+
+fn spec(num_blocks: usize, kv_cache_dtype: KvCacheDtype) -> KvCacheSpec {
+    KvCacheSpec {
+        num_blocks,
+        block_size: 4,
+        num_kv_heads: 2,
+        head_size: 8,
+        dtype: DType::F16,
+        kv_cache_dtype,
+    }
+}
+
+fn ramp(dtype: DType, shape: &[usize], offset: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|i| ((i as f32 * 0.37 + offset).sin()) * 3.0)
+        .collect();
+    Tensor::from_f32(dtype, shape, &values).unwrap()
+}
+
+fn assert_invalid(result: Result<impl std::fmt::Debug>, field: &str) {
+    match result {
+        Err(Error::Invalid { field: f, .. }) => {
+            assert!(f.contains(field), "field {f:?}, expected {field:?}")
+        }
+        other => panic!("expected Invalid({field}), got {other:?}"),
+    }
+}
+
+fn assert_unsupported(result: Result<impl std::fmt::Debug>, feature: &str) {
+    match result {
+        Err(Error::Unsupported { feature: f, .. }) => {
+            assert!(f.contains(feature), "{f:?} vs {feature:?}")
+        }
+        other => panic!("expected Unsupported({feature}), got {other:?}"),
+    }
+}
+
+#[test]
+fn bloom_slopes_golden() {
+    let p = |e: f64| 2f64.powf(e) as f32;
+    assert_eq!(
+        alibi_slopes_bloom(8),
+        (1..=8).map(|k| p(-(k as f64))).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        alibi_slopes_bloom(5),
+        vec![0.25, 0.0625, 0.015625, 0.00390625, 0.5]
+    );
+    let s12 = alibi_slopes_bloom(12);
+    let want12: Vec<f32> = (1..=8)
+        .map(|k| p(-(k as f64)))
+        .chain([p(-0.5), p(-1.5), p(-2.5), p(-3.5)])
+        .collect();
+    for (a, b) in s12.iter().zip(&want12) {
+        assert!((a / b - 1.0).abs() < 1e-6, "{s12:?} vs {want12:?}");
+    }
+    // Bloom-560m: 16 heads, slopes 2^(-k/2).
+    for (k, s) in alibi_slopes_bloom(16).iter().enumerate() {
+        assert!((s / p(-(k as f64 + 1.0) / 2.0) - 1.0).abs() < 1e-6);
+    }
+    assert!(alibi_slopes_bloom(0).is_empty());
+}
+
+#[test]
+fn mpt_slopes_golden() {
+    let p = |e: i32| 2f32.powi(e);
+    assert_eq!(
+        alibi_slopes_mpt(8, 8.0),
+        (1..=8).map(|k| p(-k)).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        alibi_slopes_mpt(6, 8.0),
+        vec![p(-2), p(-4), p(-6), p(-8), p(-1), p(-3)]
+    );
+    assert_eq!(
+        alibi_slopes_mpt(4, 16.0),
+        vec![p(-4), p(-8), p(-12), p(-16)]
+    );
+}
+
+#[test]
+fn config_errors_name_the_field() {
+    assert_invalid(AttentionConfig::builder(0, 64).build(), "num_heads");
+    assert_invalid(AttentionConfig::builder(8, 0).build(), "head_size");
+    assert_invalid(
+        AttentionConfig::builder(8, 64).num_kv_heads(3).build(),
+        "num_kv_heads",
+    );
+    assert_invalid(
+        AttentionConfig::builder(8, 64).num_kv_heads(0).build(),
+        "num_kv_heads",
+    );
+    assert_invalid(
+        AttentionConfig::builder(8, 64).scale(f32::NAN).build(),
+        "scale",
+    );
+    assert_invalid(
+        AttentionConfig::builder(8, 64)
+            .alibi_slopes(Some(vec![0.5; 7]))
+            .build(),
+        "alibi_slopes",
+    );
+    let mut slopes = vec![0.5; 8];
+    slopes[3] = f32::INFINITY;
+    assert_invalid(
+        AttentionConfig::builder(8, 64)
+            .alibi_slopes(Some(slopes))
+            .build(),
+        "alibi_slopes[3]",
+    );
+    assert_invalid(
+        AttentionConfig::builder(8, 64)
+            .sliding_window(Some(0))
+            .build(),
+        "sliding_window",
+    );
+    assert_invalid(
+        AttentionConfig::builder(8, 64)
+            .logits_soft_cap(Some(-1.0))
+            .build(),
+        "logits_soft_cap",
+    );
+    for t in [
+        AttnType::Encoder,
+        AttnType::EncoderOnly,
+        AttnType::EncoderDecoder,
+    ] {
+        let r = AttentionConfig::builder(8, 64)
+            .attn_type(t)
+            .sliding_window(Some(4))
+            .build();
+        assert_unsupported(r, "sliding window");
+    }
+    let c = AttentionConfig::builder(8, 64)
+        .logits_soft_cap(Some(0.0))
+        .build()
+        .unwrap();
+    assert_eq!(
+        c.logits_soft_cap(),
+        None,
+        "a cap of 0 disables capping, as in vLLM"
+    );
+    assert!((c.scale() - 0.125).abs() < 1e-9);
+    assert_invalid("cross".parse::<AttnType>(), "attn_type");
+    assert_invalid("fp4".parse::<KvCacheDtype>(), "kv_cache_dtype");
+    assert_eq!(
+        "fp8".parse::<KvCacheDtype>().unwrap(),
+        KvCacheDtype::Fp8E4m3
+    );
+}
+
+#[test]
+fn cache_write_errors() {
+    let mut cache = KvCache::zeros(spec(3, KvCacheDtype::Auto), CacheLayout::Nhd).unwrap();
+    let (k, v) = (
+        ramp(DType::F16, &[2, 2, 8], 0.0),
+        ramp(DType::F16, &[2, 2, 8], 1.0),
+    );
+    let ok = KvScales::default();
+    assert_invalid(cache.write(&k, &v, &[0, 12], ok), "slot_mapping[1]");
+    assert_invalid(cache.write(&k, &v, &[-2, 1], ok), "slot_mapping[0]");
+    assert_invalid(cache.write(&k, &v, &[0], ok), "slot_mapping.len()");
+    let k32 = ramp(DType::F32, &[2, 2, 8], 0.0);
+    assert_invalid(cache.write(&k32, &v, &[0, 1], ok), "key.dtype");
+    let wide = ramp(DType::F16, &[2, 3, 8], 0.0);
+    assert_invalid(cache.write(&wide, &v, &[0, 1], ok), "key.shape");
+    let scaled = KvScales {
+        k_scale: 2.0,
+        v_scale: 1.0,
+    };
+    assert_invalid(cache.write(&k, &v, &[0, 1], scaled), "k_scale");
+    let mut fp8 = KvCache::zeros(spec(3, KvCacheDtype::Fp8E4m3), CacheLayout::Nhd).unwrap();
+    let bad = KvScales {
+        k_scale: 0.0,
+        v_scale: 1.0,
+    };
+    assert_invalid(fp8.write(&k, &v, &[0, 1], bad), "k_scale");
+    fp8.write(&k, &v, &[0, 1], scaled).unwrap();
+    assert_invalid(
+        KvCache::zeros(
+            KvCacheSpec {
+                block_size: 0,
+                ..spec(1, KvCacheDtype::Auto)
+            },
+            CacheLayout::Nhd,
+        ),
+        "block_size",
+    );
+}
+
+#[test]
+fn slot_minus_one_is_skipped_and_fp8_quantizes_with_scale() {
+    let s = spec(2, KvCacheDtype::Fp8E5m2);
+    let mut cache = KvCache::zeros(s, CacheLayout::Hnd).unwrap();
+    let (k, v) = (
+        ramp(DType::F16, &[3, 2, 8], 0.0),
+        ramp(DType::F16, &[3, 2, 8], 2.0),
+    );
+    let scales = KvScales {
+        k_scale: 0.25,
+        v_scale: 4.0,
+    };
+    cache.write(&k, &v, &[5, -1, 0], scales).unwrap();
+    let (ck, cv) = cache.to_canonical();
+    let (Storage::U8(ck), Storage::U8(cv)) = (ck, cv) else {
+        panic!("fp8 caches are bytes")
+    };
+    let (kf, vf) = (k.to_f32_vec(), v.to_f32_vec());
+    for (token, slot) in [(0usize, 5usize), (2, 0)] {
+        for e in 0..16 {
+            assert_eq!(
+                ck[slot * 16 + e],
+                Fp8Format::E5m2.encode(kf[token * 16 + e] / 0.25)
+            );
+            assert_eq!(
+                cv[slot * 16 + e],
+                Fp8Format::E5m2.encode(vf[token * 16 + e] / 4.0)
+            );
+        }
+    }
+    let written: Vec<usize> = [5usize, 0]
+        .iter()
+        .flat_map(|s| s * 16..s * 16 + 16)
+        .collect();
+    assert!(
+        ck.iter()
+            .enumerate()
+            .all(|(i, &b)| written.contains(&i) || b == 0),
+        "slot -1 wrote nothing"
+    );
+}
+
+#[test]
+fn layout_round_trip() {
+    for dtype in [KvCacheDtype::Auto, KvCacheDtype::Fp8E4m3] {
+        let s = spec(3, dtype);
+        let mut cache = KvCache::zeros(s, CacheLayout::Nhd).unwrap();
+        let n = s.num_slots();
+        let slots: Vec<i64> = (0..n as i64).collect();
+        let scales = if dtype == KvCacheDtype::Auto {
+            KvScales::default()
+        } else {
+            KvScales {
+                k_scale: 0.1,
+                v_scale: 0.2,
+            }
+        };
+        cache
+            .write(
+                &ramp(DType::F16, &[n, 2, 8], 0.0),
+                &ramp(DType::F16, &[n, 2, 8], 5.0),
+                &slots,
+                scales,
+            )
+            .unwrap();
+        let hnd = cache.to_layout(CacheLayout::Hnd);
+        assert_eq!(hnd.shape(), vec![2, 3, 2, 4, 8]);
+        assert_ne!(
+            hnd.key(),
+            cache.key(),
+            "the layouts order elements differently"
+        );
+        assert_eq!(hnd.to_canonical(), cache.to_canonical());
+        let (k, v) = hnd.to_canonical();
+        assert_eq!(
+            KvCache::from_canonical(s, CacheLayout::Hnd, k, v).unwrap(),
+            hnd
+        );
+    }
+}
+
+fn filled(num_blocks: usize, layout: CacheLayout, offset: f32) -> KvCache {
+    let s = spec(num_blocks, KvCacheDtype::Auto);
+    let mut cache = KvCache::zeros(s, layout).unwrap();
+    let n = s.num_slots();
+    let slots: Vec<i64> = (0..n as i64).collect();
+    cache
+        .write(
+            &ramp(DType::F16, &[n, 2, 8], offset),
+            &ramp(DType::F16, &[n, 2, 8], offset + 9.0),
+            &slots,
+            KvScales::default(),
+        )
+        .unwrap();
+    cache
+}
+
+/// Block `b` of a cache's canonical key and value buffers, as bytes.
+fn block(cache: &KvCache, b: usize) -> (Vec<u8>, Vec<u8>) {
+    let bytes = cache.spec().block_elems() * 2;
+    let (k, v) = cache.to_canonical();
+    (
+        k.as_bytes()[b * bytes..(b + 1) * bytes].to_vec(),
+        v.as_bytes()[b * bytes..(b + 1) * bytes].to_vec(),
+    )
+}
+
+#[test]
+fn swap_round_trip() {
+    let backend = registry::backend("reference").unwrap();
+    for layout in [CacheLayout::Nhd, CacheLayout::Hnd] {
+        let device = filled(6, layout, 0.0);
+        let mut host = KvCache::zeros(spec(3, KvCacheDtype::Auto), layout).unwrap();
+        swap_blocks(&device, &mut host, &[(4, 0), (1, 2)]).unwrap();
+        assert_eq!(block(&host, 0), block(&device, 4));
+        assert_eq!(block(&host, 2), block(&device, 1));
+        assert_eq!(block(&host, 1).0, vec![0; 128], "untouched block stays");
+        let mut back = KvCache::zeros(spec(6, KvCacheDtype::Auto), layout).unwrap();
+        backend
+            .swap_blocks(&host, &mut back, &[(0, 4), (2, 1)])
+            .unwrap();
+        assert_eq!(block(&back, 4), block(&device, 4));
+        assert_eq!(block(&back, 1), block(&device, 1));
+        assert_invalid(swap_blocks(&device, &mut host, &[(6, 0)]), "pairs[0].src");
+        assert_invalid(
+            swap_blocks(&device, &mut host, &[(0, 0), (0, 3)]),
+            "pairs[1].dst",
+        );
+        let mut other = KvCache::zeros(
+            KvCacheSpec {
+                head_size: 4,
+                ..spec(3, KvCacheDtype::Auto)
+            },
+            layout,
+        )
+        .unwrap();
+        assert_invalid(swap_blocks(&device, &mut other, &[(0, 0)]), "dst cache");
+    }
+}
+
+#[test]
+fn copy_blocks_in_every_layer() {
+    let backend = registry::backend("reference").unwrap();
+    let originals: Vec<KvCache> = (0..3)
+        .map(|l| filled(5, CacheLayout::Nhd, l as f32))
+        .collect();
+    let mut layers = originals.clone();
+    backend.copy_blocks(&mut layers, &[(0, 3), (2, 4)]).unwrap();
+    for (layer, original) in layers.iter().zip(&originals) {
+        assert_eq!(block(layer, 3), block(original, 0));
+        assert_eq!(block(layer, 4), block(original, 2));
+        for b in 0..3 {
+            assert_eq!(block(layer, b), block(original, b));
+        }
+    }
+    let before = layers.clone();
+    assert_invalid(copy_blocks(&mut layers, &[(0, 1), (0, 5)]), "pairs[1].dst");
+    assert_eq!(layers, before, "a refused copy changes nothing");
+}
+
+#[test]
+fn builder_derives_slots_and_checks_order() {
+    let md = MetadataBuilder::new(4)
+        .push(SequenceDesc::prompt(3, 2, vec![7, 2]))
+        .push(SequenceDesc::prompt(0, 1, vec![5]))
+        .push(SequenceDesc::decode(9, vec![1, 0, 3]))
+        .build()
+        .unwrap();
+    assert_eq!(md.num_prefills, 2);
+    assert_eq!(md.num_prefill_tokens, 3);
+    assert_eq!(md.num_decode_tokens, 1);
+    assert_eq!(md.query_start_loc, vec![0, 2, 3, 4]);
+    assert_eq!(md.seq_lens, vec![5, 1, 9]);
+    assert_eq!(md.context_lens, vec![3, 0, 8]);
+    assert_eq!(md.slot_mapping, vec![7 * 4 + 3, 2 * 4, 5 * 4, 3 * 4]);
+    assert_eq!(md.block_tables.row(0), &[7, 2, 0]);
+    assert_eq!((md.max_query_len, md.max_seq_len), (2, 9));
+
+    let late_prefill = MetadataBuilder::new(4)
+        .push(SequenceDesc::decode(3, vec![0]))
+        .push(SequenceDesc::prompt(0, 2, vec![1]))
+        .build();
+    assert_invalid(late_prefill, "sequence 1");
+    let short = MetadataBuilder::new(4)
+        .push(SequenceDesc::prompt(3, 3, vec![1]))
+        .build();
+    assert_invalid(short, "block_table.len()");
+    let cross = MetadataBuilder::new(4)
+        .write_cross_kv(true)
+        .push(SequenceDesc::prompt(0, 2, vec![]).with_encoder(5, vec![3, 1]))
+        .build()
+        .unwrap();
+    let enc = cross.encoder.unwrap();
+    assert_eq!(enc.cross_slot_mapping, vec![12, 13, 14, 15, 4]);
+    assert_eq!(
+        cross.slot_mapping,
+        vec![-1, -1],
+        "no self-cache table: no slots"
+    );
+}
+
+/// A valid decoder call to perturb.
+struct Call {
+    config: AttentionConfig,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cache: KvCache,
+    md: AttentionMetadata,
+    out: Tensor,
+}
+
+fn call() -> Call {
+    let md = MetadataBuilder::new(4)
+        .push(SequenceDesc::prompt(2, 3, vec![1, 0]))
+        .push(SequenceDesc::decode(6, vec![2, 3]))
+        .build()
+        .unwrap();
+    Call {
+        config: AttentionConfig::builder(4, 8)
+            .num_kv_heads(2)
+            .build()
+            .unwrap(),
+        q: ramp(DType::F16, &[4, 4, 8], 0.0),
+        k: ramp(DType::F16, &[4, 2, 8], 1.0),
+        v: ramp(DType::F16, &[4, 2, 8], 2.0),
+        cache: KvCache::zeros(spec(4, KvCacheDtype::Auto), CacheLayout::Nhd).unwrap(),
+        md,
+        out: Tensor::zeros(DType::F16, &[4, 4, 8]),
+    }
+}
+
+impl Call {
+    fn run(mut self) -> Result<Tensor> {
+        let attention = registry::backend("reference")?.attention(&self.config)?;
+        attention.forward(
+            &self.q,
+            Some(KvPair {
+                key: &self.k,
+                value: &self.v,
+            }),
+            Some(&mut self.cache),
+            &self.md,
+            &mut self.out,
+            KvScales::default(),
+        )?;
+        Ok(self.out)
+    }
+}
+
+#[test]
+fn forward_errors() {
+    call().run().unwrap();
+    let mut c = call();
+    c.q = ramp(DType::F16, &[4, 3, 8], 0.0);
+    assert_invalid(c.run(), "query.shape");
+    let mut c = call();
+    c.out = Tensor::zeros(DType::F32, &[4, 4, 8]);
+    assert_invalid(c.run(), "output.dtype");
+    let mut c = call();
+    c.k = ramp(DType::F16, &[3, 2, 8], 0.0);
+    assert_invalid(c.run(), "value.shape");
+    let mut c = call();
+    (c.k, c.v) = (
+        ramp(DType::F16, &[3, 2, 8], 0.0),
+        ramp(DType::F16, &[3, 2, 8], 0.0),
+    );
+    assert_invalid(c.run(), "key.shape[0]");
+    let mut c = call();
+    c.cache = c.cache.to_layout(CacheLayout::Hnd);
+    assert_invalid(c.run(), "kv_cache.layout");
+    let mut c = call();
+    c.cache = KvCache::zeros(
+        KvCacheSpec {
+            dtype: DType::BF16,
+            ..spec(4, KvCacheDtype::Auto)
+        },
+        CacheLayout::Nhd,
+    )
+    .unwrap();
+    assert_invalid(c.run(), "kv_cache.dtype");
+    let mut c = call();
+    c.md.seq_lens[1] = 9;
+    c.md.max_seq_len = 9;
+    c.md.context_lens[1] = 8;
+    assert_invalid(c.run(), "block_tables width");
+    let mut c = call();
+    c.md.slot_mapping[3] = 4;
+    assert_invalid(c.run(), "slot_mapping[3]");
+    let mut c = call();
+    c.md.max_query_len = 7;
+    assert_invalid(c.run(), "max_query_len");
+    let mut c = call();
+    c.md.query_start_loc = vec![0, 3, 2];
+    assert_invalid(c.run(), "query_start_loc[2]");
+    let mut c = call();
+    c.config = AttentionConfig::builder(4, 8)
+        .num_kv_heads(2)
+        .attn_type(AttnType::EncoderOnly)
+        .build()
+        .unwrap();
+    assert_invalid(c.run(), "kv_cache");
+    let mut c = call();
+    c.config = AttentionConfig::builder(4, 8)
+        .num_kv_heads(2)
+        .attn_type(AttnType::EncoderDecoder)
+        .build()
+        .unwrap();
+    assert_invalid(c.run(), "metadata.encoder");
+    assert_invalid(registry::backend("fastest").map(|b| b.name()), "backend");
+    assert_eq!(registry::backend("auto").unwrap().name(), "reference");
+}
