@@ -8,7 +8,7 @@ use pagedattn::replay::read_output;
 use pagedattn::{DType, Tensor};
 
 /// Backends checked against the expected files.
-const BACKENDS: [&str; 1] = ["reference"];
+const BACKENDS: [&str; 2] = ["reference", "cpu"];
 
 fn cases_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/replay-cases")

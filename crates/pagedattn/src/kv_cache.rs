@@ -412,7 +412,11 @@ fn write_tokens<T: Element>(
 }
 
 /// Checks a list of (source block, destination block) pairs against two block counts.
-fn check_pairs(pairs: &[(usize, usize)], src_blocks: usize, dst_blocks: usize) -> Result<()> {
+pub(crate) fn check_pairs(
+    pairs: &[(usize, usize)],
+    src_blocks: usize,
+    dst_blocks: usize,
+) -> Result<()> {
     for (i, &(s, d)) in pairs.iter().enumerate() {
         ensure(
             s < src_blocks,
@@ -430,10 +434,8 @@ fn check_pairs(pairs: &[(usize, usize)], src_blocks: usize, dst_blocks: usize) -
     Ok(())
 }
 
-/// Copies whole blocks from `src` to `dst` (vLLM's `swap_blocks`, e.g. device cache to host
-/// swap space). Both caches must have the same block geometry, dtype and layout; their block
-/// counts may differ.
-pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
+/// Checks a swap: same block geometry, dtype and layout, pairs in range, distinct destinations.
+pub(crate) fn check_swap(src: &KvCache, dst: &KvCache, pairs: &[(usize, usize)]) -> Result<()> {
     let (a, b) = (src.spec, dst.spec);
     ensure(
         (
@@ -459,7 +461,24 @@ pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -
         },
     )?;
     check_pairs(pairs, a.num_blocks, b.num_blocks)?;
-    let block_bytes = a.block_elems() * a.storage_dtype().size_bytes();
+    let mut seen = vec![false; b.num_blocks];
+    for (i, &(_, d)) in pairs.iter().enumerate() {
+        ensure(
+            !std::mem::replace(&mut seen[d], true),
+            || format!("pairs[{i}].dst"),
+            d,
+            || "a block not already a destination of this swap".into(),
+        )?;
+    }
+    Ok(())
+}
+
+/// Copies whole blocks from `src` to `dst` (vLLM's `swap_blocks`, e.g. device cache to host
+/// swap space). Both caches must have the same block geometry, dtype and layout; their block
+/// counts may differ; each destination block appears once.
+pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
+    check_swap(src, dst, pairs)?;
+    let block_bytes = src.spec.block_elems() * src.spec.storage_dtype().size_bytes();
     for (from, to) in [(&src.key, &mut dst.key), (&src.value, &mut dst.value)] {
         let (s, d) = (from.as_bytes(), to.as_bytes_mut());
         for &(sb, db) in pairs {

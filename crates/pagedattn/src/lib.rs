@@ -28,6 +28,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod cpu;
 pub mod dtype;
 pub mod error;
 pub mod fp8;

@@ -491,6 +491,7 @@ fn check_paged(
             )?;
         }
     }
+    let mut written = Vec::new();
     for (s, first_token, first_pos, count) in tokens {
         for k in 0..count {
             let (t, pos) = (first_token + k, first_pos + k);
@@ -506,7 +507,21 @@ fn check_paged(
                 )
                 },
             )?;
+            if slot >= 0 {
+                written.push((slot, t));
+            }
         }
+    }
+    written.sort_unstable();
+    if let Some(w) = written.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(Error::invalid(
+            format!("metadata.{slot_field}[{}]", w[1].1),
+            w[1].0,
+            format!(
+                "a slot no other token writes (token {} writes it too)",
+                w[0].1
+            ),
+        ));
     }
     Ok(())
 }

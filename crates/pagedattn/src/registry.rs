@@ -1,12 +1,18 @@
 //! Backend selection by name, or `auto` for the best one available here.
 
 use crate::backend::Backend;
+use crate::cpu::Cpu;
 use crate::error::{Error, Result};
 use crate::reference::Reference;
 
 /// Every backend available on this machine, best first.
 pub fn available_backends() -> Vec<Box<dyn Backend>> {
-    vec![Box::new(Reference)]
+    let mut all: Vec<Box<dyn Backend>> = Vec::new();
+    if let Ok(cpu) = Cpu::new() {
+        all.push(Box::new(cpu));
+    }
+    all.push(Box::new(Reference));
+    all
 }
 
 /// The backend called `name`, or the best available one for `auto`.

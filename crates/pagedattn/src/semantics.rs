@@ -116,4 +116,17 @@ impl<'a> KeyMap<'a> {
             (_, _) => KeyLocation::InputToken(md.query_range(s).start + j),
         }
     }
+
+    /// The positions of sequence `s` that are not keys (new tokens with slot -1), sorted.
+    pub fn absent_positions(&self, s: usize) -> Vec<usize> {
+        let md = self.metadata;
+        let new_tokens = match (self.attn_type, self.block_size) {
+            (AttnType::Decoder, Some(_)) => md.context_lens[s] as usize..self.num_positions(s),
+            (AttnType::EncoderDecoder, Some(_)) if self.has_new_kv => 0..self.num_positions(s),
+            _ => 0..0,
+        };
+        new_tokens
+            .filter(|&j| self.locate(s, j) == KeyLocation::Absent)
+            .collect()
+    }
 }

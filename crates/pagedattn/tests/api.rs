@@ -502,5 +502,5 @@ fn forward_errors() {
         .unwrap();
     assert_invalid(c.run(), "metadata.encoder");
     assert_invalid(registry::backend("fastest").map(|b| b.name()), "backend");
-    assert_eq!(registry::backend("auto").unwrap().name(), "reference");
+    assert_eq!(registry::backend("auto").unwrap().name(), "cpu");
 }

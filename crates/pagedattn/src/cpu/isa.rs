@@ -1,0 +1,110 @@
+//! Which instruction set the CPU backend runs: detected at run time, or forced through the
+//! `PAGEDATTN_ISA` environment variable (`avx512bf16`, `avx512`, `avx2`, `neon`, `scalar`),
+//! which is how the tests run every path on one machine.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// The environment variable that forces an instruction set.
+pub const ISA_ENV: &str = "PAGEDATTN_ISA";
+
+/// An instruction set the CPU kernels are compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// AVX-512 with AVX512-BF16 (`vdpbf16ps` for bf16 prefill).
+    Avx512Bf16,
+    /// AVX-512 F/BW/VL.
+    Avx512,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AArch64 NEON.
+    Neon,
+    /// Portable scalar code.
+    Scalar,
+}
+
+impl Isa {
+    /// All instruction sets, best first.
+    pub const ALL: [Isa; 5] = [
+        Isa::Avx512Bf16,
+        Isa::Avx512,
+        Isa::Avx2,
+        Isa::Neon,
+        Isa::Scalar,
+    ];
+
+    /// The name used by `PAGEDATTN_ISA`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512Bf16 => "avx512bf16",
+            Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2",
+            Isa::Neon => "neon",
+            Isa::Scalar => "scalar",
+        }
+    }
+
+    /// Whether this CPU can run it.
+    pub fn is_available(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => super::simd::x86::Avx512::new().is_some_and(|a| a.has_bf16()),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => super::simd::x86::Avx512::new().is_some(),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::simd::x86::Avx2::new().is_some(),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => super::simd::neon::Neon::new().is_some(),
+            Isa::Scalar => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// The best instruction set of this CPU.
+    pub fn detect() -> Isa {
+        Isa::ALL
+            .into_iter()
+            .find(|i| i.is_available())
+            .unwrap_or(Isa::Scalar)
+    }
+
+    /// `PAGEDATTN_ISA` if set (an error if this CPU lacks it), else the best one.
+    pub fn from_env() -> Result<Isa> {
+        match std::env::var(ISA_ENV) {
+            Ok(name) if !name.is_empty() => {
+                let isa: Isa = name.parse()?;
+                if isa.is_available() {
+                    Ok(isa)
+                } else {
+                    Err(Error::unsupported(
+                        "cpu",
+                        format!("{ISA_ENV}={name}: this CPU lacks it"),
+                    ))
+                }
+            }
+            _ => Ok(Isa::detect()),
+        }
+    }
+}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Isa {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Isa::ALL.into_iter().find(|i| i.name() == s).ok_or_else(|| {
+            Error::invalid(
+                ISA_ENV,
+                format!("{s:?}"),
+                "one of avx512bf16, avx512, avx2, neon, scalar",
+            )
+        })
+    }
+}

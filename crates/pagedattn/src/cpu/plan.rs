@@ -1,0 +1,162 @@
+//! Splitting one forward call into work units for the thread pool: a unit is one sequence ×
+//! one kv head × a tile of query tokens × a range of keys. Decodes of long sequences are
+//! split along the keys (split-K) when the batch alone would not keep every thread busy;
+//! their partial results are merged with an exact log-sum-exp combine.
+
+use std::ops::Range;
+
+use crate::config::AttentionConfig;
+use crate::metadata::AttentionMetadata;
+use crate::semantics::{query_position, KeyMap};
+
+/// Query rows a prefill unit aims for (tokens × query heads of the kv head).
+const TARGET_ROWS: usize = 64;
+
+/// Shortest key range a split-K partition gets.
+const MIN_PARTITION: usize = 256;
+
+/// Units per thread a plan aims for, so that work stealing can balance skewed batches.
+const UNITS_PER_THREAD: usize = 8;
+
+/// One unit of work.
+#[derive(Debug, Clone)]
+pub struct Unit {
+    /// Sequence index.
+    pub seq: usize,
+    /// Kv head.
+    pub kv_head: usize,
+    /// Query tokens (indices into the call's tokens).
+    pub tokens: Range<usize>,
+    /// Key positions visited.
+    pub keys: Range<usize>,
+    /// Slot in the partial-results buffer, for split-K units.
+    pub partial: Option<usize>,
+}
+
+impl Unit {
+    /// Rough cost: rows × keys.
+    fn cost(&self, group: usize) -> usize {
+        self.tokens.len() * group * self.keys.len().max(1)
+    }
+}
+
+/// Partitions of one (token, kv head) to merge: their slots in the partial buffer.
+#[derive(Debug, Clone)]
+pub struct Merge {
+    /// The query token.
+    pub token: usize,
+    /// The kv head.
+    pub kv_head: usize,
+    /// Consecutive partial slots.
+    pub parts: Range<usize>,
+}
+
+/// The units of a call, most expensive first, and the merges split-K needs.
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    /// Work units.
+    pub units: Vec<Unit>,
+    /// Split-K merges.
+    pub merges: Vec<Merge>,
+    /// Number of partial-result slots.
+    pub num_partials: usize,
+    /// Per sequence: key positions that are not keys (slot -1), sorted.
+    pub absent: Vec<Vec<usize>>,
+}
+
+/// Builds the plan of a call for `threads` threads.
+pub fn plan(
+    config: &AttentionConfig,
+    md: &AttentionMetadata,
+    key_map: &KeyMap<'_>,
+    threads: usize,
+) -> Plan {
+    let attn_type = config.attn_type();
+    let group = config.num_queries_per_kv();
+    let hkv = config.num_kv_heads();
+    let mut plan = Plan::default();
+    // Key range of one query token, from the mask (causal end, window start).
+    let key_range = |s: usize, t: usize| -> Range<usize> {
+        let n_keys = key_map.num_positions(s);
+        if !attn_type.is_causal() {
+            return 0..n_keys;
+        }
+        let range = md.query_range(s);
+        let i = query_position(
+            attn_type,
+            md.seq_lens[s] as usize,
+            range.len(),
+            t - range.start,
+        );
+        let lo = config
+            .sliding_window()
+            .map_or(0, |w| (i + 1).saturating_sub(w));
+        lo..(i + 1).min(n_keys)
+    };
+    // Decode work, to decide whether to split the keys.
+    let decode_keys: usize = (0..md.num_seqs())
+        .filter(|&s| md.query_range(s).len() == 1)
+        .map(|s| key_range(s, md.query_range(s).start).len() * hkv)
+        .sum();
+    let partition = MIN_PARTITION.max(decode_keys.div_ceil(threads * UNITS_PER_THREAD));
+    for s in 0..md.num_seqs() {
+        plan.absent.push(key_map.absent_positions(s));
+        let tokens = md.query_range(s);
+        if tokens.is_empty() {
+            continue;
+        }
+        if tokens.len() == 1 {
+            let keys = key_range(s, tokens.start);
+            let parts = keys.len().div_ceil(partition).max(1);
+            for g in 0..hkv {
+                if parts == 1 {
+                    plan.units.push(Unit {
+                        seq: s,
+                        kv_head: g,
+                        tokens: tokens.clone(),
+                        keys: keys.clone(),
+                        partial: None,
+                    });
+                    continue;
+                }
+                let first = plan.num_partials;
+                let step = keys.len().div_ceil(parts);
+                for p in 0..parts {
+                    let lo = keys.start + p * step;
+                    let part = lo..(lo + step).min(keys.end);
+                    plan.units.push(Unit {
+                        seq: s,
+                        kv_head: g,
+                        tokens: tokens.clone(),
+                        keys: part,
+                        partial: Some(plan.num_partials),
+                    });
+                    plan.num_partials += 1;
+                }
+                plan.merges.push(Merge {
+                    token: tokens.start,
+                    kv_head: g,
+                    parts: first..plan.num_partials,
+                });
+            }
+            continue;
+        }
+        let tile = (TARGET_ROWS / group).max(1);
+        for t0 in tokens.clone().step_by(tile) {
+            let t1 = (t0 + tile).min(tokens.end);
+            let (first, last) = (key_range(s, t0), key_range(s, t1 - 1));
+            let keys = first.start.min(last.start)..first.end.max(last.end);
+            for g in 0..hkv {
+                plan.units.push(Unit {
+                    seq: s,
+                    kv_head: g,
+                    tokens: t0..t1,
+                    keys: keys.clone(),
+                    partial: None,
+                });
+            }
+        }
+    }
+    plan.units.sort_by_key(|u| std::cmp::Reverse(u.cost(group)));
+    plan
+}

@@ -1,0 +1,298 @@
+//! The instruction-set abstraction the CPU kernels are written against: f32 vectors of
+//! `LANES` lanes, loads that widen every cache element type to f32, and the few operations
+//! softmax needs. Each ISA implements [`Simd`] once; the kernels are generic over it, and
+//! `Simd::vectorize` runs them with the ISA's target features enabled (the pulp pattern: the
+//! whole kernel inlines into one `#[target_feature]` function).
+//!
+//! Why not the `pulp` crate itself: the kernels need f16 / bf16 / fp8 widening loads and
+//! AVX512-BF16 dot products, which pulp does not expose; the trait here is the small subset
+//! that the kernels use, implemented directly with `std::arch`.
+
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
+/// One instruction set's f32 vector operations. Values of `Self` are tokens proving that the
+/// instruction set is available on this CPU (they are only built after detection).
+pub trait Simd: Copy + Send + Sync + 'static {
+    /// f32 lanes per vector.
+    const LANES: usize;
+    /// A vector of `LANES` f32.
+    type V: Copy;
+
+    /// Runs `f` with this instruction set's target features enabled; kernels are
+    /// `#[inline(always)]` so that they compile inside it.
+    fn vectorize<R>(self, f: impl FnOnce() -> R) -> R;
+
+    /// Every lane `x`.
+    fn splat(self, x: f32) -> Self::V;
+    /// Lanes `0, 1, ..., LANES-1` as f32.
+    fn iota(self) -> Self::V;
+    /// `LANES` f32 from `p`.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `LANES` f32.
+    unsafe fn load(self, p: *const f32) -> Self::V;
+    /// Stores `LANES` f32 to `p`.
+    ///
+    /// # Safety
+    /// `p` must be valid for writing `LANES` f32.
+    unsafe fn store(self, p: *mut f32, v: Self::V);
+    /// `LANES` bf16 (as raw bits) widened to f32.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `LANES` u16.
+    unsafe fn load_bf16(self, p: *const u16) -> Self::V;
+    /// `LANES` f16 (as raw bits) widened to f32.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `LANES` u16.
+    unsafe fn load_f16(self, p: *const u16) -> Self::V;
+    /// `LANES` fp8 e4m3fn codes decoded to f32 (unscaled).
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `LANES` bytes.
+    unsafe fn load_e4m3(self, p: *const u8) -> Self::V;
+    /// `LANES` fp8 e5m2 codes decoded to f32 (unscaled).
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `LANES` bytes.
+    unsafe fn load_e5m2(self, p: *const u8) -> Self::V;
+
+    /// `a + b`.
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a - b`.
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b`.
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a / b`.
+    fn div(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b + c`, fused where the ISA has FMA.
+    fn fma(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// Lane-wise maximum.
+    fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise minimum.
+    fn min(self, a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `if a < b { x } else { y }`.
+    fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
+    /// Rounds to the nearest integer (ties to even).
+    fn round(self, a: Self::V) -> Self::V;
+    /// `2^n` for integer-valued lanes `n` in [-126, 127].
+    fn pow2i(self, n: Self::V) -> Self::V;
+    /// Sum of the lanes.
+    fn reduce_sum(self, a: Self::V) -> f32;
+    /// Maximum of the lanes.
+    fn reduce_max(self, a: Self::V) -> f32;
+
+    /// `e^x`, accurate to a few ulp; exactly 0 below -87.
+    #[inline(always)]
+    fn exp(self, x: Self::V) -> Self::V {
+        let clamped = self.min(self.max(x, self.splat(-87.0)), self.splat(88.0));
+        let n = self.round(self.mul(clamped, self.splat(std::f32::consts::LOG2_E)));
+        // x - n ln2 in two steps (Cody-Waite), then a degree-6 polynomial for e^r on |r| <= ln2/2.
+        let r = self.fma(n, self.splat(-0.693_145_75), clamped);
+        let r = self.fma(n, self.splat(-1.428_606_8e-6), r);
+        let mut p = self.splat(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = self.fma(p, r, self.splat(c));
+        }
+        let e = self.mul(p, self.pow2i(n));
+        self.select_lt(x, self.splat(-87.0), self.splat(0.0), e)
+    }
+
+    /// `tanh(x)`, as `1 - 2 / (e^(2x) + 1)`.
+    #[inline(always)]
+    fn tanh(self, x: Self::V) -> Self::V {
+        let e = self.exp(self.add(x, x));
+        let one = self.splat(1.0);
+        self.sub(one, self.div(self.splat(2.0), self.add(e, one)))
+    }
+}
+
+/// Element types a kernel can read K/V rows (and queries) from, widened to f32.
+pub trait Load: Copy + Send + Sync + 'static {
+    /// Widens `LANES` elements at `p` to f32.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `S::LANES` elements.
+    unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V;
+    /// Widens one element (for scalar tails and tests).
+    fn to_f32(self) -> f32;
+}
+
+impl Load for f32 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V {
+        s.load(p)
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Load for half::bf16 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V {
+        s.load_bf16(p as *const u16)
+    }
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+impl Load for half::f16 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V {
+        s.load_f16(p as *const u16)
+    }
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
+/// An fp8 e4m3fn code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct E4m3(pub u8);
+
+/// An fp8 e5m2 code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct E5m2(pub u8);
+
+impl Load for E4m3 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V {
+        s.load_e4m3(p as *const u8)
+    }
+    fn to_f32(self) -> f32 {
+        crate::fp8::Fp8Format::E4m3.decode(self.0)
+    }
+}
+
+impl Load for E5m2 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V {
+        s.load_e5m2(p as *const u8)
+    }
+    fn to_f32(self) -> f32 {
+        crate::fp8::Fp8Format::E5m2.decode(self.0)
+    }
+}
+
+/// Bit-level fp8 decoding shared by the vector implementations, written per lane.
+pub(crate) mod fp8_bits {
+    /// f32 bits of an e4m3 code whose magnitude bits are `m = code & 0x7F`, before the
+    /// exponent rebias: the code's exponent and mantissa placed at the top of an f32 (the
+    /// vector code multiplies by 2^120 afterwards, which also normalizes subnormals).
+    pub const E4M3_SHIFT: u32 = 20;
+    /// 2^(127 - 7): rebias from e4m3's exponent bias to f32's.
+    pub const E4M3_REBIAS: f32 = f32::from_bits((127 + 120) << 23);
+    /// e5m2 counterpart of [`E4M3_SHIFT`].
+    pub const E5M2_SHIFT: u32 = 21;
+    /// 2^(127 - 15).
+    pub const E5M2_REBIAS: f32 = f32::from_bits((127 + 112) << 23);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Checks one ISA's loads, math and reductions against scalar f64 math.
+    pub(crate) fn check_isa<S: Simd>(s: S) {
+        s.vectorize(|| unsafe {
+            let n = S::LANES;
+            let xs: Vec<f32> = (0..n).map(|i| i as f32 * 0.73 - 3.1).collect();
+            let v = s.load(xs.as_ptr());
+            let mut out = vec![0.0f32; n];
+            s.store(out.as_mut_ptr(), s.exp(v));
+            for (o, x) in out.iter().zip(&xs) {
+                let want = (*x as f64).exp();
+                assert!(
+                    ((*o as f64) - want).abs() <= 4e-7 * want,
+                    "exp({x}) = {o}, want {want}"
+                );
+            }
+            s.store(out.as_mut_ptr(), s.tanh(v));
+            for (o, x) in out.iter().zip(&xs) {
+                assert!(
+                    ((*o as f64) - (*x as f64).tanh()).abs() < 1e-6,
+                    "tanh({x}) = {o}"
+                );
+            }
+            s.store(out.as_mut_ptr(), s.exp(s.splat(f32::NEG_INFINITY)));
+            assert!(out.iter().all(|&o| o == 0.0));
+            assert!((s.reduce_sum(v) - xs.iter().sum::<f32>()).abs() < 1e-4);
+            assert_eq!(s.reduce_max(v), xs.iter().cloned().fold(f32::MIN, f32::max));
+            s.store(out.as_mut_ptr(), s.iota());
+            assert!(out.iter().enumerate().all(|(i, &o)| o == i as f32));
+            let lt = s.select_lt(v, s.splat(0.0), s.splat(1.0), s.splat(2.0));
+            s.store(out.as_mut_ptr(), lt);
+            for (o, x) in out.iter().zip(&xs) {
+                assert_eq!(*o, if *x < 0.0 { 1.0 } else { 2.0 });
+            }
+            // Every code of both fp8 formats and a sweep of 16-bit floats.
+            for format in [crate::fp8::Fp8Format::E4m3, crate::fp8::Fp8Format::E5m2] {
+                for base in (0..256).step_by(n) {
+                    let codes: Vec<u8> = (base..base + n).map(|c| (c % 256) as u8).collect();
+                    let v = match format {
+                        crate::fp8::Fp8Format::E4m3 => s.load_e4m3(codes.as_ptr()),
+                        crate::fp8::Fp8Format::E5m2 => s.load_e5m2(codes.as_ptr()),
+                    };
+                    s.store(out.as_mut_ptr(), v);
+                    for (o, &c) in out.iter().zip(&codes) {
+                        let want = format.decode(c);
+                        assert!(
+                            o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()),
+                            "{format:?} code {c:#x}: {o} vs {want}"
+                        );
+                    }
+                }
+            }
+            for base in (0..65536u32).step_by(977) {
+                let bits: Vec<u16> = (0..n as u32)
+                    .map(|i| ((base + i * 131) % 65536) as u16)
+                    .collect();
+                s.store(out.as_mut_ptr(), s.load_bf16(bits.as_ptr()));
+                for (o, &b) in out.iter().zip(&bits) {
+                    let want = half::bf16::from_bits(b).to_f32();
+                    assert!(o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()));
+                }
+                s.store(out.as_mut_ptr(), s.load_f16(bits.as_ptr()));
+                for (o, &b) in out.iter().zip(&bits) {
+                    let want = half::f16::from_bits(b).to_f32();
+                    assert!(
+                        o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()),
+                        "f16 {b:#x}: {o} vs {want}"
+                    );
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn scalar_isa() {
+        check_isa(scalar::Scalar);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn x86_isas() {
+        if let Some(s) = x86::Avx2::new() {
+            check_isa(s);
+        }
+        if let Some(s) = x86::Avx512::new() {
+            check_isa(s);
+        }
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn neon_isa() {
+        if let Some(s) = neon::Neon::new() {
+            check_isa(s);
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! x86-64: AVX2 + FMA + F16C (8 lanes) and AVX-512 (16 lanes, optionally with AVX512-BF16).
+
+use std::arch::x86_64::*;
+
+use super::fp8_bits::*;
+use super::Simd;
+
+/// AVX2 + FMA + F16C, 8 f32 lanes.
+#[derive(Debug, Clone, Copy)]
+pub struct Avx2(());
+
+impl Avx2 {
+    /// The token, if this CPU has AVX2, FMA and F16C.
+    pub fn new() -> Option<Self> {
+        (is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        .then_some(Avx2(()))
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+impl Simd for Avx2 {
+    const LANES: usize = 8;
+    type V = __m256;
+
+    #[inline(always)]
+    fn vectorize<R>(self, f: impl FnOnce() -> R) -> R {
+        // SAFETY: the token exists only where the features were detected.
+        unsafe { with_avx2(f) }
+    }
+    #[inline(always)]
+    fn splat(self, x: f32) -> __m256 {
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    fn iota(self) -> __m256 {
+        unsafe { _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0) }
+    }
+    #[inline(always)]
+    unsafe fn load(self, p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: __m256) {
+        _mm256_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(self, p: *const u16) -> __m256 {
+        let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+    }
+    #[inline(always)]
+    unsafe fn load_f16(self, p: *const u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn load_e4m3(self, p: *const u8) -> __m256 {
+        let w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        let mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
+        let f = _mm256_mul_ps(
+            _mm256_castsi256_ps(_mm256_slli_epi32::<{ E4M3_SHIFT as i32 }>(mag)),
+            _mm256_set1_ps(E4M3_REBIAS),
+        );
+        let is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
+        let f = _mm256_blendv_ps(f, _mm256_set1_ps(f32::NAN), is_nan);
+        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(w, _mm256_set1_epi32(0x80)));
+        _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign))
+    }
+    #[inline(always)]
+    unsafe fn load_e5m2(self, p: *const u8) -> __m256 {
+        let w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        let mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
+        let f = _mm256_mul_ps(
+            _mm256_castsi256_ps(_mm256_slli_epi32::<{ E5M2_SHIFT as i32 }>(mag)),
+            _mm256_set1_ps(E5M2_REBIAS),
+        );
+        let special = _mm256_or_si256(
+            _mm256_set1_epi32(0x7F80_0000),
+            _mm256_slli_epi32::<{ E5M2_SHIFT as i32 }>(_mm256_and_si256(mag, _mm256_set1_epi32(3))),
+        );
+        let is_special = _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7B)));
+        let f = _mm256_blendv_ps(f, _mm256_castsi256_ps(special), is_special);
+        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(w, _mm256_set1_epi32(0x80)));
+        _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign))
+    }
+    #[inline(always)]
+    fn add(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_div_ps(a, b) }
+    }
+    #[inline(always)]
+    fn fma(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn min(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn select_lt(self, a: __m256, b: __m256, x: __m256, y: __m256) -> __m256 {
+        unsafe { _mm256_blendv_ps(y, x, _mm256_cmp_ps::<_CMP_LT_OQ>(a, b)) }
+    }
+    #[inline(always)]
+    fn round(self, a: __m256) -> __m256 {
+        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(a) }
+    }
+    #[inline(always)]
+    fn pow2i(self, n: __m256) -> __m256 {
+        unsafe {
+            let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
+        }
+    }
+    #[inline(always)]
+    fn reduce_sum(self, a: __m256) -> f32 {
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+        }
+    }
+    #[inline(always)]
+    fn reduce_max(self, a: __m256) -> f32 {
+        unsafe {
+            let s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+            let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps::<1>(s, s)))
+        }
+    }
+}
+
+/// AVX-512 (F, BW, VL, with F16C), 16 f32 lanes; `bf16` says whether AVX512-BF16's
+/// `vdpbf16ps` is available to the bf16 prefill kernel.
+#[derive(Debug, Clone, Copy)]
+pub struct Avx512 {
+    bf16: bool,
+}
+
+impl Avx512 {
+    /// The token, if this CPU has AVX-512 F/BW/VL and F16C (using AVX512-BF16 where present).
+    pub fn new() -> Option<Self> {
+        let base = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        base.then(|| Avx512 {
+            bf16: is_x86_feature_detected!("avx512bf16"),
+        })
+    }
+
+    /// The same token with AVX512-BF16 use switched off (for forcing the plain AVX-512 path).
+    pub fn without_bf16(self) -> Self {
+        Avx512 { bf16: false }
+    }
+
+    /// Whether `vdpbf16ps` may be used.
+    pub fn has_bf16(self) -> bool {
+        self.bf16
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+#[inline]
+unsafe fn with_avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+impl Simd for Avx512 {
+    const LANES: usize = 16;
+    type V = __m512;
+
+    #[inline(always)]
+    fn vectorize<R>(self, f: impl FnOnce() -> R) -> R {
+        // SAFETY: the token exists only where the features were detected.
+        unsafe { with_avx512(f) }
+    }
+    #[inline(always)]
+    fn splat(self, x: f32) -> __m512 {
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    fn iota(self) -> __m512 {
+        unsafe {
+            _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn load(self, p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: __m512) {
+        _mm512_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(self, p: *const u16) -> __m512 {
+        let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+    }
+    #[inline(always)]
+    unsafe fn load_f16(self, p: *const u16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+    #[inline(always)]
+    unsafe fn load_e4m3(self, p: *const u8) -> __m512 {
+        let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+        let mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7F));
+        let f = _mm512_mul_ps(
+            _mm512_castsi512_ps(_mm512_slli_epi32::<{ E4M3_SHIFT }>(mag)),
+            _mm512_set1_ps(E4M3_REBIAS),
+        );
+        let is_nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F));
+        let f = _mm512_mask_blend_ps(is_nan, f, _mm512_set1_ps(f32::NAN));
+        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(w, _mm512_set1_epi32(0x80)));
+        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign))
+    }
+    #[inline(always)]
+    unsafe fn load_e5m2(self, p: *const u8) -> __m512 {
+        let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+        let mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7F));
+        let f = _mm512_mul_ps(
+            _mm512_castsi512_ps(_mm512_slli_epi32::<{ E5M2_SHIFT }>(mag)),
+            _mm512_set1_ps(E5M2_REBIAS),
+        );
+        let special = _mm512_or_si512(
+            _mm512_set1_epi32(0x7F80_0000),
+            _mm512_slli_epi32::<{ E5M2_SHIFT }>(_mm512_and_si512(mag, _mm512_set1_epi32(3))),
+        );
+        let is_special = _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7B));
+        let f = _mm512_mask_blend_ps(is_special, f, _mm512_castsi512_ps(special));
+        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(w, _mm512_set1_epi32(0x80)));
+        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign))
+    }
+    #[inline(always)]
+    fn add(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    fn fma(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn min(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn select_lt(self, a: __m512, b: __m512, x: __m512, y: __m512) -> __m512 {
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b), y, x) }
+    }
+    #[inline(always)]
+    fn round(self, a: __m512) -> __m512 {
+        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(a) }
+    }
+    #[inline(always)]
+    fn pow2i(self, n: __m512) -> __m512 {
+        unsafe {
+            let e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+        }
+    }
+    #[inline(always)]
+    fn reduce_sum(self, a: __m512) -> f32 {
+        unsafe { _mm512_reduce_add_ps(a) }
+    }
+    #[inline(always)]
+    fn reduce_max(self, a: __m512) -> f32 {
+        unsafe { _mm512_reduce_max_ps(a) }
+    }
+}
