@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use super::simd::{Load, Simd};
+use super::simd::{Load, Simd, WithSimd};
 
 /// Keys per tile.
 pub const KEY_TILE: usize = 64;
@@ -131,6 +131,26 @@ impl RowStates {
     }
 }
 
+/// [`attend`] as an operation for [`Simd::vectorize`].
+pub struct Attend<'a, 'b, E> {
+    /// Keys and values.
+    pub kv: &'a KvRows<'b, E>,
+    /// The query rows.
+    pub group: &'a Group<'b>,
+    /// Score settings.
+    pub mods: &'a ScoreMods,
+    /// The rows' softmax state.
+    pub state: &'a mut RowStates,
+}
+
+impl<E: Load> WithSimd for Attend<'_, '_, E> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, s: S) {
+        attend(s, self.kv, self.group, self.mods, self.state)
+    }
+}
+
 /// Attends every row of `group` over its keys, accumulating into `state`.
 /// Requires `head_size % S::LANES == 0` (the dispatcher picks the ISA accordingly).
 #[inline(always)]
@@ -156,6 +176,7 @@ pub fn attend<S: Simd, E: Load>(
     while start < group.keys.end {
         let end = (start + KEY_TILE).min(group.keys.end);
         let n = end - start;
+        prefetch_rows(s, kv, end..(end + KEY_TILE).min(group.keys.end));
         if packed {
             pack_keys(s, kv, start..end, &mut kt);
             for r0 in (0..rows).step_by(ROW_BLOCK) {
@@ -173,8 +194,17 @@ pub fn attend<S: Simd, E: Load>(
         } else {
             for (t, j) in (start..end).enumerate() {
                 let k = &kv.key[kv.row(j)..][..d];
-                for r in 0..rows {
-                    scores[r * KEY_TILE + t] = dot(s, &group.q[r * d..][..d], k);
+                for r0 in (0..rows).step_by(ROW_BLOCK) {
+                    match rows - r0 {
+                        1 => qk_row::<S, E, 1>(s, group.q, r0, k, t, &mut scores),
+                        2 => qk_row::<S, E, 2>(s, group.q, r0, k, t, &mut scores),
+                        3 => qk_row::<S, E, 3>(s, group.q, r0, k, t, &mut scores),
+                        4 => qk_row::<S, E, 4>(s, group.q, r0, k, t, &mut scores),
+                        5 => qk_row::<S, E, 5>(s, group.q, r0, k, t, &mut scores),
+                        6 => qk_row::<S, E, 6>(s, group.q, r0, k, t, &mut scores),
+                        7 => qk_row::<S, E, 7>(s, group.q, r0, k, t, &mut scores),
+                        _ => qk_row::<S, E, ROW_BLOCK>(s, group.q, r0, k, t, &mut scores),
+                    }
                 }
             }
         }
@@ -203,21 +233,39 @@ pub fn attend<S: Simd, E: Load>(
     }
 }
 
-/// `dot(q, k)` over one row.
+/// Asks for every cache line of the key and value rows of `keys` (the next tile), so that
+/// they stream in while the current tile is computed.
 #[inline(always)]
-fn dot<S: Simd, E: Load>(s: S, q: &[f32], k: &[E]) -> f32 {
-    let mut acc = s.splat(0.0);
-    for c in (0..q.len()).step_by(S::LANES) {
-        // SAFETY: both rows have q.len() elements, a multiple of LANES.
-        unsafe {
-            acc = s.fma(
-                s.load(q.as_ptr().add(c)),
-                E::load(s, k.as_ptr().add(c)),
-                acc,
-            )
-        };
+fn prefetch_rows<S: Simd, E: Load>(s: S, kv: &KvRows<'_, E>, keys: Range<usize>) {
+    let row_bytes = kv.head_size * std::mem::size_of::<E>();
+    for j in keys {
+        let row = kv.row(j);
+        for buf in [kv.key, kv.value] {
+            let p = buf[row..].as_ptr() as *const u8;
+            for line in (0..row_bytes).step_by(64) {
+                s.prefetch(p.wrapping_add(line));
+            }
+        }
     }
-    s.reduce_sum(acc)
+}
+
+/// Scores of rows `r0..r0+R` against one key row read straight from the cache: the key is
+/// loaded (and widened) once for the R rows; each row's partial sums are reduced at the end.
+#[inline(always)]
+fn qk_row<S: Simd, E: Load, const R: usize>(s: S, q: &[f32], r0: usize, k: &[E], t: usize, scores: &mut [f32]) {
+    let d = k.len();
+    let q = &q[r0 * d..(r0 + R) * d];
+    let mut acc = [s.splat(0.0); R];
+    for c in (0..d).step_by(S::LANES) {
+        // SAFETY: the key row and each query row have d elements, a multiple of LANES.
+        let kv = unsafe { E::load(s, k.as_ptr().add(c)) };
+        for (r, a) in acc.iter_mut().enumerate() {
+            *a = s.fma(unsafe { s.load(q.as_ptr().add(r * d + c)) }, kv, *a);
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        scores[(r0 + r) * KEY_TILE + t] = s.reduce_sum(*a);
+    }
 }
 
 /// Transposes keys `keys` into `kt` as `[d][KEY_TILE]` f32 (unused key columns zero).
@@ -374,22 +422,24 @@ fn accumulate_values<S: Simd, E: Load>(
     d: usize,
 ) {
     let rows = state.m.len();
-    let value_rows: Vec<(usize, usize)> = keys
-        .enumerate()
-        .filter(|&(t, _)| !absent[t])
-        .map(|(t, j)| (t, kv.row(j)))
-        .collect();
+    let mut value_rows = [(0usize, 0usize); KEY_TILE];
+    let mut count = 0;
+    for (t, j) in keys.enumerate().filter(|&(t, _)| !absent[t]) {
+        value_rows[count] = (t, kv.row(j));
+        count += 1;
+    }
+    let value_rows = &value_rows[..count];
     for r0 in (0..rows).step_by(ROW_BLOCK) {
         match rows - r0 {
-            1 => pv_block::<S, E, 1>(s, kv.value, &value_rows, probs, r0, &mut state.acc, d),
-            2 => pv_block::<S, E, 2>(s, kv.value, &value_rows, probs, r0, &mut state.acc, d),
-            3 => pv_block::<S, E, 3>(s, kv.value, &value_rows, probs, r0, &mut state.acc, d),
-            4 => pv_block::<S, E, 4>(s, kv.value, &value_rows, probs, r0, &mut state.acc, d),
-            5 => pv_block::<S, E, 5>(s, kv.value, &value_rows, probs, r0, &mut state.acc, d),
-            6 => pv_block::<S, E, 6>(s, kv.value, &value_rows, probs, r0, &mut state.acc, d),
-            7 => pv_block::<S, E, 7>(s, kv.value, &value_rows, probs, r0, &mut state.acc, d),
+            1 => pv_block::<S, E, 1>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
+            2 => pv_block::<S, E, 2>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
+            3 => pv_block::<S, E, 3>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
+            4 => pv_block::<S, E, 4>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
+            5 => pv_block::<S, E, 5>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
+            6 => pv_block::<S, E, 6>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
+            7 => pv_block::<S, E, 7>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
             _ => {
-                pv_block::<S, E, ROW_BLOCK>(s, kv.value, &value_rows, probs, r0, &mut state.acc, d)
+                pv_block::<S, E, ROW_BLOCK>(s, kv.value, value_rows, probs, r0, &mut state.acc, d)
             }
         }
     }

@@ -373,7 +373,7 @@ fn run<S: Simd, T: Element + Load, E: Load>(
             absent: &plan.absent[s_idx],
         };
         let mut state = RowStates::new(rows, d);
-        s.vectorize(|| kernel::attend(s, &kv, &g, &mods, &mut state));
+        s.vectorize(kernel::Attend { kv: &kv, group: &g, mods: &mods, state: &mut state });
         match unit.partial {
             Some(slot) => {
                 // SAFETY: each partial slot belongs to one unit.

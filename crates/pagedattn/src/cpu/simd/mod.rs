@@ -14,6 +14,16 @@ pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
+/// An operation to run with an instruction set's target features enabled (see
+/// [`Simd::vectorize`]); `with_simd` must be `#[inline(always)]` so that the whole operation
+/// compiles inside the `#[target_feature]` function.
+pub trait WithSimd {
+    /// What the operation returns.
+    type Output;
+    /// Runs the operation on `s`.
+    fn with_simd<S: Simd>(self, s: S) -> Self::Output;
+}
+
 /// One instruction set's f32 vector operations. Values of `Self` are tokens proving that the
 /// instruction set is available on this CPU (they are only built after detection).
 pub trait Simd: Copy + Send + Sync + 'static {
@@ -22,9 +32,9 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// A vector of `LANES` f32.
     type V: Copy;
 
-    /// Runs `f` with this instruction set's target features enabled; kernels are
+    /// Runs `op` with this instruction set's target features enabled; kernels are
     /// `#[inline(always)]` so that they compile inside it.
-    fn vectorize<R>(self, f: impl FnOnce() -> R) -> R;
+    fn vectorize<Op: WithSimd>(self, op: Op) -> Op::Output;
 
     /// Every lane `x`.
     fn splat(self, x: f32) -> Self::V;
@@ -83,6 +93,12 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn pow2i(self, n: Self::V) -> Self::V;
     /// Sum of the lanes.
     fn reduce_sum(self, a: Self::V) -> f32;
+    /// Hints that the cache line holding `p` will be read soon (into L2); a no-op where the
+    /// ISA has no stable prefetch.
+    #[inline(always)]
+    fn prefetch<T>(self, p: *const T) {
+        let _ = p;
+    }
     /// Maximum of the lanes.
     fn reduce_max(self, a: Self::V) -> f32;
 
@@ -201,8 +217,23 @@ mod tests {
     use super::*;
 
     /// Checks one ISA's loads, math and reductions against scalar f64 math.
-    pub(crate) fn check_isa<S: Simd>(s: S) {
-        s.vectorize(|| unsafe {
+    struct CheckIsa;
+
+    impl WithSimd for CheckIsa {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) {
+            check_isa_body(s)
+        }
+    }
+
+    fn check_isa<S: Simd>(s: S) {
+        s.vectorize(CheckIsa)
+    }
+
+    #[inline(always)]
+    fn check_isa_body<S: Simd>(s: S) {
+        unsafe {
             let n = S::LANES;
             let xs: Vec<f32> = (0..n).map(|i| i as f32 * 0.73 - 3.1).collect();
             let v = s.load(xs.as_ptr());
@@ -269,7 +300,7 @@ mod tests {
                     );
                 }
             }
-        });
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::arch::aarch64::*;
 
 use super::fp8_bits::*;
-use super::Simd;
+use super::{Simd, WithSimd};
 
 /// NEON (always present on AArch64), 4 f32 lanes.
 #[derive(Debug, Clone, Copy)]
@@ -18,8 +18,8 @@ impl Neon {
 
 #[target_feature(enable = "neon")]
 #[inline]
-unsafe fn with_neon<R>(f: impl FnOnce() -> R) -> R {
-    f()
+unsafe fn with_neon<Op: WithSimd>(s: Neon, op: Op) -> Op::Output {
+    op.with_simd(s)
 }
 
 /// Four bytes widened to u32 lanes.
@@ -69,9 +69,9 @@ impl Simd for Neon {
     type V = float32x4_t;
 
     #[inline(always)]
-    fn vectorize<R>(self, f: impl FnOnce() -> R) -> R {
+    fn vectorize<Op: WithSimd>(self, op: Op) -> Op::Output {
         // SAFETY: the token exists only where NEON was detected.
-        unsafe { with_neon(f) }
+        unsafe { with_neon(self, op) }
     }
     #[inline(always)]
     fn splat(self, x: f32) -> float32x4_t {

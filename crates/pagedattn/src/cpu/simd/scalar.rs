@@ -1,6 +1,6 @@
 //! The portable fallback: one lane, plain Rust.
 
-use super::Simd;
+use super::{Simd, WithSimd};
 use crate::fp8::Fp8Format;
 
 /// Scalar "vectors" of one lane; available everywhere.
@@ -12,8 +12,8 @@ impl Simd for Scalar {
     type V = f32;
 
     #[inline(always)]
-    fn vectorize<R>(self, f: impl FnOnce() -> R) -> R {
-        f()
+    fn vectorize<Op: WithSimd>(self, op: Op) -> Op::Output {
+        op.with_simd(self)
     }
     #[inline(always)]
     fn splat(self, x: f32) -> f32 {

@@ -3,7 +3,7 @@
 use std::arch::x86_64::*;
 
 use super::fp8_bits::*;
-use super::Simd;
+use super::{Simd, WithSimd};
 
 /// AVX2 + FMA + F16C, 8 f32 lanes.
 #[derive(Debug, Clone, Copy)]
@@ -21,8 +21,8 @@ impl Avx2 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
-    f()
+unsafe fn with_avx2<Op: WithSimd>(s: Avx2, op: Op) -> Op::Output {
+    op.with_simd(s)
 }
 
 impl Simd for Avx2 {
@@ -30,9 +30,9 @@ impl Simd for Avx2 {
     type V = __m256;
 
     #[inline(always)]
-    fn vectorize<R>(self, f: impl FnOnce() -> R) -> R {
+    fn vectorize<Op: WithSimd>(self, op: Op) -> Op::Output {
         // SAFETY: the token exists only where the features were detected.
-        unsafe { with_avx2(f) }
+        unsafe { with_avx2(self, op) }
     }
     #[inline(always)]
     fn splat(self, x: f32) -> __m256 {
@@ -141,6 +141,11 @@ impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    fn prefetch<T>(self, p: *const T) {
+        // SAFETY: prefetching never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+    }
+    #[inline(always)]
     fn reduce_max(self, a: __m256) -> f32 {
         unsafe {
             let s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
@@ -183,8 +188,8 @@ impl Avx512 {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 #[inline]
-unsafe fn with_avx512<R>(f: impl FnOnce() -> R) -> R {
-    f()
+unsafe fn with_avx512<Op: WithSimd>(s: Avx512, op: Op) -> Op::Output {
+    op.with_simd(s)
 }
 
 impl Simd for Avx512 {
@@ -192,9 +197,9 @@ impl Simd for Avx512 {
     type V = __m512;
 
     #[inline(always)]
-    fn vectorize<R>(self, f: impl FnOnce() -> R) -> R {
+    fn vectorize<Op: WithSimd>(self, op: Op) -> Op::Output {
         // SAFETY: the token exists only where the features were detected.
-        unsafe { with_avx512(f) }
+        unsafe { with_avx512(self, op) }
     }
     #[inline(always)]
     fn splat(self, x: f32) -> __m512 {
@@ -302,6 +307,11 @@ impl Simd for Avx512 {
     #[inline(always)]
     fn reduce_sum(self, a: __m512) -> f32 {
         unsafe { _mm512_reduce_add_ps(a) }
+    }
+    #[inline(always)]
+    fn prefetch<T>(self, p: *const T) {
+        // SAFETY: prefetching never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
     }
     #[inline(always)]
     fn reduce_max(self, a: __m512) -> f32 {
