@@ -1,13 +1,13 @@
-//! The flash-attention kernel of the CPU backend, generic over the instruction set ([`Simd`])
-//! and over the element type the keys and values are stored in ([`Load`]).
+//! The flash-attention tile loop of the CPU backend and its shared pieces, generic over the
+//! instruction set ([`Simd`]).
 //!
 //! One call attends a group of query rows — every query head that shares one kv head, for one
 //! or more tokens of one sequence — over a range of key positions, tile by tile, with an
-//! online softmax: each K/V tile is read once for all the rows. Decode-sized groups compute
-//! each score as a dot product straight from the cache row; larger groups first transpose the
-//! tile into a packed `[d][key]` layout so that a row block × key vector micro-kernel needs no
-//! horizontal sums. The score pieces (soft cap, ALiBi, causal and window masks) mirror
-//! `crate::semantics`, applied to a vector of keys at a time.
+//! online softmax, so that each K/V tile is read once for all the rows. Where the scores and
+//! the values come from is a [`TileSource`]: cache rows read directly (decode,
+//! [`RowsSource`]), or keys and values packed once per (sequence, kv head) for the prefill
+//! micro-kernels (`packed`, and `bf16` for AVX512-BF16). The score pieces (soft cap, ALiBi,
+//! causal and window masks) mirror `crate::semantics`, applied to a vector of keys at a time.
 
 use std::ops::Range;
 
@@ -17,10 +17,54 @@ use super::simd::{Load, Simd, WithSimd};
 pub const KEY_TILE: usize = 64;
 
 /// Query rows per micro-kernel block.
-const ROW_BLOCK: usize = 8;
+pub const ROW_BLOCK: usize = 8;
 
-/// Groups smaller than this compute scores from cache rows directly (decode); larger ones pack.
-const PACK_MIN_ROWS: usize = 8;
+/// Runs `$body` for each block of up to [`ROW_BLOCK`] rows, with `$r0` the first row and the
+/// const `$n` the block's row count (so micro-kernels keep their accumulators in registers).
+macro_rules! for_row_blocks {
+    ($rows:expr, |$r0:ident, $n:ident| $body:expr) => {{
+        let rows = $rows;
+        let mut $r0 = 0;
+        while $r0 < rows {
+            match rows - $r0 {
+                1 => {
+                    const $n: usize = 1;
+                    $body
+                }
+                2 => {
+                    const $n: usize = 2;
+                    $body
+                }
+                3 => {
+                    const $n: usize = 3;
+                    $body
+                }
+                4 => {
+                    const $n: usize = 4;
+                    $body
+                }
+                5 => {
+                    const $n: usize = 5;
+                    $body
+                }
+                6 => {
+                    const $n: usize = 6;
+                    $body
+                }
+                7 => {
+                    const $n: usize = 7;
+                    $body
+                }
+                _ => {
+                    const $n: usize = $crate::cpu::kernel::ROW_BLOCK;
+                    $body
+                }
+            }
+            $r0 += ROW_BLOCK;
+        }
+    }};
+}
+pub(crate) use for_row_blocks;
 
 /// The per-layer score settings (the pieces of `crate::semantics`).
 #[derive(Debug, Clone, Copy)]
@@ -58,7 +102,7 @@ pub enum RowLayout<'a> {
     },
 }
 
-/// The keys and values a group of rows attends over.
+/// The keys and values of one (sequence, kv head), where they are stored.
 #[derive(Debug, Clone, Copy)]
 pub struct KvRows<'a, E> {
     /// Key buffer (cache or input).
@@ -74,7 +118,7 @@ pub struct KvRows<'a, E> {
 impl<E> KvRows<'_, E> {
     /// Element offset of position `j`'s row.
     #[inline(always)]
-    fn row(&self, j: usize) -> usize {
+    pub fn row(&self, j: usize) -> usize {
         match self.layout {
             RowLayout::Paged {
                 table,
@@ -97,15 +141,13 @@ impl<E> KvRows<'_, E> {
 /// One group of query rows and the keys it visits.
 #[derive(Debug, Clone)]
 pub struct Group<'a> {
-    /// Rows × D queries, already multiplied by the softmax scale (and the fp8 k_scale).
-    pub q: &'a [f32],
     /// Position of each row.
     pub pos: &'a [usize],
     /// ALiBi slope of each row (empty without ALiBi).
     pub slope: &'a [f32],
     /// Key positions to visit (outside it every key is masked for every row).
     pub keys: Range<usize>,
-    /// Positions inside `keys` that are not keys (new tokens with slot -1), sorted.
+    /// Positions that are not keys (new tokens with slot -1), sorted.
     pub absent: &'a [usize],
 }
 
@@ -131,10 +173,29 @@ impl RowStates {
     }
 }
 
+/// Where a tile's scores and values come from.
+pub trait TileSource {
+    /// Tiles start at `origin + k * step` (packed layouts need aligned column groups).
+    fn alignment(&self) -> (usize, usize);
+    /// Called before tile `current` is computed; `next` is the tile after it.
+    fn prepare<S: Simd>(&self, s: S, next: Range<usize>);
+    /// Scores of every row for `keys` into `scores` (`[rows][KEY_TILE]`, scale applied).
+    fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]);
+    /// `acc[r] += Σ_j p[r][j] · v_j` over `keys`, skipping positions marked absent.
+    fn accumulate<S: Simd>(
+        &self,
+        s: S,
+        keys: Range<usize>,
+        absent: &[bool],
+        probs: &mut [f32],
+        state: &mut RowStates,
+    );
+}
+
 /// [`attend`] as an operation for [`Simd::vectorize`].
-pub struct Attend<'a, 'b, E> {
-    /// Keys and values.
-    pub kv: &'a KvRows<'b, E>,
+pub struct Attend<'a, 'b, Src> {
+    /// Scores and values.
+    pub source: &'a Src,
     /// The query rows.
     pub group: &'a Group<'b>,
     /// Score settings.
@@ -143,71 +204,35 @@ pub struct Attend<'a, 'b, E> {
     pub state: &'a mut RowStates,
 }
 
-impl<E: Load> WithSimd for Attend<'_, '_, E> {
+impl<Src: TileSource> WithSimd for Attend<'_, '_, Src> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: Simd>(self, s: S) {
-        attend(s, self.kv, self.group, self.mods, self.state)
+        attend(s, self.source, self.group, self.mods, self.state)
     }
 }
 
-/// Attends every row of `group` over its keys, accumulating into `state`.
+/// Attends every row of `group` over its keys, tile by tile, accumulating into `state`.
 /// Requires `head_size % S::LANES == 0` (the dispatcher picks the ISA accordingly).
 #[inline(always)]
-pub fn attend<S: Simd, E: Load>(
+pub fn attend<S: Simd, Src: TileSource>(
     s: S,
-    kv: &KvRows<'_, E>,
+    source: &Src,
     group: &Group<'_>,
     mods: &ScoreMods,
     state: &mut RowStates,
 ) {
-    let d = kv.head_size;
+    let d = state.acc.len() / state.m.len().max(1);
     let rows = group.pos.len();
-    debug_assert_eq!(d % S::LANES, 0);
     let mut scores = vec![0.0f32; rows * KEY_TILE];
-    let packed = rows >= PACK_MIN_ROWS;
-    let mut kt = if packed {
-        vec![0.0f32; d * KEY_TILE]
-    } else {
-        Vec::new()
-    };
     let mut absent = group.absent.iter().copied().peekable();
-    let mut start = group.keys.start;
+    let (origin, step) = source.alignment();
+    let mut start = group.keys.start - (group.keys.start - origin) % step;
     while start < group.keys.end {
         let end = (start + KEY_TILE).min(group.keys.end);
         let n = end - start;
-        prefetch_rows(s, kv, end..(end + KEY_TILE).min(group.keys.end));
-        if packed {
-            pack_keys(s, kv, start..end, &mut kt);
-            for r0 in (0..rows).step_by(ROW_BLOCK) {
-                match rows - r0 {
-                    1 => qk_packed::<S, 1>(s, group.q, r0, d, &kt, n, &mut scores),
-                    2 => qk_packed::<S, 2>(s, group.q, r0, d, &kt, n, &mut scores),
-                    3 => qk_packed::<S, 3>(s, group.q, r0, d, &kt, n, &mut scores),
-                    4 => qk_packed::<S, 4>(s, group.q, r0, d, &kt, n, &mut scores),
-                    5 => qk_packed::<S, 5>(s, group.q, r0, d, &kt, n, &mut scores),
-                    6 => qk_packed::<S, 6>(s, group.q, r0, d, &kt, n, &mut scores),
-                    7 => qk_packed::<S, 7>(s, group.q, r0, d, &kt, n, &mut scores),
-                    _ => qk_packed::<S, ROW_BLOCK>(s, group.q, r0, d, &kt, n, &mut scores),
-                }
-            }
-        } else {
-            for (t, j) in (start..end).enumerate() {
-                let k = &kv.key[kv.row(j)..][..d];
-                for r0 in (0..rows).step_by(ROW_BLOCK) {
-                    match rows - r0 {
-                        1 => qk_row::<S, E, 1>(s, group.q, r0, k, t, &mut scores),
-                        2 => qk_row::<S, E, 2>(s, group.q, r0, k, t, &mut scores),
-                        3 => qk_row::<S, E, 3>(s, group.q, r0, k, t, &mut scores),
-                        4 => qk_row::<S, E, 4>(s, group.q, r0, k, t, &mut scores),
-                        5 => qk_row::<S, E, 5>(s, group.q, r0, k, t, &mut scores),
-                        6 => qk_row::<S, E, 6>(s, group.q, r0, k, t, &mut scores),
-                        7 => qk_row::<S, E, 7>(s, group.q, r0, k, t, &mut scores),
-                        _ => qk_row::<S, E, ROW_BLOCK>(s, group.q, r0, k, t, &mut scores),
-                    }
-                }
-            }
-        }
+        source.prepare(s, end..(end + KEY_TILE).min(group.keys.end));
+        source.scores(s, start..end, &mut scores);
         // Positions in this tile that are not keys: masked for every row, skipped in P·V.
         let mut tile_absent = [false; KEY_TILE];
         while let Some(&j) = absent.peek() {
@@ -222,37 +247,101 @@ pub fn attend<S: Simd, E: Load>(
         for r in 0..rows {
             let row = &mut scores[r * KEY_TILE..(r + 1) * KEY_TILE];
             let slope = group.slope.get(r).copied().unwrap_or(0.0);
-            apply_mods(s, row, start, end, group.pos[r], slope, mods);
+            apply_mods(
+                s,
+                row,
+                start,
+                end,
+                group.keys.start,
+                group.pos[r],
+                slope,
+                mods,
+            );
             for (t, _) in tile_absent[..n].iter().enumerate().filter(|(_, &a)| a) {
                 row[t] = f32::NEG_INFINITY;
             }
             softmax_step(s, row, r, d, state);
         }
-        accumulate_values(s, kv, start..end, &tile_absent[..n], &scores, state, d);
+        source.accumulate(s, start..end, &tile_absent[..n], &mut scores, state);
         start = end;
     }
 }
 
-/// Asks for every cache line of the key and value rows of `keys` (the next tile), so that
-/// they stream in while the current tile is computed.
-#[inline(always)]
-fn prefetch_rows<S: Simd, E: Load>(s: S, kv: &KvRows<'_, E>, keys: Range<usize>) {
-    let row_bytes = kv.head_size * std::mem::size_of::<E>();
-    for j in keys {
-        let row = kv.row(j);
-        for buf in [kv.key, kv.value] {
-            let p = buf[row..].as_ptr() as *const u8;
-            for line in (0..row_bytes).step_by(64) {
-                s.prefetch(p.wrapping_add(line));
+/// Scores and values read straight from the cache rows (decode: a few rows per key).
+#[derive(Debug, Clone, Copy)]
+pub struct RowsSource<'a, E> {
+    /// Keys and values.
+    pub kv: KvRows<'a, E>,
+    /// Rows × D queries, multiplied by the softmax scale (and the fp8 k_scale).
+    pub q: &'a [f32],
+}
+
+impl<E: Load> TileSource for RowsSource<'_, E> {
+    fn alignment(&self) -> (usize, usize) {
+        (0, 1)
+    }
+
+    #[inline(always)]
+    fn prepare<S: Simd>(&self, s: S, next: Range<usize>) {
+        // Ask for every cache line of the next tile's key and value rows, so that they stream
+        // in while this tile is computed.
+        let row_bytes = self.kv.head_size * std::mem::size_of::<E>();
+        for j in next {
+            let row = self.kv.row(j);
+            for buf in [self.kv.key, self.kv.value] {
+                let p = buf[row..].as_ptr() as *const u8;
+                for line in (0..row_bytes).step_by(64) {
+                    s.prefetch(p.wrapping_add(line));
+                }
             }
         }
     }
+
+    #[inline(always)]
+    fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
+        let d = self.kv.head_size;
+        let rows = self.q.len() / d;
+        for (t, j) in keys.enumerate() {
+            let k = &self.kv.key[self.kv.row(j)..][..d];
+            for_row_blocks!(rows, |r0, R| qk_row::<S, E, R>(s, self.q, r0, k, t, scores));
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate<S: Simd>(
+        &self,
+        s: S,
+        keys: Range<usize>,
+        absent: &[bool],
+        probs: &mut [f32],
+        state: &mut RowStates,
+    ) {
+        let mut value_rows = [0usize; KEY_TILE];
+        for (t, j) in keys.enumerate() {
+            value_rows[t] = self.kv.row(j);
+        }
+        accumulate_rows(
+            s,
+            self.kv.value,
+            &value_rows[..absent.len()],
+            absent,
+            probs,
+            state,
+        );
+    }
 }
 
-/// Scores of rows `r0..r0+R` against one key row read straight from the cache: the key is
-/// loaded (and widened) once for the R rows; each row's partial sums are reduced at the end.
+/// Scores of rows `r0..r0+R` against one key row: the key is loaded (and widened) once for
+/// the R rows; each row's partial sums are reduced at the end.
 #[inline(always)]
-fn qk_row<S: Simd, E: Load, const R: usize>(s: S, q: &[f32], r0: usize, k: &[E], t: usize, scores: &mut [f32]) {
+fn qk_row<S: Simd, E: Load, const R: usize>(
+    s: S,
+    q: &[f32],
+    r0: usize,
+    k: &[E],
+    t: usize,
+    scores: &mut [f32],
+) {
     let d = k.len();
     let q = &q[r0 * d..(r0 + R) * d];
     let mut acc = [s.splat(0.0); R];
@@ -268,72 +357,23 @@ fn qk_row<S: Simd, E: Load, const R: usize>(s: S, q: &[f32], r0: usize, k: &[E],
     }
 }
 
-/// Transposes keys `keys` into `kt` as `[d][KEY_TILE]` f32 (unused key columns zero).
-#[inline(always)]
-fn pack_keys<S: Simd, E: Load>(s: S, kv: &KvRows<'_, E>, keys: Range<usize>, kt: &mut [f32]) {
-    let d = kv.head_size;
-    let mut lanes = [0.0f32; 16];
-    let n = keys.len();
-    for (t, j) in keys.enumerate() {
-        let k = &kv.key[kv.row(j)..][..d];
-        for c in (0..d).step_by(S::LANES) {
-            // SAFETY: the row has d elements, a multiple of LANES; `lanes` holds 16 >= LANES.
-            unsafe { s.store(lanes.as_mut_ptr(), E::load(s, k.as_ptr().add(c))) };
-            for (l, &x) in lanes[..S::LANES].iter().enumerate() {
-                kt[(c + l) * KEY_TILE + t] = x;
-            }
-        }
-    }
-    if n < KEY_TILE {
-        for row in kt.chunks_exact_mut(KEY_TILE) {
-            row[n..].fill(0.0);
-        }
-    }
-}
-
-/// Scores of rows `r0..r0+R` against a packed tile: R rows × LANES keys per micro-step.
-#[inline(always)]
-fn qk_packed<S: Simd, const R: usize>(
-    s: S,
-    q: &[f32],
-    r0: usize,
-    d: usize,
-    kt: &[f32],
-    n: usize,
-    scores: &mut [f32],
-) {
-    let q = &q[r0 * d..(r0 + R) * d];
-    for c in (0..n).step_by(S::LANES) {
-        let mut acc = [s.splat(0.0); R];
-        for dd in 0..d {
-            // SAFETY: kt is d × KEY_TILE and c + LANES <= KEY_TILE.
-            let k = unsafe { s.load(kt.as_ptr().add(dd * KEY_TILE + c)) };
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = s.fma(s.splat(q[r * d + dd]), k, *a);
-            }
-        }
-        for (r, a) in acc.iter().enumerate() {
-            // SAFETY: a row of scores has KEY_TILE >= c + LANES slots.
-            unsafe { s.store(scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c), *a) };
-        }
-    }
-}
-
-/// Soft cap, ALiBi and the masks for one row's tile of scores (keys `start..end`; slots past
-/// `end` become -inf).
+/// Soft cap, ALiBi and the masks for one row's tile of scores (keys `start..end`; keys before
+/// `first` and slots past `end` become -inf).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn apply_mods<S: Simd>(
     s: S,
     row: &mut [f32],
     start: usize,
     end: usize,
+    first: usize,
     pos: usize,
     slope: f32,
     mods: &ScoreMods,
 ) {
     let neg_inf = s.splat(f32::NEG_INFINITY);
     let i = s.splat(pos as f32);
-    let limit = s.splat(end as f32);
+    let (lo, hi) = (s.splat(first as f32), s.splat(end as f32));
     let window_start = mods.window.map(|w| s.splat(pos as f32 + 1.0 - w as f32));
     for c in (0..KEY_TILE).step_by(S::LANES) {
         if start + c >= end {
@@ -361,7 +401,8 @@ fn apply_mods<S: Simd>(
                 v = s.select_lt(j, ws, neg_inf, v);
             }
         }
-        v = s.select_lt(j, limit, v, neg_inf);
+        v = s.select_lt(j, hi, v, neg_inf);
+        v = s.select_lt(j, lo, neg_inf, v);
         // SAFETY: as above.
         unsafe { s.store(row.as_mut_ptr().add(c), v) };
     }
@@ -410,39 +451,33 @@ fn softmax_step<S: Simd>(s: S, row: &mut [f32], r: usize, d: usize, state: &mut 
     state.m[r] = m_new;
 }
 
-/// `acc[r] += Σ_j p[r][j] · v_j` over the tile, skipping positions that are not keys.
+/// `acc[r] += Σ_t p[r][t] · values[value_rows[t]..]` for every row, skipping absent keys.
 #[inline(always)]
-fn accumulate_values<S: Simd, E: Load>(
+pub fn accumulate_rows<S: Simd, E: Load>(
     s: S,
-    kv: &KvRows<'_, E>,
-    keys: Range<usize>,
+    values: &[E],
+    value_rows: &[usize],
     absent: &[bool],
     probs: &[f32],
     state: &mut RowStates,
-    d: usize,
 ) {
-    let rows = state.m.len();
-    let mut value_rows = [(0usize, 0usize); KEY_TILE];
+    let d = state.acc.len() / state.m.len();
+    let mut present = [(0usize, 0usize); KEY_TILE];
     let mut count = 0;
-    for (t, j) in keys.enumerate().filter(|&(t, _)| !absent[t]) {
-        value_rows[count] = (t, kv.row(j));
+    for (t, &row) in value_rows.iter().enumerate().filter(|&(t, _)| !absent[t]) {
+        present[count] = (t, row);
         count += 1;
     }
-    let value_rows = &value_rows[..count];
-    for r0 in (0..rows).step_by(ROW_BLOCK) {
-        match rows - r0 {
-            1 => pv_block::<S, E, 1>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
-            2 => pv_block::<S, E, 2>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
-            3 => pv_block::<S, E, 3>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
-            4 => pv_block::<S, E, 4>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
-            5 => pv_block::<S, E, 5>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
-            6 => pv_block::<S, E, 6>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
-            7 => pv_block::<S, E, 7>(s, kv.value, value_rows, probs, r0, &mut state.acc, d),
-            _ => {
-                pv_block::<S, E, ROW_BLOCK>(s, kv.value, value_rows, probs, r0, &mut state.acc, d)
-            }
-        }
-    }
+    let present = &present[..count];
+    for_row_blocks!(state.m.len(), |r0, R| pv_block::<S, E, R>(
+        s,
+        values,
+        present,
+        probs,
+        r0,
+        &mut state.acc,
+        d
+    ));
 }
 
 /// P·V for rows `r0..r0+R`: each value vector is loaded once for the R rows.
@@ -450,28 +485,32 @@ fn accumulate_values<S: Simd, E: Load>(
 fn pv_block<S: Simd, E: Load, const R: usize>(
     s: S,
     values: &[E],
-    value_rows: &[(usize, usize)],
+    present: &[(usize, usize)],
     probs: &[f32],
     r0: usize,
     acc: &mut [f32],
     d: usize,
 ) {
+    let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
+    let acc = &mut acc[r0 * d..(r0 + R) * d];
     for c in (0..d).step_by(S::LANES) {
         let mut a = [s.splat(0.0); R];
         for (r, v) in a.iter_mut().enumerate() {
-            // SAFETY: acc is rows × d, c + LANES <= d.
-            *v = unsafe { s.load(acc.as_ptr().add((r0 + r) * d + c)) };
+            // SAFETY: acc is R × d here, c + LANES <= d.
+            *v = unsafe { s.load(acc.as_ptr().add(r * d + c)) };
         }
-        for &(t, row) in value_rows {
-            // SAFETY: row + d is inside the validated value buffer.
-            let v = unsafe { E::load(s, values.as_ptr().add(row + c)) };
-            for (r, x) in a.iter_mut().enumerate() {
-                *x = s.fma(s.splat(probs[(r0 + r) * KEY_TILE + t]), v, *x);
+        for &(t, row) in present {
+            // SAFETY: row + d is inside the validated value buffer; t < KEY_TILE.
+            unsafe {
+                let v = E::load(s, values.as_ptr().add(row + c));
+                for (r, x) in a.iter_mut().enumerate() {
+                    *x = s.fma(s.splat(*probs.get_unchecked(r * KEY_TILE + t)), v, *x);
+                }
             }
         }
         for (r, v) in a.iter().enumerate() {
             // SAFETY: as above.
-            unsafe { s.store(acc.as_mut_ptr().add((r0 + r) * d + c), *v) };
+            unsafe { s.store(acc.as_mut_ptr().add(r * d + c), *v) };
         }
     }
 }

@@ -8,8 +8,11 @@
 //! hardware prefetcher follows, instead of `Hkv` short strided pieces per block as the
 //! token-major layout would give.
 
+#[cfg(target_arch = "x86_64")]
+pub mod bf16;
 pub mod isa;
 pub mod kernel;
+pub mod packed;
 pub mod plan;
 pub mod simd;
 mod write;
@@ -20,14 +23,16 @@ use crate::backend::{AttentionImpl, Backend, Capabilities, Device, ForwardCheck,
 use crate::config::{AttentionConfig, AttnType};
 use crate::dtype::{DType, Element};
 use crate::error::Result;
-use crate::kv_cache::{CacheLayout, KvCache, KvScales};
+use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
 use crate::semantics::{query_position, KeyMap};
 use crate::tensor::{Storage, Tensor};
 
 pub use isa::{Isa, ISA_ENV};
-use kernel::{Group, KvRows, RowLayout, RowStates, ScoreMods};
+use kernel::{Attend, Group, KvRows, RowLayout, RowStates, RowsSource, ScoreMods};
+use plan::{Merge, Plan, PrefillGroup, Unit};
 use simd::{E4m3, E5m2, Load, Simd};
+use std::ops::Range;
 use write::SharedMut;
 
 /// The CPU backend (registry name `cpu`).
@@ -159,6 +164,7 @@ impl AttentionImpl for CpuAttention {
             new_kv,
             cache: kv_cache.as_deref(),
             scales,
+            bf16_dot: self.backend.isa == Isa::Avx512Bf16,
         };
         crate::with_element!(query.dtype(), T => run_isa::<T>(self.backend.isa, &call, output));
         Ok(())
@@ -173,6 +179,8 @@ struct Call<'a> {
     new_kv: Option<KvPair<'a>>,
     cache: Option<&'a KvCache>,
     scales: KvScales,
+    /// Whether the AVX512-BF16 prefill kernel may be used.
+    bf16_dot: bool,
 }
 
 /// Picks the widest instruction set whose vector width divides the head size (so kernels
@@ -191,7 +199,8 @@ fn run_isa<T: Element + Load>(isa: Isa, call: &Call<'_>, output: &mut Tensor) {
             };
             return run_kv::<_, T>(s, call, output);
         }
-        if matches!(isa, Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2) && d.is_multiple_of(Avx2::LANES) {
+        if matches!(isa, Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2) && d.is_multiple_of(Avx2::LANES)
+        {
             return run_kv::<_, T>(
                 Avx2::new().expect("AVX-512 machines have AVX2"),
                 call,
@@ -257,164 +266,262 @@ fn run_kv<S: Simd, T: Element + Load>(s: S, call: &Call<'_>, output: &mut Tensor
     }
 }
 
-/// Runs the plan: units in parallel, then the split-K merges.
-fn run<S: Simd, T: Element + Load, E: Load>(
+/// Everything a unit of work reads, for one call on one ISA and element type.
+struct Ctx<'a, S, T, E> {
     s: S,
-    call: &Call<'_>,
-    keys: &[E],
-    values: &[E],
-    output: &mut Tensor,
-) {
-    let cfg = call.config;
-    let md = call.metadata;
-    let (d, hkv, group) = (
-        cfg.head_size(),
-        cfg.num_kv_heads(),
-        cfg.num_queries_per_kv(),
-    );
-    let h = cfg.num_heads();
-    let attn_type = cfg.attn_type();
-    let fp8 = call.cache.is_some() && cfg.kv_cache_dtype().fp8_format().is_some();
-    let (k_scale, v_scale) = if fp8 {
-        (call.scales.k_scale, call.scales.v_scale)
-    } else {
-        (1.0, 1.0)
-    };
-    let q_scale = cfg.scale() * k_scale;
-    let key_map = KeyMap::new(
-        md,
-        attn_type,
-        call.cache.map(|c| c.spec().block_size),
-        call.new_kv.is_some(),
-    );
-    let plan = plan::plan(cfg, md, &key_map, rayon::current_num_threads());
-    let mods = ScoreMods {
-        causal: attn_type.is_causal(),
-        window: cfg.sliding_window(),
-        soft_cap: cfg.logits_soft_cap(),
-        alibi: cfg.alibi_slopes().is_some(),
-    };
-    let query = call.query.storage().as_slice::<T>().expect("validated");
-    let out = SharedMut(
-        output
-            .storage_mut()
-            .as_slice_mut::<T>()
-            .expect("validated")
-            .as_mut_ptr(),
-    );
-    let mut partials = vec![0.0f32; plan.num_partials * group * (d + 2)];
-    let parts = SharedMut(partials.as_mut_ptr());
-    let cache_geometry = call.cache.map(|c| *c.spec());
+    cfg: &'a AttentionConfig,
+    md: &'a AttentionMetadata,
+    query: &'a [T],
+    keys: &'a [E],
+    values: &'a [E],
+    cache_geometry: Option<KvCacheSpec>,
+    mods: ScoreMods,
+    /// Multiplies q·k: the softmax scale times the fp8 k_scale.
+    score_scale: f32,
+    /// Multiplies the output: the fp8 v_scale.
+    v_scale: f32,
+    out: SharedMut<T>,
+    partials: SharedMut<f32>,
+    plan: &'a Plan,
+}
 
-    plan.units.par_iter().for_each(|unit| {
-        let s_idx = unit.seq;
-        let range = md.query_range(s_idx);
-        let seq_len = md.seq_lens[s_idx] as usize;
-        let rows = unit.tokens.len() * group;
-        let mut q = vec![0.0f32; rows * d];
-        let mut pos = Vec::with_capacity(rows);
-        let mut slope = Vec::new();
-        for (ti, t) in unit.tokens.clone().enumerate() {
-            let i = query_position(attn_type, seq_len, range.len(), t - range.start);
-            for gh in 0..group {
-                let head = unit.kv_head * group + gh;
-                let src = &query[(t * h + head) * d..][..d];
-                let dst = &mut q[(ti * group + gh) * d..][..d];
-                for (o, x) in dst.iter_mut().zip(src) {
-                    *o = Element::to_f32(*x) * q_scale;
-                }
-                pos.push(i);
-                if let Some(slopes) = cfg.alibi_slopes() {
-                    slope.push(slopes[head]);
-                }
-            }
-        }
-        let layout = match cache_geometry {
+impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
+    fn group_size(&self) -> usize {
+        self.cfg.num_queries_per_kv()
+    }
+
+    /// Where sequence `seq`'s keys and values for `kv_head` are.
+    fn kv_rows(&self, seq: usize, kv_head: usize) -> KvRows<'_, E> {
+        let (d, hkv) = (self.cfg.head_size(), self.cfg.num_kv_heads());
+        let cross = self.cfg.attn_type() == AttnType::EncoderDecoder;
+        let layout = match self.cache_geometry {
             Some(spec) => {
-                let table = match attn_type {
-                    AttnType::EncoderDecoder => md
+                let table = if cross {
+                    self.md
                         .encoder
                         .as_ref()
                         .expect("validated")
                         .cross_block_tables
-                        .row(s_idx),
-                    _ => md.block_tables.row(s_idx),
+                        .row(seq)
+                } else {
+                    self.md.block_tables.row(seq)
                 };
                 let block = spec.block_size * d;
                 RowLayout::Paged {
                     table,
                     block_size: spec.block_size,
                     block_stride: hkv * block,
-                    head_offset: unit.kv_head * block,
+                    head_offset: kv_head * block,
                 }
             }
             None => {
-                let first_token = match attn_type {
-                    AttnType::EncoderDecoder => md.encoder_token_start(s_idx),
-                    _ => range.start,
+                let first_token = if cross {
+                    self.md.encoder_token_start(seq)
+                } else {
+                    self.md.query_range(seq).start
                 };
                 RowLayout::Dense {
-                    first_row: (first_token * hkv + unit.kv_head) * d,
+                    first_row: (first_token * hkv + kv_head) * d,
                     token_stride: hkv * d,
                 }
             }
         };
-        let kv = KvRows {
-            key: keys,
-            value: values,
+        KvRows {
+            key: self.keys,
+            value: self.values,
             layout,
             head_size: d,
-        };
-        let g = Group {
-            q: &q,
-            pos: &pos,
-            slope: &slope,
-            keys: unit.keys.clone(),
-            absent: &plan.absent[s_idx],
-        };
-        let mut state = RowStates::new(rows, d);
-        s.vectorize(kernel::Attend { kv: &kv, group: &g, mods: &mods, state: &mut state });
-        match unit.partial {
-            Some(slot) => {
-                // SAFETY: each partial slot belongs to one unit.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        parts.ptr().add(slot * group * (d + 2)),
-                        group * (d + 2),
-                    )
-                };
-                for r in 0..group {
-                    dst[r * (d + 2)] = state.m[r];
-                    dst[r * (d + 2) + 1] = state.l[r];
-                    dst[r * (d + 2) + 2..(r + 1) * (d + 2)]
-                        .copy_from_slice(&state.acc[r * d..(r + 1) * d]);
-                }
-            }
-            None => {
-                for (ti, t) in unit.tokens.clone().enumerate() {
-                    for gh in 0..group {
-                        let r = ti * group + gh;
-                        let head = unit.kv_head * group + gh;
-                        let norm = if state.l[r] > 0.0 {
-                            v_scale / state.l[r]
-                        } else {
-                            0.0
-                        };
-                        // SAFETY: (token, head) rows are written by exactly one unit.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(out.ptr().add((t * h + head) * d), d)
-                        };
-                        for (o, a) in dst.iter_mut().zip(&state.acc[r * d..(r + 1) * d]) {
-                            *o = T::from_f32(a * norm);
-                        }
-                    }
+        }
+    }
+
+    /// The query heads of `kv_head` for `tokens`, one row per (token, head), token-major:
+    /// positions and ALiBi slopes.
+    fn rows(&self, seq: usize, kv_head: usize, tokens: Range<usize>) -> (Vec<usize>, Vec<f32>) {
+        let range = self.md.query_range(seq);
+        let seq_len = self.md.seq_lens[seq] as usize;
+        let group = self.group_size();
+        let mut pos = Vec::with_capacity(tokens.len() * group);
+        let mut slope = Vec::new();
+        for t in tokens {
+            let i = query_position(self.cfg.attn_type(), seq_len, range.len(), t - range.start);
+            for gh in 0..group {
+                pos.push(i);
+                if let Some(slopes) = self.cfg.alibi_slopes() {
+                    slope.push(slopes[kv_head * group + gh]);
                 }
             }
         }
-    });
+        (pos, slope)
+    }
 
-    let partials = &partials;
-    plan.merges.par_iter().for_each(|merge| {
+    /// The query rows of `kv_head` for `tokens` in f32, multiplied by the score scale.
+    fn q_f32(&self, kv_head: usize, tokens: Range<usize>) -> Vec<f32> {
+        let (d, h, group) = (
+            self.cfg.head_size(),
+            self.cfg.num_heads(),
+            self.group_size(),
+        );
+        let mut q = Vec::with_capacity(tokens.len() * group * d);
+        for t in tokens {
+            let heads = &self.query[(t * h + kv_head * group) * d..][..group * d];
+            q.extend(heads.iter().map(|&x| Element::to_f32(x) * self.score_scale));
+        }
+        q
+    }
+
+    /// Writes finished rows (`tokens` × the heads of `kv_head`) to the output.
+    fn finish(&self, kv_head: usize, tokens: Range<usize>, state: &RowStates) {
+        let (d, h, group) = (
+            self.cfg.head_size(),
+            self.cfg.num_heads(),
+            self.group_size(),
+        );
+        for (ti, t) in tokens.enumerate() {
+            for gh in 0..group {
+                let r = ti * group + gh;
+                let norm = if state.l[r] > 0.0 {
+                    self.v_scale / state.l[r]
+                } else {
+                    0.0
+                };
+                // SAFETY: each (token, head) row is written by exactly one unit.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        self.out.ptr().add((t * h + kv_head * group + gh) * d),
+                        d,
+                    )
+                };
+                for (o, a) in dst.iter_mut().zip(&state.acc[r * d..(r + 1) * d]) {
+                    *o = T::from_f32(a * norm);
+                }
+            }
+        }
+    }
+
+    /// Runs one decode unit.
+    fn decode(&self, unit: &Unit) {
+        let d = self.cfg.head_size();
+        let (pos, slope) = self.rows(unit.seq, unit.kv_head, unit.tokens.clone());
+        let q = self.q_f32(unit.kv_head, unit.tokens.clone());
+        let source = RowsSource {
+            kv: self.kv_rows(unit.seq, unit.kv_head),
+            q: &q,
+        };
+        let group = Group {
+            pos: &pos,
+            slope: &slope,
+            keys: unit.keys.clone(),
+            absent: &self.plan.absent[unit.seq],
+        };
+        let mut state = RowStates::new(pos.len(), d);
+        self.s.vectorize(Attend {
+            source: &source,
+            group: &group,
+            mods: &self.mods,
+            state: &mut state,
+        });
+        match unit.partial {
+            None => self.finish(unit.kv_head, unit.tokens.clone(), &state),
+            Some(slot) => {
+                let width = self.group_size() * (d + 2);
+                // SAFETY: each partial slot belongs to one unit.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(self.partials.ptr().add(slot * width), width)
+                };
+                for (r, part) in dst.chunks_exact_mut(d + 2).enumerate() {
+                    part[0] = state.m[r];
+                    part[1] = state.l[r];
+                    part[2..].copy_from_slice(&state.acc[r * d..(r + 1) * d]);
+                }
+            }
+        }
+    }
+
+    /// Packs one prefill group's keys and values, then runs its query tiles in parallel.
+    fn prefill(&self, pg: &PrefillGroup, bf16_dot: bool) {
+        let d = self.cfg.head_size();
+        let kv = self.kv_rows(pg.seq, pg.kv_head);
+        let absent = &self.plan.absent[pg.seq];
+        #[cfg(target_arch = "x86_64")]
+        if bf16_dot && T::DTYPE == DType::BF16 && E::BF16_EXACT && d.is_multiple_of(16) {
+            let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent);
+            pg.tiles.par_iter().for_each(|tile| {
+                let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
+                let q = self.q_bf16_pairs(pg.kv_head, tile.tokens.clone());
+                let source = bf16::PackedBf16Source {
+                    packed: &packed,
+                    q: &q,
+                    scale: self.score_scale,
+                };
+                let group = Group {
+                    pos: &pos,
+                    slope: &slope,
+                    keys: tile.keys.clone(),
+                    absent,
+                };
+                let mut state = RowStates::new(pos.len(), d);
+                bf16::attend_bf16(&source, &group, &self.mods, &mut state);
+                self.finish(pg.kv_head, tile.tokens.clone(), &state);
+            });
+            return;
+        }
+        let _ = bf16_dot;
+        let packed = self.s.vectorize(packed::PackF32 {
+            kv: &kv,
+            keys: pg.keys.clone(),
+            absent,
+        });
+        pg.tiles.par_iter().for_each(|tile| {
+            let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
+            let q = self.q_f32(pg.kv_head, tile.tokens.clone());
+            let source = packed::PackedF32Source {
+                packed: &packed,
+                q: &q,
+            };
+            let group = Group {
+                pos: &pos,
+                slope: &slope,
+                keys: tile.keys.clone(),
+                absent,
+            };
+            let mut state = RowStates::new(pos.len(), d);
+            self.s.vectorize(Attend {
+                source: &source,
+                group: &group,
+                mods: &self.mods,
+                state: &mut state,
+            });
+            self.finish(pg.kv_head, tile.tokens.clone(), &state);
+        });
+    }
+
+    /// The query rows of `kv_head` for `tokens` as bf16 pairs (unscaled).
+    #[cfg(target_arch = "x86_64")]
+    fn q_bf16_pairs(&self, kv_head: usize, tokens: Range<usize>) -> Vec<u32> {
+        let (d, h, group) = (
+            self.cfg.head_size(),
+            self.cfg.num_heads(),
+            self.group_size(),
+        );
+        let mut q = Vec::with_capacity(tokens.len() * group * d / 2);
+        for t in tokens {
+            let heads = &self.query[(t * h + kv_head * group) * d..][..group * d];
+            q.extend(
+                heads
+                    .chunks_exact(2)
+                    .map(|p| p[0].bf16_bits() as u32 | (p[1].bf16_bits() as u32) << 16),
+            );
+        }
+        q
+    }
+
+    /// Combines the split-K partitions of one (token, kv head) and writes the output rows.
+    fn merge(&self, merge: &Merge, partials: &[f32]) {
+        let (d, h, group) = (
+            self.cfg.head_size(),
+            self.cfg.num_heads(),
+            self.group_size(),
+        );
         let width = group * (d + 2);
         for gh in 0..group {
             let part = |p: usize| &partials[p * width + gh * (d + 2)..][..d + 2];
@@ -434,15 +541,83 @@ fn run<S: Simd, T: Element + Load, E: Load>(
                     }
                 }
             }
-            let norm = if l > 0.0 { v_scale / l } else { 0.0 };
-            let head = merge.kv_head * group + gh;
+            let norm = if l > 0.0 { self.v_scale / l } else { 0.0 };
             // SAFETY: each (token, head) row is merged by exactly one merge.
             let dst = unsafe {
-                std::slice::from_raw_parts_mut(out.ptr().add((merge.token * h + head) * d), d)
+                std::slice::from_raw_parts_mut(
+                    self.out
+                        .ptr()
+                        .add((merge.token * h + merge.kv_head * group + gh) * d),
+                    d,
+                )
             };
             for (o, a) in dst.iter_mut().zip(&acc) {
                 *o = T::from_f32(a * norm);
             }
         }
-    });
+    }
+}
+
+/// Runs the plan: prefill groups and decode units in parallel, then the split-K merges.
+fn run<S: Simd, T: Element + Load, E: Load>(
+    s: S,
+    call: &Call<'_>,
+    keys: &[E],
+    values: &[E],
+    output: &mut Tensor,
+) {
+    let cfg = call.config;
+    let md = call.metadata;
+    let fp8 = call.cache.is_some() && cfg.kv_cache_dtype().fp8_format().is_some();
+    let (k_scale, v_scale) = if fp8 {
+        (call.scales.k_scale, call.scales.v_scale)
+    } else {
+        (1.0, 1.0)
+    };
+    let attn_type = cfg.attn_type();
+    let key_map = KeyMap::new(
+        md,
+        attn_type,
+        call.cache.map(|c| c.spec().block_size),
+        call.new_kv.is_some(),
+    );
+    let plan = plan::plan(cfg, md, &key_map, rayon::current_num_threads());
+    let mut partials =
+        vec![0.0f32; plan.num_partials * cfg.num_queries_per_kv() * (cfg.head_size() + 2)];
+    let ctx = Ctx {
+        s,
+        cfg,
+        md,
+        query: call.query.storage().as_slice::<T>().expect("validated"),
+        keys,
+        values,
+        cache_geometry: call.cache.map(|c| *c.spec()),
+        mods: ScoreMods {
+            causal: attn_type.is_causal(),
+            window: cfg.sliding_window(),
+            soft_cap: cfg.logits_soft_cap(),
+            alibi: cfg.alibi_slopes().is_some(),
+        },
+        score_scale: cfg.scale() * k_scale,
+        v_scale,
+        out: SharedMut(
+            output
+                .storage_mut()
+                .as_slice_mut::<T>()
+                .expect("validated")
+                .as_mut_ptr(),
+        ),
+        partials: SharedMut(partials.as_mut_ptr()),
+        plan: &plan,
+    };
+    rayon::join(
+        || {
+            plan.prefill
+                .par_iter()
+                .for_each(|pg| ctx.prefill(pg, call.bf16_dot))
+        },
+        || plan.units.par_iter().for_each(|unit| ctx.decode(unit)),
+    );
+    let partials = &partials;
+    plan.merges.par_iter().for_each(|m| ctx.merge(m, partials));
 }

@@ -1,7 +1,8 @@
-//! Splitting one forward call into work units for the thread pool: a unit is one sequence ×
-//! one kv head × a tile of query tokens × a range of keys. Decodes of long sequences are
-//! split along the keys (split-K) when the batch alone would not keep every thread busy;
-//! their partial results are merged with an exact log-sum-exp combine.
+//! Splitting one forward call into work for the thread pool. A decode unit is one sequence ×
+//! one kv head × a range of keys; decodes of long sequences are split along the keys
+//! (split-K) when the batch alone would not keep every thread busy, and their partial
+//! results are merged with an exact log-sum-exp combine. A prefill group is one sequence ×
+//! one kv head, whose keys and values are packed once and then shared by its query tiles.
 
 use std::ops::Range;
 
@@ -18,7 +19,31 @@ const MIN_PARTITION: usize = 256;
 /// Units per thread a plan aims for, so that work stealing can balance skewed batches.
 const UNITS_PER_THREAD: usize = 8;
 
-/// One unit of work.
+/// A query tile of a prefill group and the keys it visits.
+#[derive(Debug, Clone)]
+pub struct Tile {
+    /// Query tokens.
+    pub tokens: Range<usize>,
+    /// Key positions visited.
+    pub keys: Range<usize>,
+}
+
+/// The multi-token queries of one (sequence, kv head).
+#[derive(Debug, Clone)]
+pub struct PrefillGroup {
+    /// Sequence index.
+    pub seq: usize,
+    /// Kv head.
+    pub kv_head: usize,
+    /// Every key position a tile visits (what is packed).
+    pub keys: Range<usize>,
+    /// Query tiles.
+    pub tiles: Vec<Tile>,
+    /// Rough cost: rows × keys summed over tiles.
+    pub cost: usize,
+}
+
+/// One decode unit of work.
 #[derive(Debug, Clone)]
 pub struct Unit {
     /// Sequence index.
@@ -54,8 +79,10 @@ pub struct Merge {
 /// The units of a call, most expensive first, and the merges split-K needs.
 #[derive(Debug, Clone, Default)]
 pub struct Plan {
-    /// Work units.
+    /// Decode units.
     pub units: Vec<Unit>,
+    /// Prefill groups.
+    pub prefill: Vec<PrefillGroup>,
     /// Split-K merges.
     pub merges: Vec<Merge>,
     /// Number of partial-result slots.
@@ -142,21 +169,35 @@ pub fn plan(
             continue;
         }
         let tile = (TARGET_ROWS / group).max(1);
-        for t0 in tokens.clone().step_by(tile) {
-            let t1 = (t0 + tile).min(tokens.end);
-            let (first, last) = (key_range(s, t0), key_range(s, t1 - 1));
-            let keys = first.start.min(last.start)..first.end.max(last.end);
-            for g in 0..hkv {
-                plan.units.push(Unit {
-                    seq: s,
-                    kv_head: g,
+        let tiles: Vec<Tile> = tokens
+            .clone()
+            .step_by(tile)
+            .map(|t0| {
+                let t1 = (t0 + tile).min(tokens.end);
+                let (first, last) = (key_range(s, t0), key_range(s, t1 - 1));
+                Tile {
                     tokens: t0..t1,
-                    keys: keys.clone(),
-                    partial: None,
-                });
-            }
+                    keys: first.start.min(last.start)..first.end.max(last.end),
+                }
+            })
+            .collect();
+        let keys = tiles.iter().map(|t| t.keys.start).min().unwrap_or(0)
+            ..tiles.iter().map(|t| t.keys.end).max().unwrap_or(0);
+        let cost = tiles
+            .iter()
+            .map(|t| t.tokens.len() * group * t.keys.len())
+            .sum();
+        for g in 0..hkv {
+            plan.prefill.push(PrefillGroup {
+                seq: s,
+                kv_head: g,
+                keys: keys.clone(),
+                tiles: tiles.clone(),
+                cost,
+            });
         }
     }
+    plan.prefill.sort_by_key(|g| std::cmp::Reverse(g.cost));
     plan.units.sort_by_key(|u| std::cmp::Reverse(u.cost(group)));
     plan
 }

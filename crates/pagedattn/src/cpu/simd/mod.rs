@@ -136,6 +136,12 @@ pub trait Load: Copy + Send + Sync + 'static {
     unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V;
     /// Widens one element (for scalar tails and tests).
     fn to_f32(self) -> f32;
+    /// Whether every value of this type is exactly a bf16 (bf16 itself, and both fp8 formats).
+    const BF16_EXACT: bool = false;
+    /// The bf16 bits of the value (rounded to nearest even unless `BF16_EXACT`).
+    fn bf16_bits(self) -> u16 {
+        half::bf16::from_f32(self.to_f32()).to_bits()
+    }
 }
 
 impl Load for f32 {
@@ -155,6 +161,10 @@ impl Load for half::bf16 {
     }
     fn to_f32(self) -> f32 {
         half::bf16::to_f32(self)
+    }
+    const BF16_EXACT: bool = true;
+    fn bf16_bits(self) -> u16 {
+        self.to_bits()
     }
 }
 
@@ -186,6 +196,7 @@ impl Load for E4m3 {
     fn to_f32(self) -> f32 {
         crate::fp8::Fp8Format::E4m3.decode(self.0)
     }
+    const BF16_EXACT: bool = true;
 }
 
 impl Load for E5m2 {
@@ -196,6 +207,7 @@ impl Load for E5m2 {
     fn to_f32(self) -> f32 {
         crate::fp8::Fp8Format::E5m2.decode(self.0)
     }
+    const BF16_EXACT: bool = true;
 }
 
 /// Bit-level fp8 decoding shared by the vector implementations, written per lane.

@@ -1,0 +1,247 @@
+//! Prefill with AVX512-BF16 (`vdpbf16ps`): bf16 queries against keys and values that are
+//! exactly bf16 (a bf16 cache, or fp8 codes, which widen to bf16 without rounding; their
+//! scales are applied to the scores and the output instead). Twice the multiply-adds per
+//! instruction of the f32 path; the probabilities are rounded to bf16 for P·V, as GPU flash
+//! attention does.
+//!
+//! Layouts, packed once per (sequence, kv head): keys `[group of 16][d/2][16]` as u32 pairs
+//! of consecutive dimensions, so one `vdpbf16ps` multiplies a broadcast query pair by 16
+//! keys; values `[pair of keys][d]` as u32 pairs of consecutive keys, so one `vdpbf16ps`
+//! multiplies a broadcast probability pair by 16 dimensions of two value rows.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::kernel::{
+    attend, for_row_blocks, Group, KvRows, RowStates, ScoreMods, TileSource, KEY_TILE, ROW_BLOCK,
+};
+use super::simd::x86::Avx512;
+use super::simd::{Load, Simd};
+
+/// Keys per column group (the lanes of a 512-bit vector of f32).
+const LANES: usize = 16;
+
+/// Keys and values of one (sequence, kv head) packed as bf16 pairs.
+#[derive(Debug, Clone)]
+pub struct PackedBf16 {
+    origin: usize,
+    d: usize,
+    kt: Vec<u32>,
+    v: Vec<u32>,
+}
+
+/// Packs positions `keys` (positions that are not keys become zeros).
+pub fn pack_bf16<E: Load>(kv: &KvRows<'_, E>, keys: Range<usize>, absent: &[usize]) -> PackedBf16 {
+    debug_assert!(E::BF16_EXACT);
+    let d = kv.head_size;
+    let half = d / 2;
+    let mut kt = vec![0u32; keys.len().div_ceil(LANES) * half * LANES];
+    let mut v = vec![0u32; keys.len().div_ceil(2) * d];
+    for (t, j) in keys.clone().enumerate() {
+        if absent.binary_search(&j).is_ok() {
+            continue;
+        }
+        let row = kv.row(j);
+        let (k, val) = (&kv.key[row..][..d], &kv.value[row..][..d]);
+        let column = &mut kt[(t / LANES) * half * LANES + t % LANES..];
+        for p in 0..half {
+            column[p * LANES] =
+                k[2 * p].bf16_bits() as u32 | (k[2 * p + 1].bf16_bits() as u32) << 16;
+        }
+        let (pair, shift) = (t / 2, 16 * (t % 2));
+        for (x, &e) in v[pair * d..][..d].iter_mut().zip(val) {
+            *x |= (e.bf16_bits() as u32) << shift;
+        }
+    }
+    PackedBf16 {
+        origin: keys.start,
+        d,
+        kt,
+        v,
+    }
+}
+
+/// A query tile (bf16 pairs) against packed bf16 keys and values.
+#[derive(Debug, Clone, Copy)]
+pub struct PackedBf16Source<'a> {
+    /// The packed keys and values.
+    pub packed: &'a PackedBf16,
+    /// Rows × d/2 query pairs, unscaled.
+    pub q: &'a [u32],
+    /// Score scale: softmax scale × fp8 k_scale.
+    pub scale: f32,
+}
+
+#[inline(always)]
+fn bh(x: __m512i) -> __m512bh {
+    // SAFETY: same size; bf16 pairs reinterpreted.
+    unsafe { std::mem::transmute(x) }
+}
+
+impl TileSource for PackedBf16Source<'_> {
+    fn alignment(&self) -> (usize, usize) {
+        (self.packed.origin, LANES)
+    }
+
+    #[inline(always)]
+    fn prepare<S: Simd>(&self, _s: S, _next: Range<usize>) {}
+
+    #[inline(always)]
+    fn scores<S: Simd>(&self, _s: S, keys: Range<usize>, scores: &mut [f32]) {
+        let p = self.packed;
+        let half = p.d / 2;
+        let rows = self.q.len() / half;
+        let first_group = (keys.start - p.origin) / LANES;
+        for (g, c) in (0..keys.len()).step_by(LANES).enumerate() {
+            let kt = &p.kt[(first_group + g) * half * LANES..][..half * LANES];
+            for_row_blocks!(rows, |r0, R| qk_group::<R>(
+                self.q, r0, half, kt, c, self.scale, scores
+            ));
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate<S: Simd>(
+        &self,
+        _s: S,
+        keys: Range<usize>,
+        absent: &[bool],
+        probs: &mut [f32],
+        state: &mut RowStates,
+    ) {
+        let p = self.packed;
+        let rows = state.m.len();
+        // Absent keys have zero probability and zero (packed) values already; round the
+        // probabilities to bf16 pairs of consecutive keys, in place at the start of each row.
+        debug_assert!(absent.len() <= KEY_TILE);
+        for r in 0..rows {
+            let row = &mut probs[r * KEY_TILE..(r + 1) * KEY_TILE];
+            for c in (0..KEY_TILE).step_by(2 * LANES) {
+                // SAFETY: the row has KEY_TILE f32; pair c/2.. holds 16 u32 written over f32 c/2..c/2+16, which were already read (c/2 + 16 <= c + 16 only overlaps the lanes loaded).
+                unsafe {
+                    let lo = _mm512_loadu_ps(row.as_ptr().add(c));
+                    let hi = _mm512_loadu_ps(row.as_ptr().add(c + LANES));
+                    let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                    _mm512_storeu_si512(row.as_mut_ptr().add(c / 2) as *mut __m512i, pairs);
+                }
+            }
+        }
+        let first_pair = (keys.start - p.origin) / 2;
+        let pairs = keys.len().div_ceil(2);
+        let v = &p.v[first_pair * p.d..(first_pair + pairs) * p.d];
+        for_row_blocks!(rows, |r0, R| pv_block::<R>(
+            v,
+            pairs,
+            p.d,
+            probs,
+            r0,
+            &mut state.acc
+        ));
+    }
+}
+
+/// Scores of rows `r0..r0+R` against one column group of 16 keys (columns `c..`).
+#[inline(always)]
+fn qk_group<const R: usize>(
+    q: &[u32],
+    r0: usize,
+    half: usize,
+    kt: &[u32],
+    c: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let q = &q[r0 * half..(r0 + R) * half];
+    // SAFETY: only called inside `attend_bf16`, where AVX512-BF16 is enabled; kt is half × 16.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); R];
+        for p in 0..half {
+            let k = bh(_mm512_loadu_si512(
+                kt.as_ptr().add(p * LANES) as *const __m512i
+            ));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_dpbf16_ps(
+                    *a,
+                    bh(_mm512_set1_epi32(*q.get_unchecked(r * half + p) as i32)),
+                    k,
+                );
+            }
+        }
+        let scale = _mm512_set1_ps(scale);
+        for (r, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(
+                scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c),
+                _mm512_mul_ps(*a, scale),
+            );
+        }
+    }
+}
+
+/// P·V for rows `r0..r0+R`: `probs` rows start with the tile's bf16 probability pairs.
+#[inline(always)]
+fn pv_block<const R: usize>(
+    v: &[u32],
+    pairs: usize,
+    d: usize,
+    probs: &[f32],
+    r0: usize,
+    acc: &mut [f32],
+) {
+    let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
+    let acc = &mut acc[r0 * d..(r0 + R) * d];
+    // SAFETY: only called inside `attend_bf16`; v is pairs × d, acc is R × d, probs rows hold
+    // KEY_TILE / 2 >= pairs pairs.
+    unsafe {
+        for c in (0..d).step_by(LANES) {
+            let mut a = [_mm512_setzero_ps(); R];
+            for (r, x) in a.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(acc.as_ptr().add(r * d + c));
+            }
+            for p in 0..pairs {
+                let vv = bh(_mm512_loadu_si512(
+                    v.as_ptr().add(p * d + c) as *const __m512i
+                ));
+                for (r, x) in a.iter_mut().enumerate() {
+                    let pp = (probs.as_ptr().add(r * KEY_TILE) as *const u32)
+                        .add(p)
+                        .read();
+                    *x = _mm512_dpbf16_ps(*x, bh(_mm512_set1_epi32(pp as i32)), vv);
+                }
+            }
+            for (r, x) in a.iter().enumerate() {
+                _mm512_storeu_ps(acc.as_mut_ptr().add(r * d + c), *x);
+            }
+        }
+    }
+}
+
+/// Attends a query tile with AVX512-BF16.
+///
+/// # Panics
+/// If this CPU lacks AVX512-BF16 (the dispatcher only calls it where it was detected).
+pub fn attend_bf16(
+    source: &PackedBf16Source<'_>,
+    group: &Group<'_>,
+    mods: &ScoreMods,
+    state: &mut RowStates,
+) {
+    let s = Avx512::new()
+        .filter(|a| a.has_bf16())
+        .expect("AVX512-BF16 was detected by the dispatcher");
+    // SAFETY: the features were just checked.
+    unsafe { attend_with_bf16(s, source, group, mods, state) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]
+unsafe fn attend_with_bf16(
+    s: Avx512,
+    source: &PackedBf16Source<'_>,
+    group: &Group<'_>,
+    mods: &ScoreMods,
+    state: &mut RowStates,
+) {
+    attend(s, source, group, mods, state)
+}
+
+// The probability pairs of a tile are converted 32 keys at a time.
+const _: () = assert!(KEY_TILE.is_multiple_of(2 * LANES));

@@ -1,0 +1,162 @@
+//! Prefill: the keys and values of one (sequence, kv head) packed once, in f32, for
+//! register-blocked micro-kernels shared by every query tile of that sequence.
+//!
+//! Keys are stored transposed in column groups of `LANES` keys, `[group][d][LANES]`, so that
+//! a block of rows × `LANES` keys is a sequence of broadcast-multiply-adds with no horizontal
+//! sums. Values are widened to f32 rows (positions that are not keys become zero rows).
+
+use std::ops::Range;
+
+use super::kernel::{
+    accumulate_rows, for_row_blocks, KvRows, RowStates, TileSource, KEY_TILE, ROW_BLOCK,
+};
+use super::simd::{Load, Simd, WithSimd};
+
+/// Keys and values of one (sequence, kv head), packed in f32.
+#[derive(Debug, Clone)]
+pub struct PackedF32 {
+    origin: usize,
+    lanes: usize,
+    d: usize,
+    kt: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// [`pack_f32`] as an operation for [`Simd::vectorize`].
+pub struct PackF32<'a, 'b, E> {
+    /// Where the rows are.
+    pub kv: &'a KvRows<'b, E>,
+    /// Positions to pack.
+    pub keys: Range<usize>,
+    /// Positions that are not keys (packed as zeros).
+    pub absent: &'a [usize],
+}
+
+impl<E: Load> WithSimd for PackF32<'_, '_, E> {
+    type Output = PackedF32;
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, s: S) -> PackedF32 {
+        pack_f32(s, self.kv, self.keys, self.absent)
+    }
+}
+
+/// Packs positions `keys` (the column groups start at `keys.start`).
+#[inline(always)]
+pub fn pack_f32<S: Simd, E: Load>(
+    s: S,
+    kv: &KvRows<'_, E>,
+    keys: Range<usize>,
+    absent: &[usize],
+) -> PackedF32 {
+    let (d, lanes) = (kv.head_size, S::LANES);
+    let groups = keys.len().div_ceil(lanes);
+    let mut kt = vec![0.0f32; groups * d * lanes];
+    let mut v = vec![0.0f32; keys.len() * d];
+    let mut widened = [0.0f32; 16];
+    for (t, j) in keys.clone().enumerate() {
+        if absent.binary_search(&j).is_ok() {
+            continue;
+        }
+        let row = kv.row(j);
+        let (k, val) = (&kv.key[row..][..d], &kv.value[row..][..d]);
+        let column = &mut kt[(t / lanes) * d * lanes + t % lanes..];
+        for c in (0..d).step_by(lanes) {
+            // SAFETY: rows have d elements, a multiple of LANES; `widened` holds 16 >= LANES.
+            unsafe {
+                s.store(widened.as_mut_ptr(), E::load(s, k.as_ptr().add(c)));
+                s.store(
+                    v.as_mut_ptr().add(t * d + c),
+                    E::load(s, val.as_ptr().add(c)),
+                );
+            }
+            for (l, &x) in widened[..lanes].iter().enumerate() {
+                column[(c + l) * lanes] = x;
+            }
+        }
+    }
+    PackedF32 {
+        origin: keys.start,
+        lanes,
+        d,
+        kt,
+        v,
+    }
+}
+
+/// A query tile against packed f32 keys and values.
+#[derive(Debug, Clone, Copy)]
+pub struct PackedF32Source<'a> {
+    /// The packed keys and values.
+    pub packed: &'a PackedF32,
+    /// Rows × D queries, multiplied by the softmax scale (and the fp8 k_scale).
+    pub q: &'a [f32],
+}
+
+impl TileSource for PackedF32Source<'_> {
+    fn alignment(&self) -> (usize, usize) {
+        (self.packed.origin, self.packed.lanes)
+    }
+
+    #[inline(always)]
+    fn prepare<S: Simd>(&self, _s: S, _next: Range<usize>) {}
+
+    #[inline(always)]
+    fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
+        let p = self.packed;
+        debug_assert_eq!(p.lanes, S::LANES);
+        let rows = self.q.len() / p.d;
+        let first_group = (keys.start - p.origin) / S::LANES;
+        for (g, c) in (0..keys.len()).step_by(S::LANES).enumerate() {
+            let kt = &p.kt[(first_group + g) * p.d * S::LANES..][..p.d * S::LANES];
+            for_row_blocks!(rows, |r0, R| qk_group::<S, R>(
+                s, self.q, r0, p.d, kt, c, scores
+            ));
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate<S: Simd>(
+        &self,
+        s: S,
+        keys: Range<usize>,
+        absent: &[bool],
+        probs: &mut [f32],
+        state: &mut RowStates,
+    ) {
+        let p = self.packed;
+        let mut rows = [0usize; KEY_TILE];
+        for (t, j) in keys.enumerate() {
+            rows[t] = (j - p.origin) * p.d;
+        }
+        accumulate_rows(s, &p.v, &rows[..absent.len()], absent, probs, state);
+    }
+}
+
+/// Scores of rows `r0..r0+R` against one column group of `LANES` keys (columns `c..`).
+#[inline(always)]
+fn qk_group<S: Simd, const R: usize>(
+    s: S,
+    q: &[f32],
+    r0: usize,
+    d: usize,
+    kt: &[f32],
+    c: usize,
+    scores: &mut [f32],
+) {
+    let q = &q[r0 * d..(r0 + R) * d];
+    let mut acc = [s.splat(0.0); R];
+    for dd in 0..d {
+        // SAFETY: kt is d × LANES; q is R × d.
+        unsafe {
+            let k = s.load(kt.as_ptr().add(dd * S::LANES));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = s.fma(s.splat(*q.get_unchecked(r * d + dd)), k, *a);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: a row of scores has KEY_TILE >= c + LANES slots.
+        unsafe { s.store(scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c), *a) };
+    }
+}
+
