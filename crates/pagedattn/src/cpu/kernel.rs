@@ -274,6 +274,22 @@ pub struct RowsSource<'a, E> {
     pub kv: KvRows<'a, E>,
     /// Rows × D queries, multiplied by the softmax scale (and the fp8 k_scale).
     pub q: &'a [f32],
+    /// End of the key range the rows visit (prefetching stops there).
+    pub keys_end: usize,
+}
+
+/// How many keys ahead the decode path asks for key rows.
+const PREFETCH_KEYS: usize = 16;
+
+impl<E: Load> RowsSource<'_, E> {
+    /// Asks for every cache line of position `j`'s row in `buf`.
+    #[inline(always)]
+    fn prefetch_row<S: Simd>(&self, s: S, buf: &[E], j: usize) {
+        let p = buf[self.kv.row(j)..].as_ptr() as *const u8;
+        for line in (0..self.kv.head_size * std::mem::size_of::<E>()).step_by(64) {
+            s.prefetch(p.wrapping_add(line));
+        }
+    }
 }
 
 impl<E: Load> TileSource for RowsSource<'_, E> {
@@ -282,26 +298,19 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     }
 
     #[inline(always)]
-    fn prepare<S: Simd>(&self, s: S, next: Range<usize>) {
-        // Ask for every cache line of the next tile's key and value rows, so that they stream
-        // in while this tile is computed.
-        let row_bytes = self.kv.head_size * std::mem::size_of::<E>();
-        for j in next {
-            let row = self.kv.row(j);
-            for buf in [self.kv.key, self.kv.value] {
-                let p = buf[row..].as_ptr() as *const u8;
-                for line in (0..row_bytes).step_by(64) {
-                    s.prefetch(p.wrapping_add(line));
-                }
-            }
-        }
-    }
+    fn prepare<S: Simd>(&self, _s: S, _next: Range<usize>) {}
 
     #[inline(always)]
     fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
         for (t, j) in keys.enumerate() {
+            // Keep a steady stream of requests in flight: the key row PREFETCH_KEYS ahead, and
+            // this key's value row (read by the P·V pass right after this tile).
+            if j + PREFETCH_KEYS < self.keys_end {
+                self.prefetch_row(s, self.kv.key, j + PREFETCH_KEYS);
+            }
+            self.prefetch_row(s, self.kv.value, j);
             let k = &self.kv.key[self.kv.row(j)..][..d];
             for_row_blocks!(rows, |r0, R| qk_row::<S, E, R>(s, self.q, r0, k, t, scores));
         }

@@ -159,4 +159,3 @@ fn qk_group<S: Simd, const R: usize>(
         unsafe { s.store(scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c), *a) };
     }
 }
-
