@@ -5,10 +5,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use pagedattn::replay::read_output;
+use pagedattn::cpu::{Isa, ISA_ENV};
 use pagedattn::{DType, Tensor};
 
-/// Backends checked against the expected files.
-const BACKENDS: [&str; 2] = ["reference", "cpu"];
+/// Backends checked against the expected files, with the instruction set forced through
+/// `PAGEDATTN_ISA` for `cpu` (every one this machine has).
+fn runs() -> Vec<(&'static str, Option<Isa>)> {
+    let mut runs = vec![("reference", None)];
+    runs.extend(Isa::ALL.into_iter().filter(|i| i.is_available()).map(|i| ("cpu", Some(i))));
+    runs
+}
 
 fn cases_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/replay-cases")
@@ -50,30 +56,30 @@ fn forward_reproduces_independent_cases() {
         cases.len()
     );
     let out_dir = tempdir();
-    for backend in BACKENDS {
+    for (backend, isa) in runs() {
         for case in &cases {
             let name = case
                 .file_name()
                 .unwrap()
                 .to_string_lossy()
                 .replace(".case.safetensors", "");
+            let label = format!("{name} on {backend} {}", isa.map_or("", |i| i.name()));
             let out = out_dir.join(format!("{name}.{backend}.safetensors"));
-            let status = Command::new(env!("CARGO_BIN_EXE_pagedattn"))
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_pagedattn"));
+            if let Some(isa) = isa {
+                cmd.env(ISA_ENV, isa.name());
+            }
+            let status = cmd
                 .args(["forward", "--backend", backend, "--input"])
                 .arg(case)
                 .arg("--output")
                 .arg(&out)
                 .output()
                 .unwrap();
-            assert!(
-                status.status.success(),
-                "{name} on {backend}: {}",
-                String::from_utf8_lossy(&status.stderr)
-            );
+            assert!(status.status.success(), "{label}: {}", String::from_utf8_lossy(&status.stderr));
             let got = read_output(&std::fs::read(&out).unwrap()).unwrap();
             let expected_path = case.with_file_name(format!("{name}.expected.safetensors"));
             let want = read_output(&std::fs::read(expected_path).unwrap()).unwrap();
-            let label = format!("{name} on {backend}");
             assert_close(&label, &got.output, &want.output);
             match (&got.kv_cache, &want.kv_cache) {
                 (Some((gk, gv)), Some((wk, wv))) => {

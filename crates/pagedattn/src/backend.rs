@@ -195,6 +195,12 @@ pub trait Backend: Send + Sync {
     /// Builds one layer's attention; unsupported settings are refused here.
     fn attention(&self, config: &AttentionConfig) -> Result<Box<dyn AttentionImpl>>;
 
+    /// Facts worth showing a user beyond the capabilities (e.g. the instruction set the CPU
+    /// backend runs), as (name, value) pairs.
+    fn details(&self) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
+
     /// The shape of one layer's cache for `spec`.
     fn kv_cache_shape(&self, spec: &KvCacheSpec) -> Result<Vec<usize>> {
         self.capabilities().check_cache(self.name(), spec)?;

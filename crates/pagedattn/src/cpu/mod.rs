@@ -101,6 +101,16 @@ impl Backend for Cpu {
         }))
     }
 
+    fn details(&self) -> Vec<(&'static str, String)> {
+        vec![
+            (
+                "instruction set",
+                format!("{} (force another with {ISA_ENV})", self.isa),
+            ),
+            ("threads", rayon::current_num_threads().to_string()),
+        ]
+    }
+
     fn allocate_kv_cache(&self, spec: &KvCacheSpec) -> Result<KvCache> {
         self.capabilities().check_cache(self.name(), spec)?;
         let mut cache = KvCache::zeros(*spec, self.kv_cache_layout())?;
