@@ -4,15 +4,20 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pagedattn::replay::read_output;
 use pagedattn::cpu::{Isa, ISA_ENV};
+use pagedattn::replay::read_output;
 use pagedattn::{DType, Tensor};
 
 /// Backends checked against the expected files, with the instruction set forced through
 /// `PAGEDATTN_ISA` for `cpu` (every one this machine has).
 fn runs() -> Vec<(&'static str, Option<Isa>)> {
     let mut runs = vec![("reference", None)];
-    runs.extend(Isa::ALL.into_iter().filter(|i| i.is_available()).map(|i| ("cpu", Some(i))));
+    runs.extend(
+        Isa::ALL
+            .into_iter()
+            .filter(|i| i.is_available())
+            .map(|i| ("cpu", Some(i))),
+    );
     runs
 }
 
@@ -65,7 +70,7 @@ fn forward_reproduces_independent_cases() {
                 .replace(".case.safetensors", "");
             let label = format!("{name} on {backend} {}", isa.map_or("", |i| i.name()));
             let out = out_dir.join(format!("{name}.{backend}.safetensors"));
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_pagedattn"));
+            let mut cmd = command(env!("CARGO_BIN_EXE_pagedattn"));
             if let Some(isa) = isa {
                 cmd.env(ISA_ENV, isa.name());
             }
@@ -76,7 +81,11 @@ fn forward_reproduces_independent_cases() {
                 .arg(&out)
                 .output()
                 .unwrap();
-            assert!(status.status.success(), "{label}: {}", String::from_utf8_lossy(&status.stderr));
+            assert!(
+                status.status.success(),
+                "{label}: {}",
+                String::from_utf8_lossy(&status.stderr)
+            );
             let got = read_output(&std::fs::read(&out).unwrap()).unwrap();
             let expected_path = case.with_file_name(format!("{name}.expected.safetensors"));
             let want = read_output(&std::fs::read(expected_path).unwrap()).unwrap();
@@ -101,6 +110,20 @@ fn forward_reproduces_independent_cases() {
                 ),
             }
         }
+    }
+}
+
+/// A command running `program`, through `PAGEDATTN_TEST_RUNNER` when set (e.g. qemu for a
+/// cross-compiled binary: `.ci/aarch64`).
+fn command(program: &str) -> Command {
+    match std::env::var("PAGEDATTN_TEST_RUNNER") {
+        Ok(runner) if !runner.trim().is_empty() => {
+            let mut words = runner.split_whitespace();
+            let mut cmd = Command::new(words.next().unwrap());
+            cmd.args(words).arg(program);
+            cmd
+        }
+        _ => Command::new(program),
     }
 }
 
