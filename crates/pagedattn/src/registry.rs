@@ -5,30 +5,29 @@ use crate::cpu::Cpu;
 use crate::error::{Error, Result};
 use crate::reference::Reference;
 
-/// Every backend available on this machine, best first.
-pub fn available_backends() -> Vec<Box<dyn Backend>> {
-    let mut all: Vec<Box<dyn Backend>> = Vec::new();
-    if let Ok(cpu) = Cpu::new() {
-        all.push(Box::new(cpu));
-    }
-    all.push(Box::new(Reference));
-    all
-}
+/// The names of the backends built into this binary, best first.
+pub const BACKEND_NAMES: [&str; 2] = ["cpu", "reference"];
 
-/// The backend called `name`, or the best available one for `auto`.
+/// The backend called `name` (one of [`BACKEND_NAMES`]), or the best one for `auto`. A
+/// backend that cannot start here says why (e.g. `PAGEDATTN_ISA` naming an instruction set
+/// this CPU lacks) instead of being skipped.
 pub fn backend(name: &str) -> Result<Box<dyn Backend>> {
-    let mut all = available_backends();
-    if name == "auto" {
-        return Ok(all.swap_remove(0));
-    }
-    let names: Vec<&str> = all.iter().map(|b| b.name()).collect();
-    let available = format!("auto, {}", names.join(", "));
-    match all.iter().position(|b| b.name() == name) {
-        Some(i) => Ok(all.swap_remove(i)),
-        None => Err(Error::invalid(
+    match name {
+        "auto" => backend(BACKEND_NAMES[0]),
+        "cpu" => Ok(Box::new(Cpu::new()?)),
+        "reference" => Ok(Box::new(Reference)),
+        _ => Err(Error::invalid(
             "backend",
             format!("{name:?}"),
-            format!("one of {available}"),
+            format!("one of auto, {}", BACKEND_NAMES.join(", ")),
         )),
     }
+}
+
+/// Every built-in backend: the backend, or why it cannot start here.
+pub fn all_backends() -> Vec<(&'static str, Result<Box<dyn Backend>>)> {
+    BACKEND_NAMES
+        .into_iter()
+        .map(|name| (name, backend(name)))
+        .collect()
 }

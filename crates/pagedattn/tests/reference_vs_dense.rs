@@ -6,6 +6,7 @@
 //! compares the output, and the cache after the call, with what the dense side computes from
 //! the logical per-sequence K/V arrays. Seeds are fresh every run (proptest's default); a
 //! failing case prints its `settings.seed`, which regenerates its data.
+//! The random batches come from `common` (shared with `cpu_vs_reference`).
 //!
 //! How the dense side reads the contract:
 //! * score `scale * q.k`, then soft cap `cap * tanh(s / cap)`, then ALiBi: decoder
@@ -22,18 +23,15 @@
 //!   fp8 cache dtype.
 //! * Query head h reads kv head `h / (H / Hkv)`.
 
-use half::{bf16, f16};
+mod common;
+
+use common::*;
 use pagedattn::{
-    alibi_slopes_bloom, registry, AttentionConfig, AttnType, DType, Fp8Format, KvCache,
-    KvCacheDtype, KvCacheSpec, KvPair, KvScales, MetadataBuilder, SequenceDesc, Storage, Tensor,
+    registry, AttentionConfig, AttnType, DType, KvCacheDtype, KvCacheSpec, KvPair, KvScales,
+    MetadataBuilder, SequenceDesc, Tensor,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use rand::rngs::StdRng;
-use rand::seq::{IndexedRandom, SliceRandom};
-use rand::{Rng, SeedableRng};
-
-type TestResult = Result<(), TestCaseError>;
 
 // ---------------------------------------------------------------------------------------------
 // The dense attention of DESIGN.md section 2, in f64.
@@ -114,228 +112,19 @@ impl Dense {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Layer settings shared by all properties.
-// ---------------------------------------------------------------------------------------------
-
-#[derive(Debug, Clone, Copy)]
-enum Alibi {
-    Off,
-    Random,
-    Bloom,
-}
-
-#[derive(Debug, Clone)]
-struct Settings {
-    dtype: DType,
-    kv_cache_dtype: KvCacheDtype,
-    num_kv_heads: usize,
-    group: usize,
-    head_size: usize,
-    block_size: usize,
-    alibi: Alibi,
-    sliding_window: Option<usize>,
-    soft_cap: Option<f32>,
-    scale: Option<f32>,
-    /// k_scale / v_scale, used only with an fp8 cache dtype.
-    k_scale: f32,
-    v_scale: f32,
-    /// Inputs are uniform in [-amplitude, amplitude].
-    amplitude: f32,
-    /// Seeds the data: values, block permutation, poison.
-    seed: u64,
-}
-
-fn settings(allow_window: bool) -> impl Strategy<Value = Settings> {
-    let dtype = prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)];
-    let kv_cache_dtype = prop_oneof![
-        2 => Just(KvCacheDtype::Auto),
-        1 => Just(KvCacheDtype::Fp8E4m3),
-        1 => Just(KvCacheDtype::Fp8E5m2),
-    ];
-    let geometry = (
-        1..=3usize,
-        1..=4usize,
-        prop_oneof![5 => 1..=16usize, 1 => Just(64usize)],
-        prop_oneof![3 => 1..=8usize, 1 => 9..=64usize],
-    );
-    let window = if allow_window {
-        prop::option::weighted(0.3, 1..=12usize).boxed()
-    } else {
-        Just(None).boxed()
-    };
-    let features = (
-        prop_oneof![2 => Just(Alibi::Off), 1 => Just(Alibi::Random), 1 => Just(Alibi::Bloom)],
-        window,
-        prop::option::weighted(0.3, 0.5f32..30.0),
-        prop::option::weighted(0.25, prop_oneof![0.05f32..2.0, -2.0f32..-0.05]),
-    );
-    let data = (
-        -7.0f64..1.5,
-        -7.0f64..1.5,
-        prop::sample::select(vec![0.25f32, 1.0, 4.0]),
-        any::<u64>(),
-    );
-    (dtype, kv_cache_dtype, geometry, features, data).prop_map(
-        |(dtype, kv_cache_dtype, geometry, features, data)| Settings {
-            dtype,
-            kv_cache_dtype,
-            num_kv_heads: geometry.0,
-            group: geometry.1,
-            head_size: geometry.2,
-            block_size: geometry.3,
-            alibi: features.0,
-            sliding_window: features.1,
-            soft_cap: features.2,
-            scale: features.3,
-            k_scale: data.0.exp2() as f32,
-            v_scale: data.1.exp2() as f32,
-            amplitude: data.2,
-            seed: data.3,
-        },
-    )
-}
-
-impl Settings {
-    fn num_heads(&self) -> usize {
-        self.num_kv_heads * self.group
+/// The dense attention of a layer with these settings.
+fn dense_of(st: &Settings, config: &AttentionConfig, causal: bool) -> Dense {
+    Dense {
+        num_heads: st.num_heads(),
+        num_kv_heads: st.num_kv_heads,
+        head_size: st.head_size,
+        // The parameter as the layer holds it (default 1/sqrt(D) rounded to f32).
+        scale: config.scale() as f64,
+        soft_cap: st.soft_cap.map(f64::from),
+        slopes: st.slopes().map(|s| s.into_iter().map(f64::from).collect()),
+        window: if causal { st.sliding_window } else { None },
+        causal,
     }
-
-    fn rng(&self) -> StdRng {
-        StdRng::seed_from_u64(self.seed)
-    }
-
-    fn slopes(&self) -> Option<Vec<f32>> {
-        let h = self.num_heads();
-        match self.alibi {
-            Alibi::Off => None,
-            Alibi::Bloom => Some(alibi_slopes_bloom(h)),
-            Alibi::Random => {
-                let mut rng = StdRng::seed_from_u64(self.seed ^ 0xA11B1);
-                Some((0..h).map(|_| rng.random_range(-0.25f32..1.0)).collect())
-            }
-        }
-    }
-
-    fn kv_scales(&self) -> KvScales {
-        match self.kv_cache_dtype {
-            KvCacheDtype::Auto => KvScales::default(),
-            _ => KvScales {
-                k_scale: self.k_scale,
-                v_scale: self.v_scale,
-            },
-        }
-    }
-
-    fn config(&self, attn_type: AttnType) -> AttentionConfig {
-        let mut b = AttentionConfig::builder(self.num_heads(), self.head_size)
-            .num_kv_heads(self.num_kv_heads)
-            .alibi_slopes(self.slopes())
-            .sliding_window(self.sliding_window)
-            .logits_soft_cap(self.soft_cap)
-            .kv_cache_dtype(self.kv_cache_dtype)
-            .attn_type(attn_type);
-        if let Some(scale) = self.scale {
-            b = b.scale(scale);
-        }
-        b.build().expect("generated configs are valid")
-    }
-
-    fn dense(&self, config: &AttentionConfig, causal: bool) -> Dense {
-        Dense {
-            num_heads: self.num_heads(),
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            // The parameter as the layer holds it (default 1/sqrt(D) rounded to f32).
-            scale: config.scale() as f64,
-            soft_cap: self.soft_cap.map(f64::from),
-            slopes: self
-                .slopes()
-                .map(|s| s.into_iter().map(f64::from).collect()),
-            window: if causal { self.sliding_window } else { None },
-            causal,
-        }
-    }
-
-    fn spec(&self, num_blocks: usize) -> KvCacheSpec {
-        KvCacheSpec {
-            num_blocks,
-            block_size: self.block_size,
-            num_kv_heads: self.num_kv_heads,
-            head_size: self.head_size,
-            dtype: self.dtype,
-            kv_cache_dtype: self.kv_cache_dtype,
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Data helpers.
-// ---------------------------------------------------------------------------------------------
-
-/// Rounds to `dtype` with the `half` crate (nearest even); the result is exact in f32.
-fn round_to(dtype: DType, x: f32) -> f32 {
-    match dtype {
-        DType::F32 => x,
-        DType::F16 => f16::from_f32(x).to_f32(),
-        DType::BF16 => bf16::from_f32(x).to_f32(),
-        DType::U8 => unreachable!(),
-    }
-}
-
-/// `count` values uniform in [-amp, amp], already rounded to `dtype`.
-fn random_values(rng: &mut StdRng, dtype: DType, count: usize, amp: f32) -> Vec<f32> {
-    (0..count)
-        .map(|_| round_to(dtype, rng.random_range(-amp..=amp)))
-        .collect()
-}
-
-fn tensor(dtype: DType, shape: &[usize], values: &[f32]) -> Tensor {
-    let t = Tensor::from_f32(dtype, shape, values).expect("tensor");
-    // The values are representable: the tensor holds exactly them.
-    assert_eq!(t.to_f32_vec(), values);
-    t
-}
-
-fn widen(xs: &[f32]) -> Vec<f64> {
-    xs.iter().map(|&x| x as f64).collect()
-}
-
-fn ok<T>(r: pagedattn::Result<T>, what: &str) -> Result<T, TestCaseError> {
-    r.map_err(|e| TestCaseError::fail(format!("{what} failed: {e}")))
-}
-
-/// `slot = block * B + offset` of position `pos` through `table`.
-fn slot_of(table: &[i32], block_size: usize, pos: usize) -> i64 {
-    table[pos / block_size] as i64 * block_size as i64 + (pos % block_size) as i64
-}
-
-/// Gives every sequence `ceil(len / B)` distinct blocks taken in order from a random
-/// permutation of all blocks (so they are shuffled and non-contiguous), plus `extra[s]` table
-/// entries past the end pointing at random blocks, which must never be read. Returns the number
-/// of blocks and the tables.
-fn allocate(
-    rng: &mut StdRng,
-    block_size: usize,
-    lens: &[usize],
-    extra: &[usize],
-    spare: usize,
-) -> (usize, Vec<Vec<i32>>) {
-    let needed: Vec<usize> = lens.iter().map(|l| l.div_ceil(block_size)).collect();
-    let num_blocks = (needed.iter().sum::<usize>() + spare).max(1);
-    let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
-    perm.shuffle(rng);
-    let mut next = perm.into_iter();
-    let tables = needed
-        .iter()
-        .zip(extra)
-        .map(|(&n, &e)| {
-            let mut t: Vec<i32> = next.by_ref().take(n).collect();
-            t.extend((0..e).map(|_| rng.random_range(0..num_blocks as i32)));
-            t
-        })
-        .collect();
-    (num_blocks, tables)
 }
 
 /// Checks the output elementwise against the dense result, with a tolerance for the one
@@ -366,370 +155,40 @@ fn check_output(out: &Tensor, want: &[f64], num_heads: usize, head_size: usize) 
 }
 
 // ---------------------------------------------------------------------------------------------
-// A model of the paged cache: the canonical bytes it must hold.
-// ---------------------------------------------------------------------------------------------
-
-/// The expected canonical `[NB, B, Hkv, D]` key and value bytes of a cache: NaN poison
-/// everywhere, then the stored value of every token written.
-struct CacheModel {
-    spec: KvCacheSpec,
-    fp8: Option<Fp8Format>,
-    scales: KvScales,
-    key: Vec<u8>,
-    value: Vec<u8>,
-}
-
-impl CacheModel {
-    /// A cache full of NaNs: random quiet-NaN payloads for float caches, random NaN codes
-    /// (e4m3: 0x7F / 0xFF; e5m2: exponent 11111 with a non-zero mantissa) for fp8.
-    fn poisoned(spec: KvCacheSpec, scales: KvScales, rng: &mut StdRng) -> Self {
-        let fp8 = spec.kv_cache_dtype.fp8_format();
-        let n = spec.num_blocks * spec.block_size * spec.num_kv_heads * spec.head_size;
-        let mut poison = || {
-            let mut bytes = Vec::new();
-            for _ in 0..n {
-                let r: u32 = rng.random();
-                match (fp8, spec.dtype) {
-                    (Some(Fp8Format::E4m3), _) => {
-                        bytes.push(*[0x7Fu8, 0xFF].choose(&mut *rng).unwrap())
-                    }
-                    (Some(Fp8Format::E5m2), _) => bytes.push(
-                        *[0x7Du8, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF]
-                            .choose(&mut *rng)
-                            .unwrap(),
-                    ),
-                    (None, DType::F32) => bytes
-                        .extend(((r & 0x8000_0000) | 0x7FC0_0000 | (r & 0x3F_FFFF)).to_le_bytes()),
-                    (None, DType::F16) => bytes.extend(
-                        (((r >> 16) as u16 & 0x8000) | 0x7E00 | (r as u16 & 0x1FF)).to_le_bytes(),
-                    ),
-                    (None, DType::BF16) => bytes.extend(
-                        (((r >> 16) as u16 & 0x8000) | 0x7FC0 | (r as u16 & 0x3F)).to_le_bytes(),
-                    ),
-                    (None, DType::U8) => unreachable!(),
-                }
-            }
-            bytes
-        };
-        let key = poison();
-        let value = poison();
-        CacheModel {
-            spec,
-            fp8,
-            scales,
-            key,
-            value,
-        }
-    }
-
-    fn elem_size(&self) -> usize {
-        if self.fp8.is_some() {
-            1
-        } else {
-            self.spec.dtype.size_bytes()
-        }
-    }
-
-    /// The stored bytes of input element `x` (already in the activation dtype).
-    fn encode(&self, x: f32, scale: f32) -> Vec<u8> {
-        match self.fp8 {
-            Some(f) => vec![f.encode(x / scale)],
-            None => match self.spec.dtype {
-                DType::F32 => x.to_le_bytes().to_vec(),
-                DType::F16 => f16::from_f32(x).to_le_bytes().to_vec(),
-                DType::BF16 => bf16::from_f32(x).to_le_bytes().to_vec(),
-                DType::U8 => unreachable!(),
-            },
-        }
-    }
-
-    /// What an attention kernel reads back for input element `x`.
-    fn read(&self, x: f32, scale: f32) -> f64 {
-        match self.fp8 {
-            Some(f) => f.decode(f.encode(x / scale)) as f64 * scale as f64,
-            None => x as f64,
-        }
-    }
-
-    /// The token row (`[Hkv * D]` keys and values) as read back from the cache.
-    fn read_row(&self, k: &[f32], v: &[f32]) -> (Vec<f64>, Vec<f64>) {
-        (
-            k.iter()
-                .map(|&x| self.read(x, self.scales.k_scale))
-                .collect(),
-            v.iter()
-                .map(|&x| self.read(x, self.scales.v_scale))
-                .collect(),
-        )
-    }
-
-    /// Records that token row (k, v) is stored at `slot`.
-    fn store(&mut self, slot: i64, k: &[f32], v: &[f32]) {
-        let (es, row) = (
-            self.elem_size(),
-            self.spec.num_kv_heads * self.spec.head_size,
-        );
-        let slot = usize::try_from(slot).expect("a real slot");
-        for (xs, scale, is_key) in [
-            (k, self.scales.k_scale, true),
-            (v, self.scales.v_scale, false),
-        ] {
-            for (e, &x) in xs.iter().enumerate() {
-                let bytes = self.encode(x, scale);
-                let at = (slot * row + e) * es;
-                let buf = if is_key {
-                    &mut self.key
-                } else {
-                    &mut self.value
-                };
-                buf[at..at + es].copy_from_slice(&bytes);
-            }
-        }
-    }
-
-    /// The cache holding the expected bytes, in `layout`.
-    fn build(&self, layout: pagedattn::CacheLayout) -> KvCache {
-        let dt = self.spec.storage_dtype();
-        KvCache::from_canonical(
-            self.spec,
-            layout,
-            Storage::from_bytes(dt, &self.key).unwrap(),
-            Storage::from_bytes(dt, &self.value).unwrap(),
-        )
-        .expect("cache from canonical buffers")
-    }
-
-    /// Every byte of the cache equals the model: written slots hold exactly the stored values,
-    /// every other slot keeps its poison.
-    fn check(&self, cache: &KvCache, when: &str) -> TestResult {
-        let (k, v) = cache.to_canonical();
-        let (es, h, d) = (
-            self.elem_size(),
-            self.spec.num_kv_heads,
-            self.spec.head_size,
-        );
-        for (name, got, want) in [
-            ("key", k.as_bytes(), &self.key),
-            ("value", v.as_bytes(), &self.value),
-        ] {
-            prop_assert_eq!(got.len(), want.len());
-            if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
-                let e = i / es;
-                let (slot, head, dd) = (e / (h * d), e / d % h, e % d);
-                return Err(TestCaseError::fail(format!(
-                    "{when}: {name} cache slot {slot} head {head} element {dd}: bytes {:02x?}, expected {:02x?}",
-                    &got[e * es..(e + 1) * es],
-                    &want[e * es..(e + 1) * es]
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
 // Decoder over the paged cache: chunked prefill / prefix caching, fresh prompts, decodes.
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Debug, Clone)]
-struct DecoderSeq {
-    context: usize,
-    new: usize,
-    decode: bool,
-    /// Per new token: slot -1 (padding).
-    pad: Vec<bool>,
-    /// Table entries past the needed ones (never read).
-    extra_blocks: usize,
-}
-
-fn prefill_seq() -> impl Strategy<Value = DecoderSeq> {
-    (
-        prop_oneof![Just(0usize), 1..=12usize],
-        1..=8usize,
-        0..=2usize,
-    )
-        .prop_flat_map(|(context, new, extra_blocks)| {
-            prop::collection::vec(prop::bool::weighted(0.12), new).prop_map(move |pad| DecoderSeq {
-                context,
-                new,
-                decode: false,
-                pad,
-                extra_blocks,
-            })
-        })
-}
-
-fn decode_seq() -> impl Strategy<Value = DecoderSeq> {
-    (1..=20usize, prop::bool::weighted(0.08), 0..=2usize).prop_map(|(len, pad, extra_blocks)| {
-        DecoderSeq {
-            context: len - 1,
-            new: 1,
-            decode: true,
-            pad: vec![pad],
-            extra_blocks,
-        }
-    })
-}
-
-#[derive(Debug, Clone)]
-struct DecoderCase {
-    settings: Settings,
-    /// Prefills first, then decodes.
-    seqs: Vec<DecoderSeq>,
-    spare_blocks: usize,
-}
-
-fn decoder_case() -> impl Strategy<Value = DecoderCase> {
-    (
-        settings(true),
-        prop::collection::vec(prefill_seq(), 0..=3),
-        prop::collection::vec(decode_seq(), 0..=3),
-        0..=3usize,
-    )
-        .prop_map(|(settings, mut seqs, decodes, spare_blocks)| {
-            seqs.extend(decodes);
-            DecoderCase {
-                settings,
-                seqs,
-                spare_blocks,
-            }
-        })
-}
-
 fn run_decoder_paged(case: &DecoderCase) -> TestResult {
     let st = &case.settings;
-    let mut rng = st.rng();
-    let (h, hkv, d, b, dtype) = (
-        st.num_heads(),
-        st.num_kv_heads,
-        st.head_size,
-        st.block_size,
-        st.dtype,
-    );
+    let (h, hkv, d) = (st.num_heads(), st.num_kv_heads, st.head_size);
     let row = hkv * d;
-    let config = st.config(AttnType::Decoder);
     let backend = registry::backend("reference").unwrap();
-    let attention = ok(backend.attention(&config), "attention")?;
-
-    let seqs = &case.seqs;
-    let lens: Vec<usize> = seqs.iter().map(|s| s.context + s.new).collect();
-    let extra: Vec<usize> = seqs.iter().map(|s| s.extra_blocks).collect();
-    let (num_blocks, tables) = allocate(&mut rng, b, &lens, &extra, case.spare_blocks);
-    let spec = st.spec(num_blocks);
-    let layout = ok(backend.allocate_kv_cache(&spec), "allocate_kv_cache")?.layout();
-    let scales = st.kv_scales();
-    let mut model = CacheModel::poisoned(spec, scales, &mut rng);
-    let mut cache = model.build(layout);
-
-    // The logical sequences: K/V of every position, Q of the new tokens.
-    let keys: Vec<Vec<f32>> = lens
-        .iter()
-        .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
-        .collect();
-    let values: Vec<Vec<f32>> = lens
-        .iter()
-        .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
-        .collect();
-    let queries: Vec<Vec<f32>> = seqs
-        .iter()
-        .map(|s| random_values(&mut rng, dtype, s.new * h * d, st.amplitude))
-        .collect();
-
-    // The cached context, written before the call through its own slot mapping.
-    let (mut ck, mut cv, mut cslots) = (Vec::new(), Vec::new(), Vec::new());
-    for (s, seq) in seqs.iter().enumerate() {
-        for p in 0..seq.context {
-            let (k, v) = (&keys[s][p * row..][..row], &values[s][p * row..][..row]);
-            let slot = slot_of(&tables[s], b, p);
-            ck.extend_from_slice(k);
-            cv.extend_from_slice(v);
-            cslots.push(slot);
-            model.store(slot, k, v);
-        }
-    }
-    let n_ctx = cslots.len();
-    ok(
-        cache.write(
-            &tensor(dtype, &[n_ctx, hkv, d], &ck),
-            &tensor(dtype, &[n_ctx, hkv, d], &cv),
-            &cslots,
-            scales,
-        ),
-        "KvCache::write of the context",
-    )?;
-    model.check(&cache, "after writing the context")?;
-
-    // Metadata, then padding.
-    let mut builder = MetadataBuilder::new(b);
-    for (s, seq) in seqs.iter().enumerate() {
-        builder.push(if seq.decode {
-            SequenceDesc::decode(lens[s], tables[s].clone())
-        } else {
-            SequenceDesc::prompt(seq.context, seq.new, tables[s].clone())
-        });
-    }
-    let mut md = ok(builder.build(), "MetadataBuilder::build")?;
-    let (mut nq, mut nk, mut nv, mut slots) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (s, seq) in seqs.iter().enumerate() {
-        nq.extend_from_slice(&queries[s]);
-        for t in 0..seq.new {
-            let p = seq.context + t;
-            nk.extend_from_slice(&keys[s][p * row..][..row]);
-            nv.extend_from_slice(&values[s][p * row..][..row]);
-            slots.push(slot_of(&tables[s], b, p));
-        }
-    }
-    prop_assert_eq!(&md.slot_mapping, &slots, "builder slot_mapping");
-    let mut tok = 0;
-    for (s, seq) in seqs.iter().enumerate() {
-        for t in 0..seq.new {
-            if seq.pad[t] {
-                md.slot_mapping[tok] = -1;
-            } else {
-                let p = seq.context + t;
-                model.store(
-                    slots[tok],
-                    &keys[s][p * row..][..row],
-                    &values[s][p * row..][..row],
-                );
-            }
-            tok += 1;
-        }
-    }
-    let num_tokens = tok;
-
-    let q = tensor(dtype, &[num_tokens, h, d], &nq);
-    let k = tensor(dtype, &[num_tokens, hkv, d], &nk);
-    let v = tensor(dtype, &[num_tokens, hkv, d], &nv);
-    let mut out = Tensor::zeros(dtype, &[num_tokens, h, d]);
-    out.fill_nan();
-    ok(
-        attention.forward(
-            &q,
-            Some(KvPair { key: &k, value: &v }),
-            Some(&mut cache),
-            &md,
-            &mut out,
-            scales,
-        ),
-        "forward",
-    )?;
+    let built = DecoderPaged::build(case)?;
+    let layout = ok(
+        backend.allocate_kv_cache(&built.poisoned.spec),
+        "allocate_kv_cache",
+    )?
+    .layout();
+    let mut cache = built.cache(layout)?;
+    let out = built.call.run(&*backend, Some(&mut cache), "forward")?;
 
     // Dense side.
-    let dense = st.dense(&config, true);
+    let dense = dense_of(st, &built.call.config, true);
+    let model = &built.after;
+    let num_tokens = built.call.query.shape()[0];
     let mut want = vec![0.0; num_tokens * h * d];
     let mut tok = 0;
-    for (s, seq) in seqs.iter().enumerate() {
-        let rows: Vec<KvRow> = (0..lens[s])
+    for (s, seq) in case.seqs.iter().enumerate() {
+        let (keys, values) = (&built.keys[s], &built.values[s]);
+        let rows: Vec<KvRow> = (0..built.lens[s])
             .map(|p| {
                 let padded = p >= seq.context && seq.pad[p - seq.context];
-                (!padded).then(|| {
-                    model.read_row(&keys[s][p * row..][..row], &values[s][p * row..][..row])
-                })
+                (!padded)
+                    .then(|| model.read_row(&keys[p * row..][..row], &values[p * row..][..row]))
             })
             .collect();
         for t in 0..seq.new {
-            let qrow = widen(&queries[s][t * h * d..][..h * d]);
+            let qrow = widen(&built.queries[s][t * h * d..][..h * d]);
             dense.query(
                 &qrow,
                 seq.context + t,
@@ -744,29 +203,8 @@ fn run_decoder_paged(case: &DecoderCase) -> TestResult {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decoder without a cache (fresh prompts only; keys are the inputs).
+// Self-attention without a cache: decoder (fresh prompts only), encoder, encoder-only.
 // ---------------------------------------------------------------------------------------------
-
-#[derive(Debug, Clone)]
-struct DecoderNoCacheCase {
-    settings: Settings,
-    prompts: Vec<usize>,
-    /// Decodes of a 1-token sequence (no context).
-    decodes: usize,
-}
-
-fn decoder_no_cache_case() -> impl Strategy<Value = DecoderNoCacheCase> {
-    (
-        settings(true),
-        prop::collection::vec(1..=10usize, 0..=4),
-        0..=2usize,
-    )
-        .prop_map(|(settings, prompts, decodes)| DecoderNoCacheCase {
-            settings,
-            prompts,
-            decodes,
-        })
-}
 
 /// Self-attention without a cache: each sequence's new tokens are all its keys.
 fn run_uncached_self(
@@ -775,48 +213,17 @@ fn run_uncached_self(
     lens: &[usize],
     decodes: usize,
 ) -> TestResult {
-    let mut rng = st.rng();
-    let (h, hkv, d, dtype) = (st.num_heads(), st.num_kv_heads, st.head_size, st.dtype);
+    let (h, hkv, d) = (st.num_heads(), st.num_kv_heads, st.head_size);
     let row = hkv * d;
-    let config = st.config(attn_type);
     let backend = registry::backend("reference").unwrap();
-    let attention = ok(backend.attention(&config), "attention")?;
-    let mut builder = MetadataBuilder::new(st.block_size);
-    for &n in lens {
-        builder.push(SequenceDesc::prompt(0, n, vec![]));
-    }
-    for _ in 0..decodes {
-        builder.push(SequenceDesc::decode(1, vec![]));
-    }
-    let mut all_lens = lens.to_vec();
-    all_lens.resize(lens.len() + decodes, 1);
-    let md = ok(builder.build(), "MetadataBuilder::build")?;
-    let num_tokens: usize = all_lens.iter().sum();
-    let qv = random_values(&mut rng, dtype, num_tokens * h * d, st.amplitude);
-    let kv = random_values(&mut rng, dtype, num_tokens * row, st.amplitude);
-    let vv = random_values(&mut rng, dtype, num_tokens * row, st.amplitude);
-    let q = tensor(dtype, &[num_tokens, h, d], &qv);
-    let k = tensor(dtype, &[num_tokens, hkv, d], &kv);
-    let v = tensor(dtype, &[num_tokens, hkv, d], &vv);
-    let mut out = Tensor::zeros(dtype, &[num_tokens, h, d]);
-    out.fill_nan();
-    // Scales are only valid (and random) with an fp8 cache dtype; with no cache they change
-    // nothing.
-    ok(
-        attention.forward(
-            &q,
-            Some(KvPair { key: &k, value: &v }),
-            None,
-            &md,
-            &mut out,
-            st.kv_scales(),
-        ),
-        "forward",
-    )?;
-    let dense = st.dense(&config, attn_type == AttnType::Decoder);
+    let built = UncachedSelf::build(st, attn_type, lens, decodes)?;
+    let out = built.call.run(&*backend, None, "forward")?;
+    let (qv, kv, vv) = (&built.q, &built.k, &built.v);
+    let dense = dense_of(st, &built.call.config, attn_type == AttnType::Decoder);
+    let num_tokens: usize = built.lens.iter().sum();
     let mut want = vec![0.0; num_tokens * h * d];
     let mut start = 0;
-    for &n in &all_lens {
+    for &n in &built.lens {
         let rows: Vec<KvRow> = (start..start + n)
             .map(|t| Some((widen(&kv[t * row..][..row]), widen(&vv[t * row..][..row]))))
             .collect();
@@ -835,101 +242,8 @@ fn run_uncached_self(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Encoder and encoder-only (bidirectional, no cache, zero-length sequences allowed).
-// ---------------------------------------------------------------------------------------------
-
-#[derive(Debug, Clone)]
-struct EncoderCase {
-    settings: Settings,
-    attn_type: AttnType,
-    lens: Vec<usize>,
-}
-
-fn encoder_case() -> impl Strategy<Value = EncoderCase> {
-    (
-        settings(false),
-        prop_oneof![Just(AttnType::Encoder), Just(AttnType::EncoderOnly)],
-        prop::collection::vec(prop_oneof![1 => Just(0usize), 4 => 1..=10usize], 1..=4),
-    )
-        .prop_map(|(settings, attn_type, lens)| EncoderCase {
-            settings,
-            attn_type,
-            lens,
-        })
-}
-
-// ---------------------------------------------------------------------------------------------
 // Encoder-decoder (cross attention).
 // ---------------------------------------------------------------------------------------------
-
-#[derive(Debug, Clone, Copy)]
-enum Next {
-    Decode,
-    Chunk(usize),
-}
-
-#[derive(Debug, Clone)]
-struct CrossSeq {
-    encoder_len: usize,
-    /// Decoder tokens before the first call (only their count matters: query positions).
-    decoder_context: usize,
-    first_len: usize,
-    then: Next,
-    extra_blocks: usize,
-}
-
-#[derive(Debug, Clone)]
-struct CrossCase {
-    settings: Settings,
-    seqs: Vec<CrossSeq>,
-    spare_blocks: usize,
-    /// Whether the metadata also carries decoder block tables (the self-attention cache's, with
-    /// blocks that alias the cross cache's range): cross attention must ignore them.
-    decoder_tables: bool,
-}
-
-fn cross_seq() -> impl Strategy<Value = CrossSeq> {
-    (
-        prop_oneof![1 => Just(0usize), 5 => 1..=10usize],
-        prop_oneof![Just(0usize), 1..=4usize],
-        1..=5usize,
-        prop_oneof![Just(Next::Decode), (1..=4usize).prop_map(Next::Chunk)],
-        0..=2usize,
-    )
-        .prop_map(
-            |(encoder_len, decoder_context, first_len, then, extra_blocks)| CrossSeq {
-                encoder_len,
-                decoder_context,
-                first_len,
-                then,
-                extra_blocks,
-            },
-        )
-}
-
-fn cross_case() -> impl Strategy<Value = CrossCase> {
-    (
-        settings(false),
-        prop::collection::vec(cross_seq(), 1..=3),
-        0..=3usize,
-        any::<bool>(),
-    )
-        .prop_map(|(settings, seqs, spare_blocks, decoder_tables)| CrossCase {
-            settings,
-            seqs,
-            spare_blocks,
-            decoder_tables,
-        })
-}
-
-/// One decoder step of a cross-attention call: sequence `s`, `context` decoder tokens before,
-/// `new` query tokens.
-struct CrossStep {
-    s: usize,
-    context: usize,
-    new: usize,
-    decode: bool,
-}
 
 /// Dense cross attention of `steps` (in batch order) over each sequence's encoder rows.
 fn dense_cross(
@@ -957,281 +271,81 @@ fn dense_cross(
 
 fn run_cross_paged(case: &CrossCase) -> TestResult {
     let st = &case.settings;
-    let mut rng = st.rng();
-    let (h, hkv, d, b, dtype) = (
-        st.num_heads(),
-        st.num_kv_heads,
-        st.head_size,
-        st.block_size,
-        st.dtype,
-    );
+    let (h, hkv, d) = (st.num_heads(), st.num_kv_heads, st.head_size);
     let row = hkv * d;
-    let config = st.config(AttnType::EncoderDecoder);
     let backend = registry::backend("reference").unwrap();
-    let attention = ok(backend.attention(&config), "attention")?;
-    let seqs = &case.seqs;
-    let enc_lens: Vec<usize> = seqs.iter().map(|s| s.encoder_len).collect();
-    let extra: Vec<usize> = seqs.iter().map(|s| s.extra_blocks).collect();
-    let (num_blocks, cross_tables) = allocate(&mut rng, b, &enc_lens, &extra, case.spare_blocks);
-    let spec = st.spec(num_blocks);
-    let layout = ok(backend.allocate_kv_cache(&spec), "allocate_kv_cache")?.layout();
-    let scales = st.kv_scales();
-    let mut model = CacheModel::poisoned(spec, scales, &mut rng);
-    let mut cache = model.build(layout);
-
-    let final_len = |s: &CrossSeq| {
-        s.decoder_context
-            + s.first_len
-            + match s.then {
-                Next::Decode => 1,
-                Next::Chunk(n) => n,
-            }
-    };
-    let decoder_tables: Vec<Vec<i32>> = seqs
-        .iter()
-        .map(|s| {
-            if case.decoder_tables {
-                (0..final_len(s).div_ceil(b))
-                    .map(|_| rng.random_range(0..num_blocks as i32))
-                    .collect()
-            } else {
-                Vec::new()
-            }
-        })
-        .collect();
-    let enc_k: Vec<Vec<f32>> = enc_lens
-        .iter()
-        .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
-        .collect();
-    let enc_v: Vec<Vec<f32>> = enc_lens
-        .iter()
-        .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
-        .collect();
+    let built = CrossPaged::build(case)?;
+    let layout = ok(
+        backend.allocate_kv_cache(&built.poisoned.spec),
+        "allocate_kv_cache",
+    )?
+    .layout();
+    let mut cache = built.poisoned.build(layout);
+    let model = &built.after;
 
     // Call 1: decoder prompts; the call carries the encoder K/V and writes the cross cache.
-    let q1: Vec<Vec<f32>> = seqs
-        .iter()
-        .map(|s| random_values(&mut rng, dtype, s.first_len * h * d, st.amplitude))
-        .collect();
-    let mut builder = MetadataBuilder::new(b);
-    builder.write_cross_kv(true);
-    for (s, seq) in seqs.iter().enumerate() {
-        builder.push(
-            SequenceDesc::prompt(
-                seq.decoder_context,
-                seq.first_len,
-                decoder_tables[s].clone(),
-            )
-            .with_encoder(seq.encoder_len, cross_tables[s].clone()),
-        );
-    }
-    let md1 = ok(builder.build(), "MetadataBuilder::build (call 1)")?;
-    let (mut ek, mut ev, mut cross_slots) = (Vec::new(), Vec::new(), Vec::new());
-    for (s, &l) in enc_lens.iter().enumerate() {
-        for p in 0..l {
-            let (k, v) = (&enc_k[s][p * row..][..row], &enc_v[s][p * row..][..row]);
-            ek.extend_from_slice(k);
-            ev.extend_from_slice(v);
-            let slot = slot_of(&cross_tables[s], b, p);
-            cross_slots.push(slot);
-            model.store(slot, k, v);
-        }
-    }
-    prop_assert_eq!(
-        &md1.encoder.as_ref().unwrap().cross_slot_mapping,
-        &cross_slots,
-        "builder cross_slot_mapping"
-    );
-    let num_enc = cross_slots.len();
-    let t1: usize = seqs.iter().map(|s| s.first_len).sum();
-    let q = tensor(dtype, &[t1, h, d], &q1.concat());
-    let k = tensor(dtype, &[num_enc, hkv, d], &ek);
-    let v = tensor(dtype, &[num_enc, hkv, d], &ev);
-    let mut out = Tensor::zeros(dtype, &[t1, h, d]);
-    out.fill_nan();
-    ok(
-        attention.forward(
-            &q,
-            Some(KvPair { key: &k, value: &v }),
-            Some(&mut cache),
-            &md1,
-            &mut out,
-            scales,
-        ),
+    let out = built.call1.run(
+        &*backend,
+        Some(&mut cache),
         "forward (call 1, writes the cross cache)",
     )?;
-    let enc_rows: Vec<Vec<KvRow>> = (0..seqs.len())
+    let enc_rows: Vec<Vec<KvRow>> = (0..case.seqs.len())
         .map(|s| {
-            (0..enc_lens[s])
-                .map(|p| {
-                    Some(model.read_row(&enc_k[s][p * row..][..row], &enc_v[s][p * row..][..row]))
-                })
+            let (k, v) = (&built.enc_k[s], &built.enc_v[s]);
+            (0..built.enc_lens[s])
+                .map(|p| Some(model.read_row(&k[p * row..][..row], &v[p * row..][..row])))
                 .collect()
         })
         .collect();
-    let dense = st.dense(&config, false);
-    let steps1: Vec<CrossStep> = seqs
-        .iter()
-        .enumerate()
-        .map(|(s, seq)| CrossStep {
-            s,
-            context: seq.decoder_context,
-            new: seq.first_len,
-            decode: false,
-        })
-        .collect();
-    check_output(&out, &dense_cross(&dense, &steps1, &q1, &enc_rows), h, d)
-        .map_err(|e| TestCaseError::fail(format!("call 1: {e}")))?;
+    let dense = dense_of(st, &built.call1.config, false);
+    check_output(
+        &out,
+        &dense_cross(&dense, &built.steps1, &built.q1, &enc_rows),
+        h,
+        d,
+    )
+    .map_err(|e| TestCaseError::fail(format!("call 1: {e}")))?;
     model.check(&cache, "after call 1")?;
 
     // Call 2: no key/value; decoder chunks first, then decodes, read the cross cache.
-    let mut steps2: Vec<CrossStep> = Vec::new();
-    for want_decode in [false, true] {
-        for (s, seq) in seqs.iter().enumerate() {
-            let (new, decode) = match seq.then {
-                Next::Decode => (1, true),
-                Next::Chunk(n) => (n, false),
-            };
-            if decode == want_decode {
-                steps2.push(CrossStep {
-                    s,
-                    context: seq.decoder_context + seq.first_len,
-                    new,
-                    decode,
-                });
-            }
-        }
-    }
-    let mut q2: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
-    let mut builder = MetadataBuilder::new(b);
-    for step in &steps2 {
-        q2[step.s] = random_values(&mut rng, dtype, step.new * h * d, st.amplitude);
-        let desc = if step.decode {
-            SequenceDesc::decode(step.context + 1, decoder_tables[step.s].clone())
-        } else {
-            SequenceDesc::prompt(step.context, step.new, decoder_tables[step.s].clone())
-        };
-        builder.push(desc.with_encoder(enc_lens[step.s], cross_tables[step.s].clone()));
-    }
-    let md2 = ok(builder.build(), "MetadataBuilder::build (call 2)")?;
-    let t2: usize = steps2.iter().map(|s| s.new).sum();
-    let q_all: Vec<f32> = steps2.iter().flat_map(|st| q2[st.s].clone()).collect();
-    let q = tensor(dtype, &[t2, h, d], &q_all);
-    let mut out = Tensor::zeros(dtype, &[t2, h, d]);
-    out.fill_nan();
-    ok(
-        attention.forward(&q, None, Some(&mut cache), &md2, &mut out, scales),
+    let out = built.call2.run(
+        &*backend,
+        Some(&mut cache),
         "forward (call 2, reads the cross cache)",
     )?;
-    check_output(&out, &dense_cross(&dense, &steps2, &q2, &enc_rows), h, d)
-        .map_err(|e| TestCaseError::fail(format!("call 2: {e}")))?;
-    model.check(&cache, "after call 2")
-}
-
-#[derive(Debug, Clone)]
-struct CrossNoCacheCase {
-    settings: Settings,
-    /// (encoder_len, decoder context, query_len); decodes have query_len 1 and come last.
-    prefills: Vec<(usize, usize, usize)>,
-    decodes: Vec<(usize, usize)>,
-}
-
-fn cross_no_cache_case() -> impl Strategy<Value = CrossNoCacheCase> {
-    let enc = prop_oneof![1 => Just(0usize), 5 => 1..=10usize];
-    (
-        settings(false),
-        prop::collection::vec((enc.clone(), 0..=6usize, 1..=5usize), 0..=3),
-        prop::collection::vec((enc, 0..=6usize), 0..=3),
+    check_output(
+        &out,
+        &dense_cross(&dense, &built.steps2, &built.q2, &enc_rows),
+        h,
+        d,
     )
-        // At least one sequence: the builder derives the encoder metadata from them.
-        .prop_filter("an empty batch", |(_, p, d)| {
-            !(p.is_empty() && d.is_empty())
-        })
-        .prop_map(|(settings, prefills, decodes)| CrossNoCacheCase {
-            settings,
-            prefills,
-            decodes,
-        })
+    .map_err(|e| TestCaseError::fail(format!("call 2: {e}")))?;
+    model.check(&cache, "after call 2")
 }
 
 fn run_cross_no_cache(case: &CrossNoCacheCase) -> TestResult {
     let st = &case.settings;
-    let mut rng = st.rng();
-    let (h, hkv, d, dtype) = (st.num_heads(), st.num_kv_heads, st.head_size, st.dtype);
+    let (h, hkv, d) = (st.num_heads(), st.num_kv_heads, st.head_size);
     let row = hkv * d;
-    let config = st.config(AttnType::EncoderDecoder);
     let backend = registry::backend("reference").unwrap();
-    let attention = ok(backend.attention(&config), "attention")?;
-    let mut steps = Vec::new();
-    let mut enc_lens = Vec::new();
-    let mut builder = MetadataBuilder::new(st.block_size);
-    for &(e, context, new) in &case.prefills {
-        builder.push(SequenceDesc::prompt(context, new, vec![]).with_encoder(e, vec![]));
-        steps.push(CrossStep {
-            s: steps.len(),
-            context,
-            new,
-            decode: false,
-        });
-        enc_lens.push(e);
-    }
-    for &(e, context) in &case.decodes {
-        builder.push(SequenceDesc::decode(context + 1, vec![]).with_encoder(e, vec![]));
-        steps.push(CrossStep {
-            s: steps.len(),
-            context,
-            new: 1,
-            decode: true,
-        });
-        enc_lens.push(e);
-    }
-    let md = ok(builder.build(), "MetadataBuilder::build")?;
-    let queries: Vec<Vec<f32>> = steps
-        .iter()
-        .map(|s| random_values(&mut rng, dtype, s.new * h * d, st.amplitude))
-        .collect();
-    let enc_k: Vec<Vec<f32>> = enc_lens
-        .iter()
-        .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
-        .collect();
-    let enc_v: Vec<Vec<f32>> = enc_lens
-        .iter()
-        .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
-        .collect();
-    let num_tokens: usize = steps.iter().map(|s| s.new).sum();
-    let num_enc: usize = enc_lens.iter().sum();
-    let q = tensor(dtype, &[num_tokens, h, d], &queries.concat());
-    let k = tensor(dtype, &[num_enc, hkv, d], &enc_k.concat());
-    let v = tensor(dtype, &[num_enc, hkv, d], &enc_v.concat());
-    let mut out = Tensor::zeros(dtype, &[num_tokens, h, d]);
-    out.fill_nan();
-    ok(
-        attention.forward(
-            &q,
-            Some(KvPair { key: &k, value: &v }),
-            None,
-            &md,
-            &mut out,
-            st.kv_scales(),
-        ),
-        "forward",
-    )?;
-    let enc_rows: Vec<Vec<KvRow>> = (0..enc_lens.len())
+    let built = CrossNoCache::build(case)?;
+    let out = built.call.run(&*backend, None, "forward")?;
+    let enc_rows: Vec<Vec<KvRow>> = (0..built.enc_lens.len())
         .map(|s| {
-            (0..enc_lens[s])
+            (0..built.enc_lens[s])
                 .map(|p| {
                     Some((
-                        widen(&enc_k[s][p * row..][..row]),
-                        widen(&enc_v[s][p * row..][..row]),
+                        widen(&built.enc_k[s][p * row..][..row]),
+                        widen(&built.enc_v[s][p * row..][..row]),
                     ))
                 })
                 .collect()
         })
         .collect();
-    let dense = st.dense(&config, false);
+    let dense = dense_of(st, &built.call.config, false);
     check_output(
         &out,
-        &dense_cross(&dense, &steps, &queries, &enc_rows),
+        &dense_cross(&dense, &built.steps, &built.queries, &enc_rows),
         h,
         d,
     )
@@ -1240,21 +354,6 @@ fn run_cross_no_cache(case: &CrossNoCacheCase) -> TestResult {
 // ---------------------------------------------------------------------------------------------
 // The properties.
 // ---------------------------------------------------------------------------------------------
-
-/// `cases` per property, unless `PROPTEST_CASES` asks for another number (for a long soak).
-fn config(cases: u32) -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(cases);
-    ProptestConfig {
-        cases,
-        // This file is the only one the suite writes to: no regression files. A failure
-        // prints the minimal case (its `seed` regenerates the data).
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
 
 proptest! {
     #![proptest_config(config(256))]
