@@ -70,8 +70,8 @@ fn forward(input: &Path, backend: &str, output: &Path) -> Result<()> {
     write(output, &replay::write_output(&result)?)?;
     let md = &case.metadata;
     let c = &case.config;
-    println!(
-        "{}: {} {} call, {} prefill + {} decode sequences, {} query tokens, H={} Hkv={} D={} {} (cache {}), {:.2} ms -> {}",
+    print_ignoring_closed_pipe(&format!(
+        "{}: {} {} call, {} prefill + {} decode sequences, {} query tokens, H={} Hkv={} D={} {} (cache {}), {:.2} ms -> {}\n",
         backend.name(),
         c.attn_type(),
         case.query.dtype(),
@@ -85,31 +85,47 @@ fn forward(input: &Path, backend: &str, output: &Path) -> Result<()> {
         c.kv_cache_dtype(),
         elapsed.as_secs_f64() * 1e3,
         output.display(),
-    );
+    ));
     Ok(())
 }
 
-fn info() {
-    for b in registry::available_backends() {
+/// The text of `pagedattn info`.
+fn info() -> String {
+    use std::fmt::Write;
+    let mut text = String::new();
+    for (name, backend) in registry::all_backends() {
+        let b = match backend {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = writeln!(text, "backend {name}: unavailable: {e}");
+                continue;
+            }
+        };
         let c = b.capabilities();
         let dtypes: Vec<&str> = c.dtypes.iter().map(|d| d.name()).collect();
         let types: Vec<&str> = c.attn_types.iter().map(|t| t.name()).collect();
-        println!("backend {} on {}", b.name(), b.device());
-        println!("  dtypes:      {}", dtypes.join(", "));
-        println!("  head sizes:  {}", c.head_sizes);
-        println!("  block sizes: {}", c.block_sizes);
-        println!("  attn types:  {}", types.join(", "));
-        println!(
+        let _ = writeln!(text, "backend {} on {}", b.name(), b.device());
+        let _ = writeln!(text, "  dtypes:      {}", dtypes.join(", "));
+        let _ = writeln!(text, "  head sizes:  {}", c.head_sizes);
+        let _ = writeln!(text, "  block sizes: {}", c.block_sizes);
+        let _ = writeln!(text, "  attn types:  {}", types.join(", "));
+        let _ = writeln!(
+            text,
             "  fp8 KV cache: {}, ALiBi: {}, sliding window: {}, soft cap: {}",
             c.fp8, c.alibi, c.sliding_window, c.soft_cap
         );
-        println!("  cache layout: {:?}", b.kv_cache_layout());
+        let _ = writeln!(text, "  cache layout: {:?}", b.kv_cache_layout());
+        for (name, value) in b.details() {
+            let _ = writeln!(text, "  {name}: {value}");
+        }
     }
-    println!(
+    let _ = writeln!(
+            text,
         "cpu: {} threads, SIMD: {}",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         simd_features().join(" ")
     );
+    text
 }
 
 /// The SIMD features of this CPU that matter to attention kernels.
@@ -146,6 +162,12 @@ fn simd_features() -> Vec<&'static str> {
     found
 }
 
+/// Prints `text` to stdout; a reader that closed the pipe early (`| head`) is not an error.
+fn print_ignoring_closed_pipe(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -155,7 +177,7 @@ fn main() -> ExitCode {
             output,
         } => forward(&input, &backend, &output),
         Command::Info => {
-            info();
+            print_ignoring_closed_pipe(&info());
             Ok(())
         }
         Command::Example { output, seed } => {
