@@ -2,6 +2,7 @@
 
 #![warn(missing_docs)]
 
+mod bench;
 mod example;
 
 use std::path::{Path, PathBuf};
@@ -34,6 +35,9 @@ enum Command {
     },
     /// Lists the backends available here, their capabilities, and the CPU's SIMD features.
     Info,
+    /// Benchmarks a backend (decode, prefill, mixed batch, paging) against this machine's
+    /// measured ceilings (memory read bandwidth, FMA and bf16 dot peaks).
+    Bench(bench::BenchArgs),
     /// Writes an example replay case: a mixed batch of chunked prefills with cached context,
     /// a fresh prompt and decodes, GQA, bf16.
     Example {
@@ -120,7 +124,7 @@ fn info() -> String {
         }
     }
     let _ = writeln!(
-            text,
+        text,
         "cpu: {} threads, SIMD: {}",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         simd_features().join(" ")
@@ -176,6 +180,7 @@ fn main() -> ExitCode {
             backend,
             output,
         } => forward(&input, &backend, &output),
+        Command::Bench(args) => bench::run(&args),
         Command::Info => {
             print_ignoring_closed_pipe(&info());
             Ok(())

@@ -84,9 +84,6 @@ impl TileSource for PackedBf16Source<'_> {
     }
 
     #[inline(always)]
-    fn prepare<S: Simd>(&self, _s: S, _next: Range<usize>) {}
-
-    #[inline(always)]
     fn scores<S: Simd>(&self, _s: S, keys: Range<usize>, scores: &mut [f32]) {
         let p = self.packed;
         let half = p.d / 2;

@@ -116,6 +116,39 @@ pub struct KvRows<'a, E> {
 }
 
 impl<E> KvRows<'_, E> {
+    /// Element offsets of the rows of `keys`, into `out` (walks the block table instead of
+    /// dividing per key).
+    #[inline(always)]
+    pub fn rows_into(&self, keys: Range<usize>, out: &mut [usize]) {
+        match self.layout {
+            RowLayout::Paged {
+                table,
+                block_size,
+                block_stride,
+                head_offset,
+            } => {
+                let (mut block, mut offset) = (keys.start / block_size, keys.start % block_size);
+                for o in out[..keys.len()].iter_mut() {
+                    if offset == block_size {
+                        (block, offset) = (block + 1, 0);
+                    }
+                    *o = table[block] as usize * block_stride
+                        + head_offset
+                        + offset * self.head_size;
+                    offset += 1;
+                }
+            }
+            RowLayout::Dense {
+                first_row,
+                token_stride,
+            } => {
+                for (o, j) in out.iter_mut().zip(keys) {
+                    *o = first_row + j * token_stride;
+                }
+            }
+        }
+    }
+
     /// Element offset of position `j`'s row.
     #[inline(always)]
     pub fn row(&self, j: usize) -> usize {
@@ -177,8 +210,6 @@ impl RowStates {
 pub trait TileSource {
     /// Tiles start at `origin + k * step` (packed layouts need aligned column groups).
     fn alignment(&self) -> (usize, usize);
-    /// Called before tile `current` is computed; `next` is the tile after it.
-    fn prepare<S: Simd>(&self, s: S, next: Range<usize>);
     /// Scores of every row for `keys` into `scores` (`[rows][KEY_TILE]`, scale applied).
     fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]);
     /// `acc[r] += Σ_j p[r][j] · v_j` over `keys`, skipping positions marked absent.
@@ -190,6 +221,11 @@ pub trait TileSource {
         probs: &mut [f32],
         state: &mut RowStates,
     );
+    /// Called once after the last tile (e.g. to undo a permuted accumulator layout).
+    #[inline(always)]
+    fn finish(&self, state: &mut RowStates) {
+        let _ = state;
+    }
 }
 
 /// [`attend`] as an operation for [`Simd::vectorize`].
@@ -231,7 +267,6 @@ pub fn attend<S: Simd, Src: TileSource>(
     while start < group.keys.end {
         let end = (start + KEY_TILE).min(group.keys.end);
         let n = end - start;
-        source.prepare(s, end..(end + KEY_TILE).min(group.keys.end));
         source.scores(s, start..end, &mut scores);
         // Positions in this tile that are not keys: masked for every row, skipped in P·V.
         let mut tile_absent = [false; KEY_TILE];
@@ -265,6 +300,7 @@ pub fn attend<S: Simd, Src: TileSource>(
         source.accumulate(s, start..end, &tile_absent[..n], &mut scores, state);
         start = end;
     }
+    source.finish(state);
 }
 
 /// Scores and values read straight from the cache rows (decode: a few rows per key).
@@ -281,37 +317,27 @@ pub struct RowsSource<'a, E> {
 /// How many keys ahead the decode path asks for key rows.
 const PREFETCH_KEYS: usize = 16;
 
-impl<E: Load> RowsSource<'_, E> {
-    /// Asks for every cache line of position `j`'s row in `buf`.
-    #[inline(always)]
-    fn prefetch_row<S: Simd>(&self, s: S, buf: &[E], j: usize) {
-        let p = buf[self.kv.row(j)..].as_ptr() as *const u8;
-        for line in (0..self.kv.head_size * std::mem::size_of::<E>()).step_by(64) {
-            s.prefetch(p.wrapping_add(line));
-        }
-    }
-}
-
 impl<E: Load> TileSource for RowsSource<'_, E> {
     fn alignment(&self) -> (usize, usize) {
         (0, 1)
     }
 
     #[inline(always)]
-    fn prepare<S: Simd>(&self, _s: S, _next: Range<usize>) {}
-
-    #[inline(always)]
     fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
-        for (t, j) in keys.enumerate() {
+        // Row offsets of this tile and of the keys to prefetch beyond it.
+        let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
+        let reach = keys.start..(keys.end + PREFETCH_KEYS).min(self.keys_end);
+        self.kv.rows_into(reach.clone(), &mut offsets);
+        for t in 0..keys.len() {
             // Keep a steady stream of requests in flight: the key row PREFETCH_KEYS ahead, and
             // this key's value row (read by the P·V pass right after this tile).
-            if j + PREFETCH_KEYS < self.keys_end {
-                self.prefetch_row(s, self.kv.key, j + PREFETCH_KEYS);
+            if t + PREFETCH_KEYS < reach.len() {
+                prefetch_row(s, &self.kv.key[offsets[t + PREFETCH_KEYS]..][..d]);
             }
-            self.prefetch_row(s, self.kv.value, j);
-            let k = &self.kv.key[self.kv.row(j)..][..d];
+            prefetch_row(s, &self.kv.value[offsets[t]..][..d]);
+            let k = &self.kv.key[offsets[t]..][..d];
             for_row_blocks!(rows, |r0, R| qk_row::<S, E, R>(s, self.q, r0, k, t, scores));
         }
     }
@@ -326,9 +352,7 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
         state: &mut RowStates,
     ) {
         let mut value_rows = [0usize; KEY_TILE];
-        for (t, j) in keys.enumerate() {
-            value_rows[t] = self.kv.row(j);
-        }
+        self.kv.rows_into(keys, &mut value_rows);
         accumulate_rows(
             s,
             self.kv.value,
@@ -337,6 +361,15 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
             probs,
             state,
         );
+    }
+}
+
+/// Asks for every cache line of a row.
+#[inline(always)]
+fn prefetch_row<S: Simd, E>(s: S, row: &[E]) {
+    let p = row.as_ptr() as *const u8;
+    for line in (0..std::mem::size_of_val(row)).step_by(64) {
+        s.prefetch(p.wrapping_add(line));
     }
 }
 
@@ -361,8 +394,16 @@ fn qk_row<S: Simd, E: Load, const R: usize>(
             *a = s.fma(unsafe { s.load(q.as_ptr().add(r * d + c)) }, kv, *a);
         }
     }
-    for (r, a) in acc.iter().enumerate() {
-        scores[(r0 + r) * KEY_TILE + t] = s.reduce_sum(*a);
+    let mut r = 0;
+    while r + 4 <= R {
+        let sums = s.reduce_sum4([acc[r], acc[r + 1], acc[r + 2], acc[r + 3]]);
+        for (i, x) in sums.into_iter().enumerate() {
+            scores[(r0 + r + i) * KEY_TILE + t] = x;
+        }
+        r += 4;
+    }
+    for (i, a) in acc.iter().enumerate().skip(r) {
+        scores[(r0 + i) * KEY_TILE + t] = s.reduce_sum(*a);
     }
 }
 
@@ -489,7 +530,9 @@ pub fn accumulate_rows<S: Simd, E: Load>(
     ));
 }
 
-/// P·V for rows `r0..r0+R`: each value vector is loaded once for the R rows.
+/// P·V for rows `r0..r0+R`: each value vector is loaded once for the R rows. Even and odd
+/// keys accumulate into separate registers, so that short row blocks still have enough
+/// independent FMA chains to hide the FMA latency.
 #[inline(always)]
 fn pv_block<S: Simd, E: Load, const R: usize>(
     s: S,
@@ -503,23 +546,41 @@ fn pv_block<S: Simd, E: Load, const R: usize>(
     let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
     let acc = &mut acc[r0 * d..(r0 + R) * d];
     for c in (0..d).step_by(S::LANES) {
-        let mut a = [s.splat(0.0); R];
-        for (r, v) in a.iter_mut().enumerate() {
+        let mut even = [s.splat(0.0); R];
+        let mut odd = [s.splat(0.0); R];
+        for (r, v) in even.iter_mut().enumerate() {
             // SAFETY: acc is R × d here, c + LANES <= d.
             *v = unsafe { s.load(acc.as_ptr().add(r * d + c)) };
         }
-        for &(t, row) in present {
-            // SAFETY: row + d is inside the validated value buffer; t < KEY_TILE.
+        let mut pairs = present.chunks_exact(2);
+        for pair in &mut pairs {
+            let ((t0, row0), (t1, row1)) = (pair[0], pair[1]);
+            // SAFETY: rows + d are inside the validated value buffer; t < KEY_TILE.
+            unsafe {
+                let v0 = E::load(s, values.as_ptr().add(row0 + c));
+                let v1 = E::load(s, values.as_ptr().add(row1 + c));
+                for r in 0..R {
+                    even[r] = s.fma(
+                        s.splat(*probs.get_unchecked(r * KEY_TILE + t0)),
+                        v0,
+                        even[r],
+                    );
+                    odd[r] = s.fma(s.splat(*probs.get_unchecked(r * KEY_TILE + t1)), v1, odd[r]);
+                }
+            }
+        }
+        for &(t, row) in pairs.remainder() {
+            // SAFETY: as above.
             unsafe {
                 let v = E::load(s, values.as_ptr().add(row + c));
-                for (r, x) in a.iter_mut().enumerate() {
+                for (r, x) in even.iter_mut().enumerate() {
                     *x = s.fma(s.splat(*probs.get_unchecked(r * KEY_TILE + t)), v, *x);
                 }
             }
         }
-        for (r, v) in a.iter().enumerate() {
+        for r in 0..R {
             // SAFETY: as above.
-            unsafe { s.store(acc.as_mut_ptr().add(r * d + c), *v) };
+            unsafe { s.store(acc.as_mut_ptr().add(r * d + c), s.add(even[r], odd[r])) };
         }
     }
 }

@@ -98,9 +98,6 @@ impl TileSource for PackedF32Source<'_> {
     }
 
     #[inline(always)]
-    fn prepare<S: Simd>(&self, _s: S, _next: Range<usize>) {}
-
-    #[inline(always)]
     fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
         let p = self.packed;
         debug_assert_eq!(p.lanes, S::LANES);

@@ -93,6 +93,12 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn pow2i(self, n: Self::V) -> Self::V;
     /// Sum of the lanes.
     fn reduce_sum(self, a: Self::V) -> f32;
+    /// The lane sums of four vectors at once (cheaper than four [`reduce_sum`](Self::reduce_sum)
+    /// where the ISA can interleave them).
+    #[inline(always)]
+    fn reduce_sum4(self, v: [Self::V; 4]) -> [f32; 4] {
+        v.map(|x| self.reduce_sum(x))
+    }
     /// Hints that the cache line holding `p` will be read soon (into L2); a no-op where the
     /// ISA has no stable prefetch.
     #[inline(always)]

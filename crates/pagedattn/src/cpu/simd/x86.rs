@@ -309,6 +309,28 @@ impl Simd for Avx512 {
         unsafe { _mm512_reduce_add_ps(a) }
     }
     #[inline(always)]
+    fn reduce_sum4(self, [a, b, c, d]: [__m512; 4]) -> [f32; 4] {
+        // Interleave and add until each 128-bit lane holds (Σa, Σb, Σc, Σd) partials, then
+        // fold the four lanes.
+        unsafe {
+            let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+            let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+            let abcd = _mm512_add_ps(
+                _mm512_shuffle_ps::<0x44>(ab, cd),
+                _mm512_shuffle_ps::<0xEE>(ab, cd),
+            );
+            let upper = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(abcd)));
+            let half = _mm256_add_ps(_mm512_castps512_ps256(abcd), upper);
+            let quarter = _mm_add_ps(
+                _mm256_castps256_ps128(half),
+                _mm256_extractf128_ps::<1>(half),
+            );
+            let mut out = [0.0f32; 4];
+            _mm_storeu_ps(out.as_mut_ptr(), quarter);
+            out
+        }
+    }
+    #[inline(always)]
     fn prefetch<T>(self, p: *const T) {
         // SAFETY: prefetching never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }

@@ -1,0 +1,510 @@
+#!/usr/bin/env python3
+"""pagedattn versus PyTorch on the CPU, side by side, in one run.
+
+Runs `pagedattn bench --json` (building it with cargo unless --pagedattn is given), then runs the
+same workloads -- same shapes, same paged cache geometry, same number of rotated layers, same
+thread count -- through PyTorch, and prints a markdown ratio table:
+
+* decode: K/V gathered from a paged cache ([NB, Hkv, B, D] tensor + block tables), then
+  `scaled_dot_product_attention`, GQA grouped as a user would (`enable_gqa=True` and
+  `repeat_interleave`; the faster one is "PyTorch's best"). The cache write and the gather are
+  timed with it, since a paged engine must do both; SDPA alone is reported too. FlexAttention's
+  paged path (`torch.nn.attention.experimental._paged_attention` + compiled `flex_attention`)
+  for bf16 decode rows, if it runs here (otherwise the table says why).
+* prefill: SDPA with is_causal=True on [S, H, n, D] (equal lengths are batched), plus the write of
+  the prompt's K/V into the paged cache.
+* mixed: the same batch as one engine step: cache write, prompt chunks over cached context
+  (gathered K/V, bottom-right causal mask), the fresh prompt (is_causal), the decodes (batched).
+
+Usage: python bench/torch_compare.py [--quick] [--pagedattn PATH] [--backend NAME]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+# Compile FlexAttention in this process: inductor's pool of compile workers otherwise keeps
+# competing for the cores and slows every later measurement (seen: 0.2 ms -> 12 ms).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pagedattn", help="path to the pagedattn binary (default: cargo build --release)")
+    p.add_argument("--backend", default="auto", help="pagedattn backend (default: auto)")
+    p.add_argument("--quick", action="store_true", help="fewer rows, shorter timings")
+    p.add_argument("--suite", default="all", choices=["all", "decode", "prefill", "mixed", "paging"])
+    p.add_argument("--iters", type=int, help="measured iterations per row (both sides)")
+    p.add_argument("--seconds", type=float, help="seconds of measurement per row (both sides)")
+    p.add_argument("--wait-quiet", type=float, default=0,
+                   help="wait up to this many seconds for other processes to leave the CPUs (pagedattn, then PyTorch)")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--flex", default="headline", choices=["headline", "all", "none"],
+                   help="FlexAttention paged decode on the headline decode rows (default), every bf16 decode row, or none "
+                        "(each shape costs a torch.compile of ~30 s)")
+    p.add_argument("--from-json", help="use this `pagedattn bench --json` output instead of running pagedattn")
+    p.add_argument("--json-out", help="also write every number (both sides) to this file")
+    return p.parse_args()
+
+
+def pagedattn_binary(args):
+    if args.pagedattn:
+        return args.pagedattn
+    print("building pagedattn (cargo build --release -p pagedattn-cli) ...", file=sys.stderr, flush=True)
+    subprocess.run(["cargo", "build", "--release", "-p", "pagedattn-cli"], cwd=REPO, check=True)
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(REPO, "target"))
+    return os.path.join(target, "release", "pagedattn")
+
+
+def run_pagedattn(args):
+    if args.from_json:
+        with open(args.from_json) as f:
+            return json.load(f)
+    cmd = [pagedattn_binary(args), "bench", "--json", "--backend", args.backend, "--suite", args.suite]
+    for flag, on in (("--quick", args.quick), ("--tiny", args.tiny)):
+        if on:
+            cmd.append(flag)
+    if args.iters:
+        cmd += ["--iters", str(args.iters)]
+    if args.seconds:
+        cmd += ["--seconds", str(args.seconds)]
+    if args.wait_quiet:
+        cmd += ["--wait-quiet", str(args.wait_quiet)]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    # The table goes to stderr (shown as it runs); the JSON to stdout.
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing: warm-up, then N iterations, median and min (as pagedattn bench does).
+
+
+def measure(fn, timing):
+    """Runs fn(i) for warm-up and measured iterations; returns (median s, min s, iters)."""
+    warm, start, i = [], time.perf_counter(), 0
+    while len(warm) < 2 or time.perf_counter() - start < timing["warmup_seconds"]:
+        t = time.perf_counter()
+        fn(i)
+        i += 1
+        warm.append(time.perf_counter() - t)
+    per = max(statistics.median(warm), 1e-9)
+    iters = timing["iters"] or min(max(round(timing["target_seconds"] / per), timing["min_iters"]), 100_000)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn(i)
+        i += 1
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), min(times), iters
+
+
+# ---------------------------------------------------------------------------------------------
+# The workloads, rebuilt in PyTorch from the parameters pagedattn recorded.
+
+FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+class Workload:
+    """One row's batch: paged caches (L layers), block tables, slots, new Q/K/V."""
+
+    def __init__(self, row, max_layers=None):
+        p = row["params"]
+        self.row, self.p = row, p
+        self.H, self.Hkv, self.D, self.B = p["num_heads"], p["num_kv_heads"], p["head_size"], p["block_size"]
+        self.group = self.H // self.Hkv
+        self.dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[p["dtype"]]
+        self.fp8 = FP8.get(p["kv_cache_dtype"])
+        self.cache_dtype = getattr(torch, self.fp8) if self.fp8 else self.dtype
+        self.k_scale, self.v_scale = p["k_scale"], p["v_scale"]
+        self.seqs = p["seqs"]
+        self.seq_lens = [s["context_len"] + s["query_len"] for s in self.seqs]
+        self.layers = row["layers"] if max_layers is None else min(row["layers"], max_layers)
+        g = torch.Generator().manual_seed(0)
+        # Block tables: shuffled or contiguous runs, as pagedattn built them.
+        blocks_per_seq = [-(-n // self.B) for n in self.seq_lens]
+        nb = sum(blocks_per_seq)
+        order = torch.randperm(nb, generator=g) if p["mapping"] == "shuffled" else torch.arange(nb)
+        self.tables, at = [], 0
+        for m in blocks_per_seq:
+            self.tables.append(order[at:at + m])
+            at += m
+        self.num_blocks = nb
+        # Caches: [NB, Hkv, B, D] per layer, random.
+        self.k_cache, self.v_cache = [], []
+        for _ in range(self.layers):
+            for caches in (self.k_cache, self.v_cache):
+                x = torch.rand(nb, self.Hkv, self.B, self.D, generator=g) * 2 - 1
+                caches.append((x / self.k_scale).to(self.cache_dtype) if self.fp8 else x.to(self.dtype))
+        # New tokens (prefills first, then decodes) and their slots.
+        t = sum(s["query_len"] for s in self.seqs)
+        self.q = (torch.rand(t, self.H, self.D, generator=g) * 2 - 1).to(self.dtype)
+        self.k = (torch.rand(t, self.Hkv, self.D, generator=g) * 2 - 1).to(self.dtype)
+        self.v = (torch.rand(t, self.Hkv, self.D, generator=g) * 2 - 1).to(self.dtype)
+        blk, off = [], []
+        for s, table in zip(self.seqs, self.tables):
+            for pos in range(s["context_len"], s["context_len"] + s["query_len"]):
+                blk.append(int(table[pos // self.B]))
+                off.append(pos % self.B)
+        self.slot_blk, self.slot_off = torch.tensor(blk), torch.tensor(off)
+        self.qsl = [0]
+        for s in self.seqs:
+            self.qsl.append(self.qsl[-1] + s["query_len"])
+        # Batch plan: fresh prompts of equal length batched, chunks over context one by one,
+        # decodes batched when their lengths are equal (grouped by length otherwise).
+        self.fresh, self.chunks, self.decodes = {}, [], {}
+        for i, s in enumerate(self.seqs):
+            if s["decode"]:
+                self.decodes.setdefault(self.seq_lens[i], []).append(i)
+            elif s["context_len"] == 0:
+                self.fresh.setdefault(s["query_len"], []).append(i)
+            else:
+                self.chunks.append(i)
+
+    def write(self, layer):
+        """The cache write of every new token (pagedattn's forward does it too)."""
+        k, v = self.k, self.v
+        if self.fp8:
+            k = (k.float() / self.k_scale).to(self.cache_dtype)
+            v = (v.float() / self.v_scale).to(self.cache_dtype)
+        self.k_cache[layer][self.slot_blk, :, self.slot_off, :] = k
+        self.v_cache[layer][self.slot_blk, :, self.slot_off, :] = v
+
+    def gather(self, layer, idx):
+        """K/V of sequences `idx` (all of length n) from the paged cache: [len(idx), Hkv, n, D]."""
+        n = self.seq_lens[idx[0]]
+        tables = torch.stack([self.tables[i] for i in idx])  # [S, M]
+        out = []
+        for cache, scale in ((self.k_cache[layer], self.k_scale), (self.v_cache[layer], self.v_scale)):
+            x = cache[tables]  # [S, M, Hkv, B, D]
+            x = x.permute(0, 2, 1, 3, 4).reshape(len(idx), self.Hkv, -1, self.D)[:, :, :n]
+            if self.fp8:
+                x = x.to(self.dtype) * scale
+            out.append(x)
+        return out
+
+    def queries(self, idx):
+        """Queries of sequences `idx` (equal query lengths): [S, H, n, D]."""
+        return torch.stack([self.q[self.qsl[i]:self.qsl[i + 1]] for i in idx]).transpose(1, 2)
+
+    def new_kv(self, idx):
+        return [torch.stack([x[self.qsl[i]:self.qsl[i + 1]] for i in idx]).transpose(1, 2) for x in (self.k, self.v)]
+
+    def sdpa(self, q, k, v, gqa, **kw):
+        if gqa == "eager_matmul":
+            return self.eager(q, k, v, **kw)
+        if self.group == 1:
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+        if gqa == "enable_gqa":
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1), **kw)
+
+    def eager(self, q, k, v, is_causal=False, attn_mask=None):
+        """Attention as matmuls (Hugging Face's "eager" attention), the query heads of a kv head
+        grouped so K/V are not repeated; softmax in f32."""
+        S, H, n, D = q.shape
+        L = k.shape[2]
+        qg = q.reshape(S, self.Hkv, self.group, n, D)
+        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (D ** -0.5)  # [S, Hkv, g, n, L]
+        if is_causal:
+            attn_mask = torch.ones(n, L, dtype=torch.bool).tril(L - n)
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(p, v.unsqueeze(2)).reshape(S, H, n, D)
+
+    def inputs(self, layer):
+        """Every SDPA call's inputs for one step (cache write and gathers done): a list of
+        (q, k, v, kwargs)."""
+        calls = []
+        for n, idx in self.fresh.items():
+            k, v = self.new_kv(idx)
+            calls.append((self.queries(idx), k, v, {"is_causal": True}))
+        for i in self.chunks:
+            s = self.seqs[i]
+            k, v = self.gather(layer, [i])
+            qi = torch.arange(s["query_len"]).unsqueeze(1) + s["context_len"]
+            mask = torch.arange(self.seq_lens[i]).unsqueeze(0) <= qi  # bottom-right causal
+            calls.append((self.queries([i]), k, v, {"attn_mask": mask}))
+        for n, idx in self.decodes.items():
+            k, v = self.gather(layer, idx)
+            calls.append((self.queries(idx), k, v, {}))
+        return calls
+
+    def step(self, layer, gqa):
+        """One engine step: write, gather, attend."""
+        self.write(layer)
+        return [self.sdpa(q, k, v, gqa, **kw) for q, k, v, kw in self.inputs(layer)]
+
+
+def gqa_methods(w):
+    sdpa = ["enable_gqa", "repeat_interleave"] if w.group > 1 else ["sdpa"]
+    return sdpa + ["eager_matmul"]
+
+
+def run_torch(row, timing):
+    """Every PyTorch variant of one row: {name: {median_ms, min_ms, iters} or {error}}."""
+    w = Workload(row)
+    res = {}
+    # The variants must agree (a wrong mask or grouping would be a meaningless comparison).
+    outs = {m: w.step(0, m) for m in gqa_methods(w)}
+    first = next(iter(outs.values()))
+    for m, o in outs.items():
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(o, first))
+        if diff > 0.05:
+            raise RuntimeError(f"{row['name']}: PyTorch variant {m} differs from the others by {diff}")
+    del outs, first
+    for m in gqa_methods(w):
+        try:
+            med, mn, it = measure(lambda i: w.step(i % w.layers, m), timing)
+            res[m] = {"median_ms": med * 1e3, "min_ms": mn * 1e3, "iters": it}
+        except Exception as e:  # noqa: BLE001 - a failing variant is reported, not fatal
+            res[m] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
+    # SDPA alone, on inputs gathered beforehand (one set per layer, so the reads stay cold).
+    try:
+        pre = [w.inputs(l) for l in range(w.layers)]
+        best = min((m for m in res if "median_ms" in res[m]), key=lambda m: res[m]["median_ms"], default=gqa_methods(w)[0])
+        med, mn, it = measure(lambda i: [w.sdpa(q, k, v, best, **kw) for q, k, v, kw in pre[i % w.layers]], timing)
+        res["sdpa_only"] = {"median_ms": med * 1e3, "min_ms": mn * 1e3, "iters": it, "method": best}
+        del pre
+    except Exception as e:  # noqa: BLE001
+        res["sdpa_only"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
+    return res
+
+
+def run_flex(row, timing):
+    """FlexAttention's paged decode on the CPU: page table = pagedattn's block tables."""
+    try:
+        from torch.nn.attention.experimental._paged_attention import PagedAttention
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"import failed: {e}"}
+    try:
+        w = Workload(row)
+        if w.fp8:
+            return {"error": "no fp8 KV cache in FlexAttention"}
+        if w.chunks or w.fresh:
+            return {"error": "decode rows only"}
+        S, nb, B = len(w.seqs), w.num_blocks, w.B
+        M = max(len(t) for t in w.tables)
+        pa = PagedAttention(nb, B, S, device="cpu")
+        for s, table in enumerate(w.tables):
+            pa.page_table[s, :len(table)] = table
+            pa.physical_to_logical[s, table] = torch.arange(len(table))
+            pa.capacity[s] = len(table) * B
+        seq_lens = torch.tensor(w.seq_lens)
+        # FlexAttention's paged layout: [1, Hkv, NB * B, D] per layer.
+        caches = [[c.permute(1, 0, 2, 3).reshape(1, w.Hkv, nb * B, w.D).contiguous() for c in cs]
+                  for cs in (w.k_cache, w.v_cache)]
+        del w.k_cache, w.v_cache
+        logical = create_block_mask(lambda b, h, q, kv: kv < seq_lens[b], S, None, 1, M * B, device="cpu",
+                                    BLOCK_SIZE=(128, B))
+        mask = pa.convert_logical_block_mask(logical, kv_len=seq_lens)
+        score_mod = pa.get_score_mod(None, kv_len=seq_lens)
+        q = w.q.view(S, 1, w.H, w.D).transpose(1, 2)
+        knew = w.k.view(S, 1, w.Hkv, w.D).transpose(1, 2)
+        vnew = w.v.view(S, 1, w.Hkv, w.D).transpose(1, 2)
+        batch_idx = torch.arange(S)
+        input_pos = (seq_lens - 1).view(S, 1)
+        flex = torch.compile(flex_attention)
+
+        def step(i):
+            k, v = caches[0][i % w.layers], caches[1][i % w.layers]
+            pa.assign(batch_idx, input_pos, knew, vnew, k, v)
+            return flex(q, k, v, block_mask=mask, score_mod=score_mod, enable_gqa=w.group > 1)
+
+        t = time.perf_counter()
+        step(0)  # compiles
+        compile_s = time.perf_counter() - t
+        med, mn, it = measure(step, timing)
+        return {"median_ms": med * 1e3, "min_ms": mn * 1e3, "iters": it, "compile_s": compile_s}
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc(file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
+
+
+# ---------------------------------------------------------------------------------------------
+# How busy the machine was with other processes (as `pagedattn bench` reports it).
+
+
+def cpu_times():
+    """(busy ticks of all CPUs, steal ticks, total ticks, this process's ticks) or None."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = v
+    t = os.times()
+    ours = round((t.user + t.system) * os.sysconf("SC_CLK_TCK"))
+    return user + nice + system + irq + softirq, steal, sum(v), ours
+
+
+def load_between(a, b):
+    if not a or not b or b[2] <= a[2]:
+        return None
+    total = b[2] - a[2]
+    return {"others": max(0, (b[0] - a[0]) - (b[3] - a[3])) / total, "steal": (b[1] - a[1]) / total}
+
+
+def describe_load(load):
+    if not load:
+        return "unknown"
+    warn = " -- NOT QUIET: figures are unreliable" if load["others"] > 0.05 or load["steal"] > 0.05 else ""
+    return f"other processes {100 * load['others']:.0f}% of all CPUs, hypervisor steal {100 * load['steal']:.0f}%{warn}"
+
+
+def wait_quiet(seconds):
+    """Waits up to `seconds` for other processes to use under 5% of the CPUs over one second."""
+    start = time.monotonic()
+    while True:
+        a = cpu_times()
+        time.sleep(1.0)
+        load = load_between(a, cpu_times())
+        if load is None or (load["others"] < 0.05 and load["steal"] < 0.05) or time.monotonic() - start >= seconds:
+            return load
+        if int(time.monotonic() - start) % 10 == 0:
+            print(f"waiting for quiet: {describe_load(load)}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The table.
+
+
+def fmt_ms(r):
+    return f"{r['median_ms']:.3f}" if r and "median_ms" in r else "—"
+
+
+def noisy(load):
+    """A marker for a measurement during which other processes used the CPUs."""
+    return " !" if load and (load["others"] > 0.05 or load["steal"] > 0.05) else ""
+
+
+def table(doc, results, torch_load):
+    m, c = doc["machine"], doc["ceilings"]
+    lines = []
+    bf16 = c.get("bf16_dot_gflops_all_cores")
+    lines.append(f"Machine: {m['cpu_model']} ({m['cpu_id']}), {m['threads']} threads, LLC {m['llc_bytes'] >> 20} MiB, "
+                 f"SIMD {' '.join(m['simd'])}. pagedattn backend `{doc['backend']}`, {doc['scale']} sizes; "
+                 f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads.")
+    lines.append("")
+    lines.append(f"Ceilings (measured by `pagedattn bench` at the start of the run): memory read {c['mem_read_gbs']:.1f} GB/s "
+                 f"({c['threads']} threads; 1 thread {c['mem_read_gbs_1thread']:.1f}), f32 FMA {c['f32_fma_gflops_per_core']:.0f} "
+                 f"GFLOP/s per core / {c['f32_fma_gflops_all_cores']:.0f} all cores ({c['f32_isa']}), bf16 dot "
+                 + (f"{c['bf16_dot_gflops_per_core']:.0f} / {bf16:.0f} GFLOP/s." if bf16 else "n/a."))
+    lines.append("")
+    lines.append("| workload | pagedattn ms | pagedattn rate | % of ceiling (measured during the row) | PyTorch best ms (how) "
+                 "| pagedattn / PyTorch | speed-up | PyTorch attention only ms | FlexAttention paged ms |")
+    lines.append("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+    for row in doc["rows"]:
+        name = row["name"] + (" **(headline)**" if row.get("headline") else "")
+        if "error" in row:
+            lines.append(f"| {name} | skipped: {row['error']} | | | | | | | |")
+            continue
+        if row["bound"] == "memory":
+            rate = f"{row['gbs']:.1f} GB/s"
+            pct = f"{row['pct_mem_bw']:.0f}% of {row['mem_read_gbs_during']:.1f} GB/s"
+        elif row["bound"] == "compute":
+            rate = f"{row['gflops']:.0f} GFLOP/s"
+            pct = f"{row['pct_compute_peak']:.0f}% of {row['compute_peak_gflops_during']:.0f} GFLOP/s"
+        else:
+            rate = f"{row['gbs']:.1f} GB/s, {row['gflops']:.0f} GFLOP/s"
+            pct = (f"{row['pct_mem_bw']:.0f}% bw, {row['pct_compute_peak']:.0f}% peak")
+        res = results.get(row["name"])
+        if res is None:
+            lines.append(f"| {name} | {row['median_ms']:.3f} | {rate} | {pct} | (pagedattn only) | | | | |")
+            continue
+        ok = {k: v for k, v in res.items() if k not in ("sdpa_only", "flex", "load") and "median_ms" in v}
+        if ok:
+            how = min(ok, key=lambda k: ok[k]["median_ms"])
+            best = ok[how]["median_ms"]
+            best_s = f"{best:.3f} ({how}){noisy(res.get('load'))}"
+            ratio = f"{row['median_ms'] / best:.2f}"
+            speed = f"**{best / row['median_ms']:.2f}×**"
+        else:
+            best_s = "failed: " + "; ".join(v.get("error", "") for k, v in res.items() if k != "load")
+            ratio = speed = "—"
+        sdpa = res.get("sdpa_only", {})
+        flex = res.get("flex")
+        if flex is None:
+            flex_s = "not run"
+        elif "median_ms" in flex:
+            flex_s = f"{flex['median_ms']:.3f}"
+        else:
+            flex_s = "n/a: " + flex["error"].replace("|", "/")
+        lines.append(f"| {name} | {row['median_ms']:.3f}{noisy(row.get('load'))} | {rate} | {pct} | {best_s} | {ratio} | {speed} | "
+                     f"{fmt_ms(sdpa)} | {flex_s} |")
+    if doc.get("paging"):
+        p = doc["paging"]
+        lines.append("")
+        lines.append(f"Paging overhead (pagedattn, headline decode, shuffled vs contiguous block tables, interleaved): "
+                     f"{p['ratio_paged_over_contiguous']:.3f} (medians), {p['ratio_paged_over_contiguous_min']:.3f} (minimums).")
+    lines.append("")
+    lines.append(f"Load of other processes: during pagedattn {describe_load(doc.get('load_during'))}; "
+                 f"during PyTorch {describe_load(torch_load)}.")
+    lines.append("")
+    lines.append("Times are medians. PyTorch best = the fastest of SDPA with `enable_gqa=True`, SDPA on K/V repeated with "
+                 "`repeat_interleave`, and attention written as matmuls (`eager_matmul`, f32 softmax), each including the "
+                 "cache write and the gather of K/V from the pages (fresh prompts use their new K/V directly); "
+                 "attention only = the fastest of these on inputs gathered beforehand. Speed-up = PyTorch best / pagedattn. "
+                 f"Command: `{' '.join(sys.argv)}` -> `{doc['command']}`.")
+    return "\n".join(lines)
+
+
+def main():
+    args = parse_args()
+    threads = os.cpu_count()
+    torch.set_num_threads(threads)
+    doc = run_pagedattn(args)
+    timing = dict(doc["timing"])
+    if args.wait_quiet:
+        wait_quiet(args.wait_quiet)
+    torch_start = cpu_times()
+    results, flex_rows = {}, []
+    for row in doc["rows"]:
+        if "error" in row or row["suite"] == "paging":
+            continue
+        print(f"torch: {row['name']} ...", file=sys.stderr, flush=True)
+        if args.wait_quiet:
+            wait_quiet(args.wait_quiet)
+        before = cpu_times()
+        res = run_torch(row, timing)
+        res["load"] = load_between(before, cpu_times())
+        results[row["name"]] = res
+        summary = ", ".join(f"{k} {fmt_ms(v)} ms" if "median_ms" in v else f"{k} failed"
+                            for k, v in res.items() if k != "load")
+        print(f"torch: {row['name']}: {summary} (pagedattn {row['median_ms']:.3f} ms)", file=sys.stderr, flush=True)
+        is_bf16_decode = row["suite"] == "decode" and row["params"]["kv_cache_dtype"] == "auto"
+        if is_bf16_decode and (args.flex == "all" or (args.flex == "headline" and row.get("headline"))):
+            flex_rows.append(row)
+    # FlexAttention last: torch.compile leaves state behind (threads, caches) that must not
+    # touch the SDPA measurements.
+    for row in flex_rows:
+        print(f"torch: {row['name']} FlexAttention paged (torch.compile first) ...", file=sys.stderr, flush=True)
+        if args.wait_quiet:
+            wait_quiet(args.wait_quiet)
+        flex = run_flex(row, timing)
+        results[row["name"]]["flex"] = flex
+        print(f"torch: {row['name']}: flex {fmt_ms(flex)} ms {flex.get('error', '')}", file=sys.stderr, flush=True)
+    torch_load = load_between(torch_start, cpu_times())
+    text = table(doc, results, torch_load)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"pagedattn": doc, "torch": results, "torch_version": torch.__version__,
+                       "torch_threads": torch.get_num_threads(), "torch_load": torch_load}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,529 @@
+//! The machine's ceilings, measured by the benchmark itself: memory read bandwidth on a buffer
+//! far larger than the last-level cache, the f32 FMA peak and the bf16 dot-product peak, each per
+//! core and for all cores.
+//!
+//! FLOPs are counted as 2 per FMA lane, and 2 per bf16 product for `vdpbf16ps` (64 per 512-bit
+//! instruction: 32 products, each added into an f32 lane).
+
+use std::hint::black_box;
+use std::sync::Barrier;
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use super::timing::median;
+
+/// How long and how large the ceiling measurements are.
+#[derive(Debug, Clone, Copy)]
+pub struct CeilingPlan {
+    /// Size of the buffer the memory bandwidth is measured on.
+    pub mem_bytes: usize,
+    /// Passes over it (the median is reported).
+    pub mem_passes: usize,
+    /// Seconds one compute-peak measurement runs.
+    pub compute_seconds: f64,
+    /// Compute-peak measurements (the median is reported).
+    pub compute_repeats: usize,
+}
+
+/// The measured ceilings.
+#[derive(Debug, Clone)]
+pub struct Ceilings {
+    /// Threads used for the "all cores" figures.
+    pub threads: usize,
+    /// Memory read bandwidth with every thread, GB/s (10^9 bytes), median of the passes.
+    pub mem_read_gbs: f64,
+    /// Slowest and fastest pass with every thread, GB/s.
+    pub mem_read_gbs_range: (f64, f64),
+    /// Every pass with every thread, GB/s, in order.
+    pub mem_read_gbs_passes: Vec<f64>,
+    /// Memory read bandwidth of one thread, GB/s.
+    pub mem_read_gbs_1t: f64,
+    /// Size of the buffer read, bytes.
+    pub mem_buffer_bytes: usize,
+    /// The instruction set of the f32 FMA measurement (`avx512`, `avx2+fma`, `portable`).
+    pub f32_isa: &'static str,
+    /// f32 FMA peak of one core, GFLOP/s.
+    pub f32_gflops_core: f64,
+    /// f32 FMA peak of all cores together, GFLOP/s.
+    pub f32_gflops_all: f64,
+    /// bf16 dot peak (`vdpbf16ps`) of one core, GFLOP/s; None without AVX512-BF16.
+    pub bf16_gflops_core: Option<f64>,
+    /// bf16 dot peak of all cores together, GFLOP/s.
+    pub bf16_gflops_all: Option<f64>,
+}
+
+/// The ceiling measurements, kept ready to be re-run between a workload's iterations, so that a
+/// row can be compared with the ceiling measured under the same conditions (on a shared VM the
+/// memory bandwidth drifts by 2x within seconds).
+pub struct Probes {
+    buffer: Buffer,
+    isa: Isa,
+    threads: usize,
+    /// The compute-peak kernel and its iteration count for about 20 ms.
+    compute: (Kernel, u64),
+}
+
+impl Probes {
+    /// One pass over the buffer with every thread: GB/s.
+    pub fn mem_pass(&self) -> f64 {
+        self.buffer.read_gbs(self.threads, self.isa)
+    }
+
+    /// One short burst of the compute-peak kernel on every thread: GFLOP/s.
+    pub fn compute_pass(&self) -> f64 {
+        let (kernel, n) = self.compute;
+        rate(kernel, n, self.threads)
+    }
+}
+
+impl Ceilings {
+    /// Measures every ceiling; returns them and the probes to re-measure them later.
+    pub fn measure(plan: &CeilingPlan, threads: usize) -> (Ceilings, Probes) {
+        let isa = Isa::detect();
+        let buffer = Buffer::new(plan.mem_bytes, threads);
+        let all: Vec<f64> = (0..plan.mem_passes)
+            .map(|_| buffer.read_gbs(threads, isa))
+            .collect();
+        let one: Vec<f64> = (0..plan.mem_passes.div_ceil(2).max(1))
+            .map(|_| buffer.read_gbs(1, isa))
+            .collect();
+        let f32_core = compute_peak(Kernel::F32(isa), 1, plan);
+        let f32_all = compute_peak(Kernel::F32(isa), threads, plan);
+        let (bf16_core, bf16_all) = if has_bf16_dot() {
+            (
+                Some(compute_peak(Kernel::Bf16Dot, 1, plan)),
+                Some(compute_peak(Kernel::Bf16Dot, threads, plan)),
+            )
+        } else {
+            (None, None)
+        };
+        let kernel = if has_bf16_dot() {
+            Kernel::Bf16Dot
+        } else {
+            Kernel::F32(isa)
+        };
+        let ceilings = Ceilings {
+            threads,
+            mem_read_gbs: median(&all),
+            mem_read_gbs_range: (
+                all.iter().copied().fold(f64::INFINITY, f64::min),
+                all.iter().copied().fold(0.0, f64::max),
+            ),
+            mem_read_gbs_passes: all.clone(),
+            mem_read_gbs_1t: median(&one),
+            mem_buffer_bytes: buffer.bytes(),
+            f32_isa: isa.name(),
+            f32_gflops_core: f32_core,
+            f32_gflops_all: f32_all,
+            bf16_gflops_core: bf16_core,
+            bf16_gflops_all: bf16_all,
+        };
+        let probes = Probes {
+            buffer,
+            isa,
+            threads,
+            compute: (kernel, calibrate(kernel, 0.02)),
+        };
+        (ceilings, probes)
+    }
+
+    /// The compute ceiling prefill is compared with: the bf16 dot peak of all cores, or the
+    /// f32 FMA peak where there is no bf16 dot instruction. Returns (GFLOP/s, its name).
+    pub fn compute_ceiling(&self) -> (f64, &'static str) {
+        match self.bf16_gflops_all {
+            Some(g) => (g, "bf16 dot peak, all cores"),
+            None => (self.f32_gflops_all, "f32 FMA peak, all cores"),
+        }
+    }
+
+    /// Lines for the table header.
+    pub fn summary(&self) -> Vec<String> {
+        let bf16 = match (self.bf16_gflops_core, self.bf16_gflops_all) {
+            (Some(c), Some(a)) => format!("{c:.0} GFLOP/s per core, {a:.0} all cores"),
+            _ => "n/a (no AVX512-BF16)".into(),
+        };
+        vec![
+            format!(
+                "memory read: {:.1} GB/s with {} threads (passes {:.1}..{:.1}), {:.1} GB/s with 1 thread; {} MiB buffer",
+                self.mem_read_gbs,
+                self.threads,
+                self.mem_read_gbs_range.0,
+                self.mem_read_gbs_range.1,
+                self.mem_read_gbs_1t,
+                self.mem_buffer_bytes >> 20
+            ),
+            format!(
+                "f32 FMA ({}): {:.0} GFLOP/s per core, {:.0} all cores",
+                self.f32_isa, self.f32_gflops_core, self.f32_gflops_all
+            ),
+            format!("bf16 dot (vdpbf16ps): {bf16}"),
+        ]
+    }
+
+    /// The JSON object.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "threads": self.threads,
+            "mem_read_gbs": self.mem_read_gbs,
+            "mem_read_gbs_min_pass": self.mem_read_gbs_range.0,
+            "mem_read_gbs_max_pass": self.mem_read_gbs_range.1,
+            "mem_read_gbs_passes": self.mem_read_gbs_passes,
+            "mem_read_gbs_1thread": self.mem_read_gbs_1t,
+            "mem_buffer_bytes": self.mem_buffer_bytes,
+            "f32_isa": self.f32_isa,
+            "f32_fma_gflops_per_core": self.f32_gflops_core,
+            "f32_fma_gflops_all_cores": self.f32_gflops_all,
+            "bf16_dot_gflops_per_core": self.bf16_gflops_core,
+            "bf16_dot_gflops_all_cores": self.bf16_gflops_all,
+            "compute_ceiling_gflops": self.compute_ceiling().0,
+            "compute_ceiling": self.compute_ceiling().1,
+        })
+    }
+}
+
+/// The widest f32 instruction set of this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+enum Isa {
+    Avx512,
+    Avx2Fma,
+    Portable,
+}
+
+impl Isa {
+    fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2Fma;
+            }
+        }
+        Isa::Portable
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2Fma => "avx2+fma",
+            Isa::Portable => "portable",
+        }
+    }
+}
+
+fn has_bf16_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// One cache line of f32.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+/// A buffer of cache lines, written (so every page is faulted in) by the threads that read it.
+struct Buffer {
+    lines: Vec<Line>,
+}
+
+impl Buffer {
+    fn new(bytes: usize, threads: usize) -> Buffer {
+        let n = (bytes / 64).max(threads * 64);
+        let mut lines: Vec<Line> = Vec::with_capacity(n);
+        // SAFETY: `Line` is plain f32 data; every element is written below before any read.
+        #[allow(clippy::uninit_vec)]
+        unsafe {
+            lines.set_len(n)
+        };
+        std::thread::scope(|s| {
+            for (t, part) in lines.chunks_mut(n.div_ceil(threads)).enumerate() {
+                s.spawn(move || {
+                    for (i, l) in part.iter_mut().enumerate() {
+                        *l = Line([((i + t) % 7) as f32 * 0.125; 16]);
+                    }
+                });
+            }
+        });
+        Buffer { lines }
+    }
+
+    fn bytes(&self) -> usize {
+        self.lines.len() * 64
+    }
+
+    /// One pass of `threads` threads, each summing its share: GB/s.
+    fn read_gbs(&self, threads: usize, isa: Isa) -> f64 {
+        let chunk = self.lines.len().div_ceil(threads);
+        let seconds = on_threads(threads, |t| {
+            let part = self.lines.chunks(chunk).nth(t).unwrap_or(&[]);
+            black_box(sum_lines(black_box(part), isa));
+        });
+        self.bytes() as f64 / seconds / 1e9
+    }
+}
+
+/// Runs `work(t)` on `threads` threads started together; returns the seconds from the first
+/// start to the last end, each taken by the worker itself (a coordinating thread may not be
+/// scheduled when the workers start, when they occupy every core).
+fn on_threads(threads: usize, work: impl Fn(usize) + Sync) -> f64 {
+    let barrier = Barrier::new(threads);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (barrier, work) = (&barrier, &work);
+                s.spawn(move || {
+                    barrier.wait();
+                    let start = Instant::now();
+                    work(t);
+                    (start, Instant::now())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("benchmark thread"))
+            .collect()
+    });
+    let first = spans
+        .iter()
+        .map(|s| s.0)
+        .min()
+        .expect("one thread at least");
+    let last = spans
+        .iter()
+        .map(|s| s.1)
+        .max()
+        .expect("one thread at least");
+    (last - first).as_secs_f64()
+}
+
+fn sum_lines(lines: &[Line], isa: Isa) -> f32 {
+    match isa {
+        // SAFETY: the ISA was detected at run time.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::sum_avx512(lines) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { x86::sum_avx2(lines) },
+        _ => {
+            let mut acc = [0f32; 16];
+            for l in lines {
+                for (a, x) in acc.iter_mut().zip(&l.0) {
+                    *a += x;
+                }
+            }
+            acc.iter().sum()
+        }
+    }
+}
+
+/// A compute-peak kernel: independent accumulator chains kept in registers.
+#[derive(Debug, Clone, Copy)]
+enum Kernel {
+    F32(Isa),
+    Bf16Dot,
+}
+
+impl Kernel {
+    /// FLOPs of `n` iterations.
+    fn flops(self, n: u64) -> f64 {
+        let per_iter = match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::F32(Isa::Avx512) => x86::FMA512_FLOPS,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::F32(Isa::Avx2Fma) => x86::FMA256_FLOPS,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Bf16Dot => x86::DPBF16_FLOPS,
+            _ => PORTABLE_FLOPS,
+        };
+        n as f64 * per_iter
+    }
+
+    /// Runs `n` iterations; returns a value to keep alive.
+    fn run(self, n: u64) -> f32 {
+        let x = black_box(0.999_999f32);
+        match self {
+            // SAFETY (all arms): the ISA was detected at run time.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::F32(Isa::Avx512) => unsafe { x86::fma_avx512(n, x) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::F32(Isa::Avx2Fma) => unsafe { x86::fma_avx2(n, x) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Bf16Dot => unsafe { x86::dpbf16_avx512(n, x) },
+            _ => {
+                let mut acc = [1f32; 8];
+                for _ in 0..n {
+                    for a in acc.iter_mut() {
+                        *a = *a * x + 1e-7;
+                    }
+                    black_box(&mut acc);
+                }
+                acc.iter().sum()
+            }
+        }
+    }
+}
+
+/// FLOPs of one iteration of the portable kernel: 8 multiply-adds.
+const PORTABLE_FLOPS: f64 = 16.0;
+
+/// Median GFLOP/s of `kernel` on `threads` threads running at once.
+fn compute_peak(kernel: Kernel, threads: usize, plan: &CeilingPlan) -> f64 {
+    let n = calibrate(kernel, plan.compute_seconds);
+    let runs: Vec<f64> = (0..plan.compute_repeats.max(1))
+        .map(|_| rate(kernel, n, threads))
+        .collect();
+    median(&runs)
+}
+
+/// The iteration count for which `kernel` runs about `seconds` on one thread.
+fn calibrate(kernel: Kernel, seconds: f64) -> u64 {
+    let mut n = 1u64 << 12;
+    loop {
+        let start = Instant::now();
+        black_box(kernel.run(n));
+        let t = start.elapsed().as_secs_f64();
+        if t > 0.01 || n > 1 << 40 {
+            return ((n as f64) * seconds / t).max(1.0) as u64;
+        }
+        n *= 4;
+    }
+}
+
+/// GFLOP/s of `n` iterations of `kernel` on each of `threads` threads running at once.
+fn rate(kernel: Kernel, n: u64, threads: usize) -> f64 {
+    let flops = kernel.flops(n);
+    let seconds = on_threads(threads, |_| {
+        black_box(kernel.run(black_box(n)));
+    });
+    flops * threads as f64 / seconds / 1e9
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::Line;
+    use std::arch::x86_64::*;
+
+    /// Accumulator chains: enough to cover FMA latency times throughput on current cores
+    /// (4 cycles x 2 pipes; `vdpbf16ps` has a longer latency).
+    const CHAINS: usize = 16;
+    const CHAINS_AVX2: usize = 12;
+    /// FLOPs of one iteration of each kernel.
+    pub const FMA512_FLOPS: f64 = (CHAINS * 16 * 2) as f64;
+    pub const FMA256_FLOPS: f64 = (CHAINS_AVX2 * 8 * 2) as f64;
+    pub const DPBF16_FLOPS: f64 = (CHAINS * 32 * 2) as f64;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn sum_avx512(lines: &[Line]) -> f32 {
+        let mut acc = [_mm512_setzero_ps(); 8];
+        let chunks = lines.chunks_exact(8);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (a, l) in acc.iter_mut().zip(c) {
+                *a = _mm512_add_ps(*a, _mm512_load_ps(l.0.as_ptr()));
+            }
+        }
+        for l in rest {
+            acc[0] = _mm512_add_ps(acc[0], _mm512_load_ps(l.0.as_ptr()));
+        }
+        let mut total = _mm512_setzero_ps();
+        for a in acc {
+            total = _mm512_add_ps(total, a);
+        }
+        _mm512_reduce_add_ps(total)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn sum_avx2(lines: &[Line]) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let chunks = lines.chunks_exact(4);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (i, l) in c.iter().enumerate() {
+                let p = l.0.as_ptr();
+                acc[2 * i] = _mm256_add_ps(acc[2 * i], _mm256_load_ps(p));
+                acc[2 * i + 1] = _mm256_add_ps(acc[2 * i + 1], _mm256_load_ps(p.add(8)));
+            }
+        }
+        for l in rest {
+            let p = l.0.as_ptr();
+            acc[0] = _mm256_add_ps(acc[0], _mm256_load_ps(p));
+            acc[1] = _mm256_add_ps(acc[1], _mm256_load_ps(p.add(8)));
+        }
+        let mut lanes = [0f32; 8];
+        for a in acc {
+            let mut v = [0f32; 8];
+            _mm256_storeu_ps(v.as_mut_ptr(), a);
+            for (s, x) in lanes.iter_mut().zip(v) {
+                *s += x;
+            }
+        }
+        lanes.iter().sum()
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma_avx512(n: u64, x: f32) -> f32 {
+        let a = _mm512_set1_ps(x);
+        let b = _mm512_set1_ps(1e-7);
+        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        for _ in 0..n {
+            for c in acc.iter_mut() {
+                *c = _mm512_fmadd_ps(*c, a, b);
+            }
+        }
+        let mut total = _mm512_setzero_ps();
+        for c in acc {
+            total = _mm512_add_ps(total, c);
+        }
+        _mm512_reduce_add_ps(total)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma_avx2(n: u64, x: f32) -> f32 {
+        let a = _mm256_set1_ps(x);
+        let b = _mm256_set1_ps(1e-7);
+        let mut acc = [_mm256_set1_ps(1.0); CHAINS_AVX2];
+        for _ in 0..n {
+            for c in acc.iter_mut() {
+                *c = _mm256_fmadd_ps(*c, a, b);
+            }
+        }
+        let mut total = _mm256_setzero_ps();
+        for c in acc {
+            total = _mm256_add_ps(total, c);
+        }
+        let mut v = [0f32; 8];
+        _mm256_storeu_ps(v.as_mut_ptr(), total);
+        v.iter().sum()
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn dpbf16_avx512(n: u64, x: f32) -> f32 {
+        // Products of 1e-3 * 1e-3: the accumulators grow by 3.2e-5 per iteration, far from
+        // overflow and never denormal.
+        let small = _mm512_set1_ps(x * 1e-3);
+        let a = _mm512_cvtne2ps_pbh(small, small);
+        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        for _ in 0..n {
+            for c in acc.iter_mut() {
+                *c = _mm512_dpbf16_ps(*c, a, a);
+            }
+        }
+        let mut total = _mm512_setzero_ps();
+        for c in acc {
+            total = _mm512_add_ps(total, c);
+        }
+        _mm512_reduce_add_ps(total)
+    }
+}

@@ -1,0 +1,217 @@
+//! Results: one row per workload, printed as a table line and collected into the JSON output.
+
+use serde_json::{json, Value};
+
+use super::ceilings::Ceilings;
+use super::load::Load;
+use super::timing::Stats;
+use super::workloads::{Suite, Workload};
+
+/// What a row is bound by, so the table shows the figure that matters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bound {
+    /// KV bytes per second against the memory read bandwidth (decode).
+    Memory,
+    /// FLOPs per second against the compute peak (prefill).
+    Compute,
+    /// Both (a mixed batch).
+    Both,
+}
+
+/// One measured workload.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// The workload.
+    pub workload: Workload,
+    /// Caches rotated over.
+    pub layers: usize,
+    /// The timings, seconds.
+    pub stats: Stats,
+    /// What the row is compared with.
+    pub bound: Bound,
+    /// KV bytes read per call.
+    pub kv_bytes: f64,
+    /// FLOPs per call.
+    pub flops: f64,
+    /// KV GB/s at the median time.
+    pub gbs: f64,
+    /// FLOP rate at the median time, GFLOP/s.
+    pub gflops: f64,
+    /// Memory read bandwidth measured between this row's iterations (median), GB/s.
+    pub mem_bw_during: Option<f64>,
+    /// Compute peak measured between this row's iterations (median), GFLOP/s.
+    pub compute_during: Option<f64>,
+    /// `gbs` as % of the memory read bandwidth measured during the row (or at the start).
+    pub pct_mem_bw: f64,
+    /// `gflops` as % of the compute ceiling measured during the row (or at the start).
+    pub pct_compute: f64,
+    /// What other processes used while the row was timed.
+    pub load: Option<Load>,
+}
+
+impl Row {
+    /// What a workload is bound by.
+    pub fn bound_of(workload: &Workload) -> Bound {
+        match workload.suite {
+            Suite::Decode | Suite::Paging => Bound::Memory,
+            Suite::Prefill => Bound::Compute,
+            Suite::Mixed => Bound::Both,
+        }
+    }
+
+    /// A row from a workload's timings, the ceilings measured at the start, and those
+    /// measured between the row's iterations (medians; None where not probed).
+    pub fn new(
+        workload: &Workload,
+        layers: usize,
+        stats: Stats,
+        ceilings: &Ceilings,
+        during: (Option<f64>, Option<f64>),
+    ) -> Row {
+        let bound = Row::bound_of(workload);
+        let (mem_bw_during, compute_during) = during;
+        let (kv_bytes, flops) = (workload.kv_bytes(), workload.flops());
+        let gbs = kv_bytes / stats.median / 1e9;
+        let gflops = flops / stats.median / 1e9;
+        Row {
+            workload: workload.clone(),
+            layers,
+            stats,
+            bound,
+            kv_bytes,
+            flops,
+            gbs,
+            gflops,
+            mem_bw_during,
+            compute_during,
+            pct_mem_bw: 100.0 * gbs / mem_bw_during.unwrap_or(ceilings.mem_read_gbs),
+            pct_compute: 100.0 * gflops / compute_during.unwrap_or(ceilings.compute_ceiling().0),
+            load: None,
+        }
+    }
+
+    /// The column headers of [`Row::line`].
+    pub fn header() -> String {
+        format!(
+            "{:<8} {:<40} {:>6} {:>6} {:>10} {:>10} {:>8} {:>6} {:>7} {:>9} {:>6} {:>7}",
+            "suite",
+            "workload",
+            "layers",
+            "iters",
+            "median ms",
+            "min ms",
+            "GB/s",
+            "% bw",
+            "bw now",
+            "GFLOP/s",
+            "% pk",
+            "pk now"
+        )
+    }
+
+    /// One table line; a `*` marks a headline row.
+    pub fn line(&self) -> String {
+        let w = &self.workload;
+        let mem = matches!(self.bound, Bound::Memory | Bound::Both);
+        let comp = matches!(self.bound, Bound::Compute | Bound::Both);
+        let show = |yes: bool, x: f64, prec: usize| {
+            if yes {
+                format!("{x:.prec$}")
+            } else {
+                "-".into()
+            }
+        };
+        let noisy = self.load.is_some_and(|l| l.others > 0.05 || l.steal > 0.05);
+        let name = format!(
+            "{}{}{}",
+            w.name,
+            if w.headline { " *" } else { "" },
+            if noisy { " !" } else { "" }
+        );
+        format!(
+            "{:<8} {:<40} {:>6} {:>6} {:>10.3} {:>10.3} {:>8} {:>6} {:>7} {:>9} {:>6} {:>7}",
+            w.suite.name(),
+            name,
+            self.layers,
+            self.stats.iters,
+            self.stats.median * 1e3,
+            self.stats.min * 1e3,
+            show(mem, self.gbs, 1),
+            show(mem, self.pct_mem_bw, 1),
+            show(mem, self.mem_bw_during.unwrap_or(f64::NAN), 1),
+            show(comp, self.gflops, 1),
+            show(comp, self.pct_compute, 1),
+            show(comp, self.compute_during.unwrap_or(f64::NAN), 0),
+        )
+    }
+
+    /// The JSON object: the workload's parameters and every number.
+    pub fn to_json(&self) -> Value {
+        let w = &self.workload;
+        let s = &self.stats;
+        json!({
+            "suite": w.suite.name(),
+            "name": w.name,
+            "headline": w.headline,
+            "bound": match self.bound {
+                Bound::Memory => "memory",
+                Bound::Compute => "compute",
+                Bound::Both => "both",
+            },
+            "params": w.params_json(),
+            "layers": self.layers,
+            "cache_bytes_per_layer": w.cache_bytes(),
+            "iters": s.iters,
+            "median_ms": s.median * 1e3,
+            "min_ms": s.min * 1e3,
+            "max_ms": s.max * 1e3,
+            "mean_ms": s.mean * 1e3,
+            "kv_bytes": self.kv_bytes,
+            "flops": self.flops,
+            "gbs": self.gbs,
+            "gbs_at_min": self.kv_bytes / s.min / 1e9,
+            "gflops": self.gflops,
+            "gflops_at_min": self.flops / s.min / 1e9,
+            "mem_read_gbs_during": self.mem_bw_during,
+            "compute_peak_gflops_during": self.compute_during,
+            "pct_mem_bw": self.pct_mem_bw,
+            "pct_compute_peak": self.pct_compute,
+            "load": self.load.map(Load::to_json),
+        })
+    }
+}
+
+/// Paged versus contiguous block tables on the same decode, measured interleaved.
+#[derive(Debug, Clone, Copy)]
+pub struct PagingOverhead {
+    /// Median of the shuffled run / median of the contiguous run.
+    pub ratio_median: f64,
+    /// Fastest shuffled / fastest contiguous.
+    pub ratio_min: f64,
+}
+
+impl PagingOverhead {
+    /// From the contiguous and the shuffled timings.
+    pub fn new(contiguous: &Stats, shuffled: &Stats) -> PagingOverhead {
+        PagingOverhead {
+            ratio_median: shuffled.median / contiguous.median,
+            ratio_min: shuffled.min / contiguous.min,
+        }
+    }
+
+    /// One line for the table.
+    pub fn line(&self) -> String {
+        format!(
+            "paging overhead: shuffled / contiguous = {:.3} (medians), {:.3} (minimums)",
+            self.ratio_median, self.ratio_min
+        )
+    }
+
+    /// The JSON object.
+    pub fn to_json(self) -> Value {
+        json!({
+            "ratio_paged_over_contiguous": self.ratio_median,
+            "ratio_paged_over_contiguous_min": self.ratio_min,
+        })
+    }
+}

@@ -1,0 +1,571 @@
+//! The benchmark workloads (decode and prefill sweeps, a mixed chunked-prefill batch, the paging
+//! comparison), what each one costs (KV bytes read, FLOPs), and their inputs, built the way an
+//! engine builds them: `MetadataBuilder` + `SequenceDesc`, caches from `Backend::allocate_kv_cache`
+//! filled with random data.
+
+use std::fmt;
+
+use pagedattn::{
+    AttentionConfig, AttentionImpl, AttentionMetadata, Backend, DType, KvCache, KvCacheDtype,
+    KvCacheSpec, KvPair, KvScales, MetadataBuilder, Result, SequenceDesc, Storage, Tensor,
+};
+use serde_json::{json, Value};
+
+/// A group of workloads, selected by `--suite`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Suite {
+    /// Decode: batch x context.
+    Decode,
+    /// Prefill: causal prompts.
+    Prefill,
+    /// One chunked-prefill batch: prompt chunks over cached context, a fresh prompt, decodes.
+    Mixed,
+    /// The headline decode on contiguous versus shuffled block tables.
+    Paging,
+}
+
+impl Suite {
+    /// Every suite, in the order they run.
+    pub const ALL: [Suite; 4] = [Suite::Decode, Suite::Prefill, Suite::Mixed, Suite::Paging];
+
+    /// The lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Suite::Decode => "decode",
+            Suite::Prefill => "prefill",
+            Suite::Mixed => "mixed",
+            Suite::Paging => "paging",
+        }
+    }
+}
+
+/// How sequences' blocks are laid out in the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mapping {
+    /// A random permutation of all blocks, as a block manager hands them out after churn.
+    Shuffled,
+    /// Sequence `s` gets one contiguous run of blocks `s*M .. s*M+M-1`.
+    Contiguous,
+}
+
+impl Mapping {
+    /// The lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mapping::Shuffled => "shuffled",
+            Mapping::Contiguous => "contiguous",
+        }
+    }
+}
+
+/// The size class of the sweeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scale {
+    /// The full sweeps.
+    Full,
+    /// The headline rows and a few others.
+    Quick,
+    /// Toy shapes (4 heads, D = 32) for smoke tests and the `reference` backend.
+    Tiny,
+}
+
+/// One sequence of a workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqShape {
+    /// Tokens already in the cache.
+    pub context_len: usize,
+    /// New tokens (1 for a decode).
+    pub query_len: usize,
+    /// Whether this is a decode.
+    pub is_decode: bool,
+}
+
+impl SeqShape {
+    /// A decode step of a sequence that will hold `seq_len` tokens.
+    pub fn decode(seq_len: usize) -> SeqShape {
+        SeqShape {
+            context_len: seq_len - 1,
+            query_len: 1,
+            is_decode: true,
+        }
+    }
+
+    /// A prompt chunk of `query_len` tokens after `context_len` cached ones.
+    pub fn prompt(context_len: usize, query_len: usize) -> SeqShape {
+        SeqShape {
+            context_len,
+            query_len,
+            is_decode: false,
+        }
+    }
+
+    /// Keys the sequence attends over (context + new).
+    pub fn seq_len(&self) -> usize {
+        self.context_len + self.query_len
+    }
+
+    /// Allowed causal (query, key) pairs: query at position i sees keys 0..=i.
+    pub fn causal_pairs(&self) -> u64 {
+        let (c, q) = (self.context_len as u64, self.query_len as u64);
+        q * c + q * (q + 1) / 2
+    }
+}
+
+/// One benchmark workload: a layer shape, a batch, a cache dtype and a block mapping.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Workload {
+    /// The suite it belongs to.
+    pub suite: Suite,
+    /// A short name for the table.
+    pub name: String,
+    /// Whether this is a headline row of the targets.
+    pub headline: bool,
+    /// Query heads (H).
+    pub num_heads: usize,
+    /// KV heads (Hkv).
+    pub num_kv_heads: usize,
+    /// Head size (D).
+    pub head_size: usize,
+    /// Tokens per cache block (B).
+    pub block_size: usize,
+    /// Activation dtype.
+    pub dtype: DType,
+    /// Cache storage.
+    pub kv_cache_dtype: KvCacheDtype,
+    /// fp8 scales (1.0 otherwise).
+    pub scales: KvScales,
+    /// The batch, prefills first.
+    pub seqs: Vec<SeqShape>,
+    /// How blocks are assigned to sequences.
+    pub mapping: Mapping,
+}
+
+impl fmt::Display for Workload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+/// Layer shape shared by the workloads of a scale: (H, Hkv, D, B).
+fn shape(scale: Scale) -> (usize, usize, usize, usize) {
+    match scale {
+        Scale::Tiny => (4, 2, 32, 16),
+        _ => (32, 8, 128, 16),
+    }
+}
+
+impl Workload {
+    fn new(suite: Suite, name: String, scale: Scale, seqs: Vec<SeqShape>) -> Workload {
+        let (h, hkv, d, b) = shape(scale);
+        Workload {
+            suite,
+            name,
+            headline: false,
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_size: d,
+            block_size: b,
+            dtype: DType::BF16,
+            kv_cache_dtype: KvCacheDtype::Auto,
+            scales: KvScales::default(),
+            seqs,
+            mapping: Mapping::Shuffled,
+        }
+    }
+
+    fn fp8(mut self) -> Workload {
+        self.kv_cache_dtype = KvCacheDtype::Fp8E4m3;
+        // Random activations in [-1, 1) stored as x / scale: codes up to 16, far from 448.
+        self.scales = KvScales {
+            k_scale: 1.0 / 16.0,
+            v_scale: 1.0 / 16.0,
+        };
+        self
+    }
+
+    fn headline(mut self) -> Workload {
+        self.headline = true;
+        self
+    }
+
+    fn kv_heads(mut self, n: usize) -> Workload {
+        self.num_kv_heads = n;
+        self
+    }
+
+    /// Bytes per stored cache element.
+    pub fn cache_elem_bytes(&self) -> usize {
+        match self.kv_cache_dtype {
+            KvCacheDtype::Auto => self.dtype.size_bytes(),
+            _ => 1,
+        }
+    }
+
+    /// KV bytes a forward call must read: every sequence's keys and values, once.
+    pub fn kv_bytes(&self) -> f64 {
+        let tokens: usize = self.seqs.iter().map(SeqShape::seq_len).sum();
+        (tokens * self.num_kv_heads * self.head_size * 2 * self.cache_elem_bytes()) as f64
+    }
+
+    /// FLOPs: 4 * (allowed causal query-key pairs) * D * H (DESIGN.md section 5).
+    pub fn flops(&self) -> f64 {
+        let pairs: u64 = self.seqs.iter().map(SeqShape::causal_pairs).sum();
+        4.0 * pairs as f64 * (self.head_size * self.num_heads) as f64
+    }
+
+    /// Query tokens in the batch.
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.query_len).sum()
+    }
+
+    /// Blocks per sequence.
+    fn blocks_per_seq(&self) -> Vec<usize> {
+        self.seqs
+            .iter()
+            .map(|s| s.seq_len().div_ceil(self.block_size))
+            .collect()
+    }
+
+    /// Blocks in one layer's cache: exactly what the batch covers.
+    pub fn num_blocks(&self) -> usize {
+        self.blocks_per_seq().iter().sum()
+    }
+
+    /// Bytes of one layer's cache (keys and values).
+    pub fn cache_bytes(&self) -> usize {
+        self.num_blocks()
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_size
+            * 2
+            * self.cache_elem_bytes()
+    }
+
+    /// Layers to rotate over so that their caches together exceed `working_set` bytes
+    /// (at least 2, at most 256).
+    pub fn layers_for(&self, working_set: usize) -> usize {
+        working_set
+            .div_ceil(self.cache_bytes().max(1))
+            .clamp(2, 256)
+    }
+
+    /// Every parameter, for the JSON output (what `bench/torch_compare.py` rebuilds).
+    pub fn params_json(&self) -> Value {
+        let seqs: Vec<Value> = self
+            .seqs
+            .iter()
+            .map(|s| {
+                json!({"context_len": s.context_len, "query_len": s.query_len, "decode": s.is_decode})
+            })
+            .collect();
+        json!({
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "block_size": self.block_size,
+            "dtype": self.dtype.name(),
+            "kv_cache_dtype": self.kv_cache_dtype.name(),
+            "k_scale": self.scales.k_scale,
+            "v_scale": self.scales.v_scale,
+            "mapping": self.mapping.name(),
+            "causal": true,
+            "num_seqs": self.seqs.len(),
+            "num_tokens": self.num_tokens(),
+            "num_blocks": self.num_blocks(),
+            "seqs": seqs,
+        })
+    }
+}
+
+/// The workloads of `suite` at `scale`.
+pub fn suite(suite: Suite, scale: Scale) -> Vec<Workload> {
+    let tiny = scale == Scale::Tiny;
+    let decode = |batch: usize, ctx: usize| {
+        Workload::new(
+            Suite::Decode,
+            format!("decode b{batch} ctx{ctx}"),
+            scale,
+            vec![SeqShape::decode(ctx); batch],
+        )
+    };
+    let (head_b, head_ctx) = if tiny { (4, 200) } else { (32, 4096) };
+    match suite {
+        Suite::Decode => {
+            let (batches, contexts): (&[usize], &[usize]) = match scale {
+                Scale::Full => (&[1, 8, 32], &[512, 1024, 4096]),
+                Scale::Quick => (&[8, 32], &[1024, 4096]),
+                Scale::Tiny => (&[1, 4], &[64, 200]),
+            };
+            let mut rows = Vec::new();
+            for &b in batches {
+                for &c in contexts {
+                    if scale == Scale::Quick && (b, c) != (8, 1024) && (b, c) != (32, 4096) {
+                        continue;
+                    }
+                    let w = decode(b, c);
+                    rows.push(if (b, c) == (head_b, head_ctx) {
+                        w.headline()
+                    } else {
+                        w
+                    });
+                }
+            }
+            let mut fp8 = decode(head_b, head_ctx).fp8();
+            fp8.name = format!("decode b{head_b} ctx{head_ctx} fp8_e4m3");
+            rows.push(fp8);
+            rows
+        }
+        Suite::Prefill => {
+            let (h, _, _, _) = shape(scale);
+            let prefill = |n: usize, len: usize, hkv: usize| {
+                Workload::new(
+                    Suite::Prefill,
+                    format!("prefill {n}x{len} H{h}/{hkv}"),
+                    scale,
+                    vec![SeqShape::prompt(0, len); n],
+                )
+                .kv_heads(hkv)
+            };
+            match scale {
+                Scale::Full => vec![
+                    prefill(1, 512, h),
+                    prefill(8, 1024, h),
+                    prefill(4, 2048, h).headline(),
+                    prefill(4, 2048, 8),
+                ],
+                Scale::Quick => vec![prefill(1, 512, h), prefill(4, 2048, h).headline()],
+                Scale::Tiny => vec![prefill(2, 64, h).headline(), prefill(2, 64, 2)],
+            }
+        }
+        Suite::Mixed => {
+            let (chunk, ctx, fresh, decodes, dctx) = if tiny {
+                (32, 64, 16, 6, 100)
+            } else {
+                (512, 1536, 256, 30, 2048)
+            };
+            let mut seqs = vec![SeqShape::prompt(ctx, chunk); 2];
+            seqs.push(SeqShape::prompt(0, fresh));
+            seqs.extend(vec![SeqShape::decode(dctx); decodes]);
+            vec![Workload::new(
+                Suite::Mixed,
+                format!("mixed 2x{chunk}@{ctx} + {fresh} + {decodes} dec@{dctx}"),
+                scale,
+                seqs,
+            )
+            .headline()]
+        }
+        Suite::Paging => [Mapping::Contiguous, Mapping::Shuffled]
+            .into_iter()
+            .map(|m| {
+                let mut w = decode(head_b, head_ctx).headline();
+                w.suite = Suite::Paging;
+                w.mapping = m;
+                w.name = format!("paging b{head_b} ctx{head_ctx} {}", m.name());
+                w
+            })
+            .collect(),
+    }
+}
+
+/// A small, fast generator (splitmix64): the benchmark needs many random values, not quality.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        let bits = 0x3F80_0000 | ((self.next() >> 41) as u32);
+        (f32::from_bits(bits) - 1.5) * 2.0
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Fills a buffer with random values of its dtype (valid fp8 codes for U8), in parallel.
+fn fill_random(buf: &mut Storage, seed: u64) {
+    // Codes of values in [-1, 1) / (1/16): a realistic spread of fp8 codes, never NaN.
+    let fp8: Vec<u8> = (0..64)
+        .map(|i| pagedattn::Fp8Format::E4m3.encode((i as f32 - 32.0) / 2.0))
+        .collect();
+    match buf {
+        Storage::F32(v) => fill_parallel(v, seed, |r| r.unit()),
+        Storage::F16(v) => fill_parallel(v, seed, |r| half::f16::from_f32(r.unit())),
+        Storage::BF16(v) => fill_parallel(v, seed, |r| half::bf16::from_f32(r.unit())),
+        Storage::U8(v) => fill_parallel(v, seed, |r| fp8[r.below(fp8.len())]),
+    }
+}
+
+/// Sets every element of `v` to `value(rng)`, one generator per thread.
+fn fill_parallel<T: Send>(v: &mut [T], seed: u64, value: impl Fn(&mut SplitMix) -> T + Sync) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = v.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for (i, part) in v.chunks_mut(chunk).enumerate() {
+            let value = &value;
+            s.spawn(move || {
+                let mut rng = SplitMix(seed ^ ((i as u64 + 1) << 32));
+                for x in part.iter_mut() {
+                    *x = value(&mut rng);
+                }
+            });
+        }
+    });
+}
+
+fn random_tensor(dtype: DType, shape: &[usize], seed: u64) -> Result<Tensor> {
+    let mut rng = SplitMix(seed);
+    let values: Vec<f32> = (0..shape.iter().product()).map(|_| rng.unit()).collect();
+    Tensor::from_f32(dtype, shape, &values)
+}
+
+/// The block table of every sequence under `mapping`.
+pub fn block_tables(w: &Workload, seed: u64) -> Vec<Vec<i32>> {
+    let mut blocks: Vec<i32> = (0..w.num_blocks() as i32).collect();
+    if w.mapping == Mapping::Shuffled {
+        let mut rng = SplitMix(seed);
+        for i in (1..blocks.len()).rev() {
+            blocks.swap(i, rng.below(i + 1));
+        }
+    }
+    let mut rest = &blocks[..];
+    w.blocks_per_seq()
+        .into_iter()
+        .map(|n| {
+            let (mine, tail) = rest.split_at(n);
+            rest = tail;
+            mine.to_vec()
+        })
+        .collect()
+}
+
+/// Everything one workload's forward calls need: the layer, `layers` filled caches to rotate
+/// over, the metadata and the input and output tensors.
+pub struct Prepared {
+    attention: Box<dyn AttentionImpl>,
+    caches: Vec<KvCache>,
+    metadata: AttentionMetadata,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    output: Tensor,
+    scales: KvScales,
+}
+
+impl Prepared {
+    /// Builds the inputs of `w` on `backend`, with `layers` caches.
+    pub fn new(backend: &dyn Backend, w: &Workload, layers: usize, seed: u64) -> Result<Prepared> {
+        let config = AttentionConfig::builder(w.num_heads, w.head_size)
+            .num_kv_heads(w.num_kv_heads)
+            .kv_cache_dtype(w.kv_cache_dtype)
+            .build()?;
+        let attention = backend.attention(&config)?;
+        let mut builder = MetadataBuilder::new(w.block_size);
+        for (s, table) in w.seqs.iter().zip(block_tables(w, seed)) {
+            builder.push(if s.is_decode {
+                SequenceDesc::decode(s.seq_len(), table)
+            } else {
+                SequenceDesc::prompt(s.context_len, s.query_len, table)
+            });
+        }
+        let metadata = builder.build()?;
+        let spec = KvCacheSpec {
+            num_blocks: w.num_blocks(),
+            block_size: w.block_size,
+            num_kv_heads: w.num_kv_heads,
+            head_size: w.head_size,
+            dtype: w.dtype,
+            kv_cache_dtype: w.kv_cache_dtype,
+        };
+        let caches = (0..layers)
+            .map(|l| {
+                let mut cache = backend.allocate_kv_cache(&spec)?;
+                let (k, v) = cache.buffers_mut();
+                fill_random(k, seed.wrapping_add(2 * l as u64 + 1));
+                fill_random(v, seed.wrapping_add(2 * l as u64 + 2));
+                Ok(cache)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let t = w.num_tokens();
+        let (h, hkv, d) = (w.num_heads, w.num_kv_heads, w.head_size);
+        Ok(Prepared {
+            attention,
+            caches,
+            metadata,
+            query: random_tensor(w.dtype, &[t, h, d], seed ^ 0x51)?,
+            key: random_tensor(w.dtype, &[t, hkv, d], seed ^ 0x52)?,
+            value: random_tensor(w.dtype, &[t, hkv, d], seed ^ 0x53)?,
+            output: Tensor::zeros(w.dtype, &[t, h, d]),
+            scales: w.scales,
+        })
+    }
+
+    /// Number of caches rotated over.
+    pub fn layers(&self) -> usize {
+        self.caches.len()
+    }
+
+    /// One forward call (cache write, then attention) on layer `i % layers`.
+    pub fn run(&mut self, i: usize) -> Result<()> {
+        let layer = i % self.caches.len();
+        self.attention.forward(
+            &self.query,
+            Some(KvPair {
+                key: &self.key,
+                value: &self.value,
+            }),
+            Some(&mut self.caches[layer]),
+            &self.metadata,
+            &mut self.output,
+            self.scales,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn costs_follow_design_md() {
+        let w = &suite(Suite::Decode, Scale::Full)
+            .into_iter()
+            .find(|w| w.headline)
+            .unwrap();
+        assert_eq!((w.seqs.len(), w.seqs[0].seq_len()), (32, 4096));
+        // 32 seqs x 4096 tokens x 8 kv heads x 128 x (K and V) x 2 bytes.
+        assert_eq!(w.kv_bytes(), (32 * 4096 * 8 * 128 * 2 * 2) as f64);
+        let p = &suite(Suite::Prefill, Scale::Full)
+            .into_iter()
+            .find(|w| w.headline)
+            .unwrap();
+        assert_eq!(p.flops(), 4.0 * (4 * 2048 * 2049 / 2) as f64 * 128.0 * 32.0);
+        assert_eq!(
+            SeqShape::prompt(1536, 512).causal_pairs(),
+            512 * 1536 + 512 * 513 / 2
+        );
+    }
+
+    #[test]
+    fn block_tables_cover_every_block_once() {
+        for mapping in [Mapping::Contiguous, Mapping::Shuffled] {
+            let mut w = suite(Suite::Mixed, Scale::Tiny).remove(0);
+            w.mapping = mapping;
+            let tables = block_tables(&w, 7);
+            let mut all: Vec<i32> = tables.concat();
+            if mapping == Mapping::Contiguous {
+                assert_eq!(tables[1][0], tables[0].len() as i32);
+            }
+            all.sort();
+            assert_eq!(all, (0..w.num_blocks() as i32).collect::<Vec<_>>());
+        }
+    }
+}
