@@ -102,27 +102,14 @@ impl TileSource for PackedBf16Source<'_> {
         &self,
         _s: S,
         keys: Range<usize>,
-        absent: &[bool],
+        _absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
         let p = self.packed;
         let rows = state.m.len();
-        // Absent keys have zero probability and zero (packed) values already; round the
-        // probabilities to bf16 pairs of consecutive keys, in place at the start of each row.
-        debug_assert!(absent.len() <= KEY_TILE);
-        for r in 0..rows {
-            let row = &mut probs[r * KEY_TILE..(r + 1) * KEY_TILE];
-            for c in (0..KEY_TILE).step_by(2 * LANES) {
-                // SAFETY: the row has KEY_TILE f32; pair c/2.. holds 16 u32 written over f32 c/2..c/2+16, which were already read (c/2 + 16 <= c + 16 only overlaps the lanes loaded).
-                unsafe {
-                    let lo = _mm512_loadu_ps(row.as_ptr().add(c));
-                    let hi = _mm512_loadu_ps(row.as_ptr().add(c + LANES));
-                    let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-                    _mm512_storeu_si512(row.as_mut_ptr().add(c / 2) as *mut __m512i, pairs);
-                }
-            }
-        }
+        // Absent keys have zero probability and zero (packed) values already.
+        probs_to_pairs(probs, rows);
         let first_pair = (keys.start - p.origin) / 2;
         let pairs = keys.len().div_ceil(2);
         let v = &p.v[first_pair * p.d..(first_pair + pairs) * p.d];
@@ -242,3 +229,239 @@ unsafe fn attend_with_bf16(
 
 // The probability pairs of a tile are converted 32 keys at a time.
 const _: () = assert!(KEY_TILE.is_multiple_of(2 * LANES));
+
+/// Decode with AVX512-BF16: bf16 queries against bf16 cache rows read in place (no packing).
+/// Scores are `vdpbf16ps` dot products of query pairs with 32-element key chunks; P·V takes two
+/// value rows at a time, interleaved into key pairs with `vpunpck[lh]wd`, which visits the
+/// dimensions of each 32-element chunk in a fixed permuted order that [`TileSource::finish`]
+/// undoes once at the end.
+#[derive(Debug, Clone, Copy)]
+pub struct RowsBf16Source<'a> {
+    /// Where the rows are (bf16 bits).
+    pub kv: KvRows<'a, u16>,
+    /// Rows × d/2 query pairs, unscaled.
+    pub q: &'a [u32],
+    /// Score scale.
+    pub scale: f32,
+    /// End of the key range the rows visit (prefetching stops there).
+    pub keys_end: usize,
+}
+
+/// Elements per 512-bit chunk of a bf16 row.
+const CHUNK: usize = 32;
+
+/// How many keys ahead key rows are prefetched.
+const PREFETCH_KEYS: usize = 16;
+
+impl TileSource for RowsBf16Source<'_> {
+    fn alignment(&self) -> (usize, usize) {
+        (0, 1)
+    }
+
+    #[inline(always)]
+    fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
+        let d = self.kv.head_size;
+        let rows = self.q.len() * 2 / d;
+        let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
+        let reach = keys.start..(keys.end + PREFETCH_KEYS).min(self.keys_end);
+        self.kv.rows_into(reach.clone(), &mut offsets);
+        for t in 0..keys.len() {
+            if t + PREFETCH_KEYS < reach.len() {
+                prefetch(s, &self.kv.key[offsets[t + PREFETCH_KEYS]..][..d]);
+            }
+            prefetch(s, &self.kv.value[offsets[t]..][..d]);
+            let k = &self.kv.key[offsets[t]..][..d];
+            for_row_blocks!(rows, |r0, R| qk_row::<R>(
+                self.q, r0, k, t, self.scale, scores
+            ));
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate<S: Simd>(
+        &self,
+        _s: S,
+        keys: Range<usize>,
+        absent: &[bool],
+        probs: &mut [f32],
+        state: &mut RowStates,
+    ) {
+        let rows = state.m.len();
+        probs_to_pairs(probs, rows);
+        let mut offsets = [0usize; KEY_TILE];
+        self.kv.rows_into(keys.clone(), &mut offsets);
+        // Value rows by key pair; None for positions that are not keys (and the odd tail).
+        let mut pairs = [(None, None); KEY_TILE / 2];
+        let row = |t: usize| (t < keys.len() && !absent[t]).then(|| offsets[t]);
+        for (p, pair) in pairs.iter_mut().enumerate().take(keys.len().div_ceil(2)) {
+            *pair = (row(2 * p), row(2 * p + 1));
+        }
+        let pairs = &pairs[..keys.len().div_ceil(2)];
+        let d = self.kv.head_size;
+        for_row_blocks!(rows, |r0, R| pv_rows::<R>(
+            self.kv.value,
+            pairs,
+            d,
+            probs,
+            r0,
+            &mut state.acc
+        ));
+    }
+
+    #[inline(always)]
+    fn finish(&self, state: &mut RowStates) {
+        // Undo the P·V order: in each 32-element chunk, accumulator lane i of the low half holds
+        // dimension (i / 4) * 8 + i % 4, lane i of the high half dimension (i / 4) * 8 + 4 + i % 4.
+        for chunk in state.acc.chunks_exact_mut(CHUNK) {
+            let permuted: [f32; CHUNK] = chunk.try_into().expect("chunk of 32");
+            for i in 0..16 {
+                chunk[(i / 4) * 8 + i % 4] = permuted[i];
+                chunk[(i / 4) * 8 + 4 + i % 4] = permuted[16 + i];
+            }
+        }
+    }
+}
+
+/// Asks for every cache line of a row.
+#[inline(always)]
+fn prefetch<S: Simd, E>(s: S, row: &[E]) {
+    let p = row.as_ptr() as *const u8;
+    for line in (0..std::mem::size_of_val(row)).step_by(64) {
+        s.prefetch(p.wrapping_add(line));
+    }
+}
+
+/// Rounds each row's tile of probabilities to bf16 pairs of consecutive keys, in place at the
+/// start of the row (u32 pair `p` holds keys 2p and 2p + 1).
+#[inline(always)]
+fn probs_to_pairs(probs: &mut [f32], rows: usize) {
+    for r in 0..rows {
+        let row = &mut probs[r * KEY_TILE..(r + 1) * KEY_TILE];
+        for c in (0..KEY_TILE).step_by(2 * LANES) {
+            // SAFETY: only called under AVX512-BF16; both halves are read before the 16 u32
+            // are written over f32 c/2..c/2+16, which lie at or before the lanes just read.
+            unsafe {
+                let lo = _mm512_loadu_ps(row.as_ptr().add(c));
+                let hi = _mm512_loadu_ps(row.as_ptr().add(c + LANES));
+                let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_storeu_si512(row.as_mut_ptr().add(c / 2) as *mut __m512i, pairs);
+            }
+        }
+    }
+}
+
+/// Scores of rows `r0..r0+R` against one bf16 key row.
+#[inline(always)]
+fn qk_row<const R: usize>(
+    q: &[u32],
+    r0: usize,
+    k: &[u16],
+    t: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let half = k.len() / 2;
+    let q = &q[r0 * half..(r0 + R) * half];
+    // SAFETY: only called under AVX512-BF16; rows hold d = 2 * half elements, d % 32 == 0.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); R];
+        for c in (0..k.len()).step_by(CHUNK) {
+            let kv = bh(_mm512_loadu_si512(k.as_ptr().add(c) as *const __m512i));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let qv = bh(_mm512_loadu_si512(
+                    q.as_ptr().add(r * half + c / 2) as *const __m512i
+                ));
+                *a = _mm512_dpbf16_ps(*a, qv, kv);
+            }
+        }
+        let avx = Avx512::new().unwrap_unchecked();
+        let mut r = 0;
+        while r + 4 <= R {
+            let sums = avx.reduce_sum4([acc[r], acc[r + 1], acc[r + 2], acc[r + 3]]);
+            for (i, x) in sums.into_iter().enumerate() {
+                scores[(r0 + r + i) * KEY_TILE + t] = x * scale;
+            }
+            r += 4;
+        }
+        for (i, a) in acc.iter().enumerate().skip(r) {
+            scores[(r0 + i) * KEY_TILE + t] = _mm512_reduce_add_ps(*a) * scale;
+        }
+    }
+}
+
+/// P·V for rows `r0..r0+R` over value rows taken two keys at a time (permuted order).
+#[inline(always)]
+fn pv_rows<const R: usize>(
+    values: &[u16],
+    pairs: &[(Option<usize>, Option<usize>)],
+    d: usize,
+    probs: &[f32],
+    r0: usize,
+    acc: &mut [f32],
+) {
+    let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
+    let acc = &mut acc[r0 * d..(r0 + R) * d];
+    // SAFETY: only called under AVX512-BF16; rows are inside the validated value buffer and
+    // hold d elements (d % 32 == 0); acc is R × d; probability rows start with the pairs.
+    unsafe {
+        let load = |row: Option<usize>, c: usize| match row {
+            Some(o) => _mm512_loadu_si512(values.as_ptr().add(o + c) as *const __m512i),
+            None => _mm512_setzero_si512(),
+        };
+        for c in (0..d).step_by(CHUNK) {
+            let mut lo = [_mm512_setzero_ps(); R];
+            let mut hi = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                lo[r] = _mm512_loadu_ps(acc.as_ptr().add(r * d + c));
+                hi[r] = _mm512_loadu_ps(acc.as_ptr().add(r * d + c + LANES));
+            }
+            for (p, &(a, b)) in pairs.iter().enumerate() {
+                let (va, vb) = (load(a, c), load(b, c));
+                let (vlo, vhi) = (
+                    bh(_mm512_unpacklo_epi16(va, vb)),
+                    bh(_mm512_unpackhi_epi16(va, vb)),
+                );
+                for r in 0..R {
+                    let pp = (probs.as_ptr().add(r * KEY_TILE) as *const u32)
+                        .add(p)
+                        .read();
+                    let pp = bh(_mm512_set1_epi32(pp as i32));
+                    lo[r] = _mm512_dpbf16_ps(lo[r], pp, vlo);
+                    hi[r] = _mm512_dpbf16_ps(hi[r], pp, vhi);
+                }
+            }
+            for r in 0..R {
+                _mm512_storeu_ps(acc.as_mut_ptr().add(r * d + c), lo[r]);
+                _mm512_storeu_ps(acc.as_mut_ptr().add(r * d + c + LANES), hi[r]);
+            }
+        }
+    }
+}
+
+/// Attends a decode group with AVX512-BF16 straight from bf16 cache rows.
+///
+/// # Panics
+/// If this CPU lacks AVX512-BF16 (the dispatcher only calls it where it was detected).
+pub fn attend_rows_bf16(
+    source: &RowsBf16Source<'_>,
+    group: &Group<'_>,
+    mods: &ScoreMods,
+    state: &mut RowStates,
+) {
+    let s = Avx512::new()
+        .filter(|a| a.has_bf16())
+        .expect("AVX512-BF16 was detected by the dispatcher");
+    // SAFETY: the features were just checked.
+    unsafe { attend_rows_with_bf16(s, source, group, mods, state) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]
+unsafe fn attend_rows_with_bf16(
+    s: Avx512,
+    source: &RowsBf16Source<'_>,
+    group: &Group<'_>,
+    mods: &ScoreMods,
+    state: &mut RowStates,
+) {
+    attend(s, source, group, mods, state)
+}

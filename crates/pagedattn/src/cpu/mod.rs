@@ -321,6 +321,8 @@ struct Ctx<'a, S, T, E> {
     out: SharedMut<T>,
     partials: SharedMut<f32>,
     plan: &'a Plan,
+    /// Whether the AVX512-BF16 kernels may be used.
+    bf16_dot: bool,
 }
 
 impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
@@ -440,12 +442,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
     fn decode(&self, unit: &Unit) {
         let d = self.cfg.head_size();
         let (pos, slope) = self.rows(unit.seq, unit.kv_head, unit.tokens.clone());
-        let q = self.q_f32(unit.kv_head, unit.tokens.clone());
-        let source = RowsSource {
-            kv: self.kv_rows(unit.seq, unit.kv_head),
-            q: &q,
-            keys_end: unit.keys.end,
-        };
+        let kv = self.kv_rows(unit.seq, unit.kv_head);
         let group = Group {
             pos: &pos,
             slope: &slope,
@@ -453,12 +450,43 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             absent: &self.plan.absent[unit.seq],
         };
         let mut state = RowStates::new(pos.len(), d);
-        self.s.vectorize(Attend {
-            source: &source,
-            group: &group,
-            mods: &self.mods,
-            state: &mut state,
-        });
+        #[cfg(target_arch = "x86_64")]
+        let done = match self.bf16_cache_rows() {
+            Some((key, value)) => {
+                let q = self.q_bf16_pairs(unit.kv_head, unit.tokens.clone());
+                let kv = KvRows {
+                    key,
+                    value,
+                    layout: kv.layout,
+                    head_size: d,
+                };
+                let source = bf16::RowsBf16Source {
+                    kv,
+                    q: &q,
+                    scale: self.score_scale,
+                    keys_end: unit.keys.end,
+                };
+                bf16::attend_rows_bf16(&source, &group, &self.mods, &mut state);
+                true
+            }
+            None => false,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = false;
+        if !done {
+            let q = self.q_f32(unit.kv_head, unit.tokens.clone());
+            let source = RowsSource {
+                kv,
+                q: &q,
+                keys_end: unit.keys.end,
+            };
+            self.s.vectorize(Attend {
+                source: &source,
+                group: &group,
+                mods: &self.mods,
+                state: &mut state,
+            });
+        }
         match unit.partial {
             None => self.finish(unit.kv_head, unit.tokens.clone(), &state),
             Some(slot) => {
@@ -477,12 +505,12 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
     }
 
     /// Packs one prefill group's keys and values, then runs its query tiles in parallel.
-    fn prefill(&self, pg: &PrefillGroup, bf16_dot: bool) {
+    fn prefill(&self, pg: &PrefillGroup) {
         let d = self.cfg.head_size();
         let kv = self.kv_rows(pg.seq, pg.kv_head);
         let absent = &self.plan.absent[pg.seq];
         #[cfg(target_arch = "x86_64")]
-        if bf16_dot && T::DTYPE == DType::BF16 && E::BF16_EXACT && d.is_multiple_of(16) {
+        if self.bf16_dot && T::DTYPE == DType::BF16 && E::BF16_EXACT && d.is_multiple_of(16) {
             let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent);
             pg.tiles.par_iter().for_each(|tile| {
                 let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
@@ -504,7 +532,6 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             });
             return;
         }
-        let _ = bf16_dot;
         let packed = self.s.vectorize(packed::PackF32 {
             kv: &kv,
             keys: pg.keys.clone(),
@@ -552,6 +579,20 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             );
         }
         q
+    }
+
+    /// The key and value buffers as bf16 bits, when the decode kernel can use AVX512-BF16 on
+    /// them directly: bf16 queries, a bf16 cache (or bf16 inputs), head size a multiple of 32.
+    #[cfg(target_arch = "x86_64")]
+    fn bf16_cache_rows(&self) -> Option<(&[u16], &[u16])> {
+        let bf16_rows = self.bf16_dot
+            && T::DTYPE == DType::BF16
+            && std::any::TypeId::of::<E>() == std::any::TypeId::of::<half::bf16>()
+            && self.cfg.head_size().is_multiple_of(32);
+        // SAFETY: E is bf16, which is two bytes of bf16 bits.
+        let bits =
+            |x: &[E]| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u16, x.len()) };
+        bf16_rows.then(|| (bits(self.keys), bits(self.values)))
     }
 
     /// Combines the split-K partitions of one (token, kv head) and writes the output rows.
@@ -648,13 +689,10 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         ),
         partials: SharedMut(partials.as_mut_ptr()),
         plan: &plan,
+        bf16_dot: call.bf16_dot,
     };
     rayon::join(
-        || {
-            plan.prefill
-                .par_iter()
-                .for_each(|pg| ctx.prefill(pg, call.bf16_dot))
-        },
+        || plan.prefill.par_iter().for_each(|pg| ctx.prefill(pg)),
         || plan.units.par_iter().for_each(|unit| ctx.decode(unit)),
     );
     let partials = &partials;
