@@ -143,7 +143,7 @@ impl Simd for Avx2 {
     #[inline(always)]
     fn prefetch<T>(self, p: *const T) {
         // SAFETY: prefetching never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
     #[inline(always)]
     fn reduce_max(self, a: __m256) -> f32 {
@@ -333,7 +333,7 @@ impl Simd for Avx512 {
     #[inline(always)]
     fn prefetch<T>(self, p: *const T) {
         // SAFETY: prefetching never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
     #[inline(always)]
     fn reduce_max(self, a: __m512) -> f32 {
