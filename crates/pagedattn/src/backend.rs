@@ -81,6 +81,20 @@ pub struct Capabilities {
 }
 
 impl Capabilities {
+    /// Every dtype, head size, block size, attention type and feature.
+    pub fn everything() -> Self {
+        Capabilities {
+            dtypes: DType::FLOATS.to_vec(),
+            head_sizes: Sizes::Any,
+            block_sizes: Sizes::Any,
+            attn_types: AttnType::ALL.to_vec(),
+            fp8: true,
+            alibi: true,
+            sliding_window: true,
+            soft_cap: true,
+        }
+    }
+
     /// Checks a layer config against these capabilities.
     pub fn check_config(&self, backend: &str, config: &AttentionConfig) -> Result<()> {
         let unsupported = |feature: String| Err(Error::unsupported(backend, feature));

@@ -1,9 +1,8 @@
 //! The `reference` backend: DESIGN.md section 2 written as plainly as possible, in f64.
 //! It is the oracle every other backend is tested against; it is slow on purpose.
 
-use crate::backend::{AttentionImpl, Backend, Capabilities, Device, ForwardCheck, KvPair, Sizes};
+use crate::backend::{AttentionImpl, Backend, Capabilities, Device, ForwardCheck, KvPair};
 use crate::config::{AttentionConfig, AttnType};
-use crate::dtype::DType;
 use crate::error::Result;
 use crate::kv_cache::{CacheLayout, KvCache, KvScales};
 use crate::metadata::AttentionMetadata;
@@ -24,16 +23,7 @@ impl Backend for Reference {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            dtypes: DType::FLOATS.to_vec(),
-            head_sizes: Sizes::Any,
-            block_sizes: Sizes::Any,
-            attn_types: AttnType::ALL.to_vec(),
-            fp8: true,
-            alibi: true,
-            sliding_window: true,
-            soft_cap: true,
-        }
+        Capabilities::everything()
     }
 
     fn kv_cache_layout(&self) -> CacheLayout {

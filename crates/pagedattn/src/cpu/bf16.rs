@@ -13,7 +13,8 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::kernel::{
-    attend, for_row_blocks, Group, KvRows, RowStates, ScoreMods, TileSource, KEY_TILE, ROW_BLOCK,
+    attend, for_row_blocks, stream_keys, Group, KvRows, RowStates, ScoreMods, TileSource, KEY_TILE,
+    ROW_BLOCK,
 };
 use super::simd::x86::Avx512;
 use super::simd::{Load, Simd};
@@ -199,37 +200,6 @@ fn pv_block<const R: usize>(
     }
 }
 
-/// Attends a query tile with AVX512-BF16.
-///
-/// # Panics
-/// If this CPU lacks AVX512-BF16 (the dispatcher only calls it where it was detected).
-pub fn attend_bf16(
-    source: &PackedBf16Source<'_>,
-    group: &Group<'_>,
-    mods: &ScoreMods,
-    state: &mut RowStates,
-) {
-    let s = Avx512::new()
-        .filter(|a| a.has_bf16())
-        .expect("AVX512-BF16 was detected by the dispatcher");
-    // SAFETY: the features were just checked.
-    unsafe { attend_with_bf16(s, source, group, mods, state) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]
-unsafe fn attend_with_bf16(
-    s: Avx512,
-    source: &PackedBf16Source<'_>,
-    group: &Group<'_>,
-    mods: &ScoreMods,
-    state: &mut RowStates,
-) {
-    attend(s, source, group, mods, state)
-}
-
-// The probability pairs of a tile are converted 32 keys at a time.
-const _: () = assert!(KEY_TILE.is_multiple_of(2 * LANES));
-
 /// Decode with AVX512-BF16: bf16 queries against bf16 cache rows read in place (no packing).
 /// Scores are `vdpbf16ps` dot products of query pairs with 32-element key chunks; P·V takes two
 /// value rows at a time, interleaved into key pairs with `vpunpck[lh]wd`, which visits the
@@ -250,9 +220,6 @@ pub struct RowsBf16Source<'a> {
 /// Elements per 512-bit chunk of a bf16 row.
 const CHUNK: usize = 32;
 
-/// How many keys ahead key rows are prefetched.
-const PREFETCH_KEYS: usize = 16;
-
 impl TileSource for RowsBf16Source<'_> {
     fn alignment(&self) -> (usize, usize) {
         (0, 1)
@@ -260,21 +227,12 @@ impl TileSource for RowsBf16Source<'_> {
 
     #[inline(always)]
     fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
-        let d = self.kv.head_size;
-        let rows = self.q.len() * 2 / d;
-        let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
-        let reach = keys.start..(keys.end + PREFETCH_KEYS).min(self.keys_end);
-        self.kv.rows_into(reach.clone(), &mut offsets);
-        for t in 0..keys.len() {
-            if t + PREFETCH_KEYS < reach.len() {
-                prefetch(s, &self.kv.key[offsets[t + PREFETCH_KEYS]..][..d]);
-            }
-            prefetch(s, &self.kv.value[offsets[t]..][..d]);
-            let k = &self.kv.key[offsets[t]..][..d];
+        let rows = self.q.len() * 2 / self.kv.head_size;
+        stream_keys(s, &self.kv, keys, self.keys_end, |t, k| {
             for_row_blocks!(rows, |r0, R| qk_row::<R>(
                 self.q, r0, k, t, self.scale, scores
             ));
-        }
+        });
     }
 
     #[inline(always)]
@@ -319,15 +277,6 @@ impl TileSource for RowsBf16Source<'_> {
                 chunk[(i / 4) * 8 + 4 + i % 4] = permuted[16 + i];
             }
         }
-    }
-}
-
-/// Asks for every cache line of a row.
-#[inline(always)]
-fn prefetch<S: Simd, E>(s: S, row: &[E]) {
-    let p = row.as_ptr() as *const u8;
-    for line in (0..std::mem::size_of_val(row)).step_by(64) {
-        s.prefetch(p.wrapping_add(line));
     }
 }
 
@@ -438,12 +387,18 @@ fn pv_rows<const R: usize>(
     }
 }
 
-/// Attends a decode group with AVX512-BF16 straight from bf16 cache rows.
+/// The tile sources whose kernels use AVX512-BF16 instructions: only [`attend_bf16`] runs them.
+pub trait Bf16Source: TileSource {}
+
+impl Bf16Source for PackedBf16Source<'_> {}
+impl Bf16Source for RowsBf16Source<'_> {}
+
+/// Attends a group with AVX512-BF16.
 ///
 /// # Panics
 /// If this CPU lacks AVX512-BF16 (the dispatcher only calls it where it was detected).
-pub fn attend_rows_bf16(
-    source: &RowsBf16Source<'_>,
+pub fn attend_bf16<Src: Bf16Source>(
+    source: &Src,
     group: &Group<'_>,
     mods: &ScoreMods,
     state: &mut RowStates,
@@ -452,13 +407,13 @@ pub fn attend_rows_bf16(
         .filter(|a| a.has_bf16())
         .expect("AVX512-BF16 was detected by the dispatcher");
     // SAFETY: the features were just checked.
-    unsafe { attend_rows_with_bf16(s, source, group, mods, state) }
+    unsafe { attend_with_bf16(s, source, group, mods, state) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]
-unsafe fn attend_rows_with_bf16(
+unsafe fn attend_with_bf16<Src: Bf16Source>(
     s: Avx512,
-    source: &RowsBf16Source<'_>,
+    source: &Src,
     group: &Group<'_>,
     mods: &ScoreMods,
     state: &mut RowStates,

@@ -326,20 +326,9 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
-        // Row offsets of this tile and of the keys to prefetch beyond it.
-        let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
-        let reach = keys.start..(keys.end + PREFETCH_KEYS).min(self.keys_end);
-        self.kv.rows_into(reach.clone(), &mut offsets);
-        for t in 0..keys.len() {
-            // Keep a steady stream of requests in flight: the key row PREFETCH_KEYS ahead, and
-            // this key's value row (read by the P·V pass right after this tile).
-            if t + PREFETCH_KEYS < reach.len() {
-                prefetch_row(s, &self.kv.key[offsets[t + PREFETCH_KEYS]..][..d]);
-            }
-            prefetch_row(s, &self.kv.value[offsets[t]..][..d]);
-            let k = &self.kv.key[offsets[t]..][..d];
+        stream_keys(s, &self.kv, keys, self.keys_end, |t, k| {
             for_row_blocks!(rows, |r0, R| qk_row::<S, E, R>(s, self.q, r0, k, t, scores));
-        }
+        });
     }
 
     #[inline(always)]
@@ -361,6 +350,30 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
             probs,
             state,
         );
+    }
+}
+
+/// Visits the key rows of a decode tile in order, calling `each(t, key_row)`, while keeping a
+/// steady stream of memory requests in flight: the key row [`PREFETCH_KEYS`] ahead (into the
+/// next tile, up to `keys_end`) and this key's value row, which the P·V pass reads right after.
+#[inline(always)]
+pub fn stream_keys<S: Simd, E>(
+    s: S,
+    kv: &KvRows<'_, E>,
+    keys: Range<usize>,
+    keys_end: usize,
+    mut each: impl FnMut(usize, &[E]),
+) {
+    let d = kv.head_size;
+    let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
+    let reach = keys.start..(keys.end + PREFETCH_KEYS).min(keys_end);
+    kv.rows_into(reach.clone(), &mut offsets);
+    for t in 0..keys.len() {
+        if t + PREFETCH_KEYS < reach.len() {
+            prefetch_row(s, &kv.key[offsets[t + PREFETCH_KEYS]..][..d]);
+        }
+        prefetch_row(s, &kv.value[offsets[t]..][..d]);
+        each(t, &kv.key[offsets[t]..][..d]);
     }
 }
 

@@ -19,7 +19,7 @@ mod write;
 
 use rayon::prelude::*;
 
-use crate::backend::{AttentionImpl, Backend, Capabilities, Device, ForwardCheck, KvPair, Sizes};
+use crate::backend::{AttentionImpl, Backend, Capabilities, Device, ForwardCheck, KvPair};
 use crate::config::{AttentionConfig, AttnType};
 use crate::dtype::{DType, Element};
 use crate::error::Result;
@@ -77,16 +77,7 @@ impl Backend for Cpu {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            dtypes: DType::FLOATS.to_vec(),
-            head_sizes: Sizes::Any,
-            block_sizes: Sizes::Any,
-            attn_types: AttnType::ALL.to_vec(),
-            fp8: true,
-            alibi: true,
-            sliding_window: true,
-            soft_cap: true,
-        }
+        Capabilities::everything()
     }
 
     fn kv_cache_layout(&self) -> CacheLayout {
@@ -466,7 +457,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                     scale: self.score_scale,
                     keys_end: unit.keys.end,
                 };
-                bf16::attend_rows_bf16(&source, &group, &self.mods, &mut state);
+                bf16::attend_bf16(&source, &group, &self.mods, &mut state);
                 true
             }
             None => false,
