@@ -354,7 +354,7 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
 }
 
 /// Visits the key rows of a decode tile in order, calling `each(t, key_row)`, while keeping a
-/// steady stream of memory requests in flight: the key row [`PREFETCH_KEYS`] ahead (into the
+/// steady stream of memory requests in flight: the key row `PREFETCH_KEYS` ahead (into the
 /// next tile, up to `keys_end`) and this key's value row, which the P·V pass reads right after.
 #[inline(always)]
 pub fn stream_keys<S: Simd, E>(
