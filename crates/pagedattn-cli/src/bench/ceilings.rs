@@ -242,20 +242,21 @@ impl Buffer {
     fn new(bytes: usize, threads: usize) -> Buffer {
         let n = (bytes / 64).max(threads * 64);
         let mut lines: Vec<Line> = Vec::with_capacity(n);
-        // SAFETY: `Line` is plain f32 data; every element is written below before any read.
-        #[allow(clippy::uninit_vec)]
-        unsafe {
-            lines.set_len(n)
-        };
+        // Each thread first-touches (and so places) its own share of the pages.
         std::thread::scope(|s| {
-            for (t, part) in lines.chunks_mut(n.div_ceil(threads)).enumerate() {
+            for (t, part) in lines.spare_capacity_mut()[..n]
+                .chunks_mut(n.div_ceil(threads))
+                .enumerate()
+            {
                 s.spawn(move || {
                     for (i, l) in part.iter_mut().enumerate() {
-                        *l = Line([((i + t) % 7) as f32 * 0.125; 16]);
+                        l.write(Line([((i + t) % 7) as f32 * 0.125; 16]));
                     }
                 });
             }
         });
+        // SAFETY: the threads above initialized all n lines.
+        unsafe { lines.set_len(n) };
         Buffer { lines }
     }
 
