@@ -6,8 +6,11 @@
 
 use crate::config::KvCacheDtype;
 use crate::dtype::{DType, Element};
-use crate::error::{ensure, Result};
+use rayon::prelude::*;
+
+use crate::error::{ensure, Error, Result};
 use crate::fp8::Fp8Format;
+use crate::shared::SharedMut;
 use crate::tensor::{Storage, Tensor};
 
 /// Dequantization scales of an fp8 cache (vLLM's `k_scale`, `v_scale`); 1.0 for other caches.
@@ -327,11 +330,13 @@ impl KvCache {
                 },
             )?;
         }
-        Ok(())
+        // Tokens are written in parallel: two tokens may not share a slot.
+        check_distinct_slots(slot_mapping, field)
     }
 
-    /// Writes token `t` of `key`/`value` ([Tk, Hkv, D]) to slot `slot_mapping[t]`; slot -1 is
-    /// skipped. fp8 caches store `encode(x / k_scale)` (resp. `v_scale`), see [`Fp8Format`].
+    /// Writes token `t` of `key`/`value` ([Tk, Hkv, D]) to slot `slot_mapping[t]`, tokens in
+    /// parallel; slot -1 is skipped, and two tokens may not share a slot. fp8 caches store
+    /// `encode(x / k_scale)` (resp. `v_scale`), see [`Fp8Format`].
     pub fn write(
         &mut self,
         key: &Tensor,
@@ -373,7 +378,30 @@ impl KvCache {
     }
 }
 
-/// Stores each token row of `src` at its slot in `dst`, quantizing to fp8 if asked.
+/// Checks that no two tokens of `slot_mapping` write the same slot (-1 excepted).
+pub(crate) fn check_distinct_slots(slot_mapping: &[i64], field: &str) -> Result<()> {
+    let mut written: Vec<(i64, usize)> = slot_mapping
+        .iter()
+        .enumerate()
+        .filter(|&(_, &slot)| slot >= 0)
+        .map(|(t, &slot)| (slot, t))
+        .collect();
+    written.sort_unstable();
+    match written.windows(2).find(|w| w[0].0 == w[1].0) {
+        Some(w) => Err(Error::invalid(
+            format!("{field}[{}]", w[1].1),
+            w[1].0,
+            format!(
+                "a slot no other token writes (token {} writes it too)",
+                w[0].1
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Stores each token row of `src` at its slot in `dst`, quantizing to fp8 if asked; tokens in
+/// parallel (their slots are distinct, checked by `check_write`, so their rows are disjoint).
 fn write_tokens<T: Element>(
     spec: &KvCacheSpec,
     layout: CacheLayout,
@@ -383,30 +411,49 @@ fn write_tokens<T: Element>(
     fp8: Option<Fp8Format>,
     scale: f32,
 ) {
-    let d = spec.head_size;
-    for (t, &slot) in slot_mapping.iter().enumerate() {
-        if slot < 0 {
-            continue;
-        }
-        for head in 0..spec.num_kv_heads {
-            let row = &src[(t * spec.num_kv_heads + head) * d..][..d];
-            let at = layout.row_start(spec, slot as usize, head);
-            match fp8 {
-                None => {
-                    let out = dst
-                        .as_slice_mut::<T>()
-                        .expect("auto cache has the input dtype");
-                    out[at..at + d].copy_from_slice(row);
-                }
-                Some(format) => {
-                    let Storage::U8(out) = dst else {
-                        unreachable!("fp8 cache stores bytes")
-                    };
-                    for (o, &x) in out[at..at + d].iter_mut().zip(row) {
-                        *o = format.encode(x.to_f32() / scale);
+    let (d, hkv) = (spec.head_size, spec.num_kv_heads);
+    let rows = |t: usize, slot: i64| {
+        (0..hkv).map(move |h| {
+            (
+                &src[(t * hkv + h) * d..][..d],
+                layout.row_start(spec, slot as usize, h),
+            )
+        })
+    };
+    match (dst, fp8) {
+        (Storage::U8(out), Some(format)) => {
+            let out = SharedMut(out.as_mut_ptr());
+            slot_mapping
+                .par_iter()
+                .enumerate()
+                .filter(|(_, &slot)| slot >= 0)
+                .for_each(|(t, &slot)| {
+                    for (row, at) in rows(t, slot) {
+                        for (i, &x) in row.iter().enumerate() {
+                            // SAFETY: distinct slots own distinct rows of the buffer.
+                            unsafe { *out.ptr().add(at + i) = format.encode(x.to_f32() / scale) };
+                        }
                     }
-                }
-            }
+                });
+        }
+        (dst, _) => {
+            let out = SharedMut(
+                dst.as_slice_mut::<T>()
+                    .expect("auto cache has the input dtype")
+                    .as_mut_ptr(),
+            );
+            slot_mapping
+                .par_iter()
+                .enumerate()
+                .filter(|(_, &slot)| slot >= 0)
+                .for_each(|(t, &slot)| {
+                    for (row, at) in rows(t, slot) {
+                        // SAFETY: distinct slots own distinct rows of the buffer.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(row.as_ptr(), out.ptr().add(at), d)
+                        };
+                    }
+                });
         }
     }
 }
@@ -479,23 +526,32 @@ pub(crate) fn check_swap(src: &KvCache, dst: &KvCache, pairs: &[(usize, usize)])
 pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
     check_swap(src, dst, pairs)?;
     let block_bytes = src.spec.block_elems() * src.spec.storage_dtype().size_bytes();
+    // Destinations are distinct, so each destination block has at most one source.
+    let mut source_of = vec![None; dst.spec.num_blocks];
+    for &(sb, db) in pairs {
+        source_of[db] = Some(sb);
+    }
     for (from, to) in [(&src.key, &mut dst.key), (&src.value, &mut dst.value)] {
-        let (s, d) = (from.as_bytes(), to.as_bytes_mut());
-        for &(sb, db) in pairs {
-            d[db * block_bytes..][..block_bytes]
-                .copy_from_slice(&s[sb * block_bytes..][..block_bytes]);
-        }
+        let s = from.as_bytes();
+        to.as_bytes_mut()
+            .par_chunks_mut(block_bytes)
+            .zip(&source_of)
+            .for_each(|(block, source)| {
+                if let Some(sb) = *source {
+                    block.copy_from_slice(&s[sb * block_bytes..][..block_bytes]);
+                }
+            });
     }
     Ok(())
 }
 
 /// Copies block `src` to block `dst` inside every layer's cache, keys and values, pair by pair
-/// in order (vLLM's `copy_blocks`, used for copy-on-write).
+/// in order (vLLM's `copy_blocks`, used for copy-on-write); the layers in parallel.
 pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
     for cache in caches.iter() {
         check_pairs(pairs, cache.spec.num_blocks, cache.spec.num_blocks)?;
     }
-    for cache in caches.iter_mut() {
+    caches.par_iter_mut().for_each(|cache| {
         let block_bytes = cache.spec.block_elems() * cache.spec.storage_dtype().size_bytes();
         for buf in [&mut cache.key, &mut cache.value] {
             let bytes = buf.as_bytes_mut();
@@ -503,6 +559,6 @@ pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<(
                 bytes.copy_within(s * block_bytes..(s + 1) * block_bytes, d * block_bytes);
             }
         }
-    }
+    });
     Ok(())
 }

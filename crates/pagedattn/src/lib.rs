@@ -38,6 +38,7 @@ pub mod reference;
 pub mod registry;
 pub mod replay;
 pub mod semantics;
+mod shared;
 pub mod tensor;
 
 pub use backend::{AttentionImpl, Backend, Capabilities, Device, KvPair, Sizes};

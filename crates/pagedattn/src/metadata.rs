@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use crate::config::AttnType;
 use crate::error::{ensure, Error, Result};
-use crate::kv_cache::KvCacheSpec;
+use crate::kv_cache::{check_distinct_slots, KvCacheSpec};
 
 /// Per-sequence block tables: row `s` lists the physical blocks of sequence `s`, padded to a
 /// common width (vLLM pads with block 0; padding past a sequence's length is never read).
@@ -491,7 +491,6 @@ fn check_paged(
             )?;
         }
     }
-    let mut written = Vec::new();
     for (s, first_token, first_pos, count) in tokens {
         for k in 0..count {
             let (t, pos) = (first_token + k, first_pos + k);
@@ -507,23 +506,9 @@ fn check_paged(
                 )
                 },
             )?;
-            if slot >= 0 {
-                written.push((slot, t));
-            }
         }
     }
-    written.sort_unstable();
-    if let Some(w) = written.windows(2).find(|w| w[0].0 == w[1].0) {
-        return Err(Error::invalid(
-            format!("metadata.{slot_field}[{}]", w[1].1),
-            w[1].0,
-            format!(
-                "a slot no other token writes (token {} writes it too)",
-                w[0].1
-            ),
-        ));
-    }
-    Ok(())
+    check_distinct_slots(slots, &format!("metadata.{slot_field}"))
 }
 
 /// One sequence of a batch, as a scheduler sees it.

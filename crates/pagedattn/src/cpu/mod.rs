@@ -15,7 +15,6 @@ pub mod kernel;
 pub mod packed;
 pub mod plan;
 pub mod simd;
-mod write;
 
 use rayon::prelude::*;
 
@@ -28,12 +27,12 @@ use crate::metadata::AttentionMetadata;
 use crate::semantics::{query_position, KeyMap};
 use crate::tensor::{Storage, Tensor};
 
+use crate::shared::SharedMut;
 pub use isa::{Isa, ISA_ENV};
 use kernel::{Attend, Group, KvRows, RowLayout, RowStates, RowsSource, ScoreMods};
 use plan::{Merge, Plan, PrefillGroup, Unit};
 use simd::{E4m3, E5m2, Load, Simd};
 use std::ops::Range;
-use write::SharedMut;
 
 /// The CPU backend (registry name `cpu`).
 #[derive(Debug, Clone, Copy)]
@@ -111,19 +110,6 @@ impl Backend for Cpu {
         }
         Ok(cache)
     }
-
-    fn swap_blocks(
-        &self,
-        src: &KvCache,
-        dst: &mut KvCache,
-        pairs: &[(usize, usize)],
-    ) -> Result<()> {
-        write::swap_parallel(src, dst, pairs)
-    }
-
-    fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
-        write::copy_parallel(caches, pairs)
-    }
 }
 
 /// Asks the kernel to back a freshly allocated (not yet touched) buffer with transparent huge
@@ -184,7 +170,7 @@ impl AttentionImpl for CpuAttention {
                 }
                 _ => &metadata.slot_mapping,
             };
-            write::write_parallel(cache, kv.key, kv.value, slots, scales)?;
+            cache.write(kv.key, kv.value, slots, scales)?;
         }
         let call = Call {
             config: &self.config,
