@@ -1,5 +1,6 @@
 //! Host tensors: a shape and typed, row-major storage.
 
+use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 
 use crate::dtype::{DType, Element};
@@ -19,12 +20,13 @@ pub enum Storage {
 }
 
 impl Storage {
-    /// `len` zeros of `dtype`.
+    /// `len` zeros of `dtype`, from zeroed allocations: large buffers come straight from the
+    /// kernel's zero pages, untouched, so that a cache can still ask for huge pages.
     pub fn zeros(dtype: DType, len: usize) -> Self {
         match dtype {
             DType::F32 => Storage::F32(vec![0.0; len]),
-            DType::F16 => Storage::F16(vec![f16::ZERO; len]),
-            DType::BF16 => Storage::BF16(vec![bf16::ZERO; len]),
+            DType::F16 => Storage::F16(vec![0u16; len].reinterpret_into()),
+            DType::BF16 => Storage::BF16(vec![0u16; len].reinterpret_into()),
             DType::U8 => Storage::U8(vec![0; len]),
         }
     }

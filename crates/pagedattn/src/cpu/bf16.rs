@@ -13,8 +13,8 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::kernel::{
-    attend, for_row_blocks, stream_keys, Group, KvRows, RowStates, ScoreMods, TileSource, KEY_TILE,
-    ROW_BLOCK,
+    attend, for_row_blocks, score_group, Group, KvRows, RowStates, ScoreMods, TileRows, TileSource,
+    KEY_TILE, ROW_BLOCK,
 };
 use super::simd::x86::Avx512;
 use super::simd::{Load, Simd};
@@ -201,10 +201,10 @@ fn pv_block<const R: usize>(
 }
 
 /// Decode with AVX512-BF16: bf16 queries against bf16 cache rows read in place (no packing).
-/// Scores are `vdpbf16ps` dot products of query pairs with 32-element key chunks; P·V takes two
-/// value rows at a time, interleaved into key pairs with `vpunpck[lh]wd`, which visits the
-/// dimensions of each 32-element chunk in a fixed permuted order that [`TileSource::finish`]
-/// undoes once at the end.
+/// Scores are `vdpbf16ps` dot products of query pairs with 32-element key chunks, reduced 16
+/// keys at a time; P·V takes two value rows at a time, interleaved into key pairs with
+/// `vpunpck[lh]wd`, which visits the dimensions of each 32-element chunk in a fixed permuted
+/// order that [`TileSource::finish`] undoes once at the end.
 #[derive(Debug, Clone, Copy)]
 pub struct RowsBf16Source<'a> {
     /// Where the rows are (bf16 bits).
@@ -226,13 +226,23 @@ impl TileSource for RowsBf16Source<'_> {
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
-        let rows = self.q.len() * 2 / self.kv.head_size;
-        stream_keys(s, &self.kv, keys, self.keys_end, |t, k| {
-            for_row_blocks!(rows, |r0, R| qk_row::<R>(
-                self.q, r0, k, t, self.scale, scores
+    fn scores<S: Simd>(&self, _s: S, keys: Range<usize>, scores: &mut [f32]) {
+        // SAFETY: this source only runs inside `attend_bf16` (see `Bf16Source`).
+        let s = unsafe { Avx512::assume_bf16() };
+        let half = self.kv.head_size / 2;
+        let rows = self.q.len() / half;
+        let tile = TileRows::new(&self.kv, keys, self.keys_end);
+        for t0 in (0..tile.len).step_by(LANES) {
+            for_row_blocks!(rows, |r0, R| score_group(
+                s,
+                &tile,
+                t0,
+                r0,
+                self.scale,
+                scores,
+                |k| qk_partial::<R>(&self.q[r0 * half..(r0 + R) * half], k)
             ));
-        });
+        }
     }
 
     #[inline(always)]
@@ -248,17 +258,19 @@ impl TileSource for RowsBf16Source<'_> {
         probs_to_pairs(probs, rows);
         let mut offsets = [0usize; KEY_TILE];
         self.kv.rows_into(keys.clone(), &mut offsets);
-        // Value rows by key pair; None for positions that are not keys (and the odd tail).
-        let mut pairs = [(None, None); KEY_TILE / 2];
-        let row = |t: usize| (t < keys.len() && !absent[t]).then(|| offsets[t]);
-        for (p, pair) in pairs.iter_mut().enumerate().take(keys.len().div_ceil(2)) {
-            *pair = (row(2 * p), row(2 * p + 1));
-        }
-        let pairs = &pairs[..keys.len().div_ceil(2)];
+        // Bit t: column t is a key to read (positions that are not keys, and the odd tail
+        // column of the last pair, load as zeros without touching memory).
+        let present = absent
+            .iter()
+            .enumerate()
+            .filter(|(_, &a)| !a)
+            .fold(0u64, |bits, (t, _)| bits | 1 << t);
+        let pairs = keys.len().div_ceil(2);
         let d = self.kv.head_size;
         for_row_blocks!(rows, |r0, R| pv_rows::<R>(
             self.kv.value,
-            pairs,
+            &offsets[..2 * pairs],
+            present,
             d,
             probs,
             r0,
@@ -299,18 +311,10 @@ fn probs_to_pairs(probs: &mut [f32], rows: usize) {
     }
 }
 
-/// Scores of rows `r0..r0+R` against one bf16 key row.
+/// Partial dot products of `R` query rows (`q`, R × d/2 pairs) with one bf16 key row.
 #[inline(always)]
-fn qk_row<const R: usize>(
-    q: &[u32],
-    r0: usize,
-    k: &[u16],
-    t: usize,
-    scale: f32,
-    scores: &mut [f32],
-) {
+fn qk_partial<const R: usize>(q: &[u32], k: &[u16]) -> [__m512; R] {
     let half = k.len() / 2;
-    let q = &q[r0 * half..(r0 + R) * half];
     // SAFETY: only called under AVX512-BF16; rows hold d = 2 * half elements, d % 32 == 0.
     unsafe {
         let mut acc = [_mm512_setzero_ps(); R];
@@ -323,26 +327,17 @@ fn qk_row<const R: usize>(
                 *a = _mm512_dpbf16_ps(*a, qv, kv);
             }
         }
-        let avx = Avx512::new().unwrap_unchecked();
-        let mut r = 0;
-        while r + 4 <= R {
-            let sums = avx.reduce_sum4([acc[r], acc[r + 1], acc[r + 2], acc[r + 3]]);
-            for (i, x) in sums.into_iter().enumerate() {
-                scores[(r0 + r + i) * KEY_TILE + t] = x * scale;
-            }
-            r += 4;
-        }
-        for (i, a) in acc.iter().enumerate().skip(r) {
-            scores[(r0 + i) * KEY_TILE + t] = _mm512_reduce_add_ps(*a) * scale;
-        }
+        acc
     }
 }
 
-/// P·V for rows `r0..r0+R` over value rows taken two keys at a time (permuted order).
+/// P·V for rows `r0..r0+R` over value rows taken two keys at a time (permuted order):
+/// `offsets[t]` is column t's value row, read where bit t of `present` is set.
 #[inline(always)]
 fn pv_rows<const R: usize>(
     values: &[u16],
-    pairs: &[(Option<usize>, Option<usize>)],
+    offsets: &[usize],
+    present: u64,
     d: usize,
     probs: &[f32],
     r0: usize,
@@ -350,12 +345,16 @@ fn pv_rows<const R: usize>(
 ) {
     let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
     let acc = &mut acc[r0 * d..(r0 + R) * d];
-    // SAFETY: only called under AVX512-BF16; rows are inside the validated value buffer and
-    // hold d elements (d % 32 == 0); acc is R × d; probability rows start with the pairs.
+    // SAFETY: only called under AVX512-BF16; present rows are inside the validated value
+    // buffer and hold d elements (d % 32 == 0), masked-off loads touch no memory; acc is
+    // R × d; probability rows start with the pairs.
     unsafe {
-        let load = |row: Option<usize>, c: usize| match row {
-            Some(o) => _mm512_loadu_si512(values.as_ptr().add(o + c) as *const __m512i),
-            None => _mm512_setzero_si512(),
+        let load = |t: usize, c: usize| {
+            let mask = 0u32.wrapping_sub((present >> t) as u32 & 1);
+            _mm512_maskz_loadu_epi16(
+                mask,
+                values.as_ptr().wrapping_add(offsets[t] + c) as *const i16,
+            )
         };
         for c in (0..d).step_by(CHUNK) {
             let mut lo = [_mm512_setzero_ps(); R];
@@ -364,8 +363,8 @@ fn pv_rows<const R: usize>(
                 lo[r] = _mm512_loadu_ps(acc.as_ptr().add(r * d + c));
                 hi[r] = _mm512_loadu_ps(acc.as_ptr().add(r * d + c + LANES));
             }
-            for (p, &(a, b)) in pairs.iter().enumerate() {
-                let (va, vb) = (load(a, c), load(b, c));
+            for p in 0..offsets.len() / 2 {
+                let (va, vb) = (load(2 * p, c), load(2 * p + 1, c));
                 let (vlo, vhi) = (
                     bh(_mm512_unpacklo_epi16(va, vb)),
                     bh(_mm512_unpackhi_epi16(va, vb)),

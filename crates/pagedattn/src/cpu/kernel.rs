@@ -9,6 +9,7 @@
 //! micro-kernels (`packed`, and `bf16` for AVX512-BF16). The score pieces (soft cap, ALiBi,
 //! causal and window masks) mirror `crate::semantics`, applied to a vector of keys at a time.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::simd::{Load, Simd, WithSimd};
@@ -270,12 +271,14 @@ pub fn attend<S: Simd, Src: TileSource>(
         source.scores(s, start..end, &mut scores);
         // Positions in this tile that are not keys: masked for every row, skipped in P·V.
         let mut tile_absent = [false; KEY_TILE];
+        let mut any_absent = false;
         while let Some(&j) = absent.peek() {
             if j >= end {
                 break;
             }
             if j >= start {
                 tile_absent[j - start] = true;
+                any_absent = true;
             }
             absent.next();
         }
@@ -292,8 +295,10 @@ pub fn attend<S: Simd, Src: TileSource>(
                 slope,
                 mods,
             );
-            for (t, _) in tile_absent[..n].iter().enumerate().filter(|(_, &a)| a) {
-                row[t] = f32::NEG_INFINITY;
+            if any_absent {
+                for (t, _) in tile_absent[..n].iter().enumerate().filter(|(_, &a)| a) {
+                    row[t] = f32::NEG_INFINITY;
+                }
             }
             softmax_step(s, row, r, d, state);
         }
@@ -317,6 +322,9 @@ pub struct RowsSource<'a, E> {
 /// How many keys ahead the decode path asks for key rows.
 const PREFETCH_KEYS: usize = 16;
 
+/// The widest vector any ISA has, in f32 lanes (sizes the per-group scratch).
+const MAX_LANES: usize = 16;
+
 impl<E: Load> TileSource for RowsSource<'_, E> {
     fn alignment(&self) -> (usize, usize) {
         (0, 1)
@@ -326,9 +334,18 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
-        stream_keys(s, &self.kv, keys, self.keys_end, |t, k| {
-            for_row_blocks!(rows, |r0, R| qk_row::<S, E, R>(s, self.q, r0, k, t, scores));
-        });
+        let tile = TileRows::new(&self.kv, keys, self.keys_end);
+        for t0 in (0..tile.len).step_by(S::LANES) {
+            for_row_blocks!(rows, |r0, R| score_group(
+                s,
+                &tile,
+                t0,
+                r0,
+                1.0,
+                scores,
+                |k| qk_partial::<S, E, R>(s, &self.q[r0 * d..(r0 + R) * d], k)
+            ));
+        }
     }
 
     #[inline(always)]
@@ -353,27 +370,43 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     }
 }
 
-/// Visits the key rows of a decode tile in order, calling `each(t, key_row)`, while keeping a
-/// steady stream of memory requests in flight: the key row `PREFETCH_KEYS` ahead (into the
-/// next tile, up to `keys_end`) and this key's value row, which the P·V pass reads right after.
-#[inline(always)]
-pub fn stream_keys<S: Simd, E>(
-    s: S,
-    kv: &KvRows<'_, E>,
-    keys: Range<usize>,
-    keys_end: usize,
-    mut each: impl FnMut(usize, &[E]),
-) {
-    let d = kv.head_size;
-    let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
-    let reach = keys.start..(keys.end + PREFETCH_KEYS).min(keys_end);
-    kv.rows_into(reach.clone(), &mut offsets);
-    for t in 0..keys.len() {
-        if t + PREFETCH_KEYS < reach.len() {
-            prefetch_row(s, &kv.key[offsets[t + PREFETCH_KEYS]..][..d]);
+/// The cache rows of one decode tile, with the prefetch stream that runs ahead of them: the
+/// key row [`PREFETCH_KEYS`] ahead (into the next tile, up to the end of the visited keys) and
+/// the value row of the key being scored, which the P·V pass reads after the tile's scores.
+pub struct TileRows<'a, E> {
+    kv: &'a KvRows<'a, E>,
+    offsets: [usize; KEY_TILE + PREFETCH_KEYS],
+    /// Keys in the tile.
+    pub len: usize,
+    reach: usize,
+}
+
+impl<'a, E> TileRows<'a, E> {
+    /// The rows of `keys`, a tile of the keys that end at `keys_end`.
+    #[inline(always)]
+    pub fn new(kv: &'a KvRows<'a, E>, keys: Range<usize>, keys_end: usize) -> Self {
+        let reach = keys.start..(keys.end + PREFETCH_KEYS).min(keys_end);
+        let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
+        kv.rows_into(reach.clone(), &mut offsets);
+        TileRows {
+            kv,
+            offsets,
+            len: keys.len(),
+            reach: reach.len(),
         }
-        prefetch_row(s, &kv.value[offsets[t]..][..d]);
-        each(t, &kv.key[offsets[t]..][..d]);
+    }
+
+    /// Key row of tile column `t`; with `prefetch`, first asks for the rows read later.
+    #[inline(always)]
+    pub fn key<S: Simd>(&self, s: S, t: usize, prefetch: bool) -> &'a [E] {
+        let d = self.kv.head_size;
+        if prefetch {
+            if t + PREFETCH_KEYS < self.reach {
+                prefetch_row(s, &self.kv.key[self.offsets[t + PREFETCH_KEYS]..][..d]);
+            }
+            prefetch_row(s, &self.kv.value[self.offsets[t]..][..d]);
+        }
+        &self.kv.key[self.offsets[t]..][..d]
     }
 }
 
@@ -386,19 +419,46 @@ fn prefetch_row<S: Simd, E>(s: S, row: &[E]) {
     }
 }
 
-/// Scores of rows `r0..r0+R` against one key row: the key is loaded (and widened) once for
-/// the R rows; each row's partial sums are reduced at the end.
+/// Scores of rows `r0..r0+R` for the keys in tile columns `t0..t0+LANES` (those inside the
+/// tile): `partial(key_row)` gives each row's vector of partial dot products with one key,
+/// and [`Simd::transpose_sum`] reduces `LANES` keys at once into one vector of scores per row,
+/// stored times `scale`. Columns past the tile get score 0 (the masks overwrite them). The
+/// first row block issues the tile's prefetches.
 #[inline(always)]
-fn qk_row<S: Simd, E: Load, const R: usize>(
+pub fn score_group<S: Simd, const R: usize, E>(
     s: S,
-    q: &[f32],
+    tile: &TileRows<'_, E>,
+    t0: usize,
     r0: usize,
-    k: &[E],
-    t: usize,
+    scale: f32,
     scores: &mut [f32],
+    mut partial: impl FnMut(&[E]) -> [S::V; R],
 ) {
+    let mut sums = [[MaybeUninit::<S::V>::uninit(); MAX_LANES]; R];
+    for i in 0..S::LANES {
+        let part = if t0 + i < tile.len {
+            partial(tile.key(s, t0 + i, r0 == 0))
+        } else {
+            [s.splat(0.0); R]
+        };
+        for (sum, p) in sums.iter_mut().zip(part) {
+            sum[i].write(p);
+        }
+    }
+    for (r, sum) in sums.iter().enumerate() {
+        // SAFETY: lanes 0..LANES were all written above; MaybeUninit<V> has V's layout.
+        let sum = unsafe { std::slice::from_raw_parts(sum.as_ptr().cast::<S::V>(), S::LANES) };
+        let v = s.mul(s.transpose_sum(sum), s.splat(scale));
+        // SAFETY: t0 + LANES <= KEY_TILE (a multiple of every LANES); row r0 + r exists.
+        unsafe { s.store(scores.as_mut_ptr().add((r0 + r) * KEY_TILE + t0), v) };
+    }
+}
+
+/// Partial dot products of `R` query rows (`q`, R × D) with one key row: the key is loaded
+/// (and widened) once for the R rows.
+#[inline(always)]
+fn qk_partial<S: Simd, E: Load, const R: usize>(s: S, q: &[f32], k: &[E]) -> [S::V; R] {
     let d = k.len();
-    let q = &q[r0 * d..(r0 + R) * d];
     let mut acc = [s.splat(0.0); R];
     for c in (0..d).step_by(S::LANES) {
         // SAFETY: the key row and each query row have d elements, a multiple of LANES.
@@ -407,17 +467,7 @@ fn qk_row<S: Simd, E: Load, const R: usize>(
             *a = s.fma(unsafe { s.load(q.as_ptr().add(r * d + c)) }, kv, *a);
         }
     }
-    let mut r = 0;
-    while r + 4 <= R {
-        let sums = s.reduce_sum4([acc[r], acc[r + 1], acc[r + 2], acc[r + 3]]);
-        for (i, x) in sums.into_iter().enumerate() {
-            scores[(r0 + r + i) * KEY_TILE + t] = x;
-        }
-        r += 4;
-    }
-    for (i, a) in acc.iter().enumerate().skip(r) {
-        scores[(r0 + i) * KEY_TILE + t] = s.reduce_sum(*a);
-    }
+    acc
 }
 
 /// Soft cap, ALiBi and the masks for one row's tile of scores (keys `start..end`; keys before

@@ -181,6 +181,11 @@ impl Simd for Neon {
         unsafe { vaddvq_f32(a) }
     }
     #[inline(always)]
+    fn transpose_sum(self, v: &[float32x4_t]) -> float32x4_t {
+        assert_eq!(v.len(), 4);
+        unsafe { vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3])) }
+    }
+    #[inline(always)]
     fn reduce_max(self, a: float32x4_t) -> f32 {
         unsafe { vmaxvq_f32(a) }
     }

@@ -96,6 +96,10 @@ impl Simd for Scalar {
         a
     }
     #[inline(always)]
+    fn transpose_sum(self, v: &[f32]) -> f32 {
+        v[0]
+    }
+    #[inline(always)]
     fn reduce_max(self, a: f32) -> f32 {
         a
     }

@@ -17,6 +17,17 @@ impl Avx2 {
             && is_x86_feature_detected!("f16c"))
         .then_some(Avx2(()))
     }
+
+    /// Per 128-bit half: `(a0 + a1, a2 + a3, b0 + b1, b2 + b3)`.
+    #[inline(always)]
+    fn pair_within(self, a: __m256, b: __m256) -> __m256 {
+        unsafe {
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0b10_00_10_00>(a, b),
+                _mm256_shuffle_ps::<0b11_01_11_01>(a, b),
+            )
+        }
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -146,6 +157,25 @@ impl Simd for Avx2 {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
     #[inline(always)]
+    fn transpose_sum(self, v: &[__m256]) -> __m256 {
+        assert_eq!(v.len(), 8);
+        // Two rounds of pairing lanes inside each 128-bit half, then the halves.
+        let mut level = [v[0]; 4];
+        for (i, x) in level.iter_mut().enumerate() {
+            *x = self.pair_within(v[2 * i], v[2 * i + 1]);
+        }
+        let (lo, hi) = (
+            self.pair_within(level[0], level[1]),
+            self.pair_within(level[2], level[3]),
+        );
+        unsafe {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(lo, hi),
+                _mm256_permute2f128_ps::<0x31>(lo, hi),
+            )
+        }
+    }
+    #[inline(always)]
     fn reduce_max(self, a: __m256) -> f32 {
         unsafe {
             let s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
@@ -183,6 +213,38 @@ impl Avx512 {
     /// Whether `vdpbf16ps` may be used.
     pub fn has_bf16(self) -> bool {
         self.bf16
+    }
+
+    /// The token with AVX512-BF16, without detection (kernels that already run inside a
+    /// function compiled for those features).
+    ///
+    /// # Safety
+    /// AVX-512 (F, BW, VL), FMA, F16C and AVX512-BF16 must be available.
+    #[inline(always)]
+    pub unsafe fn assume_bf16() -> Self {
+        Avx512 { bf16: true }
+    }
+
+    /// Per 128-bit lane: `(a0 + a1, a2 + a3, b0 + b1, b2 + b3)`.
+    #[inline(always)]
+    fn pair_within(self, a: __m512, b: __m512) -> __m512 {
+        unsafe {
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_ps::<0b11_01_11_01>(a, b),
+            )
+        }
+    }
+
+    /// By 128-bit lanes: `(a0 + a1, a2 + a3, b0 + b1, b2 + b3)`.
+    #[inline(always)]
+    fn pair_across(self, a: __m512, b: __m512) -> __m512 {
+        unsafe {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            )
+        }
     }
 }
 
@@ -309,26 +371,21 @@ impl Simd for Avx512 {
         unsafe { _mm512_reduce_add_ps(a) }
     }
     #[inline(always)]
-    fn reduce_sum4(self, [a, b, c, d]: [__m512; 4]) -> [f32; 4] {
-        // Interleave and add until each 128-bit lane holds (Σa, Σb, Σc, Σd) partials, then
-        // fold the four lanes.
-        unsafe {
-            let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-            let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-            let abcd = _mm512_add_ps(
-                _mm512_shuffle_ps::<0x44>(ab, cd),
-                _mm512_shuffle_ps::<0xEE>(ab, cd),
-            );
-            let upper = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(abcd)));
-            let half = _mm256_add_ps(_mm512_castps512_ps256(abcd), upper);
-            let quarter = _mm_add_ps(
-                _mm256_castps256_ps128(half),
-                _mm256_extractf128_ps::<1>(half),
-            );
-            let mut out = [0.0f32; 4];
-            _mm_storeu_ps(out.as_mut_ptr(), quarter);
-            out
+    fn transpose_sum(self, v: &[__m512]) -> __m512 {
+        assert_eq!(v.len(), 16);
+        // Two rounds of pairing lanes inside 128-bit lanes leave, per 128-bit lane, partial sums
+        // of four vectors; two rounds of pairing 128-bit lanes finish them, in order.
+        let mut level = [v[0]; 8];
+        for (i, x) in level.iter_mut().enumerate() {
+            *x = self.pair_within(v[2 * i], v[2 * i + 1]);
         }
+        for i in 0..4 {
+            level[i] = self.pair_within(level[2 * i], level[2 * i + 1]);
+        }
+        for i in 0..2 {
+            level[i] = self.pair_across(level[2 * i], level[2 * i + 1]);
+        }
+        self.pair_across(level[0], level[1])
     }
     #[inline(always)]
     fn prefetch<T>(self, p: *const T) {
