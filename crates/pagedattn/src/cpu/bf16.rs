@@ -125,7 +125,9 @@ impl TileSource for PackedBf16Source<'_> {
     }
 }
 
-/// Scores of rows `r0..r0+R` against one column group of 16 keys (columns `c..`).
+/// Scores of rows `r0..r0+R` against one column group of 16 keys (columns `c..`). Even and
+/// odd query pairs accumulate separately: 2R independent `vdpbf16ps` chains keep both FMA
+/// pipes busy through the instruction's latency (R alone would leave them a third idle).
 #[inline(always)]
 fn qk_group<const R: usize>(
     q: &[u32],
@@ -137,32 +139,38 @@ fn qk_group<const R: usize>(
     scores: &mut [f32],
 ) {
     let q = &q[r0 * half..(r0 + R) * half];
-    // SAFETY: only called inside `attend_bf16`, where AVX512-BF16 is enabled; kt is half × 16.
+    // SAFETY: only called inside `attend_bf16`, where AVX512-BF16 is enabled; kt is half × 16
+    // with half even (d % 32 == 0 on this path).
     unsafe {
-        let mut acc = [_mm512_setzero_ps(); R];
-        for p in 0..half {
-            let k = bh(_mm512_loadu_si512(
+        let mut even = [_mm512_setzero_ps(); R];
+        let mut odd = [_mm512_setzero_ps(); R];
+        let key = |p: usize| {
+            bh(_mm512_loadu_si512(
                 kt.as_ptr().add(p * LANES) as *const __m512i
-            ));
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_dpbf16_ps(
-                    *a,
-                    bh(_mm512_set1_epi32(*q.get_unchecked(r * half + p) as i32)),
-                    k,
-                );
+            ))
+        };
+        let query =
+            |r: usize, p: usize| bh(_mm512_set1_epi32(*q.get_unchecked(r * half + p) as i32));
+        for p in (0..half).step_by(2) {
+            let (k0, k1) = (key(p), key(p + 1));
+            for r in 0..R {
+                even[r] = _mm512_dpbf16_ps(even[r], query(r, p), k0);
+                odd[r] = _mm512_dpbf16_ps(odd[r], query(r, p + 1), k1);
             }
         }
         let scale = _mm512_set1_ps(scale);
-        for (r, a) in acc.iter().enumerate() {
+        for r in 0..R {
             _mm512_storeu_ps(
                 scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c),
-                _mm512_mul_ps(*a, scale),
+                _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]), scale),
             );
         }
     }
 }
 
-/// P·V for rows `r0..r0+R`: `probs` rows start with the tile's bf16 probability pairs.
+/// P·V for rows `r0..r0+R`: `probs` rows start with the tile's bf16 probability pairs. Two
+/// 16-dimension chunks at a time (2R independent accumulator chains, and each broadcast
+/// probability pair serves both), then the last chunk alone where d % 32 == 16.
 #[inline(always)]
 fn pv_block<const R: usize>(
     v: &[u32],
@@ -174,27 +182,55 @@ fn pv_block<const R: usize>(
 ) {
     let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
     let acc = &mut acc[r0 * d..(r0 + R) * d];
-    // SAFETY: only called inside `attend_bf16`; v is pairs × d, acc is R × d, probs rows hold
-    // KEY_TILE / 2 >= pairs pairs.
+    let mut c = 0;
+    while c + 2 * LANES <= d {
+        pv_chunks::<R, 2>(v, pairs, d, probs, acc, c);
+        c += 2 * LANES;
+    }
+    if c < d {
+        pv_chunks::<R, 1>(v, pairs, d, probs, acc, c);
+    }
+}
+
+/// [`pv_block`] for the `W` 16-dimension chunks from dimension `c`.
+#[inline(always)]
+fn pv_chunks<const R: usize, const W: usize>(
+    v: &[u32],
+    pairs: usize,
+    d: usize,
+    probs: &[f32],
+    acc: &mut [f32],
+    c: usize,
+) {
+    // SAFETY: only called inside `attend_bf16`; v is pairs × d, acc is R × d, c + 16W <= d;
+    // probs rows hold KEY_TILE / 2 >= pairs pairs.
     unsafe {
-        for c in (0..d).step_by(LANES) {
-            let mut a = [_mm512_setzero_ps(); R];
-            for (r, x) in a.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(acc.as_ptr().add(r * d + c));
+        let mut a = [[_mm512_setzero_ps(); W]; R];
+        for (r, row) in a.iter_mut().enumerate() {
+            for (w, x) in row.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(acc.as_ptr().add(r * d + c + w * LANES));
             }
-            for p in 0..pairs {
-                let vv = bh(_mm512_loadu_si512(
-                    v.as_ptr().add(p * d + c) as *const __m512i
+        }
+        for p in 0..pairs {
+            let mut vv = [bh(_mm512_setzero_si512()); W];
+            for (w, x) in vv.iter_mut().enumerate() {
+                *x = bh(_mm512_loadu_si512(
+                    v.as_ptr().add(p * d + c + w * LANES) as *const __m512i
                 ));
-                for (r, x) in a.iter_mut().enumerate() {
-                    let pp = (probs.as_ptr().add(r * KEY_TILE) as *const u32)
-                        .add(p)
-                        .read();
-                    *x = _mm512_dpbf16_ps(*x, bh(_mm512_set1_epi32(pp as i32)), vv);
+            }
+            for (r, row) in a.iter_mut().enumerate() {
+                let pp = (probs.as_ptr().add(r * KEY_TILE) as *const u32)
+                    .add(p)
+                    .read();
+                let pp = bh(_mm512_set1_epi32(pp as i32));
+                for (x, &vw) in row.iter_mut().zip(&vv) {
+                    *x = _mm512_dpbf16_ps(*x, pp, vw);
                 }
             }
-            for (r, x) in a.iter().enumerate() {
-                _mm512_storeu_ps(acc.as_mut_ptr().add(r * d + c), *x);
+        }
+        for (r, row) in a.iter().enumerate() {
+            for (w, x) in row.iter().enumerate() {
+                _mm512_storeu_ps(acc.as_mut_ptr().add(r * d + c + w * LANES), *x);
             }
         }
     }

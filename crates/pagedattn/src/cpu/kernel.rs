@@ -264,6 +264,9 @@ pub fn attend<S: Simd, Src: TileSource>(
     let mut scores = vec![0.0f32; rows * KEY_TILE];
     let mut absent = group.absent.iter().copied().peekable();
     let (origin, step) = source.alignment();
+    let plain = mods.soft_cap.is_none() && !mods.alibi;
+    let first_row = group.pos.iter().copied().min().unwrap_or(0);
+    let last_row = group.pos.iter().copied().max().unwrap_or(0);
     let mut start = group.keys.start - (group.keys.start - origin) % step;
     while start < group.keys.end {
         let end = (start + KEY_TILE).min(group.keys.end);
@@ -282,19 +285,27 @@ pub fn attend<S: Simd, Src: TileSource>(
             }
             absent.next();
         }
+        // A full tile that every row sees whole, with no score modifier, needs no masking.
+        let unmasked = plain
+            && n == KEY_TILE
+            && start >= group.keys.start
+            && (!mods.causal
+                || (end <= first_row + 1 && mods.window.is_none_or(|w| start + w > last_row)));
         for r in 0..rows {
             let row = &mut scores[r * KEY_TILE..(r + 1) * KEY_TILE];
-            let slope = group.slope.get(r).copied().unwrap_or(0.0);
-            apply_mods(
-                s,
-                row,
-                start,
-                end,
-                group.keys.start,
-                group.pos[r],
-                slope,
-                mods,
-            );
+            if !unmasked {
+                let slope = group.slope.get(r).copied().unwrap_or(0.0);
+                apply_mods(
+                    s,
+                    row,
+                    start,
+                    end,
+                    group.keys.start,
+                    group.pos[r],
+                    slope,
+                    mods,
+                );
+            }
             if any_absent {
                 for (t, _) in tile_absent[..n].iter().enumerate().filter(|(_, &a)| a) {
                     row[t] = f32::NEG_INFINITY;
