@@ -241,8 +241,11 @@ fn pv_chunks<const R: usize, const W: usize>(
 /// keys at a time; P·V takes two value rows at a time, interleaved into key pairs with
 /// `vpunpck[lh]wd`, which visits the dimensions of each 32-element chunk in a fixed permuted
 /// order that [`TileSource::finish`] undoes once at the end.
+///
+/// `D` is the head size where the dispatcher specializes for it (64, 128, 256: the chunk
+/// loops unroll and the queries stay in registers), 0 for any other multiple of 32.
 #[derive(Debug, Clone, Copy)]
-pub struct RowsBf16Source<'a> {
+pub struct RowsBf16Source<'a, const D: usize> {
     /// Where the rows are (bf16 bits).
     pub kv: KvRows<'a, u16>,
     /// Rows × d/2 query pairs, unscaled.
@@ -256,7 +259,19 @@ pub struct RowsBf16Source<'a> {
 /// Elements per 512-bit chunk of a bf16 row.
 const CHUNK: usize = 32;
 
-impl TileSource for RowsBf16Source<'_> {
+impl<const D: usize> RowsBf16Source<'_, D> {
+    /// The head size, a constant where specialized.
+    #[inline(always)]
+    fn head_size(&self) -> usize {
+        if D > 0 {
+            D
+        } else {
+            self.kv.head_size
+        }
+    }
+}
+
+impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
     fn alignment(&self) -> (usize, usize) {
         (0, 1)
     }
@@ -265,9 +280,9 @@ impl TileSource for RowsBf16Source<'_> {
     fn scores<S: Simd>(&self, _s: S, keys: Range<usize>, scores: &mut [f32]) {
         // SAFETY: this source only runs inside `attend_bf16` (see `Bf16Source`).
         let s = unsafe { Avx512::assume_bf16() };
-        let half = self.kv.head_size / 2;
+        let half = self.head_size() / 2;
         let rows = self.q.len() / half;
-        let tile = TileRows::new(&self.kv, keys, self.keys_end);
+        let tile = TileRows::new(&self.kv, keys, self.keys_end, self.head_size());
         for t0 in (0..tile.len).step_by(LANES) {
             for_row_blocks!(rows, |r0, R| score_group(
                 s,
@@ -302,7 +317,7 @@ impl TileSource for RowsBf16Source<'_> {
             .filter(|(_, &a)| !a)
             .fold(0u64, |bits, (t, _)| bits | 1 << t);
         let pairs = keys.len().div_ceil(2);
-        let d = self.kv.head_size;
+        let d = self.head_size();
         for_row_blocks!(rows, |r0, R| pv_rows::<R>(
             self.kv.value,
             &offsets[..2 * pairs],
@@ -353,17 +368,22 @@ fn qk_partial<const R: usize>(q: &[u32], k: &[u16]) -> [__m512; R] {
     let half = k.len() / 2;
     // SAFETY: only called under AVX512-BF16; rows hold d = 2 * half elements, d % 32 == 0.
     unsafe {
-        let mut acc = [_mm512_setzero_ps(); R];
-        for c in (0..k.len()).step_by(CHUNK) {
+        // Even and odd chunks in separate accumulators: half the dependency chain per key.
+        let mut acc = [[_mm512_setzero_ps(); R]; 2];
+        for (i, c) in (0..k.len()).step_by(CHUNK).enumerate() {
             let kv = bh(_mm512_loadu_si512(k.as_ptr().add(c) as *const __m512i));
-            for (r, a) in acc.iter_mut().enumerate() {
+            for (r, a) in acc[i % 2].iter_mut().enumerate() {
                 let qv = bh(_mm512_loadu_si512(
                     q.as_ptr().add(r * half + c / 2) as *const __m512i
                 ));
                 *a = _mm512_dpbf16_ps(*a, qv, kv);
             }
         }
-        acc
+        let [mut sum, odd] = acc;
+        for (x, y) in sum.iter_mut().zip(odd) {
+            *x = _mm512_add_ps(*x, y);
+        }
+        sum
     }
 }
 
@@ -426,7 +446,7 @@ fn pv_rows<const R: usize>(
 pub trait Bf16Source: TileSource {}
 
 impl Bf16Source for PackedBf16Source<'_> {}
-impl Bf16Source for RowsBf16Source<'_> {}
+impl<const D: usize> Bf16Source for RowsBf16Source<'_, D> {}
 
 /// Attends a group with AVX512-BF16.
 ///

@@ -345,7 +345,7 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
-        let tile = TileRows::new(&self.kv, keys, self.keys_end);
+        let tile = TileRows::new(&self.kv, keys, self.keys_end, d);
         for t0 in (0..tile.len).step_by(S::LANES) {
             for_row_blocks!(rows, |r0, R| score_group(
                 s,
@@ -390,12 +390,15 @@ pub struct TileRows<'a, E> {
     /// Keys in the tile.
     pub len: usize,
     reach: usize,
+    d: usize,
 }
 
 impl<'a, E> TileRows<'a, E> {
-    /// The rows of `keys`, a tile of the keys that end at `keys_end`.
+    /// The rows of `keys`, a tile of the keys that end at `keys_end`, of `d` elements (the
+    /// head size, passed apart so that a kernel specialized for one can make it a constant).
     #[inline(always)]
-    pub fn new(kv: &'a KvRows<'a, E>, keys: Range<usize>, keys_end: usize) -> Self {
+    pub fn new(kv: &'a KvRows<'a, E>, keys: Range<usize>, keys_end: usize, d: usize) -> Self {
+        debug_assert_eq!(d, kv.head_size);
         let reach = keys.start..(keys.end + PREFETCH_KEYS).min(keys_end);
         let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
         kv.rows_into(reach.clone(), &mut offsets);
@@ -404,20 +407,29 @@ impl<'a, E> TileRows<'a, E> {
             offsets,
             len: keys.len(),
             reach: reach.len(),
+            d,
         }
     }
 
-    /// Key row of tile column `t`; with `prefetch`, first asks for the rows read later.
+    /// Key row of tile column `t` (`t < len`); with `prefetch`, first asks for the rows read
+    /// later.
     #[inline(always)]
     pub fn key<S: Simd>(&self, s: S, t: usize, prefetch: bool) -> &'a [E] {
-        let d = self.kv.head_size;
-        if prefetch {
-            if t + PREFETCH_KEYS < self.reach {
-                prefetch_row(s, &self.kv.key[self.offsets[t + PREFETCH_KEYS]..][..d]);
+        debug_assert!(t < self.len);
+        // SAFETY: offsets come from validated block tables (every row, up to `reach`, lies
+        // inside both buffers with its d elements), and t < len <= reach.
+        unsafe {
+            let row = |buf: &'a [E], u: usize| {
+                std::slice::from_raw_parts(buf.as_ptr().add(*self.offsets.get_unchecked(u)), self.d)
+            };
+            if prefetch {
+                if t + PREFETCH_KEYS < self.reach {
+                    prefetch_row(s, row(self.kv.key, t + PREFETCH_KEYS));
+                }
+                prefetch_row(s, row(self.kv.value, t));
             }
-            prefetch_row(s, &self.kv.value[self.offsets[t]..][..d]);
+            row(self.kv.key, t)
         }
-        &self.kv.key[self.offsets[t]..][..d]
     }
 }
 

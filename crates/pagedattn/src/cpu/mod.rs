@@ -437,13 +437,28 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                     layout: kv.layout,
                     head_size: d,
                 };
-                let source = bf16::RowsBf16Source {
-                    kv,
-                    q: &q,
-                    scale: self.score_scale,
-                    keys_end: unit.keys.end,
-                };
-                bf16::attend_bf16(&source, &group, &self.mods, &mut state);
+                // Specialized for the common head sizes (see `RowsBf16Source`).
+                macro_rules! attend_rows {
+                    ($d:literal) => {
+                        bf16::attend_bf16(
+                            &bf16::RowsBf16Source::<$d> {
+                                kv,
+                                q: &q,
+                                scale: self.score_scale,
+                                keys_end: unit.keys.end,
+                            },
+                            &group,
+                            &self.mods,
+                            &mut state,
+                        )
+                    };
+                }
+                match d {
+                    64 => attend_rows!(64),
+                    128 => attend_rows!(128),
+                    256 => attend_rows!(256),
+                    _ => attend_rows!(0),
+                }
                 true
             }
             None => false,
