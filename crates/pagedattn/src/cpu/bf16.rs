@@ -448,30 +448,30 @@ pub trait Bf16Source: TileSource {}
 impl Bf16Source for PackedBf16Source<'_> {}
 impl<const D: usize> Bf16Source for RowsBf16Source<'_, D> {}
 
-/// Attends a group with AVX512-BF16.
+/// [`attend`] with AVX512-BF16: the rows of one or more kv heads, one source each.
 ///
 /// # Panics
 /// If this CPU lacks AVX512-BF16 (the dispatcher only calls it where it was detected).
 pub fn attend_bf16<Src: Bf16Source>(
-    source: &Src,
-    group: &Group<'_>,
+    sources: &[Src],
+    groups: &[Group<'_>],
     mods: &ScoreMods,
-    state: &mut RowStates,
+    states: &mut [RowStates],
 ) {
     let s = Avx512::new()
         .filter(|a| a.has_bf16())
         .expect("AVX512-BF16 was detected by the dispatcher");
     // SAFETY: the features were just checked.
-    unsafe { attend_with_bf16(s, source, group, mods, state) }
+    unsafe { attend_with_bf16(s, sources, groups, mods, states) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]
 unsafe fn attend_with_bf16<Src: Bf16Source>(
     s: Avx512,
-    source: &Src,
-    group: &Group<'_>,
+    sources: &[Src],
+    groups: &[Group<'_>],
     mods: &ScoreMods,
-    state: &mut RowStates,
+    states: &mut [RowStates],
 ) {
-    attend(s, source, group, mods, state)
+    attend(s, sources, groups, mods, states)
 }

@@ -231,47 +231,56 @@ pub trait TileSource {
 
 /// [`attend`] as an operation for [`Simd::vectorize`].
 pub struct Attend<'a, 'b, Src> {
-    /// Scores and values.
-    pub source: &'a Src,
-    /// The query rows.
-    pub group: &'a Group<'b>,
+    /// Scores and values, one source per kv head.
+    pub sources: &'a [Src],
+    /// The query rows of each kv head.
+    pub groups: &'a [Group<'b>],
     /// Score settings.
     pub mods: &'a ScoreMods,
-    /// The rows' softmax state.
-    pub state: &'a mut RowStates,
+    /// The rows' softmax state, per kv head.
+    pub states: &'a mut [RowStates],
 }
 
 impl<Src: TileSource> WithSimd for Attend<'_, '_, Src> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: Simd>(self, s: S) {
-        attend(s, self.source, self.group, self.mods, self.state)
+        attend(s, self.sources, self.groups, self.mods, self.states)
     }
 }
 
-/// Attends every row of `group` over its keys, tile by tile, accumulating into `state`.
-/// Requires `head_size % S::LANES == 0` (the dispatcher picks the ISA accordingly).
+/// Attends the rows of one or more kv heads over their keys, tile by tile, accumulating into
+/// their states. The heads share the key range, the positions that are not keys and the row
+/// positions (they differ in values and ALiBi slopes); each tile is visited by every head in
+/// turn, so that a decode reads whole cache blocks (every head of a block) close together
+/// instead of one head's 4 KiB slice of each block at a time, which keeps memory streaming
+/// near its sequential rate. Requires `head_size % S::LANES == 0` (the dispatcher picks the
+/// ISA accordingly).
 #[inline(always)]
 pub fn attend<S: Simd, Src: TileSource>(
     s: S,
-    source: &Src,
-    group: &Group<'_>,
+    sources: &[Src],
+    groups: &[Group<'_>],
     mods: &ScoreMods,
-    state: &mut RowStates,
+    states: &mut [RowStates],
 ) {
-    let d = state.acc.len() / state.m.len().max(1);
-    let rows = group.pos.len();
+    let (Some(first), Some(first_state)) = (groups.first(), states.first()) else {
+        return;
+    };
+    debug_assert!(sources.len() == groups.len() && groups.len() == states.len());
+    let d = first_state.acc.len() / first_state.m.len().max(1);
+    let rows = first.pos.len();
     let mut scores = vec![0.0f32; rows * KEY_TILE];
-    let mut absent = group.absent.iter().copied().peekable();
-    let (origin, step) = source.alignment();
+    let mut absent = first.absent.iter().copied().peekable();
+    let (origin, step) = sources[0].alignment();
     let plain = mods.soft_cap.is_none() && !mods.alibi;
-    let first_row = group.pos.iter().copied().min().unwrap_or(0);
-    let last_row = group.pos.iter().copied().max().unwrap_or(0);
-    let mut start = group.keys.start - (group.keys.start - origin) % step;
-    while start < group.keys.end {
-        let end = (start + KEY_TILE).min(group.keys.end);
+    let first_row = first.pos.iter().copied().min().unwrap_or(0);
+    let last_row = first.pos.iter().copied().max().unwrap_or(0);
+    let keys = first.keys.clone();
+    let mut start = keys.start - (keys.start - origin) % step;
+    while start < keys.end {
+        let end = (start + KEY_TILE).min(keys.end);
         let n = end - start;
-        source.scores(s, start..end, &mut scores);
         // Positions in this tile that are not keys: masked for every row, skipped in P·V.
         let mut tile_absent = [false; KEY_TILE];
         let mut any_absent = false;
@@ -288,35 +297,31 @@ pub fn attend<S: Simd, Src: TileSource>(
         // A full tile that every row sees whole, with no score modifier, needs no masking.
         let unmasked = plain
             && n == KEY_TILE
-            && start >= group.keys.start
+            && start >= keys.start
             && (!mods.causal
                 || (end <= first_row + 1 && mods.window.is_none_or(|w| start + w > last_row)));
-        for r in 0..rows {
-            let row = &mut scores[r * KEY_TILE..(r + 1) * KEY_TILE];
-            if !unmasked {
-                let slope = group.slope.get(r).copied().unwrap_or(0.0);
-                apply_mods(
-                    s,
-                    row,
-                    start,
-                    end,
-                    group.keys.start,
-                    group.pos[r],
-                    slope,
-                    mods,
-                );
-            }
-            if any_absent {
-                for (t, _) in tile_absent[..n].iter().enumerate().filter(|(_, &a)| a) {
-                    row[t] = f32::NEG_INFINITY;
+        for ((source, group), state) in sources.iter().zip(groups).zip(states.iter_mut()) {
+            source.scores(s, start..end, &mut scores);
+            for r in 0..rows {
+                let row = &mut scores[r * KEY_TILE..(r + 1) * KEY_TILE];
+                if !unmasked {
+                    let slope = group.slope.get(r).copied().unwrap_or(0.0);
+                    apply_mods(s, row, start, end, keys.start, group.pos[r], slope, mods);
                 }
+                if any_absent {
+                    for (t, _) in tile_absent[..n].iter().enumerate().filter(|(_, &a)| a) {
+                        row[t] = f32::NEG_INFINITY;
+                    }
+                }
+                softmax_step(s, row, r, d, state);
             }
-            softmax_step(s, row, r, d, state);
+            source.accumulate(s, start..end, &tile_absent[..n], &mut scores, state);
         }
-        source.accumulate(s, start..end, &tile_absent[..n], &mut scores, state);
         start = end;
     }
-    source.finish(state);
+    for (source, state) in sources.iter().zip(states.iter_mut()) {
+        source.finish(state);
+    }
 }
 
 /// Scores and values read straight from the cache rows (decode: a few rows per key).

@@ -415,43 +415,51 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         }
     }
 
-    /// Runs one decode unit.
+    /// Runs one decode unit: every kv head of one sequence, over the unit's keys.
     fn decode(&self, unit: &Unit) {
-        let d = self.cfg.head_size();
-        let (pos, slope) = self.rows(unit.seq, unit.kv_head, unit.tokens.clone());
-        let kv = self.kv_rows(unit.seq, unit.kv_head);
-        let group = Group {
-            pos: &pos,
-            slope: &slope,
-            keys: unit.keys.clone(),
-            absent: &self.plan.absent[unit.seq],
-        };
-        let mut state = RowStates::new(pos.len(), d);
+        let (d, hkv) = (self.cfg.head_size(), self.cfg.num_kv_heads());
+        let rows: Vec<_> = (0..hkv)
+            .map(|h| self.rows(unit.seq, h, unit.tokens.clone()))
+            .collect();
+        let groups: Vec<Group> = rows
+            .iter()
+            .map(|(pos, slope)| Group {
+                pos,
+                slope,
+                keys: unit.keys.clone(),
+                absent: &self.plan.absent[unit.seq],
+            })
+            .collect();
+        let mut states: Vec<RowStates> = rows
+            .iter()
+            .map(|(pos, _)| RowStates::new(pos.len(), d))
+            .collect();
         #[cfg(target_arch = "x86_64")]
         let done = match self.bf16_cache_rows() {
             Some((key, value)) => {
-                let q = self.q_bf16_pairs(unit.kv_head, unit.tokens.clone());
-                let kv = KvRows {
-                    key,
-                    value,
-                    layout: kv.layout,
-                    head_size: d,
-                };
+                let qs: Vec<Vec<u32>> = (0..hkv)
+                    .map(|h| self.q_bf16_pairs(h, unit.tokens.clone()))
+                    .collect();
                 // Specialized for the common head sizes (see `RowsBf16Source`).
                 macro_rules! attend_rows {
-                    ($d:literal) => {
-                        bf16::attend_bf16(
-                            &bf16::RowsBf16Source::<$d> {
-                                kv,
-                                q: &q,
+                    ($d:literal) => {{
+                        let sources: Vec<_> = qs
+                            .iter()
+                            .enumerate()
+                            .map(|(h, q)| bf16::RowsBf16Source::<$d> {
+                                kv: KvRows {
+                                    key,
+                                    value,
+                                    layout: self.kv_rows(unit.seq, h).layout,
+                                    head_size: d,
+                                },
+                                q,
                                 scale: self.score_scale,
                                 keys_end: unit.keys.end,
-                            },
-                            &group,
-                            &self.mods,
-                            &mut state,
-                        )
-                    };
+                            })
+                            .collect();
+                        bf16::attend_bf16(&sources, &groups, &self.mods, &mut states)
+                    }};
                 }
                 match d {
                     64 => attend_rows!(64),
@@ -466,31 +474,40 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         #[cfg(not(target_arch = "x86_64"))]
         let done = false;
         if !done {
-            let q = self.q_f32(unit.kv_head, unit.tokens.clone());
-            let source = RowsSource {
-                kv,
-                q: &q,
-                keys_end: unit.keys.end,
-            };
+            let qs: Vec<Vec<f32>> = (0..hkv)
+                .map(|h| self.q_f32(h, unit.tokens.clone()))
+                .collect();
+            let sources: Vec<_> = qs
+                .iter()
+                .enumerate()
+                .map(|(h, q)| RowsSource {
+                    kv: self.kv_rows(unit.seq, h),
+                    q,
+                    keys_end: unit.keys.end,
+                })
+                .collect();
             self.s.vectorize(Attend {
-                source: &source,
-                group: &group,
+                sources: &sources,
+                groups: &groups,
                 mods: &self.mods,
-                state: &mut state,
+                states: &mut states,
             });
         }
-        match unit.partial {
-            None => self.finish(unit.kv_head, unit.tokens.clone(), &state),
-            Some(slot) => {
-                let width = self.group_size() * (d + 2);
-                // SAFETY: each partial slot belongs to one unit.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(self.partials.ptr().add(slot * width), width)
-                };
-                for (r, part) in dst.chunks_exact_mut(d + 2).enumerate() {
-                    part[0] = state.m[r];
-                    part[1] = state.l[r];
-                    part[2..].copy_from_slice(&state.acc[r * d..(r + 1) * d]);
+        for (h, state) in states.iter().enumerate() {
+            match unit.partial {
+                None => self.finish(h, unit.tokens.clone(), state),
+                Some(slots) => {
+                    let width = self.group_size() * (d + 2);
+                    let slot = slots.first + h * slots.stride;
+                    // SAFETY: each partial slot belongs to one (unit, kv head).
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(self.partials.ptr().add(slot * width), width)
+                    };
+                    for (r, part) in dst.chunks_exact_mut(d + 2).enumerate() {
+                        part[0] = state.m[r];
+                        part[1] = state.l[r];
+                        part[2..].copy_from_slice(&state.acc[r * d..(r + 1) * d]);
+                    }
                 }
             }
         }
@@ -519,7 +536,12 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                     absent,
                 };
                 let mut state = RowStates::new(pos.len(), d);
-                bf16::attend_bf16(&source, &group, &self.mods, &mut state);
+                bf16::attend_bf16(
+                    std::slice::from_ref(&source),
+                    std::slice::from_ref(&group),
+                    &self.mods,
+                    std::slice::from_mut(&mut state),
+                );
                 self.finish(pg.kv_head, tile.tokens.clone(), &state);
             });
             return;
@@ -544,10 +566,10 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             };
             let mut state = RowStates::new(pos.len(), d);
             self.s.vectorize(Attend {
-                source: &source,
-                group: &group,
+                sources: std::slice::from_ref(&source),
+                groups: std::slice::from_ref(&group),
                 mods: &self.mods,
-                state: &mut state,
+                states: std::slice::from_mut(&mut state),
             });
             self.finish(pg.kv_head, tile.tokens.clone(), &state);
         });

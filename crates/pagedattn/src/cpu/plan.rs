@@ -1,7 +1,8 @@
 //! Splitting one forward call into work for the thread pool. A decode unit is one sequence ×
-//! one kv head × a range of keys; decodes of long sequences are split along the keys
-//! (split-K) when the batch alone would not keep every thread busy, and their partial
-//! results are merged with an exact log-sum-exp combine. A prefill group is one sequence ×
+//! every kv head × a range of keys (the heads walk the keys together, so that whole cache
+//! blocks are read at once); decodes of long sequences are split along the keys (split-K)
+//! when the batch alone would not keep every thread busy, and their partial results are
+//! merged with an exact log-sum-exp combine. A prefill group is one sequence ×
 //! one kv head, whose keys and values are packed once and then shared by its query tiles.
 
 use std::ops::Range;
@@ -43,25 +44,32 @@ pub struct PrefillGroup {
     pub cost: usize,
 }
 
-/// One decode unit of work.
+/// One decode unit of work: one sequence, every kv head.
 #[derive(Debug, Clone)]
 pub struct Unit {
     /// Sequence index.
     pub seq: usize,
-    /// Kv head.
-    pub kv_head: usize,
     /// Query tokens (indices into the call's tokens).
     pub tokens: Range<usize>,
     /// Key positions visited.
     pub keys: Range<usize>,
-    /// Slot in the partial-results buffer, for split-K units.
-    pub partial: Option<usize>,
+    /// Where a split-K unit leaves its partial results.
+    pub partial: Option<PartialSlots>,
+}
+
+/// The partial-result slots of a split-K unit: kv head h uses slot `first + h * stride`.
+#[derive(Debug, Clone, Copy)]
+pub struct PartialSlots {
+    /// Slot of kv head 0.
+    pub first: usize,
+    /// Slots between consecutive kv heads (the sequence's partition count).
+    pub stride: usize,
 }
 
 impl Unit {
-    /// Rough cost: rows × keys.
-    fn cost(&self, group: usize) -> usize {
-        self.tokens.len() * group * self.keys.len().max(1)
+    /// Rough cost: tokens × keys (every unit has all heads).
+    fn cost(&self) -> usize {
+        self.tokens.len() * self.keys.len().max(1)
     }
 }
 
@@ -123,7 +131,7 @@ pub fn plan(
     // Decode work, to decide whether to split the keys.
     let decode_keys: usize = (0..md.num_seqs())
         .filter(|&s| md.query_range(s).len() == 1)
-        .map(|s| key_range(s, md.query_range(s).start).len() * hkv)
+        .map(|s| key_range(s, md.query_range(s).start).len())
         .sum();
     let partition = MIN_PARTITION.max(decode_keys.div_ceil(threads * UNITS_PER_THREAD));
     for s in 0..md.num_seqs() {
@@ -135,35 +143,36 @@ pub fn plan(
         if tokens.len() == 1 {
             let keys = key_range(s, tokens.start);
             let parts = keys.len().div_ceil(partition).max(1);
+            if parts == 1 {
+                plan.units.push(Unit {
+                    seq: s,
+                    tokens,
+                    keys,
+                    partial: None,
+                });
+                continue;
+            }
+            // Slots head-major: head h's partitions are consecutive, for its merge.
+            let first = plan.num_partials;
+            plan.num_partials += parts * hkv;
+            let step = keys.len().div_ceil(parts);
+            for p in 0..parts {
+                let lo = keys.start + p * step;
+                plan.units.push(Unit {
+                    seq: s,
+                    tokens: tokens.clone(),
+                    keys: lo..(lo + step).min(keys.end),
+                    partial: Some(PartialSlots {
+                        first: first + p,
+                        stride: parts,
+                    }),
+                });
+            }
             for g in 0..hkv {
-                if parts == 1 {
-                    plan.units.push(Unit {
-                        seq: s,
-                        kv_head: g,
-                        tokens: tokens.clone(),
-                        keys: keys.clone(),
-                        partial: None,
-                    });
-                    continue;
-                }
-                let first = plan.num_partials;
-                let step = keys.len().div_ceil(parts);
-                for p in 0..parts {
-                    let lo = keys.start + p * step;
-                    let part = lo..(lo + step).min(keys.end);
-                    plan.units.push(Unit {
-                        seq: s,
-                        kv_head: g,
-                        tokens: tokens.clone(),
-                        keys: part,
-                        partial: Some(plan.num_partials),
-                    });
-                    plan.num_partials += 1;
-                }
                 plan.merges.push(Merge {
                     token: tokens.start,
                     kv_head: g,
-                    parts: first..plan.num_partials,
+                    parts: first + g * parts..first + (g + 1) * parts,
                 });
             }
             continue;
@@ -198,6 +207,6 @@ pub fn plan(
         }
     }
     plan.prefill.sort_by_key(|g| std::cmp::Reverse(g.cost));
-    plan.units.sort_by_key(|u| std::cmp::Reverse(u.cost(group)));
+    plan.units.sort_by_key(|u| std::cmp::Reverse(u.cost()));
     plan
 }
