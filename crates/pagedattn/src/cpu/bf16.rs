@@ -13,8 +13,8 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::kernel::{
-    attend, for_row_blocks, score_group, Group, KvRows, RowStates, ScoreMods, TileRows, TileSource,
-    KEY_TILE, ROW_BLOCK,
+    attend, for_row_blocks, score_group, Group, KvRows, RowStates, ScoreMods, Stream, TileRows,
+    TileSource, KEY_TILE, ROW_BLOCK,
 };
 use super::simd::x86::Avx512;
 use super::simd::{Load, Simd};
@@ -252,8 +252,8 @@ pub struct RowsBf16Source<'a, const D: usize> {
     pub q: &'a [u32],
     /// Score scale.
     pub scale: f32,
-    /// End of the key range the rows visit (prefetching stops there).
-    pub keys_end: usize,
+    /// Where the prefetches run ahead to.
+    pub stream: Stream,
 }
 
 /// Elements per 512-bit chunk of a bf16 row.
@@ -282,7 +282,7 @@ impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
         let s = unsafe { Avx512::assume_bf16() };
         let half = self.head_size() / 2;
         let rows = self.q.len() / half;
-        let tile = TileRows::new(&self.kv, keys, self.keys_end, self.head_size());
+        let tile = TileRows::new(&self.kv, keys, self.stream, self.head_size());
         for t0 in (0..tile.len).step_by(LANES) {
             for_row_blocks!(rows, |r0, R| score_group(
                 s,

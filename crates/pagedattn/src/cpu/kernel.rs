@@ -150,6 +150,14 @@ impl<E> KvRows<'_, E> {
         }
     }
 
+    /// Elements from a row of one kv head to the same position's row of the next kv head.
+    pub fn head_stride(&self) -> usize {
+        match self.layout {
+            RowLayout::Paged { block_size, .. } => block_size * self.head_size,
+            RowLayout::Dense { .. } => self.head_size,
+        }
+    }
+
     /// Element offset of position `j`'s row.
     #[inline(always)]
     pub fn row(&self, j: usize) -> usize {
@@ -331,8 +339,40 @@ pub struct RowsSource<'a, E> {
     pub kv: KvRows<'a, E>,
     /// Rows × D queries, multiplied by the softmax scale (and the fp8 k_scale).
     pub q: &'a [f32],
-    /// End of the key range the rows visit (prefetching stops there).
+    /// Where the prefetches run ahead to.
+    pub stream: Stream,
+}
+
+/// Where a decode source's prefetches run ahead to. The kv heads of a unit walk each tile in
+/// turn ([`attend`]), so near the end of its tile a head asks for the next head's first keys
+/// of the same tile (the same cache blocks), and the last head for the first head's keys of
+/// the next tile.
+#[derive(Debug, Clone, Copy)]
+pub struct Stream {
+    /// End of the key range the unit visits (prefetching stops there).
     pub keys_end: usize,
+    /// Elements from this head's rows to the next head's ([`KvRows::head_stride`]), or, for
+    /// the last head, back to the first head's (negative; 0 for a single head).
+    pub next_head: isize,
+    /// Whether this is the unit's last head.
+    pub last: bool,
+}
+
+impl Stream {
+    /// The stream of head `head` of `heads`, whose rows are `head_stride` apart.
+    pub fn of_head(head: usize, heads: usize, head_stride: usize, keys_end: usize) -> Stream {
+        let last = head + 1 == heads;
+        let next_head = if last {
+            -((head * head_stride) as isize)
+        } else {
+            head_stride as isize
+        };
+        Stream {
+            keys_end,
+            next_head,
+            last,
+        }
+    }
 }
 
 /// How many keys ahead the decode path asks for key rows.
@@ -350,7 +390,7 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
-        let tile = TileRows::new(&self.kv, keys, self.keys_end, d);
+        let tile = TileRows::new(&self.kv, keys, self.stream, d);
         for t0 in (0..tile.len).step_by(S::LANES) {
             for_row_blocks!(rows, |r0, R| score_group(
                 s,
@@ -396,15 +436,17 @@ pub struct TileRows<'a, E> {
     pub len: usize,
     reach: usize,
     d: usize,
+    stream: Stream,
 }
 
 impl<'a, E> TileRows<'a, E> {
-    /// The rows of `keys`, a tile of the keys that end at `keys_end`, of `d` elements (the
-    /// head size, passed apart so that a kernel specialized for one can make it a constant).
+    /// The rows of `keys`, one tile of a head with prefetch stream `stream`, of `d` elements
+    /// (the head size, passed apart so that a kernel specialized for one can make it a
+    /// constant).
     #[inline(always)]
-    pub fn new(kv: &'a KvRows<'a, E>, keys: Range<usize>, keys_end: usize, d: usize) -> Self {
+    pub fn new(kv: &'a KvRows<'a, E>, keys: Range<usize>, stream: Stream, d: usize) -> Self {
         debug_assert_eq!(d, kv.head_size);
-        let reach = keys.start..(keys.end + PREFETCH_KEYS).min(keys_end);
+        let reach = keys.start..(keys.end + PREFETCH_KEYS).min(stream.keys_end);
         let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
         kv.rows_into(reach.clone(), &mut offsets);
         TileRows {
@@ -413,27 +455,39 @@ impl<'a, E> TileRows<'a, E> {
             len: keys.len(),
             reach: reach.len(),
             d,
+            stream,
         }
     }
 
     /// Key row of tile column `t` (`t < len`); with `prefetch`, first asks for the rows read
-    /// later.
+    /// later: this key's value row, and the key row [`PREFETCH_KEYS`] steps ahead in the order
+    /// the heads visit them (see [`Stream`]).
     #[inline(always)]
     pub fn key<S: Simd>(&self, s: S, t: usize, prefetch: bool) -> &'a [E] {
         debug_assert!(t < self.len);
         // SAFETY: offsets come from validated block tables (every row, up to `reach`, lies
-        // inside both buffers with its d elements), and t < len <= reach.
+        // inside both buffers with its d elements, and so do the other heads' rows of the same
+        // positions, `next_head` away); t < len <= reach.
         unsafe {
-            let row = |buf: &'a [E], u: usize| {
-                std::slice::from_raw_parts(buf.as_ptr().add(*self.offsets.get_unchecked(u)), self.d)
+            let row = |buf: &'a [E], offset: usize| {
+                std::slice::from_raw_parts(buf.as_ptr().add(offset), self.d)
             };
             if prefetch {
-                if t + PREFETCH_KEYS < self.reach {
-                    prefetch_row(s, row(self.kv.key, t + PREFETCH_KEYS));
+                let ahead = t + PREFETCH_KEYS;
+                let (u, delta) = if ahead < self.len {
+                    (ahead, 0)
+                } else if !self.stream.last {
+                    (ahead - self.len, self.stream.next_head)
+                } else {
+                    (ahead, self.stream.next_head)
+                };
+                if u < self.reach && (u < self.len || self.stream.last) {
+                    let offset = *self.offsets.get_unchecked(u) as isize + delta;
+                    prefetch_row(s, row(self.kv.key, offset as usize));
                 }
-                prefetch_row(s, row(self.kv.value, t));
+                prefetch_row(s, row(self.kv.value, *self.offsets.get_unchecked(t)));
             }
-            row(self.kv.key, t)
+            row(self.kv.key, *self.offsets.get_unchecked(t))
         }
     }
 }

@@ -29,7 +29,7 @@ use crate::tensor::{Storage, Tensor};
 
 use crate::shared::SharedMut;
 pub use isa::{Isa, ISA_ENV};
-use kernel::{Attend, Group, KvRows, RowLayout, RowStates, RowsSource, ScoreMods};
+use kernel::{Attend, Group, KvRows, RowLayout, RowStates, RowsSource, ScoreMods, Stream};
 use plan::{Merge, Plan, PrefillGroup, Unit};
 use simd::{E4m3, E5m2, Load, Simd};
 use std::ops::Range;
@@ -415,6 +415,12 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         }
     }
 
+    /// The prefetch stream of `kv_head` in a decode unit.
+    fn stream(&self, unit: &Unit, kv_head: usize) -> Stream {
+        let head_stride = self.kv_rows(unit.seq, kv_head).head_stride();
+        Stream::of_head(kv_head, self.cfg.num_kv_heads(), head_stride, unit.keys.end)
+    }
+
     /// Runs one decode unit: every kv head of one sequence, over the unit's keys.
     fn decode(&self, unit: &Unit) {
         let (d, hkv) = (self.cfg.head_size(), self.cfg.num_kv_heads());
@@ -455,7 +461,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                                 },
                                 q,
                                 scale: self.score_scale,
-                                keys_end: unit.keys.end,
+                                stream: self.stream(unit, h),
                             })
                             .collect();
                         bf16::attend_bf16(&sources, &groups, &self.mods, &mut states)
@@ -483,7 +489,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                 .map(|(h, q)| RowsSource {
                     kv: self.kv_rows(unit.seq, h),
                     q,
-                    keys_end: unit.keys.end,
+                    stream: self.stream(unit, h),
                 })
                 .collect();
             self.s.vectorize(Attend {
