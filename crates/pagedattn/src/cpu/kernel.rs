@@ -378,6 +378,10 @@ impl Stream {
 /// How many keys ahead the decode path asks for key rows.
 const PREFETCH_KEYS: usize = 16;
 
+/// How many keys ahead the decode path asks for key and value rows into L2 (more requests in
+/// flight than L1 can track; measured 7-10% faster decode than L1 prefetches alone on Zen 5).
+const PREFETCH_L2_KEYS: usize = 48;
+
 /// The widest vector any ISA has, in f32 lanes (sizes the per-group scratch).
 const MAX_LANES: usize = 16;
 
@@ -426,12 +430,13 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     }
 }
 
-/// The cache rows of one decode tile, with the prefetch stream that runs ahead of them: the
-/// key row [`PREFETCH_KEYS`] ahead (into the next tile, up to the end of the visited keys) and
-/// the value row of the key being scored, which the P·V pass reads after the tile's scores.
+/// The cache rows of one decode tile, with the prefetch stream that runs ahead of them (in the
+/// order the heads visit rows, see [`Stream`], up to the end of the visited keys): both rows
+/// [`PREFETCH_L2_KEYS`] ahead into L2, the key row [`PREFETCH_KEYS`] ahead into L1, and the
+/// value row of the key being scored, which the P·V pass reads after the tile's scores.
 pub struct TileRows<'a, E> {
     kv: &'a KvRows<'a, E>,
-    offsets: [usize; KEY_TILE + PREFETCH_KEYS],
+    offsets: [usize; KEY_TILE + PREFETCH_L2_KEYS],
     /// Keys in the tile.
     pub len: usize,
     reach: usize,
@@ -446,8 +451,8 @@ impl<'a, E> TileRows<'a, E> {
     #[inline(always)]
     pub fn new(kv: &'a KvRows<'a, E>, keys: Range<usize>, stream: Stream, d: usize) -> Self {
         debug_assert_eq!(d, kv.head_size);
-        let reach = keys.start..(keys.end + PREFETCH_KEYS).min(stream.keys_end);
-        let mut offsets = [0usize; KEY_TILE + PREFETCH_KEYS];
+        let reach = keys.start..(keys.end + PREFETCH_L2_KEYS).min(stream.keys_end);
+        let mut offsets = [0usize; KEY_TILE + PREFETCH_L2_KEYS];
         kv.rows_into(reach.clone(), &mut offsets);
         TileRows {
             kv,
@@ -459,9 +464,24 @@ impl<'a, E> TileRows<'a, E> {
         }
     }
 
+    /// Offset of the row `ahead` steps after column `t` in the order the heads visit rows.
+    #[inline(always)]
+    fn stream_row(&self, t: usize, ahead: usize) -> Option<usize> {
+        let ahead = t + ahead;
+        let (u, delta) = if ahead < self.len {
+            (ahead, 0)
+        } else if !self.stream.last {
+            (ahead - self.len, self.stream.next_head)
+        } else {
+            (ahead, self.stream.next_head)
+        };
+        // SAFETY: u < reach <= the offsets filled in `new`.
+        (u < self.reach && (u < self.len || self.stream.last))
+            .then(|| (unsafe { *self.offsets.get_unchecked(u) } as isize + delta) as usize)
+    }
+
     /// Key row of tile column `t` (`t < len`); with `prefetch`, first asks for the rows read
-    /// later: this key's value row, and the key row [`PREFETCH_KEYS`] steps ahead in the order
-    /// the heads visit them (see [`Stream`]).
+    /// later (see [`TileRows`]).
     #[inline(always)]
     pub fn key<S: Simd>(&self, s: S, t: usize, prefetch: bool) -> &'a [E] {
         debug_assert!(t < self.len);
@@ -473,17 +493,12 @@ impl<'a, E> TileRows<'a, E> {
                 std::slice::from_raw_parts(buf.as_ptr().add(offset), self.d)
             };
             if prefetch {
-                let ahead = t + PREFETCH_KEYS;
-                let (u, delta) = if ahead < self.len {
-                    (ahead, 0)
-                } else if !self.stream.last {
-                    (ahead - self.len, self.stream.next_head)
-                } else {
-                    (ahead, self.stream.next_head)
-                };
-                if u < self.reach && (u < self.len || self.stream.last) {
-                    let offset = *self.offsets.get_unchecked(u) as isize + delta;
-                    prefetch_row(s, row(self.kv.key, offset as usize));
+                if let Some(offset) = self.stream_row(t, PREFETCH_L2_KEYS) {
+                    prefetch_row_l2(s, row(self.kv.key, offset));
+                    prefetch_row_l2(s, row(self.kv.value, offset));
+                }
+                if let Some(offset) = self.stream_row(t, PREFETCH_KEYS) {
+                    prefetch_row(s, row(self.kv.key, offset));
                 }
                 prefetch_row(s, row(self.kv.value, *self.offsets.get_unchecked(t)));
             }
@@ -498,6 +513,15 @@ fn prefetch_row<S: Simd, E>(s: S, row: &[E]) {
     let p = row.as_ptr() as *const u8;
     for line in (0..std::mem::size_of_val(row)).step_by(64) {
         s.prefetch(p.wrapping_add(line));
+    }
+}
+
+/// Asks for every cache line of a row, into L2.
+#[inline(always)]
+fn prefetch_row_l2<S: Simd, E>(s: S, row: &[E]) {
+    let p = row.as_ptr() as *const u8;
+    for line in (0..std::mem::size_of_val(row)).step_by(64) {
+        s.prefetch_l2(p.wrapping_add(line));
     }
 }
 

@@ -103,6 +103,12 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn prefetch<T>(self, p: *const T) {
         let _ = p;
     }
+    /// Hints that the cache line holding `p` will be read later (into L2); a no-op where the
+    /// ISA has no stable prefetch.
+    #[inline(always)]
+    fn prefetch_l2<T>(self, p: *const T) {
+        let _ = p;
+    }
     /// Maximum of the lanes.
     fn reduce_max(self, a: Self::V) -> f32;
 

@@ -157,6 +157,11 @@ impl Simd for Avx2 {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
     #[inline(always)]
+    fn prefetch_l2<T>(self, p: *const T) {
+        // SAFETY: prefetching never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+    }
+    #[inline(always)]
     fn transpose_sum(self, v: &[__m256]) -> __m256 {
         assert_eq!(v.len(), 8);
         // Two rounds of pairing lanes inside each 128-bit half, then the halves.
@@ -404,6 +409,11 @@ impl Simd for Avx512 {
     fn prefetch<T>(self, p: *const T) {
         // SAFETY: prefetching never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+    }
+    #[inline(always)]
+    fn prefetch_l2<T>(self, p: *const T) {
+        // SAFETY: prefetching never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
     }
     #[inline(always)]
     fn reduce_max(self, a: __m512) -> f32 {
