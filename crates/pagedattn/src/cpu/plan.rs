@@ -14,8 +14,9 @@ use crate::semantics::{query_position, KeyMap};
 /// Query rows a prefill unit aims for (tokens × query heads of the kv head).
 const TARGET_ROWS: usize = 64;
 
-/// Shortest key range a split-K partition gets.
-const MIN_PARTITION: usize = 256;
+/// Least work (keys × kv heads) a split-K partition gets, and its least number of keys.
+const MIN_PARTITION_WORK: usize = 512;
+const MIN_PARTITION_KEYS: usize = 64;
 
 /// Units per thread a plan aims for, so that work stealing can balance skewed batches.
 const UNITS_PER_THREAD: usize = 8;
@@ -133,7 +134,10 @@ pub fn plan(
         .filter(|&s| md.query_range(s).len() == 1)
         .map(|s| key_range(s, md.query_range(s).start).len())
         .sum();
-    let partition = MIN_PARTITION.max(decode_keys.div_ceil(threads * UNITS_PER_THREAD));
+    let partition = MIN_PARTITION_WORK
+        .div_ceil(hkv)
+        .max(MIN_PARTITION_KEYS)
+        .max(decode_keys.div_ceil(threads * UNITS_PER_THREAD));
     for s in 0..md.num_seqs() {
         plan.absent.push(key_map.absent_positions(s));
         let tokens = md.query_range(s);
