@@ -435,8 +435,8 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
 
 /// The cache rows of one decode tile, with the prefetch stream that runs ahead of them (in the
 /// order the heads visit rows, see [`Stream`], up to the end of the visited keys): both rows
-/// [`PREFETCH_L2_KEYS`] ahead into L2, the key row [`PREFETCH_KEYS`] ahead into L1, and the
-/// value row of the key being scored, which the P·V pass reads after the tile's scores.
+/// 48 steps ahead into L2, the key row 16 steps ahead into L1, and the value row of the key
+/// being scored, which the P·V pass reads after the tile's scores.
 pub struct TileRows<'a, E> {
     kv: &'a KvRows<'a, E>,
     offsets: [usize; KEY_TILE + PREFETCH_L2_KEYS],
