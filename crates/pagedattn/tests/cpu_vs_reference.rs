@@ -30,7 +30,7 @@ use common::*;
 use pagedattn::cpu::{Cpu, Isa};
 use pagedattn::{
     registry, AttentionConfig, AttentionMetadata, AttnType, Backend, DType, KvCache, KvCacheDtype,
-    MetadataBuilder, SequenceDesc, Tensor,
+    Tensor,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -704,25 +704,6 @@ proptest! {
 /// Head sizes that run the AVX-512, AVX2 and scalar bodies.
 const HEAD_SIZES: [usize; 3] = [16, 8, 5];
 
-fn fixed_settings(dtype: DType, kv_cache_dtype: KvCacheDtype, head_size: usize) -> Settings {
-    Settings {
-        dtype,
-        kv_cache_dtype,
-        num_kv_heads: 2,
-        group: 2,
-        head_size,
-        block_size: 4,
-        alibi: Alibi::Bloom,
-        sliding_window: None,
-        soft_cap: None,
-        scale: None,
-        k_scale: 0.5,
-        v_scale: 0.25,
-        amplitude: 1.0,
-        seed: 7,
-    }
-}
-
 /// Runs `call` (without a cache) on every cpu ISA and requires exact zeros everywhere.
 fn all_zeros(call: &Call, mut cache: impl FnMut(&Cpu) -> Option<KvCache>) {
     for cpu in cpus() {
@@ -746,48 +727,11 @@ fn zero_length_encoder_sequences() {
             // Cross attention: the queries of a sequence with no encoder tokens get exact
             // zeros, with and without a cross cache, at prefill and at decode.
             let st = fixed_settings(dtype, KvCacheDtype::Fp8E4m3, d);
-            let case = CrossCase {
-                settings: st.clone(),
-                seqs: vec![
-                    CrossSeq {
-                        encoder_len: 0,
-                        decoder_context: 0,
-                        first_len: 3,
-                        then: Next::Chunk(2),
-                        extra_blocks: 1,
-                    },
-                    CrossSeq {
-                        encoder_len: 5,
-                        decoder_context: 1,
-                        first_len: 2,
-                        then: Next::Decode,
-                        extra_blocks: 0,
-                    },
-                    CrossSeq {
-                        encoder_len: 0,
-                        decoder_context: 2,
-                        first_len: 1,
-                        then: Next::Decode,
-                        extra_blocks: 0,
-                    },
-                ],
-                spare_blocks: 1,
-                decoder_tables: false,
-            };
-            run_cross_paged(&case).unwrap();
-            run_cross_no_cache(&CrossNoCacheCase {
-                settings: st.clone(),
-                prefills: vec![(0, 0, 3), (4, 0, 2)],
-                decodes: vec![(0, 5), (2, 1)],
-            })
-            .unwrap();
+            let (paged, no_cache) = empty_encoder_cases(&st);
+            run_cross_paged(&paged).unwrap();
+            run_cross_no_cache(&no_cache).unwrap();
 
             // Every output of an all-empty encoder side is exactly zero.
-            let md = MetadataBuilder::new(4)
-                .push(SequenceDesc::prompt(0, 3, vec![]).with_encoder(0, vec![]))
-                .push(SequenceDesc::decode(4, vec![]).with_encoder(0, vec![]))
-                .build()
-                .unwrap();
             let call = Call {
                 config: st.config(AttnType::EncoderDecoder),
                 query: Tensor::from_f32(dtype, &[4, 4, d], &vec![0.5; 16 * d]).unwrap(),
@@ -795,7 +739,7 @@ fn zero_length_encoder_sequences() {
                     Tensor::zeros(dtype, &[0, 2, d]),
                     Tensor::zeros(dtype, &[0, 2, d]),
                 )),
-                metadata: md,
+                metadata: all_empty_encoder_metadata(),
                 scales: st.kv_scales(),
             };
             all_zeros(&call, |_| None);
@@ -819,36 +763,11 @@ fn decoder_queries_without_keys_give_zeros() {
         ] {
             for d in HEAD_SIZES {
                 let st = fixed_settings(dtype, kv_cache_dtype, d);
-                let seq = |context, pad: Vec<bool>, decode| DecoderSeq {
-                    context,
-                    new: pad.len(),
-                    decode,
-                    pad,
-                    extra_blocks: 1,
-                };
-                let case = DecoderCase {
-                    settings: st.clone(),
-                    seqs: vec![
-                        // All new tokens padding, no context: every query sees no key.
-                        seq(0, vec![true, true, true], false),
-                        // First token padding: its query sees no key; the others see later keys.
-                        seq(0, vec![true, false, false, true, false], false),
-                        // A decode whose only key is padding.
-                        seq(0, vec![true], true),
-                    ],
-                    spare_blocks: 2,
-                };
-                run_decoder_paged(&case).unwrap();
+                run_decoder_paged(&keyless_decoder_case(&st)).unwrap();
 
                 // Exact zeros for every row of a batch whose keys are all padding.
                 let spec = st.spec(3);
                 let model = CacheModel::poisoned(spec, st.kv_scales(), &mut st.rng());
-                let mut md = MetadataBuilder::new(4)
-                    .push(SequenceDesc::prompt(0, 3, vec![2]))
-                    .push(SequenceDesc::decode(1, vec![0]))
-                    .build()
-                    .unwrap();
-                md.slot_mapping.fill(-1);
                 let call = Call {
                     config: st.config(AttnType::Decoder),
                     query: Tensor::from_f32(dtype, &[4, 4, d], &vec![0.5; 16 * d]).unwrap(),
@@ -856,7 +775,7 @@ fn decoder_queries_without_keys_give_zeros() {
                         Tensor::from_f32(dtype, &[4, 2, d], &vec![0.25; 8 * d]).unwrap(),
                         Tensor::from_f32(dtype, &[4, 2, d], &vec![0.25; 8 * d]).unwrap(),
                     )),
-                    metadata: md,
+                    metadata: all_padding_metadata(),
                     scales: st.kv_scales(),
                 };
                 all_zeros(&call, |cpu| Some(model.build(cpu.kv_cache_layout())));

@@ -574,75 +574,23 @@ fn hand_computed_encoder_alibi() {
 // Exact zeros.
 // ---------------------------------------------------------------------------------------------
 
-fn fixed_settings(dtype: DType, kv_cache_dtype: KvCacheDtype) -> Settings {
-    Settings {
-        dtype,
-        kv_cache_dtype,
-        num_kv_heads: 2,
-        group: 2,
-        head_size: 8,
-        block_size: 4,
-        alibi: Alibi::Bloom,
-        sliding_window: None,
-        soft_cap: None,
-        scale: None,
-        k_scale: 0.5,
-        v_scale: 0.25,
-        amplitude: 1.0,
-        seed: 7,
-    }
-}
+/// Head size of the fixed cases.
+const HEAD_SIZE: usize = 8;
 
 #[test]
 fn zero_length_encoder_sequences() {
     for dtype in DType::FLOATS {
         // Cross attention: the queries of a sequence with no encoder tokens get exact zeros,
         // with and without a cross cache, at prefill and at decode.
-        let st = fixed_settings(dtype, KvCacheDtype::Fp8E4m3);
-        let case = CrossCase {
-            settings: st.clone(),
-            seqs: vec![
-                CrossSeq {
-                    encoder_len: 0,
-                    decoder_context: 0,
-                    first_len: 3,
-                    then: Next::Chunk(2),
-                    extra_blocks: 1,
-                },
-                CrossSeq {
-                    encoder_len: 5,
-                    decoder_context: 1,
-                    first_len: 2,
-                    then: Next::Decode,
-                    extra_blocks: 0,
-                },
-                CrossSeq {
-                    encoder_len: 0,
-                    decoder_context: 2,
-                    first_len: 1,
-                    then: Next::Decode,
-                    extra_blocks: 0,
-                },
-            ],
-            spare_blocks: 1,
-            decoder_tables: false,
-        };
-        run_cross_paged(&case).unwrap();
-        run_cross_no_cache(&CrossNoCacheCase {
-            settings: st.clone(),
-            prefills: vec![(0, 0, 3), (4, 0, 2)],
-            decodes: vec![(0, 5), (2, 1)],
-        })
-        .unwrap();
+        let st = fixed_settings(dtype, KvCacheDtype::Fp8E4m3, HEAD_SIZE);
+        let (paged, no_cache) = empty_encoder_cases(&st);
+        run_cross_paged(&paged).unwrap();
+        run_cross_no_cache(&no_cache).unwrap();
         // And directly: every output of an all-empty encoder side is exactly zero.
         let backend = registry::backend("reference").unwrap();
         let config = st.config(AttnType::EncoderDecoder);
         let attention = backend.attention(&config).unwrap();
-        let md = MetadataBuilder::new(4)
-            .push(SequenceDesc::prompt(0, 3, vec![]).with_encoder(0, vec![]))
-            .push(SequenceDesc::decode(4, vec![]).with_encoder(0, vec![]))
-            .build()
-            .unwrap();
+        let md = all_empty_encoder_metadata();
         let q = Tensor::from_f32(dtype, &[4, 4, 8], &[0.5; 128]).unwrap();
         let kv = Tensor::zeros(dtype, &[0, 2, 8]);
         let mut out = Tensor::zeros(dtype, &[4, 4, 8]);
@@ -678,27 +626,8 @@ fn decoder_queries_without_keys_give_zeros() {
             KvCacheDtype::Fp8E4m3,
             KvCacheDtype::Fp8E5m2,
         ] {
-            let st = fixed_settings(dtype, kv_cache_dtype);
-            let seq = |context, pad: Vec<bool>, decode| DecoderSeq {
-                context,
-                new: pad.len(),
-                decode,
-                pad,
-                extra_blocks: 1,
-            };
-            let case = DecoderCase {
-                settings: st.clone(),
-                seqs: vec![
-                    // All new tokens padding, no context: every query sees no key.
-                    seq(0, vec![true, true, true], false),
-                    // First token padding: its query sees no key; the others see later keys.
-                    seq(0, vec![true, false, false, true, false], false),
-                    // A decode whose only key is padding.
-                    seq(0, vec![true], true),
-                ],
-                spare_blocks: 2,
-            };
-            run_decoder_paged(&case).unwrap();
+            let st = fixed_settings(dtype, kv_cache_dtype, HEAD_SIZE);
+            run_decoder_paged(&keyless_decoder_case(&st)).unwrap();
 
             // Directly: exact zeros for every row of a batch whose keys are all padding.
             let backend = registry::backend("reference").unwrap();
@@ -708,12 +637,7 @@ fn decoder_queries_without_keys_give_zeros() {
             let mut rng = st.rng();
             let model = CacheModel::poisoned(spec, st.kv_scales(), &mut rng);
             cache = model.build(cache.layout());
-            let mut md = MetadataBuilder::new(4)
-                .push(SequenceDesc::prompt(0, 3, vec![2]))
-                .push(SequenceDesc::decode(1, vec![0]))
-                .build()
-                .unwrap();
-            md.slot_mapping.fill(-1);
+            let md = all_padding_metadata();
             let q = Tensor::from_f32(dtype, &[4, 4, 8], &[0.5; 128]).unwrap();
             let kv = Tensor::from_f32(dtype, &[4, 2, 8], &[0.25; 64]).unwrap();
             let mut out = Tensor::zeros(dtype, &[4, 4, 8]);

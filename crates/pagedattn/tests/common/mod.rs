@@ -1241,3 +1241,112 @@ impl CrossNoCache {
         })
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Fixed edge cases (empty encoder sides, queries without keys), run by both suites.
+// ---------------------------------------------------------------------------------------------
+
+/// Settings of the fixed cases: two kv heads of two queries each, blocks of 4, Bloom ALiBi,
+/// fp8 scales 0.5 / 0.25.
+pub fn fixed_settings(dtype: DType, kv_cache_dtype: KvCacheDtype, head_size: usize) -> Settings {
+    Settings {
+        dtype,
+        kv_cache_dtype,
+        num_kv_heads: 2,
+        group: 2,
+        head_size,
+        block_size: 4,
+        alibi: Alibi::Bloom,
+        sliding_window: None,
+        soft_cap: None,
+        scale: None,
+        k_scale: 0.5,
+        v_scale: 0.25,
+        amplitude: 1.0,
+        seed: 7,
+    }
+}
+
+/// Cross attention where some sequences have no encoder tokens (their queries must get exact
+/// zeros), at prefill and at decode: with a cross cache, and without one.
+pub fn empty_encoder_cases(st: &Settings) -> (CrossCase, CrossNoCacheCase) {
+    let paged = CrossCase {
+        settings: st.clone(),
+        seqs: vec![
+            CrossSeq {
+                encoder_len: 0,
+                decoder_context: 0,
+                first_len: 3,
+                then: Next::Chunk(2),
+                extra_blocks: 1,
+            },
+            CrossSeq {
+                encoder_len: 5,
+                decoder_context: 1,
+                first_len: 2,
+                then: Next::Decode,
+                extra_blocks: 0,
+            },
+            CrossSeq {
+                encoder_len: 0,
+                decoder_context: 2,
+                first_len: 1,
+                then: Next::Decode,
+                extra_blocks: 0,
+            },
+        ],
+        spare_blocks: 1,
+        decoder_tables: false,
+    };
+    let no_cache = CrossNoCacheCase {
+        settings: st.clone(),
+        prefills: vec![(0, 0, 3), (4, 0, 2)],
+        decodes: vec![(0, 5), (2, 1)],
+    };
+    (paged, no_cache)
+}
+
+/// A 3-token prompt and a decode, both with an empty encoder side (block size 4).
+pub fn all_empty_encoder_metadata() -> AttentionMetadata {
+    MetadataBuilder::new(4)
+        .push(SequenceDesc::prompt(0, 3, vec![]).with_encoder(0, vec![]))
+        .push(SequenceDesc::decode(4, vec![]).with_encoder(0, vec![]))
+        .build()
+        .unwrap()
+}
+
+/// Decoder sequences with padding: queries that see no key at all, and ones whose only keys
+/// come after padding.
+pub fn keyless_decoder_case(st: &Settings) -> DecoderCase {
+    let seq = |context, pad: Vec<bool>, decode| DecoderSeq {
+        context,
+        new: pad.len(),
+        decode,
+        pad,
+        extra_blocks: 1,
+    };
+    DecoderCase {
+        settings: st.clone(),
+        seqs: vec![
+            // All new tokens padding, no context: every query sees no key.
+            seq(0, vec![true, true, true], false),
+            // First token padding: its query sees no key; the others see later keys.
+            seq(0, vec![true, false, false, true, false], false),
+            // A decode whose only key is padding.
+            seq(0, vec![true], true),
+        ],
+        spare_blocks: 2,
+    }
+}
+
+/// A 3-token prompt (block 2) and a decode (block 0) whose new tokens are all padding (slot
+/// -1): no query has a key.
+pub fn all_padding_metadata() -> AttentionMetadata {
+    let mut md = MetadataBuilder::new(4)
+        .push(SequenceDesc::prompt(0, 3, vec![2]))
+        .push(SequenceDesc::decode(1, vec![0]))
+        .build()
+        .unwrap();
+    md.slot_mapping.fill(-1);
+    md
+}
