@@ -116,22 +116,24 @@ pub trait Simd: Copy + Send + Sync + 'static {
     #[inline(always)]
     fn exp(self, x: Self::V) -> Self::V {
         let clamped = self.min(self.max(x, self.splat(-87.0)), self.splat(88.0));
-        let n = self.round(self.mul(clamped, self.splat(std::f32::consts::LOG2_E)));
-        // x - n ln2 in two steps (Cody-Waite), then a degree-6 polynomial for e^r on |r| <= ln2/2.
-        let r = self.fma(n, self.splat(-0.693_145_75), clamped);
-        let r = self.fma(n, self.splat(-1.428_606_8e-6), r);
-        let e = self.mul(self.exp_poly(r), self.pow2i(n));
+        let (n, p) = self.exp_reduced(clamped);
+        let e = self.mul(p, self.pow2i(n));
         self.select_lt(x, self.splat(-87.0), self.splat(0.0), e)
     }
 
-    /// `e^r` for `|r| <= ln2 / 2`: the degree-6 Taylor polynomial, in Horner form.
+    /// `(n, e^r)` with `x = n ln2 + r`, n an integer and `|r| <= ln2 / 2` (so `e^x` is
+    /// `e^r · 2^n`): the reduction in two steps (Cody-Waite), then the degree-6 Taylor
+    /// polynomial in Horner form.
     #[inline(always)]
-    fn exp_poly(self, r: Self::V) -> Self::V {
+    fn exp_reduced(self, x: Self::V) -> (Self::V, Self::V) {
+        let n = self.round(self.mul(x, self.splat(std::f32::consts::LOG2_E)));
+        let r = self.fma(n, self.splat(-0.693_145_75), x);
+        let r = self.fma(n, self.splat(-1.428_606_8e-6), r);
         let mut p = self.splat(1.0 / 720.0);
         for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
             p = self.fma(p, r, self.splat(c));
         }
-        p
+        (n, p)
     }
 
     /// `tanh(x)`, as `1 - 2 / (e^(2x) + 1)`.

@@ -377,14 +377,11 @@ impl Simd for Avx512 {
     }
     #[inline(always)]
     fn exp(self, x: __m512) -> __m512 {
-        // The generic range reduction and polynomial, with `vscalefps` applying 2^n (overflow
-        // to inf included) and zeroing lanes below -87 (-inf included) in one instruction.
+        // The generic reduction, with `vscalefps` applying 2^n (overflow to inf included) and
+        // zeroing lanes below -87 (-inf included) in one instruction, so no clamping.
+        let (n, p) = self.exp_reduced(x);
         unsafe {
             let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.0));
-            let n = self.round(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
-            let r = self.fma(n, self.splat(-0.693_145_75), x);
-            let r = self.fma(n, self.splat(-1.428_606_8e-6), r);
-            let p = self.exp_poly(r);
             _mm512_maskz_scalef_ps(keep, p, n)
         }
     }
