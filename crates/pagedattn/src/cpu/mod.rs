@@ -415,12 +415,6 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         }
     }
 
-    /// The prefetch stream of `kv_head` in a decode unit.
-    fn stream(&self, unit: &Unit, kv_head: usize) -> Stream {
-        let head_stride = self.kv_rows(unit.seq, kv_head).head_stride();
-        Stream::of_head(kv_head, self.cfg.num_kv_heads(), head_stride, unit.keys.end)
-    }
-
     /// Runs one decode unit: every kv head of one sequence, over the unit's keys.
     fn decode(&self, unit: &Unit) {
         let (d, hkv) = (self.cfg.head_size(), self.cfg.num_kv_heads());
@@ -440,6 +434,8 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             .iter()
             .map(|(pos, _)| RowStates::new(pos.len(), d))
             .collect();
+        let kvs: Vec<KvRows<'_, E>> = (0..hkv).map(|h| self.kv_rows(unit.seq, h)).collect();
+        let stream = |h: usize| Stream::of_head(h, hkv, kvs[h].head_stride(), unit.keys.end);
         #[cfg(target_arch = "x86_64")]
         let done = match self.bf16_cache_rows() {
             Some((key, value)) => {
@@ -456,12 +452,12 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                                 kv: KvRows {
                                     key,
                                     value,
-                                    layout: self.kv_rows(unit.seq, h).layout,
+                                    layout: kvs[h].layout,
                                     head_size: d,
                                 },
                                 q,
                                 scale: self.score_scale,
-                                stream: self.stream(unit, h),
+                                stream: stream(h),
                             })
                             .collect();
                         bf16::attend_bf16(&sources, &groups, &self.mods, &mut states)
@@ -487,9 +483,9 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                 .iter()
                 .enumerate()
                 .map(|(h, q)| RowsSource {
-                    kv: self.kv_rows(unit.seq, h),
+                    kv: kvs[h],
                     q,
-                    stream: self.stream(unit, h),
+                    stream: stream(h),
                 })
                 .collect();
             self.s.vectorize(Attend {

@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+use super::kernel::KEY_TILE;
 use crate::config::AttentionConfig;
 use crate::metadata::AttentionMetadata;
 use crate::semantics::{query_position, KeyMap};
@@ -14,9 +15,11 @@ use crate::semantics::{query_position, KeyMap};
 /// Query rows a prefill unit aims for (tokens × query heads of the kv head).
 const TARGET_ROWS: usize = 64;
 
-/// Least work (keys × kv heads) a split-K partition gets, and its least number of keys.
+/// Least work (keys × kv heads) a split-K partition gets.
 const MIN_PARTITION_WORK: usize = 512;
-const MIN_PARTITION_KEYS: usize = 64;
+
+/// Fewest keys a split-K partition gets: one tile.
+const MIN_PARTITION_KEYS: usize = KEY_TILE;
 
 /// Units per thread a plan aims for, so that work stealing can balance skewed batches.
 const UNITS_PER_THREAD: usize = 8;
