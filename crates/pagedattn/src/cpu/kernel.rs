@@ -435,8 +435,8 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
 
 /// The cache rows of one decode tile, with the prefetch stream that runs ahead of them (in the
 /// order the heads visit rows, see [`Stream`], up to the end of the visited keys): both rows
-/// 48 steps ahead into L2, the key row 16 steps ahead into L1, and the value row of the key
-/// being scored, which the P·V pass reads after the tile's scores.
+/// `PREFETCH_L2_KEYS` steps ahead into L2, the key row `PREFETCH_KEYS` steps ahead into L1,
+/// and the value row of the key being scored, which the P·V pass reads after the tile's scores.
 pub struct TileRows<'a, E> {
     kv: &'a KvRows<'a, E>,
     offsets: [usize; KEY_TILE + PREFETCH_L2_KEYS],
@@ -504,35 +504,40 @@ impl<'a, E> TileRows<'a, E> {
             if prefetch {
                 let far = *self.l2.get_unchecked(t);
                 if far != NONE {
-                    prefetch_row_l2(s, row(self.kv.key, far));
-                    prefetch_row_l2(s, row(self.kv.value, far));
+                    prefetch_row(s, row(self.kv.key, far), Level::L2);
+                    prefetch_row(s, row(self.kv.value, far), Level::L2);
                 }
                 let near = *self.l1.get_unchecked(t);
                 if near != NONE {
-                    prefetch_row(s, row(self.kv.key, near));
+                    prefetch_row(s, row(self.kv.key, near), Level::L1);
                 }
-                prefetch_row(s, row(self.kv.value, *self.offsets.get_unchecked(t)));
+                prefetch_row(
+                    s,
+                    row(self.kv.value, *self.offsets.get_unchecked(t)),
+                    Level::L1,
+                );
             }
             row(self.kv.key, *self.offsets.get_unchecked(t))
         }
     }
 }
 
-/// Asks for every cache line of a row.
-#[inline(always)]
-fn prefetch_row<S: Simd, E>(s: S, row: &[E]) {
-    let p = row.as_ptr() as *const u8;
-    for line in (0..std::mem::size_of_val(row)).step_by(64) {
-        s.prefetch(p.wrapping_add(line));
-    }
+/// The cache level a prefetch fills.
+#[derive(Clone, Copy)]
+enum Level {
+    L1,
+    L2,
 }
 
-/// Asks for every cache line of a row, into L2.
+/// Asks for every cache line of a row, into `level`.
 #[inline(always)]
-fn prefetch_row_l2<S: Simd, E>(s: S, row: &[E]) {
+fn prefetch_row<S: Simd, E>(s: S, row: &[E], level: Level) {
     let p = row.as_ptr() as *const u8;
     for line in (0..std::mem::size_of_val(row)).step_by(64) {
-        s.prefetch_l2(p.wrapping_add(line));
+        match level {
+            Level::L1 => s.prefetch(p.wrapping_add(line)),
+            Level::L2 => s.prefetch_l2(p.wrapping_add(line)),
+        }
     }
 }
 
