@@ -420,21 +420,23 @@ fn write_tokens<T: Element>(
             )
         })
     };
+    // Runs `store(row, at)` for every row of every written token, tokens in parallel.
+    let for_each_row = |store: &(dyn Fn(&[T], usize) + Sync)| {
+        slot_mapping
+            .par_iter()
+            .enumerate()
+            .filter(|(_, &slot)| slot >= 0)
+            .for_each(|(t, &slot)| rows(t, slot).for_each(|(row, at)| store(row, at)));
+    };
     match (dst, fp8) {
         (Storage::U8(out), Some(format)) => {
             let out = SharedMut(out.as_mut_ptr());
-            slot_mapping
-                .par_iter()
-                .enumerate()
-                .filter(|(_, &slot)| slot >= 0)
-                .for_each(|(t, &slot)| {
-                    for (row, at) in rows(t, slot) {
-                        for (i, &x) in row.iter().enumerate() {
-                            // SAFETY: distinct slots own distinct rows of the buffer.
-                            unsafe { *out.ptr().add(at + i) = format.encode(x.to_f32() / scale) };
-                        }
-                    }
-                });
+            for_each_row(&|row, at| {
+                for (i, &x) in row.iter().enumerate() {
+                    // SAFETY: distinct slots own distinct rows of the buffer.
+                    unsafe { *out.ptr().add(at + i) = format.encode(x.to_f32() / scale) };
+                }
+            });
         }
         (dst, _) => {
             let out = SharedMut(
@@ -442,18 +444,10 @@ fn write_tokens<T: Element>(
                     .expect("auto cache has the input dtype")
                     .as_mut_ptr(),
             );
-            slot_mapping
-                .par_iter()
-                .enumerate()
-                .filter(|(_, &slot)| slot >= 0)
-                .for_each(|(t, &slot)| {
-                    for (row, at) in rows(t, slot) {
-                        // SAFETY: distinct slots own distinct rows of the buffer.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(row.as_ptr(), out.ptr().add(at), d)
-                        };
-                    }
-                });
+            for_each_row(&|row, at| {
+                // SAFETY: distinct slots own distinct rows of the buffer.
+                unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.ptr().add(at), d) };
+            });
         }
     }
 }
