@@ -340,19 +340,24 @@ fn run_uncached_self(
     decodes: usize,
 ) -> TestResult {
     let built = UncachedSelf::build(st, attn_type, lens, decodes)?;
-    let want = built.call.run(&*reference(), None, "reference forward")?;
     let max_pos = built.lens.iter().copied().max().unwrap_or(0);
+    uncached_matches_on_every_isa(st, &built.call, max_pos, attn_type.name())
+}
+
+/// Runs a call without a cache on the reference and on every cpu ISA, and compares.
+fn uncached_matches_on_every_isa(
+    st: &Settings,
+    call: &Call,
+    max_pos: usize,
+    attn: &str,
+) -> TestResult {
+    let want = call.run(&*reference(), None, "reference forward")?;
     for cpu in cpus() {
         let isa = cpu.isa();
-        let tol = Tolerance::new(st, &built.call.config, max_pos, isa);
-        let got = built
-            .call
-            .run(&cpu, None, &format!("cpu ({isa}) forward"))?;
-        compare(&got, &want, &built.call, &tol, &format!("isa {isa}"))?;
-        stats::report(
-            &tol,
-            &format!("{isa} {}", describe(st, attn_type.name(), max_pos)),
-        );
+        let tol = Tolerance::new(st, &call.config, max_pos, isa);
+        let got = call.run(&cpu, None, &format!("cpu ({isa}) forward"))?;
+        compare(&got, &want, call, &tol, &format!("isa {isa}"))?;
+        stats::report(&tol, &format!("{isa} {}", describe(st, attn, max_pos)));
     }
     Ok(())
 }
@@ -423,21 +428,8 @@ fn run_cross_paged(case: &CrossCase) -> TestResult {
 fn run_cross_no_cache(case: &CrossNoCacheCase) -> TestResult {
     let st = &case.settings;
     let built = CrossNoCache::build(case)?;
-    let want = built.call.run(&*reference(), None, "reference forward")?;
     let max_pos = cross_max_pos(&built.enc_lens, &built.steps);
-    for cpu in cpus() {
-        let isa = cpu.isa();
-        let tol = Tolerance::new(st, &built.call.config, max_pos, isa);
-        let got = built
-            .call
-            .run(&cpu, None, &format!("cpu ({isa}) forward"))?;
-        compare(&got, &want, &built.call, &tol, &format!("isa {isa}"))?;
-        stats::report(
-            &tol,
-            &format!("{isa} {}", describe(st, "cross-nocache", max_pos)),
-        );
-    }
-    Ok(())
+    uncached_matches_on_every_isa(st, &built.call, max_pos, "cross-nocache")
 }
 
 // ---------------------------------------------------------------------------------------------
