@@ -237,8 +237,11 @@ fn pv_chunks<const R: usize, const W: usize>(
 }
 
 /// Decode with AVX512-BF16: bf16 queries against bf16 cache rows read in place (no packing).
-/// Scores are `vdpbf16ps` dot products of query pairs with 32-element key chunks, reduced 16
-/// keys at a time; P·V takes two value rows at a time, interleaved into key pairs with
+/// Scores, where the rows come in blocks of four (GQA groups of 4 or 8, the common ones): each
+/// `vdpbf16ps` multiplies 8 dimensions of one key, broadcast to the four 128-bit lanes, by the
+/// same dimensions of four query rows (one per lane, [`pack_quads`]), so that four keys' sums
+/// need two rounds of in-lane pairing and no cross-lane reduction; other row counts: dot
+/// products of query pairs with 32-element key chunks, reduced 16 keys at a time. P·V takes two value rows at a time, interleaved into key pairs with
 /// `vpunpck[lh]wd`, which visits the dimensions of each 32-element chunk in a fixed permuted
 /// order that [`TileSource::finish`] undoes once at the end.
 ///
@@ -250,6 +253,9 @@ pub struct RowsBf16Source<'a, const D: usize> {
     pub kv: KvRows<'a, u16>,
     /// Rows × d/2 query pairs, unscaled.
     pub q: &'a [u32],
+    /// The same queries lane-packed by [`pack_quads`] (empty where the rows do not come in
+    /// blocks of four).
+    pub quads: &'a [u32],
     /// Score scale.
     pub scale: f32,
     /// Where the prefetches run ahead to.
@@ -283,6 +289,24 @@ impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
         let half = self.head_size() / 2;
         let rows = self.q.len() / half;
         let tile = TileRows::new(&self.kv, keys, self.stream, self.head_size());
+        if !self.quads.is_empty() {
+            let d = self.head_size();
+            for (b, quad) in self.quads.chunks_exact(2 * d).enumerate() {
+                for t0 in (0..tile.len).step_by(4) {
+                    quad_scores(
+                        s,
+                        &tile,
+                        t0,
+                        quad,
+                        d,
+                        b == 0,
+                        self.scale,
+                        &mut scores[4 * b * KEY_TILE..],
+                    );
+                }
+            }
+            return;
+        }
         for t0 in (0..tile.len).step_by(LANES) {
             for_row_blocks!(rows, |r0, R| score_group(
                 s,
@@ -359,6 +383,80 @@ fn probs_to_pairs(probs: &mut [f32], rows: usize) {
                 _mm512_storeu_si512(row.as_mut_ptr().add(c / 2) as *mut __m512i, pairs);
             }
         }
+    }
+}
+
+/// Queries lane-packed for the four-row decode scores: for each block of four rows and each group of 8
+/// dimensions, 16 pairs whose 128-bit lane `l` holds row `l`'s 4 pairs of those dimensions.
+/// Empty unless the rows (`q`, rows × d/2 pairs) come in blocks of four.
+pub fn pack_quads(q: &[u32], d: usize) -> Vec<u32> {
+    let half = d / 2;
+    let rows = q.len() / half;
+    if !rows.is_multiple_of(4) {
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(q.len());
+    for block in q.chunks_exact(4 * half) {
+        for c in (0..half).step_by(4) {
+            for row in block.chunks_exact(half) {
+                out.extend_from_slice(&row[c..c + 4]);
+            }
+        }
+    }
+    out
+}
+
+/// Scores of four query rows (`quad`: one block of [`pack_quads`]) against tile columns
+/// `t0..t0+4`, stored times `scale` into rows 0..4 of `scores`. Columns past the tile repeat
+/// its last key (the masks overwrite them); `prefetch` issues the tile's prefetches.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn quad_scores(
+    s: Avx512,
+    tile: &TileRows<'_, u16>,
+    t0: usize,
+    quad: &[u32],
+    d: usize,
+    prefetch: bool,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let last = tile.len - 1;
+    let keys: [&[u16]; 4] =
+        std::array::from_fn(|i| tile.key(s, (t0 + i).min(last), prefetch && t0 + i <= last));
+    // SAFETY: only called under AVX512-BF16; key rows hold d elements and `quad` d/8 vectors
+    // of 16 pairs (d % 32 == 0); t0 + 4 <= KEY_TILE and `scores` holds four rows.
+    unsafe {
+        // Even and odd groups of 8 dimensions in separate accumulators: 8 independent chains.
+        let mut even = [_mm512_setzero_ps(); 4];
+        let mut odd = [_mm512_setzero_ps(); 4];
+        let lanes = |k: &[u16], g: usize| {
+            bh(_mm512_broadcast_i32x4(_mm_loadu_si128(
+                k.as_ptr().add(8 * g) as *const __m128i,
+            )))
+        };
+        for g in (0..d / 8).step_by(2) {
+            let q0 = bh(_mm512_loadu_si512(
+                quad.as_ptr().add(16 * g) as *const __m512i
+            ));
+            let q1 = bh(_mm512_loadu_si512(
+                quad.as_ptr().add(16 * g + 16) as *const __m512i
+            ));
+            for (i, k) in keys.iter().enumerate() {
+                even[i] = _mm512_dpbf16_ps(even[i], q0, lanes(k, g));
+                odd[i] = _mm512_dpbf16_ps(odd[i], q1, lanes(k, g + 1));
+            }
+        }
+        let sum: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(even[i], odd[i]));
+        // Lane l of 128-bit lane r: row r's score of key t0 + l.
+        let v = s.pair_within(s.pair_within(sum[0], sum[1]), s.pair_within(sum[2], sum[3]));
+        let v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
+        let out = scores.as_mut_ptr().add(t0);
+        let store = |r: usize, x: __m128| _mm_storeu_ps(out.add(r * KEY_TILE), x);
+        store(0, _mm512_extractf32x4_ps::<0>(v));
+        store(1, _mm512_extractf32x4_ps::<1>(v));
+        store(2, _mm512_extractf32x4_ps::<2>(v));
+        store(3, _mm512_extractf32x4_ps::<3>(v));
     }
 }
 

@@ -128,15 +128,19 @@ impl<E> KvRows<'_, E> {
                 block_stride,
                 head_offset,
             } => {
+                // A block at a time: inside one, the rows are consecutive.
                 let (mut block, mut offset) = (keys.start / block_size, keys.start % block_size);
-                for o in out[..keys.len()].iter_mut() {
-                    if offset == block_size {
-                        (block, offset) = (block + 1, 0);
-                    }
-                    *o = table[block] as usize * block_stride
+                let mut out = &mut out[..keys.len()];
+                while !out.is_empty() {
+                    let n = (block_size - offset).min(out.len());
+                    let (run, rest) = std::mem::take(&mut out).split_at_mut(n);
+                    let first = table[block] as usize * block_stride
                         + head_offset
                         + offset * self.head_size;
-                    offset += 1;
+                    for (i, o) in run.iter_mut().enumerate() {
+                        *o = first + i * self.head_size;
+                    }
+                    (block, offset, out) = (block + 1, 0, rest);
                 }
             }
             RowLayout::Dense {

@@ -442,6 +442,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                 let qs: Vec<Vec<u32>> = (0..hkv)
                     .map(|h| self.q_bf16_pairs(h, unit.tokens.clone()))
                     .collect();
+                let quads: Vec<Vec<u32>> = qs.iter().map(|q| bf16::pack_quads(q, d)).collect();
                 // Specialized for the common head sizes (see `RowsBf16Source`).
                 macro_rules! attend_rows {
                     ($d:literal) => {{
@@ -456,6 +457,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                                     head_size: d,
                                 },
                                 q,
+                                quads: &quads[h],
                                 scale: self.score_scale,
                                 stream: stream(h),
                             })

@@ -232,7 +232,7 @@ impl Avx512 {
 
     /// Per 128-bit lane: `(a0 + a1, a2 + a3, b0 + b1, b2 + b3)`.
     #[inline(always)]
-    fn pair_within(self, a: __m512, b: __m512) -> __m512 {
+    pub(crate) fn pair_within(self, a: __m512, b: __m512) -> __m512 {
         unsafe {
             _mm512_add_ps(
                 _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
