@@ -241,9 +241,10 @@ fn pv_chunks<const R: usize, const W: usize>(
 /// `vdpbf16ps` multiplies 8 dimensions of one key, broadcast to the four 128-bit lanes, by the
 /// same dimensions of four query rows (one per lane, [`pack_quads`]), so that four keys' sums
 /// need two rounds of in-lane pairing and no cross-lane reduction; other row counts: dot
-/// products of query pairs with 32-element key chunks, reduced 16 keys at a time. P·V takes two value rows at a time, interleaved into key pairs with
-/// `vpunpck[lh]wd`, which visits the dimensions of each 32-element chunk in a fixed permuted
-/// order that [`TileSource::finish`] undoes once at the end.
+/// products of query pairs with 32-element key chunks, reduced 16 keys at a time. P·V takes
+/// two value rows at a time, interleaved into key pairs with `vpunpck[lh]wd`, which visits the
+/// dimensions of each 32-element chunk in a fixed permuted order that [`TileSource::finish`]
+/// undoes once at the end.
 ///
 /// `D` is the head size where the dispatcher specializes for it (64, 128, 256: the chunk
 /// loops unroll and the queries stay in registers), 0 for any other multiple of 32.
@@ -386,9 +387,9 @@ fn probs_to_pairs(probs: &mut [f32], rows: usize) {
     }
 }
 
-/// Queries lane-packed for the four-row decode scores: for each block of four rows and each group of 8
-/// dimensions, 16 pairs whose 128-bit lane `l` holds row `l`'s 4 pairs of those dimensions.
-/// Empty unless the rows (`q`, rows × d/2 pairs) come in blocks of four.
+/// Queries lane-packed for the four-row decode scores: for each block of four rows and each
+/// group of 8 dimensions, 16 pairs whose 128-bit lane `l` holds row `l`'s 4 pairs of those
+/// dimensions. Empty unless the rows (`q`, rows × d/2 pairs) come in blocks of four.
 pub fn pack_quads(q: &[u32], d: usize) -> Vec<u32> {
     let half = d / 2;
     let rows = q.len() / half;
