@@ -423,8 +423,8 @@ fn quad_scores(
     scores: &mut [f32],
 ) {
     let last = tile.len - 1;
-    let keys: [&[u16]; 4] =
-        std::array::from_fn(|i| tile.key(s, (t0 + i).min(last), prefetch && t0 + i <= last));
+    let key = |i: usize| tile.key(s, (t0 + i).min(last), prefetch && t0 + i <= last);
+    let keys = [key(0), key(1), key(2), key(3)];
     // SAFETY: only called under AVX512-BF16; key rows hold d elements and `quad` d/8 vectors
     // of 16 pairs (d % 32 == 0); t0 + 4 <= KEY_TILE and `scores` holds four rows.
     unsafe {
@@ -487,7 +487,9 @@ fn qk_partial<const R: usize>(q: &[u32], k: &[u16]) -> [__m512; R] {
 }
 
 /// P·V for rows `r0..r0+R` over value rows taken two keys at a time (permuted order):
-/// `offsets[t]` is column t's value row, read where bit t of `present` is set.
+/// `offsets[t]` is column t's value row, read where bit t of `present` is set. Two 32-element
+/// chunks at a time where the accumulators fit in registers (R <= 4), so that each broadcast
+/// probability pair serves both.
 #[inline(always)]
 fn pv_rows<const R: usize>(
     values: &[u16],
@@ -500,42 +502,80 @@ fn pv_rows<const R: usize>(
 ) {
     let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
     let acc = &mut acc[r0 * d..(r0 + R) * d];
+    // Every column read: plain loads, no mask per load.
+    let whole = present == u64::MAX >> (64 - offsets.len());
+    let mut c = 0;
+    if R <= 4 {
+        while c + 2 * CHUNK <= d {
+            pv_row_chunks::<R, 2>(values, offsets, present, whole, d, probs, acc, c);
+            c += 2 * CHUNK;
+        }
+    }
+    while c < d {
+        pv_row_chunks::<R, 1>(values, offsets, present, whole, d, probs, acc, c);
+        c += CHUNK;
+    }
+}
+
+/// [`pv_rows`] for the `W` 32-element chunks from dimension `c`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pv_row_chunks<const R: usize, const W: usize>(
+    values: &[u16],
+    offsets: &[usize],
+    present: u64,
+    whole: bool,
+    d: usize,
+    probs: &[f32],
+    acc: &mut [f32],
+    c: usize,
+) {
     // SAFETY: only called under AVX512-BF16; present rows are inside the validated value
-    // buffer and hold d elements (d % 32 == 0), masked-off loads touch no memory; acc is
-    // R × d; probability rows start with the pairs.
+    // buffer and hold d elements (d % 32 == 0, c + 32W <= d), masked-off loads touch no
+    // memory (with `whole`, every column is present); acc is R × d; probability rows start
+    // with the pairs.
     unsafe {
-        let load = |t: usize, c: usize| {
-            let mask = 0u32.wrapping_sub((present >> t) as u32 & 1);
-            _mm512_maskz_loadu_epi16(
-                mask,
-                values.as_ptr().wrapping_add(offsets[t] + c) as *const i16,
-            )
-        };
-        for c in (0..d).step_by(CHUNK) {
-            let mut lo = [_mm512_setzero_ps(); R];
-            let mut hi = [_mm512_setzero_ps(); R];
-            for r in 0..R {
-                lo[r] = _mm512_loadu_ps(acc.as_ptr().add(r * d + c));
-                hi[r] = _mm512_loadu_ps(acc.as_ptr().add(r * d + c + LANES));
+        let load = |t: usize, at: usize| {
+            let p = values.as_ptr().wrapping_add(offsets[t] + at) as *const i16;
+            if whole {
+                _mm512_loadu_si512(p as *const __m512i)
+            } else {
+                _mm512_maskz_loadu_epi16(0u32.wrapping_sub((present >> t) as u32 & 1), p)
             }
-            for p in 0..offsets.len() / 2 {
-                let (va, vb) = (load(2 * p, c), load(2 * p + 1, c));
-                let (vlo, vhi) = (
+        };
+        // a[r][w] = [low half, high half] of chunk w of row r.
+        let mut a = [[[_mm512_setzero_ps(); 2]; W]; R];
+        for (r, row) in a.iter_mut().enumerate() {
+            for (w, x) in row.iter_mut().enumerate() {
+                let at = acc.as_ptr().add(r * d + c + w * CHUNK);
+                *x = [_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(LANES))];
+            }
+        }
+        for p in 0..offsets.len() / 2 {
+            let mut v = [[bh(_mm512_setzero_si512()); 2]; W];
+            for (w, x) in v.iter_mut().enumerate() {
+                let (va, vb) = (load(2 * p, c + w * CHUNK), load(2 * p + 1, c + w * CHUNK));
+                *x = [
                     bh(_mm512_unpacklo_epi16(va, vb)),
                     bh(_mm512_unpackhi_epi16(va, vb)),
-                );
-                for r in 0..R {
-                    let pp = (probs.as_ptr().add(r * KEY_TILE) as *const u32)
-                        .add(p)
-                        .read();
-                    let pp = bh(_mm512_set1_epi32(pp as i32));
-                    lo[r] = _mm512_dpbf16_ps(lo[r], pp, vlo);
-                    hi[r] = _mm512_dpbf16_ps(hi[r], pp, vhi);
+                ];
+            }
+            for (r, row) in a.iter_mut().enumerate() {
+                let pp = (probs.as_ptr().add(r * KEY_TILE) as *const u32)
+                    .add(p)
+                    .read();
+                let pp = bh(_mm512_set1_epi32(pp as i32));
+                for (x, vw) in row.iter_mut().zip(&v) {
+                    x[0] = _mm512_dpbf16_ps(x[0], pp, vw[0]);
+                    x[1] = _mm512_dpbf16_ps(x[1], pp, vw[1]);
                 }
             }
-            for r in 0..R {
-                _mm512_storeu_ps(acc.as_mut_ptr().add(r * d + c), lo[r]);
-                _mm512_storeu_ps(acc.as_mut_ptr().add(r * d + c + LANES), hi[r]);
+        }
+        for (r, row) in a.iter().enumerate() {
+            for (w, x) in row.iter().enumerate() {
+                let at = acc.as_mut_ptr().add(r * d + c + w * CHUNK);
+                _mm512_storeu_ps(at, x[0]);
+                _mm512_storeu_ps(at.add(LANES), x[1]);
             }
         }
     }
