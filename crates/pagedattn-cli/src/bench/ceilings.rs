@@ -1,6 +1,7 @@
 //! The machine's ceilings, measured by the benchmark itself: memory read bandwidth on a buffer
 //! far larger than the last-level cache, the f32 FMA peak and the bf16 dot-product peak, each per
-//! core and for all cores.
+//! core and for all cores; and, to tell what the memory gives to a paged cache, the rate of
+//! reading the same buffer the way the headline decode reads its cache ([`PagedPattern`]).
 //!
 //! FLOPs are counted as 2 per FMA lane, and 2 per bf16 product for `vdpbf16ps` (64 per 512-bit
 //! instruction: 32 products, each added into an f32 lane).
@@ -39,6 +40,8 @@ pub struct Ceilings {
     pub mem_read_gbs_passes: Vec<f64>,
     /// Memory read bandwidth of one thread, GB/s.
     pub mem_read_gbs_1t: f64,
+    /// Read rate of the headline decode's access pattern with every thread, GB/s (median).
+    pub paged_read_gbs: f64,
     /// Size of the buffer read, bytes.
     pub mem_buffer_bytes: usize,
     /// The instruction set of the f32 FMA measurement (`avx512`, `avx2+fma`, `portable`).
@@ -58,6 +61,7 @@ pub struct Ceilings {
 /// memory bandwidth drifts by 2x within seconds).
 pub struct Probes {
     buffer: Buffer,
+    paged: PagedPattern,
     isa: Isa,
     threads: usize,
     /// The compute-peak kernel and its iteration count for about 20 ms.
@@ -68,6 +72,11 @@ impl Probes {
     /// One pass over the buffer with every thread: GB/s.
     pub fn mem_pass(&self) -> f64 {
         self.buffer.read_gbs(self.threads, self.isa)
+    }
+
+    /// One pass of the headline decode's access pattern with every thread: GB/s.
+    pub fn paged_pass(&self) -> f64 {
+        self.paged.read_gbs(&self.buffer, self.isa)
     }
 
     /// One short burst of the compute-peak kernel on every thread: GFLOP/s.
@@ -87,6 +96,10 @@ impl Ceilings {
             .collect();
         let one: Vec<f64> = (0..plan.mem_passes.div_ceil(2).max(1))
             .map(|_| buffer.read_gbs(1, isa))
+            .collect();
+        let paged = PagedPattern::new(buffer.lines.len(), threads);
+        let paged_passes: Vec<f64> = (0..plan.mem_passes.div_ceil(2).max(1))
+            .map(|_| paged.read_gbs(&buffer, isa))
             .collect();
         let f32_core = compute_peak(Kernel::F32(isa), 1, plan);
         let f32_all = compute_peak(Kernel::F32(isa), threads, plan);
@@ -112,6 +125,7 @@ impl Ceilings {
             ),
             mem_read_gbs_passes: all.clone(),
             mem_read_gbs_1t: median(&one),
+            paged_read_gbs: median(&paged_passes),
             mem_buffer_bytes: buffer.bytes(),
             f32_isa: isa.name(),
             f32_gflops_core: f32_core,
@@ -121,6 +135,7 @@ impl Ceilings {
         };
         let probes = Probes {
             buffer,
+            paged,
             isa,
             threads,
             compute: (kernel, calibrate(kernel, 0.02)),
@@ -154,6 +169,10 @@ impl Ceilings {
                 self.mem_buffer_bytes >> 20
             ),
             format!(
+                "paged read (the headline decode's access pattern on the same buffer): {:.1} GB/s with {} threads",
+                self.paged_read_gbs, self.threads
+            ),
+            format!(
                 "f32 FMA ({}): {:.0} GFLOP/s per core, {:.0} all cores",
                 self.f32_isa, self.f32_gflops_core, self.f32_gflops_all
             ),
@@ -171,6 +190,7 @@ impl Ceilings {
             "mem_read_gbs_passes": self.mem_read_gbs_passes,
             "mem_read_gbs_1thread": self.mem_read_gbs_1t,
             "mem_buffer_bytes": self.mem_buffer_bytes,
+            "paged_read_gbs": self.paged_read_gbs,
             "f32_isa": self.f32_isa,
             "f32_fma_gflops_per_core": self.f32_gflops_core,
             "f32_fma_gflops_all_cores": self.f32_gflops_all,
@@ -232,6 +252,115 @@ fn has_bf16_dot() -> bool {
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct Line([f32; 16]);
+
+/// How the headline decode (8 kv heads, blocks of 16 tokens, head size 128, bf16) reads a
+/// paged cache: blocks of 32 KiB in random order (keys in one half of the buffer, values in the
+/// other), a unit's heads walking tiles of 4 blocks head by head (one head's 4 KiB run of each
+/// block's keys, then of its values), with software prefetches running ahead in that order, as
+/// the decode kernel's. Its read rate is what the memory gives to a paged decode, against the
+/// sequential read rate of [`Ceilings::mem_read_gbs`].
+struct PagedPattern {
+    /// Per thread: the first line of each 4 KiB run, in visiting order.
+    runs: Vec<Vec<u32>>,
+}
+
+/// Lines of one kv head's rows in one block (4 KiB).
+const RUN_LINES: usize = 64;
+/// Kv heads per block.
+const PAGED_HEADS: usize = 8;
+/// Blocks per decode tile.
+const TILE_BLOCKS: usize = 4;
+/// How far ahead, in lines of the visiting order, the reader prefetches into L2 and L1.
+const PREFETCH_FAR: usize = 128;
+const PREFETCH_NEAR: usize = 16;
+
+impl PagedPattern {
+    /// The visiting order over a buffer of `lines` lines, split between `threads` threads.
+    fn new(lines: usize, threads: usize) -> PagedPattern {
+        let block = RUN_LINES * PAGED_HEADS;
+        let half = lines / 2;
+        let blocks = half / block;
+        // A fixed shuffle of the blocks (splitmix64), as a block manager hands them out.
+        let mut order: Vec<u32> = (0..blocks as u32).collect();
+        let mut state = 0x5EED_u64;
+        for i in (1..order.len()).rev() {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            order.swap(i, ((z ^ (z >> 31)) % (i as u64 + 1)) as usize);
+        }
+        let per_thread = (blocks / threads.max(1)) / TILE_BLOCKS * TILE_BLOCKS;
+        let runs = (0..threads.max(1))
+            .map(|t| {
+                let mut runs = Vec::with_capacity(per_thread * PAGED_HEADS * 2);
+                for tile in order[t * per_thread..(t + 1) * per_thread].chunks(TILE_BLOCKS) {
+                    for head in 0..PAGED_HEADS {
+                        for base in [0, half] {
+                            for &b in tile {
+                                runs.push((base + b as usize * block + head * RUN_LINES) as u32);
+                            }
+                        }
+                    }
+                }
+                runs
+            })
+            .collect();
+        PagedPattern { runs }
+    }
+
+    /// One pass, every thread its share: GB/s.
+    fn read_gbs(&self, buffer: &Buffer, isa: Isa) -> f64 {
+        let seconds = on_threads(self.runs.len(), |t| {
+            black_box(paged_sum(&buffer.lines, black_box(&self.runs[t]), isa));
+        });
+        let lines: usize = self.runs.iter().map(|r| r.len() * RUN_LINES).sum();
+        (lines * 64) as f64 / seconds / 1e9
+    }
+}
+
+/// Sums the lines of `runs` (4 KiB each) in order, prefetching ahead.
+fn paged_sum(lines: &[Line], runs: &[u32], isa: Isa) -> f32 {
+    match isa {
+        // SAFETY: the ISA was detected at run time.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::paged_sum_avx512(lines, runs) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { x86::paged_sum_avx2(lines, runs) },
+        _ => paged_sum_body(lines, runs),
+    }
+}
+
+/// [`paged_sum`]'s body, compiled for each ISA by its caller.
+#[inline(always)]
+fn paged_sum_body(lines: &[Line], runs: &[u32]) -> f32 {
+    let line = |i: usize| &lines[runs[i / RUN_LINES] as usize + i % RUN_LINES];
+    let n = runs.len() * RUN_LINES;
+    let mut acc = [[0f32; 16]; 4];
+    for i in (0..n).step_by(4) {
+        for (k, a) in acc.iter_mut().enumerate() {
+            #[cfg(target_arch = "x86_64")]
+            for ahead in [PREFETCH_FAR, PREFETCH_NEAR] {
+                if i + k + ahead < n {
+                    let p = line(i + k + ahead).0.as_ptr() as *const i8;
+                    // SAFETY: prefetching never faults; SSE is part of x86_64.
+                    unsafe {
+                        use std::arch::x86_64::*;
+                        if ahead == PREFETCH_FAR {
+                            _mm_prefetch::<_MM_HINT_T1>(p)
+                        } else {
+                            _mm_prefetch::<_MM_HINT_T0>(p)
+                        }
+                    }
+                }
+            }
+            for (x, y) in a.iter_mut().zip(&line(i + k).0) {
+                *x += y;
+            }
+        }
+    }
+    acc.iter().flatten().sum()
+}
 
 /// A buffer of cache lines, written (so every page is faulted in) by the threads that read it.
 struct Buffer {
@@ -443,6 +572,16 @@ mod x86 {
             total = _mm512_add_ps(total, a);
         }
         _mm512_reduce_add_ps(total)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn paged_sum_avx512(lines: &[Line], runs: &[u32]) -> f32 {
+        super::paged_sum_body(lines, runs)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn paged_sum_avx2(lines: &[Line], runs: &[u32]) -> f32 {
+        super::paged_sum_body(lines, runs)
     }
 
     #[target_feature(enable = "avx2")]

@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 
 use ceilings::{CeilingPlan, Ceilings, Probes};
 use machine::Machine;
-use report::{Bound, PagingOverhead, Row};
+use report::{Bound, During, PagingOverhead, Row};
 use timing::TimingPlan;
 use workloads::{Prepared, Scale, Suite, Workload};
 
@@ -246,10 +246,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let (g, name) = ceilings.compute_ceiling();
         out.line(&format!(
             "(* headline rows. GB/s = KV bytes read / median time; GFLOP/s = 4 x causal pairs x D x H / median time. \
-             % bw and % pk are of the memory read bandwidth and the {name} re-measured between the row's own \
-             iterations (bw now, pk now); at the start they were {:.1} GB/s and {g:.0} GFLOP/s. \
+             % bw, % pg and % pk are of the sequential memory read bandwidth, the read rate of the headline \
+             decode's access pattern and the {name}, re-measured between the row's own iterations (bw now, \
+             pg now, pk now); at the start they were {:.1} GB/s, {:.1} GB/s and {g:.0} GFLOP/s. \
              `!` marks rows during which other processes used over 5% of the CPUs)",
-            ceilings.mem_read_gbs
+            ceilings.mem_read_gbs, ceilings.paged_read_gbs
         ));
     }
     let load_during = run_start
@@ -308,7 +309,7 @@ impl Context<'_> {
         let bound = Row::bound_of(&variants[0]);
         let probe_mem = matches!(bound, Bound::Memory | Bound::Both);
         let probe_compute = matches!(bound, Bound::Compute | Bound::Both);
-        let (mut mem, mut compute) = (Vec::new(), Vec::new());
+        let (mut mem, mut paged, mut compute) = (Vec::new(), Vec::new(), Vec::new());
         let before = load::CpuTimes::now();
         let stats = timing::measure(
             &self.plan,
@@ -317,6 +318,7 @@ impl Context<'_> {
             || {
                 if probe_mem {
                     mem.push(self.probes.mem_pass());
+                    paged.push(self.probes.paged_pass());
                 }
                 if probe_compute {
                     compute.push(self.probes.compute_pass());
@@ -326,10 +328,11 @@ impl Context<'_> {
         let load = before
             .zip(load::CpuTimes::now())
             .and_then(|(a, b)| a.load_until(&b));
-        let during = (
-            probe_mem.then(|| timing::median(&mem)),
-            probe_compute.then(|| timing::median(&compute)),
-        );
+        let during = During {
+            mem_bw: probe_mem.then(|| timing::median(&mem)),
+            paged_read: probe_mem.then(|| timing::median(&paged)),
+            compute: probe_compute.then(|| timing::median(&compute)),
+        };
         Ok(variants
             .iter()
             .zip(&prepared)

@@ -18,6 +18,17 @@ pub enum Bound {
     Both,
 }
 
+/// The ceilings re-measured between a row's iterations (medians; None where not probed).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct During {
+    /// Sequential memory read bandwidth, GB/s.
+    pub mem_bw: Option<f64>,
+    /// Read rate of the headline decode's access pattern, GB/s.
+    pub paged_read: Option<f64>,
+    /// Compute peak, GFLOP/s.
+    pub compute: Option<f64>,
+}
+
 /// One measured workload.
 #[derive(Debug, Clone)]
 pub struct Row {
@@ -39,10 +50,15 @@ pub struct Row {
     pub gflops: f64,
     /// Memory read bandwidth measured between this row's iterations (median), GB/s.
     pub mem_bw_during: Option<f64>,
+    /// Read rate of the headline decode's access pattern measured between this row's
+    /// iterations (median), GB/s.
+    pub paged_read_during: Option<f64>,
     /// Compute peak measured between this row's iterations (median), GFLOP/s.
     pub compute_during: Option<f64>,
     /// `gbs` as % of the memory read bandwidth measured during the row (or at the start).
     pub pct_mem_bw: f64,
+    /// `gbs` as % of the paged read rate measured during the row (or at the start).
+    pub pct_paged_read: f64,
     /// `gflops` as % of the compute ceiling measured during the row (or at the start).
     pub pct_compute: f64,
     /// What other processes used while the row was timed.
@@ -60,16 +76,15 @@ impl Row {
     }
 
     /// A row from a workload's timings, the ceilings measured at the start, and those
-    /// measured between the row's iterations (medians; None where not probed).
+    /// measured between the row's iterations.
     pub fn new(
         workload: &Workload,
         layers: usize,
         stats: Stats,
         ceilings: &Ceilings,
-        during: (Option<f64>, Option<f64>),
+        during: During,
     ) -> Row {
         let bound = Row::bound_of(workload);
-        let (mem_bw_during, compute_during) = during;
         let (kv_bytes, flops) = (workload.kv_bytes(), workload.flops());
         let gbs = kv_bytes / stats.median / 1e9;
         let gflops = flops / stats.median / 1e9;
@@ -82,10 +97,12 @@ impl Row {
             flops,
             gbs,
             gflops,
-            mem_bw_during,
-            compute_during,
-            pct_mem_bw: 100.0 * gbs / mem_bw_during.unwrap_or(ceilings.mem_read_gbs),
-            pct_compute: 100.0 * gflops / compute_during.unwrap_or(ceilings.compute_ceiling().0),
+            mem_bw_during: during.mem_bw,
+            paged_read_during: during.paged_read,
+            compute_during: during.compute,
+            pct_mem_bw: 100.0 * gbs / during.mem_bw.unwrap_or(ceilings.mem_read_gbs),
+            pct_paged_read: 100.0 * gbs / during.paged_read.unwrap_or(ceilings.paged_read_gbs),
+            pct_compute: 100.0 * gflops / during.compute.unwrap_or(ceilings.compute_ceiling().0),
             load: None,
         }
     }
@@ -93,7 +110,7 @@ impl Row {
     /// The column headers of [`Row::line`].
     pub fn header() -> String {
         format!(
-            "{:<8} {:<40} {:>6} {:>6} {:>10} {:>10} {:>8} {:>6} {:>7} {:>9} {:>6} {:>7}",
+            "{:<8} {:<40} {:>6} {:>6} {:>10} {:>10} {:>8} {:>6} {:>7} {:>6} {:>7} {:>9} {:>6} {:>7}",
             "suite",
             "workload",
             "layers",
@@ -103,6 +120,8 @@ impl Row {
             "GB/s",
             "% bw",
             "bw now",
+            "% pg",
+            "pg now",
             "GFLOP/s",
             "% pk",
             "pk now"
@@ -129,7 +148,7 @@ impl Row {
             if noisy { " !" } else { "" }
         );
         format!(
-            "{:<8} {:<40} {:>6} {:>6} {:>10.3} {:>10.3} {:>8} {:>6} {:>7} {:>9} {:>6} {:>7}",
+            "{:<8} {:<40} {:>6} {:>6} {:>10.3} {:>10.3} {:>8} {:>6} {:>7} {:>6} {:>7} {:>9} {:>6} {:>7}",
             w.suite.name(),
             name,
             self.layers,
@@ -139,6 +158,8 @@ impl Row {
             show(mem, self.gbs, 1),
             show(mem, self.pct_mem_bw, 1),
             show(mem, self.mem_bw_during.unwrap_or(f64::NAN), 1),
+            show(mem, self.pct_paged_read, 1),
+            show(mem, self.paged_read_during.unwrap_or(f64::NAN), 1),
             show(comp, self.gflops, 1),
             show(comp, self.pct_compute, 1),
             show(comp, self.compute_during.unwrap_or(f64::NAN), 0),
@@ -173,6 +194,8 @@ impl Row {
             "gflops": self.gflops,
             "gflops_at_min": self.flops / s.min / 1e9,
             "mem_read_gbs_during": self.mem_bw_during,
+            "paged_read_gbs_during": self.paged_read_during,
+            "pct_paged_read": self.pct_paged_read,
             "compute_peak_gflops_during": self.compute_during,
             "pct_mem_bw": self.pct_mem_bw,
             "pct_compute_peak": self.pct_compute,
