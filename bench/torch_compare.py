@@ -400,7 +400,8 @@ def table(doc, results, torch_load):
                  f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads.")
     lines.append("")
     lines.append(f"Ceilings (measured by `pagedattn bench` at the start of the run): memory read {c['mem_read_gbs']:.1f} GB/s "
-                 f"({c['threads']} threads; 1 thread {c['mem_read_gbs_1thread']:.1f}), f32 FMA {c['f32_fma_gflops_per_core']:.0f} "
+                 f"({c['threads']} threads; 1 thread {c['mem_read_gbs_1thread']:.1f}), paged read (the headline decode's "
+                 f"access pattern) {c.get('paged_read_gbs', float('nan')):.1f} GB/s, f32 FMA {c['f32_fma_gflops_per_core']:.0f} "
                  f"GFLOP/s per core / {c['f32_fma_gflops_all_cores']:.0f} all cores ({c['f32_isa']}), bf16 dot "
                  + (f"{c['bf16_dot_gflops_per_core']:.0f} / {bf16:.0f} GFLOP/s." if bf16 else "n/a."))
     lines.append("")
@@ -415,6 +416,8 @@ def table(doc, results, torch_load):
         if row["bound"] == "memory":
             rate = f"{row['gbs']:.1f} GB/s"
             pct = f"{row['pct_mem_bw']:.0f}% of {row['mem_read_gbs_during']:.1f} GB/s"
+            if row.get("paged_read_gbs_during"):
+                pct += f" (paged read: {row['pct_paged_read']:.0f}% of {row['paged_read_gbs_during']:.1f})"
         elif row["bound"] == "compute":
             rate = f"{row['gflops']:.0f} GFLOP/s"
             pct = f"{row['pct_compute_peak']:.0f}% of {row['compute_peak_gflops_during']:.0f} GFLOP/s"
