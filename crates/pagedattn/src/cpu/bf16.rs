@@ -448,9 +448,9 @@ fn quad_scores(
                 odd[i] = _mm512_dpbf16_ps(odd[i], q1, lanes(k, g + 1));
             }
         }
-        let sum: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(even[i], odd[i]));
+        let sum = |i: usize| _mm512_add_ps(even[i], odd[i]);
         // Lane l of 128-bit lane r: row r's score of key t0 + l.
-        let v = s.pair_within(s.pair_within(sum[0], sum[1]), s.pair_within(sum[2], sum[3]));
+        let v = s.pair_within(s.pair_within(sum(0), sum(1)), s.pair_within(sum(2), sum(3)));
         let v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
         let out = scores.as_mut_ptr().add(t0);
         let store = |r: usize, x: __m128| _mm_storeu_ps(out.add(r * KEY_TILE), x);
