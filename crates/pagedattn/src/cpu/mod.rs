@@ -146,6 +146,24 @@ impl AttentionImpl for CpuAttention {
         &self,
         query: &Tensor,
         new_kv: Option<KvPair<'_>>,
+        kv_cache: Option<&mut KvCache>,
+        metadata: &AttentionMetadata,
+        output: &mut Tensor,
+        scales: KvScales,
+    ) -> Result<()> {
+        // One hand-off to the thread pool per call: the cache write, the attention and the
+        // split-K merges below then start their parallel work from inside it, instead of each
+        // waking the pool from the caller's thread (which costs more than a short decode).
+        rayon::scope(|_| self.forward_in_pool(query, new_kv, kv_cache, metadata, output, scales))
+    }
+}
+
+impl CpuAttention {
+    /// [`AttentionImpl::forward`], run on a thread of the pool.
+    fn forward_in_pool(
+        &self,
+        query: &Tensor,
+        new_kv: Option<KvPair<'_>>,
         mut kv_cache: Option<&mut KvCache>,
         metadata: &AttentionMetadata,
         output: &mut Tensor,
