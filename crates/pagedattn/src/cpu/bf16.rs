@@ -334,19 +334,22 @@ impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
         probs_to_pairs(probs, rows);
         let mut offsets = [0usize; KEY_TILE];
         self.kv.rows_into(keys.clone(), &mut offsets);
-        // Bit t: column t is a key to read (positions that are not keys, and the odd tail
-        // column of the last pair, load as zeros without touching memory).
-        let present = absent
-            .iter()
-            .enumerate()
-            .filter(|(_, &a)| !a)
-            .fold(0u64, |bits, (t, _)| bits | 1 << t);
+        // Column t's load mask: all ones for a key to read; positions that are not keys, and
+        // the odd tail column of the last pair, load as zeros without touching memory. (An
+        // array, not a bitmask: the same mask folded into a u128 came out with a bit missing
+        // when compiled into this AVX-512 kernel; see NOTES.md.)
+        let mut masks = [0u32; KEY_TILE];
+        for (m, &a) in masks.iter_mut().zip(absent) {
+            *m = if a { 0 } else { u32::MAX };
+        }
         let pairs = keys.len().div_ceil(2);
+        let whole = masks[..2 * pairs].iter().all(|&m| m != 0);
         let d = self.head_size();
         for_row_blocks!(rows, |r0, R| pv_rows::<R>(
             self.kv.value,
             &offsets[..2 * pairs],
-            present,
+            &masks[..2 * pairs],
+            whole,
             d,
             probs,
             r0,
@@ -487,14 +490,17 @@ fn qk_partial<const R: usize>(q: &[u32], k: &[u16]) -> [__m512; R] {
 }
 
 /// P·V for rows `r0..r0+R` over value rows taken two keys at a time (permuted order):
-/// `offsets[t]` is column t's value row, read where bit t of `present` is set. Two 32-element
+/// `offsets[t]` is column t's value row, read under load mask `masks[t]` (plain loads where
+/// `whole`: every column is a key). Two 32-element
 /// chunks at a time where the accumulators fit in registers (R <= 4), so that each broadcast
 /// probability pair serves both.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn pv_rows<const R: usize>(
     values: &[u16],
     offsets: &[usize],
-    present: u64,
+    masks: &[u32],
+    whole: bool,
     d: usize,
     probs: &[f32],
     r0: usize,
@@ -502,17 +508,15 @@ fn pv_rows<const R: usize>(
 ) {
     let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
     let acc = &mut acc[r0 * d..(r0 + R) * d];
-    // Every column read: plain loads, no mask per load.
-    let whole = present == u64::MAX >> (64 - offsets.len());
     let mut c = 0;
     if R <= 4 {
         while c + 2 * CHUNK <= d {
-            pv_row_chunks::<R, 2>(values, offsets, present, whole, d, probs, acc, c);
+            pv_row_chunks::<R, 2>(values, offsets, masks, whole, d, probs, acc, c);
             c += 2 * CHUNK;
         }
     }
     while c < d {
-        pv_row_chunks::<R, 1>(values, offsets, present, whole, d, probs, acc, c);
+        pv_row_chunks::<R, 1>(values, offsets, masks, whole, d, probs, acc, c);
         c += CHUNK;
     }
 }
@@ -523,14 +527,14 @@ fn pv_rows<const R: usize>(
 fn pv_row_chunks<const R: usize, const W: usize>(
     values: &[u16],
     offsets: &[usize],
-    present: u64,
+    masks: &[u32],
     whole: bool,
     d: usize,
     probs: &[f32],
     acc: &mut [f32],
     c: usize,
 ) {
-    // SAFETY: only called under AVX512-BF16; present rows are inside the validated value
+    // SAFETY: only called under AVX512-BF16; rows with a mask are inside the validated value
     // buffer and hold d elements (d % 32 == 0, c + 32W <= d), masked-off loads touch no
     // memory (with `whole`, every column is present); acc is R × d; probability rows start
     // with the pairs.
@@ -540,7 +544,7 @@ fn pv_row_chunks<const R: usize, const W: usize>(
             if whole {
                 _mm512_loadu_si512(p as *const __m512i)
             } else {
-                _mm512_maskz_loadu_epi16(0u32.wrapping_sub((present >> t) as u32 & 1), p)
+                _mm512_maskz_loadu_epi16(masks[t], p)
             }
         };
         // a[r][w] = [low half, high half] of chunk w of row r.
