@@ -344,12 +344,15 @@ impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
         }
         let pairs = keys.len().div_ceil(2);
         let whole = masks[..2 * pairs].iter().all(|&m| m != 0);
+        let columns = ValueColumns {
+            values: self.kv.value,
+            offsets: &offsets[..2 * pairs],
+            masks: &masks[..2 * pairs],
+            whole,
+        };
         let d = self.head_size();
         for_row_blocks!(rows, |r0, R| pv_rows::<R>(
-            self.kv.value,
-            &offsets[..2 * pairs],
-            &masks[..2 * pairs],
-            whole,
+            columns,
             d,
             probs,
             r0,
@@ -489,18 +492,25 @@ fn qk_partial<const R: usize>(q: &[u32], k: &[u16]) -> [__m512; R] {
     }
 }
 
-/// P·V for rows `r0..r0+R` over value rows taken two keys at a time (permuted order):
-/// `offsets[t]` is column t's value row, read under load mask `masks[t]` (plain loads where
-/// `whole`: every column is a key). Two 32-element
-/// chunks at a time where the accumulators fit in registers (R <= 4), so that each broadcast
-/// probability pair serves both.
-#[allow(clippy::too_many_arguments)]
+/// The value rows of a tile's columns (pairs of them), as the decode's P·V reads them.
+#[derive(Clone, Copy)]
+struct ValueColumns<'a> {
+    /// The value buffer (bf16 bits).
+    values: &'a [u16],
+    /// Column t's value row.
+    offsets: &'a [usize],
+    /// Column t's load mask: zero where it is not a key (loads zeros, touches no memory).
+    masks: &'a [u32],
+    /// Every column is a key: plain loads.
+    whole: bool,
+}
+
+/// P·V for rows `r0..r0+R` over value rows taken two keys at a time (permuted order). Two
+/// 32-element chunks at a time where the accumulators fit in registers (R <= 4), so that each
+/// broadcast probability pair serves both.
 #[inline(always)]
 fn pv_rows<const R: usize>(
-    values: &[u16],
-    offsets: &[usize],
-    masks: &[u32],
-    whole: bool,
+    columns: ValueColumns<'_>,
     d: usize,
     probs: &[f32],
     r0: usize,
@@ -511,24 +521,20 @@ fn pv_rows<const R: usize>(
     let mut c = 0;
     if R <= 4 {
         while c + 2 * CHUNK <= d {
-            pv_row_chunks::<R, 2>(values, offsets, masks, whole, d, probs, acc, c);
+            pv_row_chunks::<R, 2>(columns, d, probs, acc, c);
             c += 2 * CHUNK;
         }
     }
     while c < d {
-        pv_row_chunks::<R, 1>(values, offsets, masks, whole, d, probs, acc, c);
+        pv_row_chunks::<R, 1>(columns, d, probs, acc, c);
         c += CHUNK;
     }
 }
 
 /// [`pv_rows`] for the `W` 32-element chunks from dimension `c`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn pv_row_chunks<const R: usize, const W: usize>(
-    values: &[u16],
-    offsets: &[usize],
-    masks: &[u32],
-    whole: bool,
+    columns: ValueColumns<'_>,
     d: usize,
     probs: &[f32],
     acc: &mut [f32],
@@ -539,6 +545,12 @@ fn pv_row_chunks<const R: usize, const W: usize>(
     // memory (with `whole`, every column is present); acc is R × d; probability rows start
     // with the pairs.
     unsafe {
+        let ValueColumns {
+            values,
+            offsets,
+            masks,
+            whole,
+        } = columns;
         let load = |t: usize, at: usize| {
             let p = values.as_ptr().wrapping_add(offsets[t] + at) as *const i16;
             if whole {
