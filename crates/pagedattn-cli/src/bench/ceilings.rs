@@ -13,6 +13,7 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use super::timing::median;
+use super::workloads::shuffle;
 
 /// How long and how large the ceiling measurements are.
 #[derive(Debug, Clone, Copy)]
@@ -282,16 +283,9 @@ impl PagedPattern {
         let block = RUN_LINES * PAGED_HEADS;
         let half = lines / 2;
         let blocks = half / block;
-        // A fixed shuffle of the blocks (splitmix64), as a block manager hands them out.
+        // A fixed shuffle of the blocks, as the decode workloads' block tables get.
         let mut order: Vec<u32> = (0..blocks as u32).collect();
-        let mut state = 0x5EED_u64;
-        for i in (1..order.len()).rev() {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            order.swap(i, ((z ^ (z >> 31)) % (i as u64 + 1)) as usize);
-        }
+        shuffle(&mut order, 0x5EED);
         let per_thread = (blocks / threads.max(1)) / TILE_BLOCKS * TILE_BLOCKS;
         let runs = (0..threads.max(1))
             .map(|t| {
@@ -342,18 +336,15 @@ fn paged_sum_body(lines: &[Line], runs: &[u32]) -> f32 {
     for i in (0..n).step_by(4) {
         for (k, a) in acc.iter_mut().enumerate() {
             #[cfg(target_arch = "x86_64")]
-            for ahead in [PREFETCH_FAR, PREFETCH_NEAR] {
-                if i + k + ahead < n {
-                    let p = line(i + k + ahead).0.as_ptr() as *const i8;
-                    // SAFETY: prefetching never faults; SSE is part of x86_64.
-                    unsafe {
-                        use std::arch::x86_64::*;
-                        if ahead == PREFETCH_FAR {
-                            _mm_prefetch::<_MM_HINT_T1>(p)
-                        } else {
-                            _mm_prefetch::<_MM_HINT_T0>(p)
-                        }
-                    }
+            // SAFETY: prefetching never faults; SSE is part of x86_64.
+            unsafe {
+                use std::arch::x86_64::*;
+                let at = |j: usize| line(j).0.as_ptr() as *const i8;
+                if i + k + PREFETCH_FAR < n {
+                    _mm_prefetch::<_MM_HINT_T1>(at(i + k + PREFETCH_FAR));
+                }
+                if i + k + PREFETCH_NEAR < n {
+                    _mm_prefetch::<_MM_HINT_T0>(at(i + k + PREFETCH_NEAR));
                 }
             }
             for (x, y) in a.iter_mut().zip(&line(i + k).0) {

@@ -427,14 +427,20 @@ fn random_tensor(dtype: DType, shape: &[usize], seed: u64) -> Result<Tensor> {
     Tensor::from_f32(dtype, shape, &values)
 }
 
+/// A random permutation of `items` (Fisher-Yates), the same for the same seed: blocks as a
+/// block manager hands them out after churn.
+pub fn shuffle<T>(items: &mut [T], seed: u64) {
+    let mut rng = SplitMix(seed);
+    for i in (1..items.len()).rev() {
+        items.swap(i, rng.below(i + 1));
+    }
+}
+
 /// The block table of every sequence under `mapping`.
 pub fn block_tables(w: &Workload, seed: u64) -> Vec<Vec<i32>> {
     let mut blocks: Vec<i32> = (0..w.num_blocks() as i32).collect();
     if w.mapping == Mapping::Shuffled {
-        let mut rng = SplitMix(seed);
-        for i in (1..blocks.len()).rev() {
-            blocks.swap(i, rng.below(i + 1));
-        }
+        shuffle(&mut blocks, seed);
     }
     let mut rest = &blocks[..];
     w.blocks_per_seq()
