@@ -160,8 +160,9 @@ impl Tolerance {
         let smag: f64 = parts.iter().sum();
         let bf16_pv =
             isa == Isa::Avx512Bf16 && st.dtype == DType::BF16 && st.head_size.is_multiple_of(16);
-        // (Also granted to fp8 caches, whose decode takes the f32 path: a looser bound there,
-        // while the forced `avx512` run checks that same f32 path at the f32 bound.)
+        // (fp8 caches: their codes widen to bf16 exactly, with AVX512-VBMI; without it the
+        // decode takes the f32 path, a looser bound there, while the forced `avx512` run checks
+        // that same f32 path at the f32 bound.)
         let pv_decode = bf16_pv && st.head_size.is_multiple_of(32);
         Tolerance {
             ulp,

@@ -10,6 +10,7 @@
 //! multiplies a broadcast probability pair by 16 dimensions of two value rows.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::kernel::{
@@ -18,6 +19,7 @@ use super::kernel::{
 };
 use super::simd::x86::Avx512;
 use super::simd::{Load, Simd};
+use super::widen::Bf16Elem;
 
 /// Keys per column group (the lanes of a 512-bit vector of f32).
 const LANES: usize = 16;
@@ -236,7 +238,8 @@ fn pv_chunks<const R: usize, const W: usize>(
     }
 }
 
-/// Decode with AVX512-BF16: bf16 queries against bf16 cache rows read in place (no packing).
+/// Decode with AVX512-BF16: bf16 queries against cache rows read in place (no packing), bf16
+/// or fp8 codes widened to bf16 in registers ([`Bf16Elem`]).
 /// Scores, where the rows come in blocks of four (GQA groups of 4 or 8, the common ones): each
 /// `vdpbf16ps` multiplies 8 dimensions of one key, broadcast to the four 128-bit lanes, by the
 /// same dimensions of four query rows (one per lane, [`pack_quads`]), so that four keys' sums
@@ -249,9 +252,9 @@ fn pv_chunks<const R: usize, const W: usize>(
 /// `D` is the head size where the dispatcher specializes for it (64, 128, 256: the chunk
 /// loops unroll and the queries stay in registers), 0 for any other multiple of 32.
 #[derive(Debug, Clone, Copy)]
-pub struct RowsBf16Source<'a, const D: usize> {
-    /// Where the rows are (bf16 bits).
-    pub kv: KvRows<'a, u16>,
+pub struct RowsBf16Source<'a, C, const D: usize> {
+    /// Where the rows are (bf16 bits or fp8 codes).
+    pub kv: KvRows<'a, C>,
     /// Rows × d/2 query pairs, unscaled.
     pub q: &'a [u32],
     /// The same queries lane-packed by [`pack_quads`] (empty where the rows do not come in
@@ -266,7 +269,7 @@ pub struct RowsBf16Source<'a, const D: usize> {
 /// Elements per 512-bit chunk of a bf16 row.
 const CHUNK: usize = 32;
 
-impl<const D: usize> RowsBf16Source<'_, D> {
+impl<C, const D: usize> RowsBf16Source<'_, C, D> {
     /// The head size, a constant where specialized.
     #[inline(always)]
     fn head_size(&self) -> usize {
@@ -278,7 +281,7 @@ impl<const D: usize> RowsBf16Source<'_, D> {
     }
 }
 
-impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
+impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
     fn alignment(&self) -> (usize, usize) {
         (0, 1)
     }
@@ -287,6 +290,8 @@ impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
     fn scores<S: Simd>(&self, _s: S, keys: Range<usize>, scores: &mut [f32]) {
         // SAFETY: this source only runs inside `attend_bf16` (see `Bf16Source`).
         let s = unsafe { Avx512::assume_bf16() };
+        // SAFETY: as above (and AVX512-VBMI where C needs it, see `attend_bf16`).
+        let table = unsafe { C::table() };
         let half = self.head_size() / 2;
         let rows = self.q.len() / half;
         let tile = TileRows::new(&self.kv, keys, self.stream, self.head_size());
@@ -296,6 +301,7 @@ impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
                 for t0 in (0..tile.len).step_by(4) {
                     quad_scores(
                         s,
+                        table,
                         &tile,
                         t0,
                         quad,
@@ -316,7 +322,7 @@ impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
                 r0,
                 self.scale,
                 scores,
-                |k| qk_partial::<R>(&self.q[r0 * half..(r0 + R) * half], k)
+                |k| qk_partial::<C, R>(table, &self.q[r0 * half..(r0 + R) * half], k)
             ));
         }
     }
@@ -345,13 +351,15 @@ impl<const D: usize> TileSource for RowsBf16Source<'_, D> {
         let pairs = keys.len().div_ceil(2);
         let whole = masks[..2 * pairs].iter().all(|&m| m != 0);
         let columns = ValueColumns {
+            // SAFETY: only run inside `attend_bf16` (see `scores`).
+            table: unsafe { C::table() },
             values: self.kv.value,
             offsets: &offsets[..2 * pairs],
             masks: &masks[..2 * pairs],
             whole,
         };
         let d = self.head_size();
-        for_row_blocks!(rows, |r0, R| pv_rows::<R>(
+        for_row_blocks!(rows, |r0, R| pv_rows::<C, R>(
             columns,
             d,
             probs,
@@ -418,9 +426,10 @@ pub fn pack_quads(q: &[u32], d: usize) -> Vec<u32> {
 /// its last key (the masks overwrite them); `prefetch` issues the tile's prefetches.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn quad_scores(
+fn quad_scores<C: Bf16Elem>(
     s: Avx512,
-    tile: &TileRows<'_, u16>,
+    table: C::Table,
+    tile: &TileRows<'_, C>,
     t0: usize,
     quad: &[u32],
     d: usize,
@@ -431,29 +440,21 @@ fn quad_scores(
     let last = tile.len - 1;
     let key = |i: usize| tile.key(s, (t0 + i).min(last), prefetch && t0 + i <= last);
     let keys = [key(0), key(1), key(2), key(3)];
-    // SAFETY: only called under AVX512-BF16; key rows hold d elements and `quad` d/8 vectors
-    // of 16 pairs (d % 32 == 0); t0 + 4 <= KEY_TILE and `scores` holds four rows.
+    // SAFETY: only called under AVX512-BF16 (and VBMI where C needs it); key rows hold d
+    // elements and `quad` d/8 vectors of 16 pairs (d % 32 == 0); t0 + 4 <= KEY_TILE and
+    // `scores` holds four rows.
     unsafe {
         // Even and odd groups of 8 dimensions in separate accumulators: 8 independent chains.
-        let mut even = [_mm512_setzero_ps(); 4];
-        let mut odd = [_mm512_setzero_ps(); 4];
-        let lanes = |k: &[u16], g: usize| {
-            bh(_mm512_broadcast_i32x4(_mm_loadu_si128(
-                k.as_ptr().add(8 * g) as *const __m128i,
-            )))
-        };
-        for g in (0..d / 8).step_by(2) {
-            let q0 = bh(_mm512_loadu_si512(
-                quad.as_ptr().add(16 * g) as *const __m512i
-            ));
-            let q1 = bh(_mm512_loadu_si512(
-                quad.as_ptr().add(16 * g + 16) as *const __m512i
-            ));
-            for (i, k) in keys.iter().enumerate() {
-                even[i] = _mm512_dpbf16_ps(even[i], q0, lanes(k, g));
-                odd[i] = _mm512_dpbf16_ps(odd[i], q1, lanes(k, g + 1));
-            }
+        let mut acc = [[_mm512_setzero_ps(); 4]; 2];
+        let mut c = 0;
+        while c + 2 * CHUNK <= d {
+            quad_chunk::<C, 2>(table, &keys, quad, c, &mut acc);
+            c += 2 * CHUNK;
         }
+        if c < d {
+            quad_chunk::<C, 1>(table, &keys, quad, c, &mut acc);
+        }
+        let [even, odd] = acc;
         let sum = |i: usize| _mm512_add_ps(even[i], odd[i]);
         // Lane l of 128-bit lane r: row r's score of key t0 + l.
         let v = s.pair_within(s.pair_within(sum(0), sum(1)), s.pair_within(sum(2), sum(3)));
@@ -467,16 +468,52 @@ fn quad_scores(
     }
 }
 
-/// Partial dot products of `R` query rows (`q`, R × d/2 pairs) with one bf16 key row.
+/// [`quad_scores`] over dimensions `c..c + 32 * W` of the four keys: each key's chunk as bf16
+/// in memory (the row itself, or widened into a buffer), read 8 dimensions at a time
+/// broadcast to the four lanes.
 #[inline(always)]
-fn qk_partial<const R: usize>(q: &[u32], k: &[u16]) -> [__m512; R] {
+unsafe fn quad_chunk<C: Bf16Elem, const W: usize>(
+    table: C::Table,
+    keys: &[&[C]; 4],
+    quad: &[u32],
+    c: usize,
+    acc: &mut [[__m512; 4]; 2],
+) {
+    let mut bufs = [[MaybeUninit::<u16>::uninit(); 2 * CHUNK]; 4];
+    let mut rows = [std::ptr::null::<u16>(); 4];
+    for ((row, key), buf) in rows.iter_mut().zip(keys).zip(&mut bufs) {
+        *row = C::bf16_chunk::<W>(table, key.as_ptr().add(c), buf);
+    }
+    let lanes = |k: *const u16, g: usize| {
+        bh(_mm512_broadcast_i32x4(_mm_loadu_si128(
+            k.add(8 * g) as *const __m128i
+        )))
+    };
+    for g in (0..W * CHUNK / 8).step_by(2) {
+        let q = |g: usize| {
+            bh(_mm512_loadu_si512(
+                quad.as_ptr().add(2 * c + 16 * g) as *const __m512i
+            ))
+        };
+        let (q0, q1) = (q(g), q(g + 1));
+        for (i, &k) in rows.iter().enumerate() {
+            acc[0][i] = _mm512_dpbf16_ps(acc[0][i], q0, lanes(k, g));
+            acc[1][i] = _mm512_dpbf16_ps(acc[1][i], q1, lanes(k, g + 1));
+        }
+    }
+}
+
+/// Partial dot products of `R` query rows (`q`, R × d/2 pairs) with one key row.
+#[inline(always)]
+fn qk_partial<C: Bf16Elem, const R: usize>(table: C::Table, q: &[u32], k: &[C]) -> [__m512; R] {
     let half = k.len() / 2;
     // SAFETY: only called under AVX512-BF16; rows hold d = 2 * half elements, d % 32 == 0.
     unsafe {
         // Even and odd chunks in separate accumulators: half the dependency chain per key.
         let mut acc = [[_mm512_setzero_ps(); R]; 2];
         for (i, c) in (0..k.len()).step_by(CHUNK).enumerate() {
-            let kv = bh(_mm512_loadu_si512(k.as_ptr().add(c) as *const __m512i));
+            let [kv] = C::widen::<1>(table, k.as_ptr().add(c), None);
+            let kv = bh(kv);
             for (r, a) in acc[i % 2].iter_mut().enumerate() {
                 let qv = bh(_mm512_loadu_si512(
                     q.as_ptr().add(r * half + c / 2) as *const __m512i
@@ -494,9 +531,11 @@ fn qk_partial<const R: usize>(q: &[u32], k: &[u16]) -> [__m512; R] {
 
 /// The value rows of a tile's columns (pairs of them), as the decode's P·V reads them.
 #[derive(Clone, Copy)]
-struct ValueColumns<'a> {
-    /// The value buffer (bf16 bits).
-    values: &'a [u16],
+struct ValueColumns<'a, C: Bf16Elem> {
+    /// How the rows widen to bf16.
+    table: C::Table,
+    /// The value buffer (bf16 bits or fp8 codes).
+    values: &'a [C],
     /// Column t's value row.
     offsets: &'a [usize],
     /// Column t's load mask: zero where it is not a key (loads zeros, touches no memory).
@@ -505,12 +544,30 @@ struct ValueColumns<'a> {
     whole: bool,
 }
 
+impl<C: Bf16Elem> ValueColumns<'_, C> {
+    /// Elements `c..c + 32 * W` of column `t`'s row, as bf16 (a function, not a closure:
+    /// closures do not take the kernel's target features and may stay calls).
+    ///
+    /// # Safety
+    /// Under the kernel's target features; `t` a column, `c + 32 * W <= d`.
+    #[inline(always)]
+    unsafe fn chunks<const W: usize>(&self, t: usize, c: usize) -> [__m512i; W] {
+        let p = self.values.as_ptr().wrapping_add(self.offsets[t] + c);
+        let mask = if self.whole {
+            None
+        } else {
+            Some(self.masks[t])
+        };
+        C::widen::<W>(self.table, p, mask)
+    }
+}
+
 /// P·V for rows `r0..r0+R` over value rows taken two keys at a time (permuted order). Two
 /// 32-element chunks at a time where the accumulators fit in registers (R <= 4), so that each
 /// broadcast probability pair serves both.
 #[inline(always)]
-fn pv_rows<const R: usize>(
-    columns: ValueColumns<'_>,
+fn pv_rows<C: Bf16Elem, const R: usize>(
+    columns: ValueColumns<'_, C>,
     d: usize,
     probs: &[f32],
     r0: usize,
@@ -521,44 +578,31 @@ fn pv_rows<const R: usize>(
     let mut c = 0;
     if R <= 4 {
         while c + 2 * CHUNK <= d {
-            pv_row_chunks::<R, 2>(columns, d, probs, acc, c);
+            pv_row_chunks::<C, R, 2>(columns, d, probs, acc, c);
             c += 2 * CHUNK;
         }
     }
     while c < d {
-        pv_row_chunks::<R, 1>(columns, d, probs, acc, c);
+        pv_row_chunks::<C, R, 1>(columns, d, probs, acc, c);
         c += CHUNK;
     }
 }
 
 /// [`pv_rows`] for the `W` 32-element chunks from dimension `c`.
 #[inline(always)]
-fn pv_row_chunks<const R: usize, const W: usize>(
-    columns: ValueColumns<'_>,
+fn pv_row_chunks<C: Bf16Elem, const R: usize, const W: usize>(
+    columns: ValueColumns<'_, C>,
     d: usize,
     probs: &[f32],
     acc: &mut [f32],
     c: usize,
 ) {
-    // SAFETY: only called under AVX512-BF16; rows with a mask are inside the validated value
+    // SAFETY: only called under AVX512-BF16 (and VBMI where C needs it); rows with a mask are inside the validated value
     // buffer and hold d elements (d % 32 == 0, c + 32W <= d), masked-off loads touch no
     // memory (with `whole`, every column is present); acc is R × d; probability rows start
     // with the pairs.
     unsafe {
-        let ValueColumns {
-            values,
-            offsets,
-            masks,
-            whole,
-        } = columns;
-        let load = |t: usize, at: usize| {
-            let p = values.as_ptr().wrapping_add(offsets[t] + at) as *const i16;
-            if whole {
-                _mm512_loadu_si512(p as *const __m512i)
-            } else {
-                _mm512_maskz_loadu_epi16(masks[t], p)
-            }
-        };
+        let offsets = columns.offsets;
         // a[r][w] = [low half, high half] of chunk w of row r.
         let mut a = [[[_mm512_setzero_ps(); 2]; W]; R];
         for (r, row) in a.iter_mut().enumerate() {
@@ -568,12 +612,15 @@ fn pv_row_chunks<const R: usize, const W: usize>(
             }
         }
         for p in 0..offsets.len() / 2 {
+            let (va, vb) = (
+                columns.chunks::<W>(2 * p, c),
+                columns.chunks::<W>(2 * p + 1, c),
+            );
             let mut v = [[bh(_mm512_setzero_si512()); 2]; W];
-            for (w, x) in v.iter_mut().enumerate() {
-                let (va, vb) = (load(2 * p, c + w * CHUNK), load(2 * p + 1, c + w * CHUNK));
+            for ((x, &a), &b) in v.iter_mut().zip(&va).zip(&vb) {
                 *x = [
-                    bh(_mm512_unpacklo_epi16(va, vb)),
-                    bh(_mm512_unpackhi_epi16(va, vb)),
+                    bh(_mm512_unpacklo_epi16(a, b)),
+                    bh(_mm512_unpackhi_epi16(a, b)),
                 ];
             }
             for (r, row) in a.iter_mut().enumerate() {
@@ -598,15 +645,21 @@ fn pv_row_chunks<const R: usize, const W: usize>(
 }
 
 /// The tile sources whose kernels use AVX512-BF16 instructions: only [`attend_bf16`] runs them.
-pub trait Bf16Source: TileSource {}
+pub trait Bf16Source: TileSource {
+    /// Whether the kernels also use AVX512-VBMI (fp8 widening).
+    const NEEDS_VBMI: bool = false;
+}
 
 impl Bf16Source for PackedBf16Source<'_> {}
-impl<const D: usize> Bf16Source for RowsBf16Source<'_, D> {}
+impl<C: Bf16Elem, const D: usize> Bf16Source for RowsBf16Source<'_, C, D> {
+    const NEEDS_VBMI: bool = C::NEEDS_VBMI;
+}
 
 /// [`attend`] with AVX512-BF16: the rows of one or more kv heads, one source each.
 ///
 /// # Panics
-/// If this CPU lacks AVX512-BF16 (the dispatcher only calls it where it was detected).
+/// If this CPU lacks AVX512-BF16, or AVX512-VBMI where the sources need it (the dispatcher
+/// only calls it where they were detected).
 pub fn attend_bf16<Src: Bf16Source>(
     sources: &[Src],
     groups: &[Group<'_>],
@@ -616,8 +669,28 @@ pub fn attend_bf16<Src: Bf16Source>(
     let s = Avx512::new()
         .filter(|a| a.has_bf16())
         .expect("AVX512-BF16 was detected by the dispatcher");
-    // SAFETY: the features were just checked.
-    unsafe { attend_with_bf16(s, sources, groups, mods, states) }
+    if Src::NEEDS_VBMI {
+        assert!(
+            super::widen::has_vbmi(),
+            "AVX512-VBMI was detected by the dispatcher"
+        );
+        // SAFETY: the features were just checked.
+        unsafe { attend_with_bf16_vbmi(s, sources, groups, mods, states) }
+    } else {
+        // SAFETY: the features were just checked.
+        unsafe { attend_with_bf16(s, sources, groups, mods, states) }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,fma,f16c")]
+unsafe fn attend_with_bf16_vbmi<Src: Bf16Source>(
+    s: Avx512,
+    sources: &[Src],
+    groups: &[Group<'_>],
+    mods: &ScoreMods,
+    states: &mut [RowStates],
+) {
+    attend(s, sources, groups, mods, states)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]

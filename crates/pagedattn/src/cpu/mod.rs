@@ -2,11 +2,13 @@
 //! over the instruction set (chosen at run time) and rayon over (sequence, kv head, query
 //! tile or key partition).
 //!
-//! Cache layout: `[NB, Hkv, B, D]` (head-major inside a block). A work unit reads one kv
-//! head of one sequence, so every block it visits is one contiguous run of `B * D` elements
-//! for keys and one for values: the access pattern is long sequential streams that the
-//! hardware prefetcher follows, instead of `Hkv` short strided pieces per block as the
-//! token-major layout would give.
+//! Cache layout: `[NB, Hkv, B, D]` (head-major inside a block). The kernels read one kv head
+//! at a time, whose rows of a block are then one contiguous run of `B * D` elements for keys
+//! and one for values (a decode unit walks every kv head of its sequence tile by tile, so the
+//! runs of a block are read close together); the prefill packs a head's keys from those runs.
+//! The token-major layout would give `B` pieces of `D` elements, `Hkv * D` apart, per head and
+//! block: read in this decode's order it measured ~10% slower on the development machine
+//! (scratch read probe over shuffled 32 KiB blocks, 22 vs 25 GB/s on two cores; NOTES.md).
 
 #[cfg(target_arch = "x86_64")]
 pub mod bf16;
@@ -15,6 +17,8 @@ pub mod kernel;
 pub mod packed;
 pub mod plan;
 pub mod simd;
+#[cfg(target_arch = "x86_64")]
+pub mod widen;
 
 use rayon::prelude::*;
 
@@ -320,6 +324,16 @@ struct Ctx<'a, S, T, E> {
     bf16_dot: bool,
 }
 
+/// What a decode unit's kernel needs of it, per kv head.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct RowsBf16<'a, 'b, E> {
+    unit: &'a Unit,
+    groups: &'a [Group<'b>],
+    kvs: &'a [KvRows<'b, E>],
+    streams: &'a [Stream],
+}
+
 impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
     fn group_size(&self) -> usize {
         self.cfg.num_queries_per_kv()
@@ -453,46 +467,11 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             .map(|(pos, _)| RowStates::new(pos.len(), d))
             .collect();
         let kvs: Vec<KvRows<'_, E>> = (0..hkv).map(|h| self.kv_rows(unit.seq, h)).collect();
-        let stream = |h: usize| Stream::of_head(h, hkv, kvs[h].head_stride(), unit.keys.end);
+        let streams: Vec<Stream> = (0..hkv)
+            .map(|h| Stream::of_head(h, hkv, kvs[h].head_stride(), unit.keys.end))
+            .collect();
         #[cfg(target_arch = "x86_64")]
-        let done = match self.bf16_cache_rows() {
-            Some((key, value)) => {
-                let qs: Vec<Vec<u32>> = (0..hkv)
-                    .map(|h| self.q_bf16_pairs(h, unit.tokens.clone()))
-                    .collect();
-                let quads: Vec<Vec<u32>> = qs.iter().map(|q| bf16::pack_quads(q, d)).collect();
-                // Specialized for the common head sizes (see `RowsBf16Source`).
-                macro_rules! attend_rows {
-                    ($d:literal) => {{
-                        let sources: Vec<_> = qs
-                            .iter()
-                            .enumerate()
-                            .map(|(h, q)| bf16::RowsBf16Source::<$d> {
-                                kv: KvRows {
-                                    key,
-                                    value,
-                                    layout: kvs[h].layout,
-                                    head_size: d,
-                                },
-                                q,
-                                quads: &quads[h],
-                                scale: self.score_scale,
-                                stream: stream(h),
-                            })
-                            .collect();
-                        bf16::attend_bf16(&sources, &groups, &self.mods, &mut states)
-                    }};
-                }
-                match d {
-                    64 => attend_rows!(64),
-                    128 => attend_rows!(128),
-                    256 => attend_rows!(256),
-                    _ => attend_rows!(0),
-                }
-                true
-            }
-            None => false,
-        };
+        let done = self.decode_bf16(unit, &groups, &mut states, &kvs, &streams);
         #[cfg(not(target_arch = "x86_64"))]
         let done = false;
         if !done {
@@ -505,7 +484,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                 .map(|(h, q)| RowsSource {
                     kv: kvs[h],
                     q,
-                    stream: stream(h),
+                    stream: streams[h],
                 })
                 .collect();
             self.s.vectorize(Attend {
@@ -617,18 +596,87 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         q
     }
 
-    /// The key and value buffers as bf16 bits, when the decode kernel can use AVX512-BF16 on
-    /// them directly: bf16 queries, a bf16 cache (or bf16 inputs), head size a multiple of 32.
+    /// Runs a decode unit with AVX512-BF16 on the cache rows in place, where the call allows
+    /// it: bf16 queries, head size a multiple of 32, and bf16 keys and values (cache or
+    /// inputs) or an fp8 cache (widened in registers, with AVX512-VBMI). Returns whether it
+    /// ran.
     #[cfg(target_arch = "x86_64")]
-    fn bf16_cache_rows(&self) -> Option<(&[u16], &[u16])> {
-        let bf16_rows = self.bf16_dot
-            && T::DTYPE == DType::BF16
-            && std::any::TypeId::of::<E>() == std::any::TypeId::of::<half::bf16>()
-            && self.cfg.head_size().is_multiple_of(32);
-        // SAFETY: E is bf16, which is two bytes of bf16 bits.
-        let bits =
-            |x: &[E]| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u16, x.len()) };
-        bf16_rows.then(|| (bits(self.keys), bits(self.values)))
+    fn decode_bf16(
+        &self,
+        unit: &Unit,
+        groups: &[Group<'_>],
+        states: &mut [RowStates],
+        kvs: &[KvRows<'_, E>],
+        streams: &[Stream],
+    ) -> bool {
+        use std::any::TypeId;
+        if !(self.bf16_dot && T::DTYPE == DType::BF16 && self.cfg.head_size().is_multiple_of(32)) {
+            return false;
+        }
+        let e = TypeId::of::<E>();
+        let rows = RowsBf16 {
+            unit,
+            groups,
+            kvs,
+            streams,
+        };
+        if e == TypeId::of::<half::bf16>() {
+            self.attend_rows_bf16::<u16>(rows, states);
+        } else if e == TypeId::of::<E4m3>() && widen::has_vbmi() {
+            self.attend_rows_bf16::<E4m3>(rows, states);
+        } else if e == TypeId::of::<E5m2>() && widen::has_vbmi() {
+            self.attend_rows_bf16::<E5m2>(rows, states);
+        } else {
+            return false;
+        }
+        true
+    }
+
+    /// [`Ctx::decode_bf16`] with the rows read as `C`, which must have `E`'s layout (bf16
+    /// bits for bf16, or `E` itself).
+    #[cfg(target_arch = "x86_64")]
+    fn attend_rows_bf16<C: widen::Bf16Elem>(
+        &self,
+        rows: RowsBf16<'_, '_, E>,
+        states: &mut [RowStates],
+    ) {
+        assert_eq!(std::mem::size_of::<C>(), std::mem::size_of::<E>());
+        // SAFETY: C has E's size and every bit pattern of E is a valid C (the caller's types).
+        let cast = |x: &[E]| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const C, x.len()) };
+        let (key, value) = (cast(self.keys), cast(self.values));
+        let d = self.cfg.head_size();
+        let qs: Vec<Vec<u32>> = (0..rows.kvs.len())
+            .map(|h| self.q_bf16_pairs(h, rows.unit.tokens.clone()))
+            .collect();
+        let quads: Vec<Vec<u32>> = qs.iter().map(|q| bf16::pack_quads(q, d)).collect();
+        // Specialized for the common head sizes (see `RowsBf16Source`).
+        macro_rules! attend_rows {
+            ($d:literal) => {{
+                let sources: Vec<_> = qs
+                    .iter()
+                    .enumerate()
+                    .map(|(h, q)| bf16::RowsBf16Source::<C, $d> {
+                        kv: KvRows {
+                            key,
+                            value,
+                            layout: rows.kvs[h].layout,
+                            head_size: d,
+                        },
+                        q,
+                        quads: &quads[h],
+                        scale: self.score_scale,
+                        stream: rows.streams[h],
+                    })
+                    .collect();
+                bf16::attend_bf16(&sources, rows.groups, &self.mods, states)
+            }};
+        }
+        match d {
+            64 => attend_rows!(64),
+            128 => attend_rows!(128),
+            256 => attend_rows!(256),
+            _ => attend_rows!(0),
+        }
     }
 
     /// Combines the split-K partitions of one (token, kv head) and writes the output rows.
