@@ -682,24 +682,27 @@ pub fn attend_bf16<Src: Bf16Source>(
     }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,fma,f16c")]
-unsafe fn attend_with_bf16_vbmi<Src: Bf16Source>(
-    s: Avx512,
-    sources: &[Src],
-    groups: &[Group<'_>],
-    mods: &ScoreMods,
-    states: &mut [RowStates],
-) {
-    attend(s, sources, groups, mods, states)
+/// Defines `$name`: [`attend`] compiled for the target features `$features`.
+macro_rules! attend_with {
+    ($name:ident, $features:literal) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name<Src: Bf16Source>(
+            s: Avx512,
+            sources: &[Src],
+            groups: &[Group<'_>],
+            mods: &ScoreMods,
+            states: &mut [RowStates],
+        ) {
+            attend(s, sources, groups, mods, states)
+        }
+    };
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")]
-unsafe fn attend_with_bf16<Src: Bf16Source>(
-    s: Avx512,
-    sources: &[Src],
-    groups: &[Group<'_>],
-    mods: &ScoreMods,
-    states: &mut [RowStates],
-) {
-    attend(s, sources, groups, mods, states)
-}
+attend_with!(
+    attend_with_bf16,
+    "avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c"
+);
+attend_with!(
+    attend_with_bf16_vbmi,
+    "avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,fma,f16c"
+);
