@@ -92,10 +92,31 @@ impl TileSource for PackedBf16Source<'_> {
         let half = p.d / 2;
         let rows = self.q.len() / half;
         let first_group = (keys.start - p.origin) / LANES;
-        for (g, c) in (0..keys.len()).step_by(LANES).enumerate() {
-            let kt = &p.kt[(first_group + g) * half * LANES..][..half * LANES];
-            for_row_blocks!(rows, |r0, R| qk_group::<R>(
-                self.q, r0, half, kt, c, self.scale, scores
+        let groups = keys.len().div_ceil(LANES);
+        // The groups of G column groups of 16 keys (two at a time, then any last one).
+        let kt = |g: usize, n: usize| &p.kt[(first_group + g) * half * LANES..][..n * half * LANES];
+        let mut g = 0;
+        while g + 2 <= groups {
+            for_row_blocks!(rows, |r0, R| qk_groups::<R, 2, 1>(
+                self.q,
+                r0,
+                half,
+                kt(g, 2),
+                g * LANES,
+                self.scale,
+                scores
+            ));
+            g += 2;
+        }
+        if g < groups {
+            for_row_blocks!(rows, |r0, R| qk_groups::<R, 1, 2>(
+                self.q,
+                r0,
+                half,
+                kt(g, 1),
+                g * LANES,
+                self.scale,
+                scores
             ));
         }
     }
@@ -127,11 +148,13 @@ impl TileSource for PackedBf16Source<'_> {
     }
 }
 
-/// Scores of rows `r0..r0+R` against one column group of 16 keys (columns `c..`). Even and
-/// odd query pairs accumulate separately: 2R independent `vdpbf16ps` chains keep both FMA
-/// pipes busy through the instruction's latency (R alone would leave them a third idle).
+/// Scores of rows `r0..r0+R` against `G` consecutive column groups of 16 keys (columns
+/// `c..c + 16G`, `kt` their packed keys), `SPLIT` accumulator chains per row and group taking
+/// alternate query pairs. R·G·SPLIT independent `vdpbf16ps` chains keep both FMA pipes busy
+/// through the instruction's latency, and each broadcast query pair serves `G` groups: with
+/// one group the loads (a broadcast per `vdpbf16ps`) rather than the dot products limited it.
 #[inline(always)]
-fn qk_group<const R: usize>(
+fn qk_groups<const R: usize, const G: usize, const SPLIT: usize>(
     q: &[u32],
     r0: usize,
     half: usize,
@@ -141,31 +164,39 @@ fn qk_group<const R: usize>(
     scores: &mut [f32],
 ) {
     let q = &q[r0 * half..(r0 + R) * half];
-    // SAFETY: only called inside `attend_bf16`, where AVX512-BF16 is enabled; kt is half × 16
-    // with half even (d % 32 == 0 on this path).
+    // SAFETY: only called inside `attend_bf16`, where AVX512-BF16 is enabled; kt is
+    // G × half × 16 with half even (d % 16 == 0 on this path), a multiple of SPLIT (1 or 2).
     unsafe {
-        let mut even = [_mm512_setzero_ps(); R];
-        let mut odd = [_mm512_setzero_ps(); R];
-        let key = |p: usize| {
-            bh(_mm512_loadu_si512(
-                kt.as_ptr().add(p * LANES) as *const __m512i
-            ))
-        };
-        let query =
-            |r: usize, p: usize| bh(_mm512_set1_epi32(*q.get_unchecked(r * half + p) as i32));
-        for p in (0..half).step_by(2) {
-            let (k0, k1) = (key(p), key(p + 1));
-            for r in 0..R {
-                even[r] = _mm512_dpbf16_ps(even[r], query(r, p), k0);
-                odd[r] = _mm512_dpbf16_ps(odd[r], query(r, p + 1), k1);
+        let mut acc = [[[_mm512_setzero_ps(); G]; R]; SPLIT];
+        for p0 in (0..half).step_by(SPLIT) {
+            for (s, acc) in acc.iter_mut().enumerate() {
+                let p = p0 + s;
+                let mut k = [bh(_mm512_setzero_si512()); G];
+                for (g, k) in k.iter_mut().enumerate() {
+                    *k = bh(_mm512_loadu_si512(
+                        kt.as_ptr().add((g * half + p) * LANES) as *const __m512i
+                    ));
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let qv = bh(_mm512_set1_epi32(*q.get_unchecked(r * half + p) as i32));
+                    for (a, &kg) in row.iter_mut().zip(&k) {
+                        *a = _mm512_dpbf16_ps(*a, qv, kg);
+                    }
+                }
             }
         }
         let scale = _mm512_set1_ps(scale);
         for r in 0..R {
-            _mm512_storeu_ps(
-                scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c),
-                _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]), scale),
-            );
+            for g in 0..G {
+                let mut sum = acc[0][r][g];
+                for split in &acc[1..] {
+                    sum = _mm512_add_ps(sum, split[r][g]);
+                }
+                _mm512_storeu_ps(
+                    scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c + g * LANES),
+                    _mm512_mul_ps(sum, scale),
+                );
+            }
         }
     }
 }
