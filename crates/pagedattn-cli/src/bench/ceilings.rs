@@ -273,8 +273,10 @@ const PAGED_HEADS: usize = 8;
 const TILE_BLOCKS: usize = 4;
 /// How far ahead, in lines of the visiting order, the reader prefetches into L2 (the best of
 /// 48..512 on the development machine) ...
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_FAR: usize = 128;
 /// ... and into L1.
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_NEAR: usize = 16;
 
 impl PagedPattern {
@@ -454,7 +456,8 @@ fn sum_lines(lines: &[Line], isa: Isa) -> f32 {
 /// A compute-peak kernel: independent accumulator chains kept in registers.
 #[derive(Debug, Clone, Copy)]
 enum Kernel {
-    F32(Isa),
+    /// f32 FMA on an ISA (read only where an x86 kernel exists; others run the portable one).
+    F32(#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] Isa),
     Bf16Dot,
 }
 

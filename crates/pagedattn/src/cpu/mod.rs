@@ -24,7 +24,9 @@ use rayon::prelude::*;
 
 use crate::backend::{AttentionImpl, Backend, Capabilities, Device, ForwardCheck, KvPair};
 use crate::config::{AttentionConfig, AttnType};
-use crate::dtype::{DType, Element};
+#[cfg(target_arch = "x86_64")]
+use crate::dtype::DType;
+use crate::dtype::Element;
 use crate::error::Result;
 use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
@@ -201,6 +203,7 @@ impl CpuAttention {
             new_kv,
             cache: kv_cache.as_deref(),
             scales,
+            #[cfg(target_arch = "x86_64")]
             bf16_dot: self.backend.isa == Isa::Avx512Bf16,
         };
         crate::with_element!(query.dtype(), T => run_isa::<T>(self.backend.isa, &call, output));
@@ -216,7 +219,8 @@ struct Call<'a> {
     new_kv: Option<KvPair<'a>>,
     cache: Option<&'a KvCache>,
     scales: KvScales,
-    /// Whether the AVX512-BF16 prefill kernel may be used.
+    /// Whether the AVX512-BF16 kernels may be used.
+    #[cfg(target_arch = "x86_64")]
     bf16_dot: bool,
 }
 
@@ -321,6 +325,7 @@ struct Ctx<'a, S, T, E> {
     partials: SharedMut<f32>,
     plan: &'a Plan,
     /// Whether the AVX512-BF16 kernels may be used.
+    #[cfg(target_arch = "x86_64")]
     bf16_dot: bool,
 }
 
@@ -773,6 +778,7 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         ),
         partials: SharedMut(partials.as_mut_ptr()),
         plan: &plan,
+        #[cfg(target_arch = "x86_64")]
         bf16_dot: call.bf16_dot,
     };
     rayon::join(
