@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use super::kernel::{
     attend, for_row_blocks, score_group, Group, KvRows, RowStates, ScoreMods, Stream, TileRows,
-    TileSource, KEY_TILE, ROW_BLOCK,
+    TileSource, KEY_TILE, PACK_PREFETCH_KEYS, ROW_BLOCK,
 };
 use super::simd::x86::Avx512;
 use super::simd::{Load, Simd};
@@ -40,16 +40,25 @@ pub fn pack_bf16<E: Load>(kv: &KvRows<'_, E>, keys: Range<usize>, absent: &[usiz
     let half = d / 2;
     let mut kt = vec![0u32; keys.len().div_ceil(LANES) * half * LANES];
     let mut v = vec![0u32; keys.len().div_ceil(2) * d];
+    let mut pairs = vec![0u32; half];
+    // SAFETY: only called where AVX512-BF16 was detected (the token only prefetches here).
+    let s = unsafe { Avx512::assume_bf16() };
     for (t, j) in keys.clone().enumerate() {
+        if j + PACK_PREFETCH_KEYS < keys.end {
+            kv.prefetch(s, j + PACK_PREFETCH_KEYS);
+        }
         if absent.binary_search(&j).is_ok() {
             continue;
         }
         let row = kv.row(j);
         let (k, val) = (&kv.key[row..][..d], &kv.value[row..][..d]);
+        // The key's pairs first (a loop the compiler vectorizes), then scattered to its column.
+        for (x, pair) in pairs.iter_mut().zip(k.chunks_exact(2)) {
+            *x = pair[0].bf16_bits() as u32 | (pair[1].bf16_bits() as u32) << 16;
+        }
         let column = &mut kt[(t / LANES) * half * LANES + t % LANES..];
-        for p in 0..half {
-            column[p * LANES] =
-                k[2 * p].bf16_bits() as u32 | (k[2 * p + 1].bf16_bits() as u32) << 16;
+        for (p, &x) in pairs.iter().enumerate() {
+            column[p * LANES] = x;
         }
         let (pair, shift) = (t / 2, 16 * (t % 2));
         for (x, &e) in v[pair * d..][..d].iter_mut().zip(val) {

@@ -154,6 +154,19 @@ impl<E> KvRows<'_, E> {
         }
     }
 
+    /// Asks for the key and value rows of position `j` into L1 (packing loops, running
+    /// [`PACK_PREFETCH_KEYS`] ahead: a sequence's rows come in blocks scattered over the
+    /// cache, and without it the loop waits on memory for most of its time).
+    #[inline(always)]
+    pub fn prefetch<S: Simd>(&self, s: S, j: usize) {
+        let row = self.row(j);
+        for buf in [self.key, self.value] {
+            if let Some(r) = buf.get(row..row + self.head_size) {
+                prefetch_row(s, r, Level::L1);
+            }
+        }
+    }
+
     /// Elements from a row of one kv head to the same position's row of the next kv head.
     pub fn head_stride(&self) -> usize {
         match self.layout {
@@ -183,6 +196,9 @@ impl<E> KvRows<'_, E> {
         }
     }
 }
+
+/// How many keys ahead the prefill packing loops ask for rows ([`KvRows::prefetch`]).
+pub const PACK_PREFETCH_KEYS: usize = 16;
 
 /// One group of query rows and the keys it visits.
 #[derive(Debug, Clone)]

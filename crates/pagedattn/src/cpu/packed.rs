@@ -8,7 +8,8 @@
 use std::ops::Range;
 
 use super::kernel::{
-    accumulate_rows, for_row_blocks, KvRows, RowStates, TileSource, KEY_TILE, ROW_BLOCK,
+    accumulate_rows, for_row_blocks, KvRows, RowStates, TileSource, KEY_TILE, PACK_PREFETCH_KEYS,
+    ROW_BLOCK,
 };
 use super::simd::{Load, Simd, WithSimd};
 
@@ -54,6 +55,9 @@ pub fn pack_f32<S: Simd, E: Load>(
     let mut v = vec![0.0f32; keys.len() * d];
     let mut widened = [0.0f32; 16];
     for (t, j) in keys.clone().enumerate() {
+        if j + PACK_PREFETCH_KEYS < keys.end {
+            kv.prefetch(s, j + PACK_PREFETCH_KEYS);
+        }
         if absent.binary_search(&j).is_ok() {
             continue;
         }
