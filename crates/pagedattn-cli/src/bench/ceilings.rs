@@ -43,6 +43,9 @@ pub struct Ceilings {
     pub mem_read_gbs_1t: f64,
     /// Read rate of the headline decode's access pattern with every thread, GB/s (median).
     pub paged_read_gbs: f64,
+    /// Sequential and paged read orders measured in interleaved rounds (the decode's order
+    /// gives [`Ceilings::paged_read_gbs`]).
+    pub read_orders: Vec<OrderRate>,
     /// Size of the buffer read, bytes.
     pub mem_buffer_bytes: usize,
     /// The instruction set of the f32 FMA measurement (`avx512`, `avx2+fma`, `portable`).
@@ -55,6 +58,17 @@ pub struct Ceilings {
     pub bf16_gflops_core: Option<f64>,
     /// bf16 dot peak of all cores together, GFLOP/s.
     pub bf16_gflops_all: Option<f64>,
+}
+
+/// The read rate of one order of reading the bandwidth buffer, with every thread.
+#[derive(Debug, Clone)]
+pub struct OrderRate {
+    /// "sequential" or a [`ReadOrder`]'s name.
+    pub name: &'static str,
+    /// Median over the rounds, GB/s.
+    pub gbs: f64,
+    /// Median over the rounds of its rate divided by the decode order's in the same round.
+    pub vs_decode: f64,
 }
 
 /// The ceiling measurements, kept ready to be re-run between a workload's iterations, so that a
@@ -98,10 +112,27 @@ impl Ceilings {
         let one: Vec<f64> = (0..plan.mem_passes.div_ceil(2).max(1))
             .map(|_| buffer.read_gbs(1, isa))
             .collect();
-        let paged = PagedPattern::new(buffer.lines.len(), threads);
-        let paged_passes: Vec<f64> = (0..plan.mem_passes.div_ceil(2).max(1))
-            .map(|_| paged.read_gbs(&buffer, isa))
+        // Rounds of one pass per order, so that the VM's drift hits them alike.
+        let mut patterns: Vec<PagedPattern> = ReadOrder::ALL
+            .iter()
+            .map(|&o| PagedPattern::new(buffer.lines.len(), threads, o))
             .collect();
+        let mut rounds: Vec<Vec<f64>> = Vec::new();
+        for _ in 0..plan.mem_passes.max(1) {
+            let mut round = vec![buffer.read_gbs(threads, isa)];
+            round.extend(patterns.iter().map(|p| p.read_gbs(&buffer, isa)));
+            rounds.push(round);
+        }
+        let names = std::iter::once("sequential").chain(ReadOrder::ALL.iter().map(|o| o.name()));
+        let read_orders: Vec<OrderRate> = names
+            .enumerate()
+            .map(|(i, name)| OrderRate {
+                name,
+                gbs: median(&rounds.iter().map(|r| r[i]).collect::<Vec<_>>()),
+                vs_decode: median(&rounds.iter().map(|r| r[i] / r[1]).collect::<Vec<_>>()),
+            })
+            .collect();
+        let paged = patterns.swap_remove(0);
         let f32_core = compute_peak(Kernel::F32(isa), 1, plan);
         let f32_all = compute_peak(Kernel::F32(isa), threads, plan);
         let (bf16_core, bf16_all) = if has_bf16_dot() {
@@ -126,7 +157,8 @@ impl Ceilings {
             ),
             mem_read_gbs_passes: all.clone(),
             mem_read_gbs_1t: median(&one),
-            paged_read_gbs: median(&paged_passes),
+            paged_read_gbs: read_orders[1].gbs,
+            read_orders,
             mem_buffer_bytes: buffer.bytes(),
             f32_isa: isa.name(),
             f32_gflops_core: f32_core,
@@ -174,6 +206,15 @@ impl Ceilings {
                 self.paged_read_gbs, self.threads
             ),
             format!(
+                "read orders, {} threads, one pass each per round (median GB/s; per round, x the decode order's): {}",
+                self.threads,
+                self.read_orders
+                    .iter()
+                    .map(|o| format!("{} {:.1} ({:.2}x)", o.name, o.gbs, o.vs_decode))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            format!(
                 "f32 FMA ({}): {:.0} GFLOP/s per core, {:.0} all cores",
                 self.f32_isa, self.f32_gflops_core, self.f32_gflops_all
             ),
@@ -192,6 +233,11 @@ impl Ceilings {
             "mem_read_gbs_1thread": self.mem_read_gbs_1t,
             "mem_buffer_bytes": self.mem_buffer_bytes,
             "paged_read_gbs": self.paged_read_gbs,
+            "read_orders": self.read_orders.iter().map(|o| json!({
+                "order": o.name,
+                "gbs": o.gbs,
+                "vs_decode_order": o.vs_decode,
+            })).collect::<Vec<_>>(),
             "f32_isa": self.f32_isa,
             "f32_fma_gflops_per_core": self.f32_gflops_core,
             "f32_fma_gflops_all_cores": self.f32_gflops_all,
@@ -258,15 +304,53 @@ struct Line([f32; 16]);
 /// paged cache: blocks of 32 KiB in random order (keys in one half of the buffer, values in the
 /// other), a unit's heads walking tiles of 4 blocks head by head (one head's 4 KiB run of each
 /// block's keys, then of its values), with software prefetches running ahead in that order, as
-/// the decode kernel's. Its read rate is what the memory gives to a paged decode, against the
-/// sequential read rate of [`Ceilings::mem_read_gbs`].
+/// the decode kernel's ([`ReadOrder::Decode`]). Its read rate is what the memory gives to a
+/// paged decode, against the sequential read rate of [`Ceilings::mem_read_gbs`]; the other
+/// [`ReadOrder`]s read the same blocks otherwise, to tell what another kernel order or cache
+/// layout could get.
 struct PagedPattern {
-    /// Per thread: the first line of each 4 KiB run, in visiting order.
+    /// Per thread: the first line of each run, in visiting order.
     runs: Vec<Vec<u32>>,
+    /// Lines per run: a power of two.
+    run_lines: usize,
+}
+
+/// Orders of reading a paged cache's shuffled blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadOrder {
+    /// The decode kernel's: head by head over tiles of 4 blocks, 4 KiB runs.
+    Decode,
+    /// Each block whole (keys, then values), blocks in table order: 32 KiB runs.
+    WholeBlocks,
+    /// The decode's order over the token-major layout `[NB, B, Hkv, D]`: a head's row of each
+    /// position is its own 256-byte run.
+    TokenMajor,
+}
+
+impl ReadOrder {
+    /// Every order, the decode's first.
+    pub const ALL: [ReadOrder; 3] = [
+        ReadOrder::Decode,
+        ReadOrder::WholeBlocks,
+        ReadOrder::TokenMajor,
+    ];
+
+    /// Its name in the output.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReadOrder::Decode => "decode order",
+            ReadOrder::WholeBlocks => "whole blocks",
+            ReadOrder::TokenMajor => "token-major layout",
+        }
+    }
 }
 
 /// Lines of one kv head's rows in one block (4 KiB).
 const RUN_LINES: usize = 64;
+/// Lines of one row (head size 128, bf16).
+const ROW_LINES: usize = 4;
+/// Positions per block.
+const BLOCK_TOKENS: usize = RUN_LINES / ROW_LINES;
 /// Kv heads per block.
 const PAGED_HEADS: usize = 8;
 /// Blocks per decode tile.
@@ -281,7 +365,7 @@ const PREFETCH_NEAR: usize = 16;
 
 impl PagedPattern {
     /// The visiting order over a buffer of `lines` lines, split between `threads` threads.
-    fn new(lines: usize, threads: usize) -> PagedPattern {
+    fn new(lines: usize, threads: usize, read: ReadOrder) -> PagedPattern {
         let block = RUN_LINES * PAGED_HEADS;
         let half = lines / 2;
         let blocks = half / block;
@@ -289,14 +373,34 @@ impl PagedPattern {
         let mut order: Vec<u32> = (0..blocks as u32).collect();
         shuffle(&mut order, 0x5EED);
         let per_thread = (blocks / threads.max(1)) / TILE_BLOCKS * TILE_BLOCKS;
+        let run_lines = match read {
+            ReadOrder::Decode => RUN_LINES,
+            ReadOrder::WholeBlocks => block,
+            ReadOrder::TokenMajor => ROW_LINES,
+        };
         let runs = (0..threads.max(1))
             .map(|t| {
-                let mut runs = Vec::with_capacity(per_thread * PAGED_HEADS * 2);
+                let mut runs = Vec::new();
+                let mut push = |line: usize| runs.push(line as u32);
                 for tile in order[t * per_thread..(t + 1) * per_thread].chunks(TILE_BLOCKS) {
+                    let tile = tile.iter().map(|&b| b as usize * block);
+                    if read == ReadOrder::WholeBlocks {
+                        for b in tile {
+                            push(b);
+                            push(half + b);
+                        }
+                        continue;
+                    }
                     for head in 0..PAGED_HEADS {
                         for base in [0, half] {
-                            for &b in tile {
-                                runs.push((base + b as usize * block + head * RUN_LINES) as u32);
+                            for b in tile.clone() {
+                                if read == ReadOrder::Decode {
+                                    push(base + b + head * RUN_LINES);
+                                    continue;
+                                }
+                                for pos in 0..BLOCK_TOKENS {
+                                    push(base + b + (pos * PAGED_HEADS + head) * ROW_LINES);
+                                }
                             }
                         }
                     }
@@ -304,36 +408,43 @@ impl PagedPattern {
                 runs
             })
             .collect();
-        PagedPattern { runs }
+        PagedPattern { runs, run_lines }
     }
 
     /// One pass, every thread its share: GB/s.
     fn read_gbs(&self, buffer: &Buffer, isa: Isa) -> f64 {
         let seconds = on_threads(self.runs.len(), |t| {
-            black_box(paged_sum(&buffer.lines, black_box(&self.runs[t]), isa));
+            black_box(paged_sum(
+                &buffer.lines,
+                black_box(&self.runs[t]),
+                self.run_lines,
+                isa,
+            ));
         });
-        let lines: usize = self.runs.iter().map(|r| r.len() * RUN_LINES).sum();
+        let lines: usize = self.runs.iter().map(|r| r.len() * self.run_lines).sum();
         (lines * 64) as f64 / seconds / 1e9
     }
 }
 
-/// Sums the lines of `runs` (4 KiB each) in order, prefetching ahead.
-fn paged_sum(lines: &[Line], runs: &[u32], isa: Isa) -> f32 {
+/// Sums the lines of `runs` (`run_lines` each, a power of two) in order, prefetching ahead.
+fn paged_sum(lines: &[Line], runs: &[u32], run_lines: usize, isa: Isa) -> f32 {
     match isa {
         // SAFETY: the ISA was detected at run time.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::paged_sum_avx512(lines, runs) },
+        Isa::Avx512 => unsafe { x86::paged_sum_avx512(lines, runs, run_lines) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => unsafe { x86::paged_sum_avx2(lines, runs) },
-        _ => paged_sum_body(lines, runs),
+        Isa::Avx2Fma => unsafe { x86::paged_sum_avx2(lines, runs, run_lines) },
+        _ => paged_sum_body(lines, runs, run_lines),
     }
 }
 
 /// [`paged_sum`]'s body, compiled for each ISA by its caller.
 #[inline(always)]
-fn paged_sum_body(lines: &[Line], runs: &[u32]) -> f32 {
-    let line = |i: usize| &lines[runs[i / RUN_LINES] as usize + i % RUN_LINES];
-    let n = runs.len() * RUN_LINES;
+fn paged_sum_body(lines: &[Line], runs: &[u32], run_lines: usize) -> f32 {
+    debug_assert!(run_lines.is_power_of_two());
+    let (shift, mask) = (run_lines.trailing_zeros(), run_lines - 1);
+    let line = |i: usize| &lines[runs[i >> shift] as usize + (i & mask)];
+    let n = runs.len() * run_lines;
     let mut acc = [[0f32; 16]; 4];
     for i in (0..n).step_by(4) {
         for (k, a) in acc.iter_mut().enumerate() {
@@ -366,6 +477,8 @@ impl Buffer {
     fn new(bytes: usize, threads: usize) -> Buffer {
         let n = (bytes / 64).max(threads * 64);
         let mut lines: Vec<Line> = Vec::with_capacity(n);
+        // Backed like the cpu backend's caches, which the decode rows read.
+        pagedattn::cpu::advise_huge_pages_uninit(lines.spare_capacity_mut());
         // Each thread first-touches (and so places) its own share of the pages.
         std::thread::scope(|s| {
             for (t, part) in lines.spare_capacity_mut()[..n]
@@ -571,13 +684,13 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn paged_sum_avx512(lines: &[Line], runs: &[u32]) -> f32 {
-        super::paged_sum_body(lines, runs)
+    pub unsafe fn paged_sum_avx512(lines: &[Line], runs: &[u32], run_lines: usize) -> f32 {
+        super::paged_sum_body(lines, runs, run_lines)
     }
 
     #[target_feature(enable = "avx2")]
-    pub unsafe fn paged_sum_avx2(lines: &[Line], runs: &[u32]) -> f32 {
-        super::paged_sum_body(lines, runs)
+    pub unsafe fn paged_sum_avx2(lines: &[Line], runs: &[u32], run_lines: usize) -> f32 {
+        super::paged_sum_body(lines, runs, run_lines)
     }
 
     #[target_feature(enable = "avx2")]
@@ -661,5 +774,36 @@ mod x86 {
             total = _mm512_add_ps(total, c);
         }
         _mm512_reduce_add_ps(total)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every read order visits each line of each thread's blocks (keys and values) exactly
+    /// once, and no other line.
+    #[test]
+    fn read_orders_visit_each_line_once() {
+        let block = RUN_LINES * PAGED_HEADS;
+        let lines = 2 * 24 * block;
+        let mut want: Option<Vec<u32>> = None;
+        for order in ReadOrder::ALL {
+            let pattern = PagedPattern::new(lines, 2, order);
+            let mut seen: Vec<u32> = pattern
+                .runs
+                .iter()
+                .flatten()
+                .flat_map(|&r| r..r + pattern.run_lines as u32)
+                .collect();
+            seen.sort_unstable();
+            // 24 blocks per half, 12 per thread: all of them, in both halves.
+            assert_eq!(seen.len(), lines, "{order:?}");
+            assert!(seen.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+            match &want {
+                Some(w) => assert_eq!(&seen, w, "{order:?}"),
+                None => want = Some(seen),
+            }
+        }
     }
 }
