@@ -637,10 +637,10 @@ fn pv_row_chunks<C: Bf16Elem, const R: usize, const W: usize>(
     acc: &mut [f32],
     c: usize,
 ) {
-    // SAFETY: only called under AVX512-BF16 (and VBMI where C needs it); rows with a mask are inside the validated value
-    // buffer and hold d elements (d % 32 == 0, c + 32W <= d), masked-off loads touch no
-    // memory (with `whole`, every column is present); acc is R × d; probability rows start
-    // with the pairs.
+    // SAFETY: only called under AVX512-BF16 (and VBMI where C needs it); rows with a mask are
+    // inside the validated value buffer and hold d elements (d % 32 == 0, c + 32W <= d),
+    // masked-off loads touch no memory (with `whole`, every column is present); acc is R × d;
+    // probability rows start with the pairs.
     unsafe {
         let offsets = columns.offsets;
         // a[r][w] = [low half, high half] of chunk w of row r.

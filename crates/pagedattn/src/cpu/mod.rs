@@ -488,7 +488,15 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             .map(|h| Stream::of_head(h, hkv, kvs[h].head_stride(), unit.keys.end))
             .collect();
         #[cfg(target_arch = "x86_64")]
-        let done = self.decode_bf16(unit, &groups, &mut states, &kvs, &streams);
+        let done = self.decode_bf16(
+            RowsBf16 {
+                unit,
+                groups: &groups,
+                kvs: &kvs,
+                streams: &streams,
+            },
+            &mut states,
+        );
         #[cfg(not(target_arch = "x86_64"))]
         let done = false;
         if !done {
@@ -618,25 +626,12 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
     /// inputs) or an fp8 cache (widened in registers, with AVX512-VBMI). Returns whether it
     /// ran.
     #[cfg(target_arch = "x86_64")]
-    fn decode_bf16(
-        &self,
-        unit: &Unit,
-        groups: &[Group<'_>],
-        states: &mut [RowStates],
-        kvs: &[KvRows<'_, E>],
-        streams: &[Stream],
-    ) -> bool {
+    fn decode_bf16(&self, rows: RowsBf16<'_, '_, E>, states: &mut [RowStates]) -> bool {
         use std::any::TypeId;
         if !(self.bf16_dot && T::DTYPE == DType::BF16 && self.cfg.head_size().is_multiple_of(32)) {
             return false;
         }
         let e = TypeId::of::<E>();
-        let rows = RowsBf16 {
-            unit,
-            groups,
-            kvs,
-            streams,
-        };
         if e == TypeId::of::<half::bf16>() {
             self.attend_rows_bf16::<u16>(rows, states);
         } else if e == TypeId::of::<E4m3>() && widen::has_vbmi() {
