@@ -250,7 +250,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
              decode's access pattern and the {name}, re-measured between the row's own iterations (bw now, \
              pg now, pk now); at the start they were {:.1} GB/s, {:.1} GB/s and {g:.0} GFLOP/s. \
              `!` marks rows during which other processes used over 5% of the CPUs)",
-            ceilings.mem_read_gbs, ceilings.paged_read_gbs
+            ceilings.mem_read_gbs, ceilings.paged_read_gbs()
         ));
     }
     let load_during = run_start

@@ -101,7 +101,7 @@ impl Row {
             paged_read_during: during.paged_read,
             compute_during: during.compute,
             pct_mem_bw: 100.0 * gbs / during.mem_bw.unwrap_or(ceilings.mem_read_gbs),
-            pct_paged_read: 100.0 * gbs / during.paged_read.unwrap_or(ceilings.paged_read_gbs),
+            pct_paged_read: 100.0 * gbs / during.paged_read.unwrap_or(ceilings.paged_read_gbs()),
             pct_compute: 100.0 * gflops / during.compute.unwrap_or(ceilings.compute_ceiling().0),
             load: None,
         }
