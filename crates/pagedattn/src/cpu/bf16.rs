@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use super::kernel::{
     attend, for_row_blocks, score_group, Group, KvRows, RowStates, ScoreMods, Stream, TileRows,
-    TileSource, KEY_TILE, PACK_PREFETCH_KEYS, ROW_BLOCK,
+    TileSource, ValuesAhead, KEY_TILE, PACK_PREFETCH_KEYS, ROW_BLOCK,
 };
 use super::simd::x86::Avx512;
 use super::simd::{Load, Simd};
@@ -91,12 +91,22 @@ fn bh(x: __m512i) -> __m512bh {
 }
 
 impl TileSource for PackedBf16Source<'_> {
+    type Tile<'t>
+        = Range<usize>
+    where
+        Self: 't;
+
     fn alignment(&self) -> (usize, usize) {
         (self.packed.origin, LANES)
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, _s: S, keys: Range<usize>, scores: &mut [f32]) {
+    fn tile(&self, keys: Range<usize>) -> Range<usize> {
+        keys
+    }
+
+    #[inline(always)]
+    fn scores<S: Simd>(&self, _s: S, keys: &Range<usize>, scores: &mut [f32]) {
         let p = self.packed;
         let half = p.d / 2;
         let rows = self.q.len() / half;
@@ -134,7 +144,7 @@ impl TileSource for PackedBf16Source<'_> {
     fn accumulate<S: Simd>(
         &self,
         _s: S,
-        keys: Range<usize>,
+        keys: &Range<usize>,
         _absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
@@ -322,19 +332,34 @@ impl<C, const D: usize> RowsBf16Source<'_, C, D> {
 }
 
 impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
+    type Tile<'t>
+        = TileRows<'t, C>
+    where
+        Self: 't;
+
     fn alignment(&self) -> (usize, usize) {
         (0, 1)
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, _s: S, keys: Range<usize>, scores: &mut [f32]) {
+    fn tile(&self, keys: Range<usize>) -> TileRows<'_, C> {
+        TileRows::new(
+            &self.kv,
+            keys,
+            self.stream,
+            self.head_size(),
+            ValuesAhead::FromValues,
+        )
+    }
+
+    #[inline(always)]
+    fn scores<S: Simd>(&self, _s: S, tile: &TileRows<'_, C>, scores: &mut [f32]) {
         // SAFETY: this source only runs inside `attend_bf16` (see `Bf16Source`).
         let s = unsafe { Avx512::assume_bf16() };
         // SAFETY: as above (and AVX512-VBMI where C needs it, see `attend_bf16`).
         let table = unsafe { C::table() };
         let half = self.head_size() / 2;
         let rows = self.q.len() / half;
-        let tile = TileRows::new(&self.kv, keys, self.stream, self.head_size());
         if !self.quads.is_empty() {
             let d = self.head_size();
             for (b, quad) in self.quads.chunks_exact(2 * d).enumerate() {
@@ -342,7 +367,7 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
                     quad_scores(
                         s,
                         table,
-                        &tile,
+                        tile,
                         t0,
                         quad,
                         d,
@@ -357,7 +382,7 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
         for t0 in (0..tile.len).step_by(LANES) {
             for_row_blocks!(rows, |r0, R| score_group(
                 s,
-                &tile,
+                tile,
                 t0,
                 r0,
                 self.scale,
@@ -370,16 +395,14 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
     #[inline(always)]
     fn accumulate<S: Simd>(
         &self,
-        _s: S,
-        keys: Range<usize>,
+        s: S,
+        tile: &TileRows<'_, C>,
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
         let rows = state.m.len();
         probs_to_pairs(probs, rows);
-        let mut offsets = [0usize; KEY_TILE];
-        self.kv.rows_into(keys.clone(), &mut offsets);
         // Column t's load mask: all ones for a key to read; positions that are not keys, and
         // the odd tail column of the last pair, load as zeros without touching memory. (An
         // array, not a bitmask: the same mask folded into a u128 came out with a bit missing
@@ -388,18 +411,19 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
         for (m, &a) in masks.iter_mut().zip(absent) {
             *m = if a { 0 } else { u32::MAX };
         }
-        let pairs = keys.len().div_ceil(2);
+        let pairs = tile.len.div_ceil(2);
         let whole = masks[..2 * pairs].iter().all(|&m| m != 0);
         let columns = ValueColumns {
             // SAFETY: only run inside `attend_bf16` (see `scores`).
             table: unsafe { C::table() },
             values: self.kv.value,
-            offsets: &offsets[..2 * pairs],
+            tile,
             masks: &masks[..2 * pairs],
             whole,
         };
         let d = self.head_size();
-        for_row_blocks!(rows, |r0, R| pv_rows::<C, R>(
+        for_row_blocks!(rows, |r0, R| pv_rows::<S, C, R>(
+            s,
             columns,
             d,
             probs,
@@ -571,20 +595,21 @@ fn qk_partial<C: Bf16Elem, const R: usize>(table: C::Table, q: &[u32], k: &[C]) 
 
 /// The value rows of a tile's columns (pairs of them), as the decode's P·V reads them.
 #[derive(Clone, Copy)]
-struct ValueColumns<'a, C: Bf16Elem> {
+struct ValueColumns<'a, 't, C: Bf16Elem> {
     /// How the rows widen to bf16.
     table: C::Table,
     /// The value buffer (bf16 bits or fp8 codes).
     values: &'a [C],
-    /// Column t's value row.
-    offsets: &'a [usize],
-    /// Column t's load mask: zero where it is not a key (loads zeros, touches no memory).
+    /// Where the columns' rows are, and the rows to ask for ahead.
+    tile: &'a TileRows<'t, C>,
+    /// Column t's load mask: zero where it is not a key (loads zeros, touches no memory), and
+    /// for the odd tail column of the last pair, which is past the tile.
     masks: &'a [u32],
     /// Every column is a key: plain loads.
     whole: bool,
 }
 
-impl<C: Bf16Elem> ValueColumns<'_, C> {
+impl<C: Bf16Elem> ValueColumns<'_, '_, C> {
     /// Elements `c..c + 32 * W` of column `t`'s row, as bf16 (a function, not a closure:
     /// closures do not take the kernel's target features and may stay calls).
     ///
@@ -592,7 +617,8 @@ impl<C: Bf16Elem> ValueColumns<'_, C> {
     /// Under the kernel's target features; `t` a column, `c + 32 * W <= d`.
     #[inline(always)]
     unsafe fn chunks<const W: usize>(&self, t: usize, c: usize) -> [__m512i; W] {
-        let p = self.values.as_ptr().wrapping_add(self.offsets[t] + c);
+        let row = self.tile.rows().get(t).copied().unwrap_or(0);
+        let p = self.values.as_ptr().wrapping_add(row + c);
         let mask = if self.whole {
             None
         } else {
@@ -604,10 +630,12 @@ impl<C: Bf16Elem> ValueColumns<'_, C> {
 
 /// P·V for rows `r0..r0+R` over value rows taken two keys at a time (permuted order). Two
 /// 32-element chunks at a time where the accumulators fit in registers (R <= 4), so that each
-/// broadcast probability pair serves both.
+/// broadcast probability pair serves both. The first row block asks for the value rows ahead
+/// ([`TileRows::prefetch_value_ahead`]), each chunk its part.
 #[inline(always)]
-fn pv_rows<C: Bf16Elem, const R: usize>(
-    columns: ValueColumns<'_, C>,
+fn pv_rows<S: Simd, C: Bf16Elem, const R: usize>(
+    s: S,
+    columns: ValueColumns<'_, '_, C>,
     d: usize,
     probs: &[f32],
     r0: usize,
@@ -618,31 +646,35 @@ fn pv_rows<C: Bf16Elem, const R: usize>(
     let mut c = 0;
     if R <= 4 {
         while c + 2 * CHUNK <= d {
-            pv_row_chunks::<C, R, 2>(columns, d, probs, acc, c);
+            pv_row_chunks::<S, C, R, 2>(s, columns, d, probs, acc, c, r0 == 0);
             c += 2 * CHUNK;
         }
     }
     while c < d {
-        pv_row_chunks::<C, R, 1>(columns, d, probs, acc, c);
+        pv_row_chunks::<S, C, R, 1>(s, columns, d, probs, acc, c, r0 == 0);
         c += CHUNK;
     }
 }
 
-/// [`pv_rows`] for the `W` 32-element chunks from dimension `c`.
+/// [`pv_rows`] for the `W` 32-element chunks from dimension `c`; with `prefetch`, asking for
+/// those chunks of the value rows ahead.
 #[inline(always)]
-fn pv_row_chunks<C: Bf16Elem, const R: usize, const W: usize>(
-    columns: ValueColumns<'_, C>,
+fn pv_row_chunks<S: Simd, C: Bf16Elem, const R: usize, const W: usize>(
+    s: S,
+    columns: ValueColumns<'_, '_, C>,
     d: usize,
     probs: &[f32],
     acc: &mut [f32],
     c: usize,
+    prefetch: bool,
 ) {
+    let size = std::mem::size_of::<C>();
+    let bytes = c * size..(c + W * CHUNK) * size;
     // SAFETY: only called under AVX512-BF16 (and VBMI where C needs it); rows with a mask are
     // inside the validated value buffer and hold d elements (d % 32 == 0, c + 32W <= d),
     // masked-off loads touch no memory (with `whole`, every column is present); acc is R × d;
     // probability rows start with the pairs.
     unsafe {
-        let offsets = columns.offsets;
         // a[r][w] = [low half, high half] of chunk w of row r.
         let mut a = [[[_mm512_setzero_ps(); 2]; W]; R];
         for (r, row) in a.iter_mut().enumerate() {
@@ -651,7 +683,13 @@ fn pv_row_chunks<C: Bf16Elem, const R: usize, const W: usize>(
                 *x = [_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(LANES))];
             }
         }
-        for p in 0..offsets.len() / 2 {
+        for p in 0..columns.masks.len() / 2 {
+            if prefetch {
+                columns.tile.prefetch_value_ahead(s, 2 * p, bytes.clone());
+                columns
+                    .tile
+                    .prefetch_value_ahead(s, 2 * p + 1, bytes.clone());
+            }
             let (va, vb) = (
                 columns.chunks::<W>(2 * p, c),
                 columns.chunks::<W>(2 * p + 1, c),

@@ -239,13 +239,21 @@ impl RowStates {
 pub trait TileSource {
     /// Tiles start at `origin + k * step` (packed layouts need aligned column groups).
     fn alignment(&self) -> (usize, usize);
-    /// Scores of every row for `keys` into `scores` (`[rows][KEY_TILE]`, scale applied).
-    fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]);
-    /// `acc[r] += Σ_j p[r][j] · v_j` over `keys`, skipping positions marked absent.
+    /// What the scores and the values of one tile share (where its rows are, say).
+    type Tile<'t>
+    where
+        Self: 't;
+    /// The tile of `keys`, which [`TileSource::scores`] and then [`TileSource::accumulate`]
+    /// visit.
+    fn tile(&self, keys: Range<usize>) -> Self::Tile<'_>;
+    /// Scores of every row for the tile's keys into `scores` (`[rows][KEY_TILE]`, scale
+    /// applied).
+    fn scores<S: Simd>(&self, s: S, tile: &Self::Tile<'_>, scores: &mut [f32]);
+    /// `acc[r] += Σ_j p[r][j] · v_j` over the tile's keys, skipping positions marked absent.
     fn accumulate<S: Simd>(
         &self,
         s: S,
-        keys: Range<usize>,
+        tile: &Self::Tile<'_>,
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
@@ -329,7 +337,8 @@ pub fn attend<S: Simd, Src: TileSource>(
             && (!mods.causal
                 || (end <= first_row + 1 && mods.window.is_none_or(|w| start + w > last_row)));
         for ((source, group), state) in sources.iter().zip(groups).zip(states.iter_mut()) {
-            source.scores(s, start..end, &mut scores);
+            let tile = source.tile(start..end);
+            source.scores(s, &tile, &mut scores);
             for r in 0..rows {
                 let row = &mut scores[r * KEY_TILE..(r + 1) * KEY_TILE];
                 if !unmasked {
@@ -343,7 +352,7 @@ pub fn attend<S: Simd, Src: TileSource>(
                 }
                 softmax_step(s, row, r, d, state);
             }
-            source.accumulate(s, start..end, &tile_absent[..n], &mut scores, state);
+            source.accumulate(s, &tile, &tile_absent[..n], &mut scores, state);
         }
         start = end;
     }
@@ -409,19 +418,34 @@ const PREFETCH_L2_KEYS: usize = 48;
 const MAX_LANES: usize = 16;
 
 impl<E: Load> TileSource for RowsSource<'_, E> {
+    type Tile<'t>
+        = TileRows<'t, E>
+    where
+        Self: 't;
+
     fn alignment(&self) -> (usize, usize) {
         (0, 1)
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
+    fn tile(&self, keys: Range<usize>) -> TileRows<'_, E> {
+        TileRows::new(
+            &self.kv,
+            keys,
+            self.stream,
+            self.kv.head_size,
+            ValuesAhead::WithKeys,
+        )
+    }
+
+    #[inline(always)]
+    fn scores<S: Simd>(&self, s: S, tile: &TileRows<'_, E>, scores: &mut [f32]) {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
-        let tile = TileRows::new(&self.kv, keys, self.stream, d);
         for t0 in (0..tile.len).step_by(S::LANES) {
             for_row_blocks!(rows, |r0, R| score_group(
                 s,
-                &tile,
+                tile,
                 t0,
                 r0,
                 1.0,
@@ -435,28 +459,33 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     fn accumulate<S: Simd>(
         &self,
         s: S,
-        keys: Range<usize>,
+        tile: &TileRows<'_, E>,
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
-        let mut value_rows = [0usize; KEY_TILE];
-        self.kv.rows_into(keys, &mut value_rows);
-        accumulate_rows(
-            s,
-            self.kv.value,
-            &value_rows[..absent.len()],
-            absent,
-            probs,
-            state,
-        );
+        accumulate_rows(s, self.kv.value, tile.rows(), absent, probs, state);
     }
 }
 
+/// When a decode kernel asks for the value rows `PREFETCH_L2_KEYS` steps ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValuesAhead {
+    /// With the key rows, while scoring (the portable kernels: their P·V pass walks each
+    /// row's vectors across the whole tile, and asking from there measured 12-25% slower).
+    WithKeys,
+    /// From the P·V pass ([`TileRows::prefetch_value_ahead`]: the AVX512-BF16 kernels, which
+    /// score faster than the memory delivers; asked for while scoring, the memory idled through
+    /// their P·V pass and decode was 3-12% slower).
+    FromValues,
+}
+
 /// The cache rows of one decode tile, with the prefetch stream that runs ahead of them (in the
-/// order the heads visit rows, see [`Stream`], up to the end of the visited keys): both rows
-/// `PREFETCH_L2_KEYS` steps ahead into L2, the key row `PREFETCH_KEYS` steps ahead into L1,
-/// and the value row of the key being scored, which the P·V pass reads after the tile's scores.
+/// order the heads visit rows, see [`Stream`], up to the end of the visited keys): the scores
+/// ask for the key row `PREFETCH_L2_KEYS` steps ahead into L2, the key row `PREFETCH_KEYS`
+/// steps ahead into L1 and the value row of the key being scored, which the P·V pass reads
+/// after the tile's scores; the value row `PREFETCH_L2_KEYS` steps ahead goes into L2 as
+/// [`ValuesAhead`] says.
 pub struct TileRows<'a, E> {
     kv: &'a KvRows<'a, E>,
     offsets: [usize; KEY_TILE + PREFETCH_L2_KEYS],
@@ -467,6 +496,8 @@ pub struct TileRows<'a, E> {
     l1: [usize; KEY_TILE],
     /// Per column: the key and value rows to prefetch into L2, or [`NONE`].
     l2: [usize; KEY_TILE],
+    /// Who asks for the value rows in `l2`.
+    values_ahead: ValuesAhead,
 }
 
 impl<'a, E> TileRows<'a, E> {
@@ -474,7 +505,13 @@ impl<'a, E> TileRows<'a, E> {
     /// (the head size, passed apart so that a kernel specialized for one can make it a
     /// constant).
     #[inline(always)]
-    pub fn new(kv: &'a KvRows<'a, E>, keys: Range<usize>, stream: Stream, d: usize) -> Self {
+    pub fn new(
+        kv: &'a KvRows<'a, E>,
+        keys: Range<usize>,
+        stream: Stream,
+        d: usize,
+        values_ahead: ValuesAhead,
+    ) -> Self {
         debug_assert_eq!(d, kv.head_size);
         let reach = keys.start..(keys.end + PREFETCH_L2_KEYS).min(stream.keys_end);
         let mut offsets = [0usize; KEY_TILE + PREFETCH_L2_KEYS];
@@ -506,6 +543,7 @@ impl<'a, E> TileRows<'a, E> {
             d,
             l1: stream_rows(PREFETCH_KEYS),
             l2: stream_rows(PREFETCH_L2_KEYS),
+            values_ahead,
         }
     }
 
@@ -525,7 +563,9 @@ impl<'a, E> TileRows<'a, E> {
                 let far = *self.l2.get_unchecked(t);
                 if far != NONE {
                     prefetch_row(s, row(self.kv.key, far), Level::L2);
-                    prefetch_row(s, row(self.kv.value, far), Level::L2);
+                    if self.values_ahead == ValuesAhead::WithKeys {
+                        prefetch_row(s, row(self.kv.value, far), Level::L2);
+                    }
                 }
                 let near = *self.l1.get_unchecked(t);
                 if near != NONE {
@@ -538,6 +578,31 @@ impl<'a, E> TileRows<'a, E> {
                 );
             }
             row(self.kv.key, *self.offsets.get_unchecked(t))
+        }
+    }
+}
+
+impl<E> TileRows<'_, E> {
+    /// Element offsets of the tile's rows, one per column.
+    #[inline(always)]
+    pub fn rows(&self) -> &[usize] {
+        &self.offsets[..self.len]
+    }
+
+    /// Asks for bytes `bytes` of the value row `PREFETCH_L2_KEYS` steps ahead of column `t`
+    /// into L2 (the lines that start there: a P·V pass that reads rows in parts asks for each
+    /// part's share as it goes). For tiles made with [`ValuesAhead::FromValues`].
+    #[inline(always)]
+    pub fn prefetch_value_ahead<S: Simd>(&self, s: S, t: usize, bytes: Range<usize>) {
+        debug_assert_eq!(self.values_ahead, ValuesAhead::FromValues);
+        let far = self.l2[t];
+        if far == NONE {
+            return;
+        }
+        let row = self.kv.value.as_ptr().wrapping_add(far) as *const u8;
+        let end = bytes.end.min(self.d * std::mem::size_of::<E>());
+        for line in (bytes.start.next_multiple_of(64)..end).step_by(64) {
+            s.prefetch_l2(row.wrapping_add(line));
         }
     }
 }

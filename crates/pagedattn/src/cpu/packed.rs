@@ -97,12 +97,22 @@ pub struct PackedF32Source<'a> {
 }
 
 impl TileSource for PackedF32Source<'_> {
+    type Tile<'t>
+        = Range<usize>
+    where
+        Self: 't;
+
     fn alignment(&self) -> (usize, usize) {
         (self.packed.origin, self.packed.lanes)
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, s: S, keys: Range<usize>, scores: &mut [f32]) {
+    fn tile(&self, keys: Range<usize>) -> Range<usize> {
+        keys
+    }
+
+    #[inline(always)]
+    fn scores<S: Simd>(&self, s: S, keys: &Range<usize>, scores: &mut [f32]) {
         let p = self.packed;
         debug_assert_eq!(p.lanes, S::LANES);
         let rows = self.q.len() / p.d;
@@ -119,14 +129,14 @@ impl TileSource for PackedF32Source<'_> {
     fn accumulate<S: Simd>(
         &self,
         s: S,
-        keys: Range<usize>,
+        keys: &Range<usize>,
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
         let p = self.packed;
         let mut rows = [0usize; KEY_TILE];
-        for (t, j) in keys.enumerate() {
+        for (t, j) in keys.clone().enumerate() {
             rows[t] = (j - p.origin) * p.d;
         }
         accumulate_rows(s, &p.v, &rows[..absent.len()], absent, probs, state);
