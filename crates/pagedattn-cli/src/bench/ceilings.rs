@@ -184,6 +184,16 @@ impl Ceilings {
         self.read_orders[DECODE_ORDER].gbs
     }
 
+    /// The memory's own paging overhead: how much faster the decode's read order goes over
+    /// blocks in address order than over shuffled ones (median of the per-round ratios).
+    pub fn memory_paging_ratio(&self) -> f64 {
+        let at = ReadOrder::ALL
+            .iter()
+            .position(|&o| o == ReadOrder::ContiguousBlocks)
+            .expect("one of the orders");
+        self.read_orders[DECODE_ORDER + at].vs_decode
+    }
+
     /// The compute ceiling prefill is compared with: the bf16 dot peak of all cores, or the
     /// f32 FMA peak where there is no bf16 dot instruction. Returns (GFLOP/s, its name).
     pub fn compute_ceiling(&self) -> (f64, &'static str) {
@@ -329,6 +339,9 @@ struct PagedPattern {
 pub enum ReadOrder {
     /// The decode kernel's: head by head over tiles of 4 blocks, 4 KiB runs.
     Decode,
+    /// The decode's order over a contiguous block table (blocks in address order), as the
+    /// paging suite's contiguous row reads them.
+    ContiguousBlocks,
     /// Each block whole (keys, then values), blocks in table order: 32 KiB runs.
     WholeBlocks,
     /// The decode's order over the token-major layout `[NB, B, Hkv, D]`: a head's row of each
@@ -338,8 +351,9 @@ pub enum ReadOrder {
 
 impl ReadOrder {
     /// Every order, the decode's first.
-    pub const ALL: [ReadOrder; 3] = [
+    pub const ALL: [ReadOrder; 4] = [
         ReadOrder::Decode,
+        ReadOrder::ContiguousBlocks,
         ReadOrder::WholeBlocks,
         ReadOrder::TokenMajor,
     ];
@@ -348,6 +362,7 @@ impl ReadOrder {
     pub fn name(self) -> &'static str {
         match self {
             ReadOrder::Decode => "decode order",
+            ReadOrder::ContiguousBlocks => "decode order on contiguous blocks",
             ReadOrder::WholeBlocks => "whole blocks",
             ReadOrder::TokenMajor => "token-major layout",
         }
@@ -384,10 +399,12 @@ impl PagedPattern {
         let blocks = half / block;
         // A fixed shuffle of the blocks, as the decode workloads' block tables get.
         let mut order: Vec<u32> = (0..blocks as u32).collect();
-        shuffle(&mut order, 0x5EED);
+        if read != ReadOrder::ContiguousBlocks {
+            shuffle(&mut order, 0x5EED);
+        }
         let per_thread = (blocks / threads.max(1)) / TILE_BLOCKS * TILE_BLOCKS;
         let run_lines = match read {
-            ReadOrder::Decode => RUN_LINES,
+            ReadOrder::Decode | ReadOrder::ContiguousBlocks => RUN_LINES,
             ReadOrder::WholeBlocks => block,
             ReadOrder::TokenMajor => ROW_LINES,
         };
@@ -407,7 +424,7 @@ impl PagedPattern {
                     for head in 0..PAGED_HEADS {
                         for base in [0, half] {
                             for b in tile.clone() {
-                                if read == ReadOrder::Decode {
+                                if run_lines == RUN_LINES {
                                     push(base + b + head * RUN_LINES);
                                     continue;
                                 }

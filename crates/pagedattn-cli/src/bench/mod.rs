@@ -219,7 +219,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                         out.line(&r.line());
                         rows.push(r.to_json());
                     }
-                    let p = PagingOverhead::new(&measured[0].stats, &measured[1].stats);
+                    let p = PagingOverhead::new(
+                        &measured[0].stats,
+                        &measured[1].stats,
+                        ceilings.memory_paging_ratio(),
+                    );
                     out.line(&p.line());
                     paging = Some(p);
                 }

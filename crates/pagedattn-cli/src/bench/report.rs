@@ -211,22 +211,27 @@ pub struct PagingOverhead {
     pub ratio_median: f64,
     /// Fastest shuffled / fastest contiguous.
     pub ratio_min: f64,
+    /// The same ratio for the memory alone: the decode's read order without the kernel
+    /// ([`super::ceilings::Ceilings::memory_paging_ratio`]).
+    pub memory_ratio: f64,
 }
 
 impl PagingOverhead {
-    /// From the contiguous and the shuffled timings.
-    pub fn new(contiguous: &Stats, shuffled: &Stats) -> PagingOverhead {
+    /// From the contiguous and the shuffled timings, and the memory's own ratio.
+    pub fn new(contiguous: &Stats, shuffled: &Stats, memory_ratio: f64) -> PagingOverhead {
         PagingOverhead {
             ratio_median: shuffled.median / contiguous.median,
             ratio_min: shuffled.min / contiguous.min,
+            memory_ratio,
         }
     }
 
     /// One line for the table.
     pub fn line(&self) -> String {
         format!(
-            "paging overhead: shuffled / contiguous = {:.3} (medians), {:.3} (minimums)",
-            self.ratio_median, self.ratio_min
+            "paging overhead: shuffled / contiguous = {:.3} (medians), {:.3} (minimums); \
+             the memory's alone (the decode's read order, loads only): {:.3}",
+            self.ratio_median, self.ratio_min, self.memory_ratio
         )
     }
 
@@ -235,6 +240,7 @@ impl PagingOverhead {
         json!({
             "ratio_paged_over_contiguous": self.ratio_median,
             "ratio_paged_over_contiguous_min": self.ratio_min,
+            "memory_ratio_paged_over_contiguous": self.memory_ratio,
         })
     }
 }
