@@ -10,7 +10,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand};
-use pagedattn::{registry, replay, Error, Result};
+use pagedattn::replay::{ReplayCase, ReplayOutput};
+use pagedattn::{registry, replay, Backend, DType, Error, Result};
 
 #[derive(Parser)]
 #[command(name = "pagedattn", version, about = "Attention over a paged KV cache")]
@@ -21,6 +22,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Runs one forward call, of the built-in workload (the example mixed batch: chunked
+    /// prefills over cached context, a fresh prompt and decodes, GQA, bf16) or of a replay
+    /// case, on a backend, and checks its output against the `reference` backend.
+    Run {
+        /// A replay case (safetensors) to run instead of the built-in workload.
+        #[arg(long)]
+        input: Option<PathBuf>,
+        /// Backend name, or `auto` for the best one available.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Where to write `output` and the caches after the call, if anywhere.
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
     /// Replays one captured forward call (docs/replay-format.md) and writes its results.
     Forward {
         /// The replay case (safetensors).
@@ -64,18 +79,24 @@ fn write(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
-fn forward(input: &Path, backend: &str, output: &Path) -> Result<()> {
-    let in_input = |e: Error| Error::Format(format!("{}: {e}", input.display()));
-    let case = replay::read_case(&read(input)?).map_err(in_input)?;
-    let backend = registry::backend(backend)?;
+/// Reads a replay case; errors name the file.
+fn read_case(input: &Path) -> Result<ReplayCase> {
+    replay::read_case(&read(input)?).map_err(|e| Error::Format(format!("{}: {e}", input.display())))
+}
+
+/// Runs `case` on `backend`: the results and the milliseconds the call took.
+fn run_timed(case: &ReplayCase, backend: &dyn Backend) -> Result<(ReplayOutput, f64)> {
     let start = Instant::now();
-    let result = replay::run_case(&case, backend.as_ref()).map_err(in_input)?;
-    let elapsed = start.elapsed();
-    write(output, &replay::write_output(&result)?)?;
+    let result = replay::run_case(case, backend)?;
+    Ok((result, start.elapsed().as_secs_f64() * 1e3))
+}
+
+/// One line on what ran: backend, call, batch, shapes, time.
+fn describe(case: &ReplayCase, backend: &dyn Backend, ms: f64) -> String {
     let md = &case.metadata;
     let c = &case.config;
-    print_ignoring_closed_pipe(&format!(
-        "{}: {} {} call, {} prefill + {} decode sequences, {} query tokens, H={} Hkv={} D={} {} (cache {}), {:.2} ms -> {}\n",
+    format!(
+        "{}: {} {} call, {} prefill + {} decode sequences, {} query tokens, H={} Hkv={} D={} {} (cache {}), {ms:.2} ms",
         backend.name(),
         c.attn_type(),
         case.query.dtype(),
@@ -87,10 +108,87 @@ fn forward(input: &Path, backend: &str, output: &Path) -> Result<()> {
         c.head_size(),
         if case.kv_cache.is_some() { "paged" } else { "none" },
         c.kv_cache_dtype(),
-        elapsed.as_secs_f64() * 1e3,
-        output.display(),
-    ));
+    )
+}
+
+fn forward(input: &Path, backend: &str, output: &Path) -> Result<()> {
+    let case = read_case(input)?;
+    let backend = registry::backend(backend)?;
+    let (result, ms) = run_timed(&case, backend.as_ref())
+        .map_err(|e| Error::Format(format!("{}: {e}", input.display())))?;
+    write(output, &replay::write_output(&result)?)?;
+    let line = describe(&case, backend.as_ref(), ms);
+    print_ignoring_closed_pipe(&format!("{line} -> {}\n", output.display()));
     Ok(())
+}
+
+/// How far an output may be from `reference`'s beyond one ulp of the element's own dtype, as
+/// a fraction of the output's largest magnitude: f32 kernels differ by f32 roundings, and the
+/// bf16 kernels round probabilities to bf16 for their P·V (at most 2^-8 of the values' scale;
+/// README "bf16 rounding").
+fn tolerance(dtype: DType) -> (f32, f32) {
+    // (one ulp, allowance)
+    match dtype {
+        DType::F32 => (f32::EPSILON, 1e-5),
+        DType::F16 => (2f32.powi(-10), 2e-3),
+        _ => (2f32.powi(-7), 1e-2),
+    }
+}
+
+/// The largest `|got - want|` beyond one ulp, over the largest `|want|`; NaN where an element
+/// of either is not finite.
+fn worst_difference(got: &[f32], want: &[f32], ulp: f32) -> f32 {
+    let scale = want.iter().fold(f32::MIN_POSITIVE, |m, x| m.max(x.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(&a, &b)| {
+            let beyond = (a - b).abs() - ulp * a.abs().max(b.abs());
+            // (`f32::max` would drop a NaN.)
+            if beyond.is_nan() {
+                f32::NAN
+            } else {
+                beyond.max(0.0) / scale
+            }
+        })
+        .fold(0.0f32, |w, e| {
+            if e.is_nan() || w.is_nan() {
+                f32::NAN
+            } else {
+                w.max(e)
+            }
+        })
+}
+/// `pagedattn run`: the case (or the built-in workload) on `backend`, checked against
+/// `reference`. Returns whether the output matched.
+fn run(input: Option<&Path>, backend: &str, output: Option<&Path>) -> Result<bool> {
+    let case = match input {
+        Some(path) => read_case(path)?,
+        None => example::mixed_batch(0),
+    };
+    let backend = registry::backend(backend)?;
+    let (result, ms) = run_timed(&case, backend.as_ref())?;
+    if let Some(path) = output {
+        write(path, &replay::write_output(&result)?)?;
+    }
+    let reference = registry::backend("reference")?;
+    let (expected, _) = run_timed(&case, reference.as_ref())?;
+    let (ulp, tol) = tolerance(expected.output.dtype());
+    let worst = worst_difference(
+        &result.output.to_f32_vec(),
+        &expected.output.to_f32_vec(),
+        ulp,
+    );
+    let matched = worst <= tol;
+    let workload = match input {
+        Some(path) => path.display().to_string(),
+        None => "built-in workload (the example mixed batch)".into(),
+    };
+    print_ignoring_closed_pipe(&format!(
+        "{workload}\n{}\noutput vs reference: largest difference beyond one ulp {worst:.1e} of the output's largest magnitude (allowed {tol:.0e}): {}\n",
+        describe(&case, backend.as_ref(), ms),
+        if matched { "ok" } else { "MISMATCH" },
+    ));
+    Ok(matched)
 }
 
 /// The text of `pagedattn info`.
@@ -175,6 +273,14 @@ fn print_ignoring_closed_pipe(text: &str) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run {
+            input,
+            backend,
+            output,
+        } => match run(input.as_deref(), &backend, output.as_deref()) {
+            Ok(false) => return ExitCode::FAILURE,
+            other => other.map(|_| ()),
+        },
         Command::Forward {
             input,
             backend,
@@ -196,5 +302,26 @@ fn main() -> ExitCode {
             eprintln!("error: {line}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worst_difference_scales_by_the_largest_output_and_flags_nan() {
+        let want = [1.0, -4.0, 0.001];
+        let ulp = 2f32.powi(-7);
+        // Within one ulp of each element: nothing beyond it.
+        let got = [1.0 + ulp / 2.0, -4.0, 0.001];
+        assert_eq!(worst_difference(&got, &want, ulp), 0.0);
+        // 0.04 off an element, beyond its ulp (0.001 * 2^-7), over the largest |want| 4.
+        let got = [1.0, -4.0, 0.041];
+        let w = worst_difference(&got, &want, ulp);
+        assert!((w - (0.04 - ulp * 0.041) / 4.0).abs() < 1e-6, "{w}");
+        let (_, tol) = tolerance(DType::BF16);
+        assert!(worst_difference(&[0.0; 3], &want, ulp) > tol);
+        assert!(worst_difference(&[1.0, f32::NAN, 0.001], &want, ulp).is_nan());
     }
 }
