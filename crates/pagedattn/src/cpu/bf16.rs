@@ -617,6 +617,7 @@ impl<C: Bf16Elem> ValueColumns<'_, '_, C> {
     /// Under the kernel's target features; `t` a column, `c + 32 * W <= d`.
     #[inline(always)]
     unsafe fn chunks<const W: usize>(&self, t: usize, c: usize) -> [__m512i; W] {
+        // The odd tail column past the tile has no row: any address, its mask reads nothing.
         let row = self.tile.rows().get(t).copied().unwrap_or(0);
         let p = self.values.as_ptr().wrapping_add(row + c);
         let mask = if self.whole {

@@ -580,9 +580,7 @@ impl<'a, E> TileRows<'a, E> {
             row(self.kv.key, *self.offsets.get_unchecked(t))
         }
     }
-}
 
-impl<E> TileRows<'_, E> {
     /// Element offsets of the tile's rows, one per column.
     #[inline(always)]
     pub fn rows(&self) -> &[usize] {
