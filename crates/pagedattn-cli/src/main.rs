@@ -79,9 +79,14 @@ fn write(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
+/// `e`, named as an error in the replay case `input`.
+fn in_case(input: &Path, e: Error) -> Error {
+    Error::Format(format!("{}: {e}", input.display()))
+}
+
 /// Reads a replay case; errors name the file.
 fn read_case(input: &Path) -> Result<ReplayCase> {
-    replay::read_case(&read(input)?).map_err(|e| Error::Format(format!("{}: {e}", input.display())))
+    replay::read_case(&read(input)?).map_err(|e| in_case(input, e))
 }
 
 /// Runs `case` on `backend`: the results and the milliseconds the call took.
@@ -114,8 +119,7 @@ fn describe(case: &ReplayCase, backend: &dyn Backend, ms: f64) -> String {
 fn forward(input: &Path, backend: &str, output: &Path) -> Result<()> {
     let case = read_case(input)?;
     let backend = registry::backend(backend)?;
-    let (result, ms) = run_timed(&case, backend.as_ref())
-        .map_err(|e| Error::Format(format!("{}: {e}", input.display())))?;
+    let (result, ms) = run_timed(&case, backend.as_ref()).map_err(|e| in_case(input, e))?;
     write(output, &replay::write_output(&result)?)?;
     let line = describe(&case, backend.as_ref(), ms);
     print_ignoring_closed_pipe(&format!("{line} -> {}\n", output.display()));
@@ -158,6 +162,7 @@ fn worst_difference(got: &[f32], want: &[f32], ulp: f32) -> f32 {
             }
         })
 }
+
 /// `pagedattn run`: the case (or the built-in workload) on `backend`, checked against
 /// `reference`. Returns whether the output matched.
 fn run(input: Option<&Path>, backend: &str, output: Option<&Path>) -> Result<bool> {
@@ -166,12 +171,16 @@ fn run(input: Option<&Path>, backend: &str, output: Option<&Path>) -> Result<boo
         None => example::mixed_batch(0),
     };
     let backend = registry::backend(backend)?;
-    let (result, ms) = run_timed(&case, backend.as_ref())?;
+    let name_case = |e: Error| match input {
+        Some(path) => in_case(path, e),
+        None => e,
+    };
+    let (result, ms) = run_timed(&case, backend.as_ref()).map_err(name_case)?;
     if let Some(path) = output {
         write(path, &replay::write_output(&result)?)?;
     }
     let reference = registry::backend("reference")?;
-    let (expected, _) = run_timed(&case, reference.as_ref())?;
+    let (expected, _) = run_timed(&case, reference.as_ref()).map_err(name_case)?;
     let (ulp, tol) = tolerance(expected.output.dtype());
     let worst = worst_difference(
         &result.output.to_f32_vec(),

@@ -126,7 +126,7 @@ impl Ceilings {
                 vs_decode: median(
                     &rounds
                         .iter()
-                        .map(|r| r[i] / r[DECODE_ORDER])
+                        .map(|r| r[i] / r[ReadOrder::Decode.round_index()])
                         .collect::<Vec<_>>(),
                 ),
             })
@@ -181,17 +181,13 @@ impl Ceilings {
 
     /// Read rate of the headline decode's access pattern with every thread, GB/s (median).
     pub fn paged_read_gbs(&self) -> f64 {
-        self.read_orders[DECODE_ORDER].gbs
+        self.read_orders[ReadOrder::Decode.round_index()].gbs
     }
 
     /// The memory's own paging overhead: how much faster the decode's read order goes over
     /// blocks in address order than over shuffled ones (median of the per-round ratios).
     pub fn memory_paging_ratio(&self) -> f64 {
-        let at = ReadOrder::ALL
-            .iter()
-            .position(|&o| o == ReadOrder::ContiguousBlocks)
-            .expect("one of the orders");
-        self.read_orders[DECODE_ORDER + at].vs_decode
+        self.read_orders[ReadOrder::ContiguousBlocks.round_index()].vs_decode
     }
 
     /// The compute ceiling prefill is compared with: the bf16 dot peak of all cores, or the
@@ -367,11 +363,15 @@ impl ReadOrder {
             ReadOrder::TokenMajor => "token-major layout",
         }
     }
-}
 
-/// Where the decode's order is in a round of [`Ceilings::read_orders`] (after the sequential
-/// read).
-const DECODE_ORDER: usize = 1;
+    /// Its place in a round of [`Ceilings::read_orders`] (after the sequential read).
+    fn round_index(self) -> usize {
+        1 + ReadOrder::ALL
+            .iter()
+            .position(|&o| o == self)
+            .expect("one of the orders")
+    }
+}
 
 /// Lines of one kv head's rows in one block (4 KiB).
 const RUN_LINES: usize = 64;
@@ -424,7 +424,7 @@ impl PagedPattern {
                     for head in 0..PAGED_HEADS {
                         for base in [0, half] {
                             for b in tile.clone() {
-                                if run_lines == RUN_LINES {
+                                if read != ReadOrder::TokenMajor {
                                     push(base + b + head * RUN_LINES);
                                     continue;
                                 }

@@ -416,7 +416,6 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
         let columns = ValueColumns {
             // SAFETY: only run inside `attend_bf16` (see `scores`).
             table: unsafe { C::table() },
-            values: self.kv.value,
             tile,
             masks: &masks[..2 * pairs],
             whole,
@@ -598,9 +597,7 @@ fn qk_partial<C: Bf16Elem, const R: usize>(table: C::Table, q: &[u32], k: &[C]) 
 struct ValueColumns<'a, 't, C: Bf16Elem> {
     /// How the rows widen to bf16.
     table: C::Table,
-    /// The value buffer (bf16 bits or fp8 codes).
-    values: &'a [C],
-    /// Where the columns' rows are, and the rows to ask for ahead.
+    /// Where the columns' rows are (bf16 bits or fp8 codes), and the rows to ask for ahead.
     tile: &'a TileRows<'t, C>,
     /// Column t's load mask: zero where it is not a key (loads zeros, touches no memory), and
     /// for the odd tail column of the last pair, which is past the tile.
@@ -619,7 +616,7 @@ impl<C: Bf16Elem> ValueColumns<'_, '_, C> {
     unsafe fn chunks<const W: usize>(&self, t: usize, c: usize) -> [__m512i; W] {
         // The odd tail column past the tile has no row: any address, its mask reads nothing.
         let row = self.tile.rows().get(t).copied().unwrap_or(0);
-        let p = self.values.as_ptr().wrapping_add(row + c);
+        let p = self.tile.values().as_ptr().wrapping_add(row + c);
         let mask = if self.whole {
             None
         } else {

@@ -587,6 +587,12 @@ impl<'a, E> TileRows<'a, E> {
         &self.offsets[..self.len]
     }
 
+    /// The value buffer the rows index.
+    #[inline(always)]
+    pub fn values(&self) -> &'a [E] {
+        self.kv.value
+    }
+
     /// Asks for bytes `bytes` of the value row `PREFETCH_L2_KEYS` steps ahead of column `t`
     /// into L2 (the lines that start there: a P·V pass that reads rows in parts asks for each
     /// part's share as it goes). For tiles made with [`ValuesAhead::FromValues`].
@@ -599,9 +605,7 @@ impl<'a, E> TileRows<'a, E> {
         }
         let row = self.kv.value.as_ptr().wrapping_add(far) as *const u8;
         let end = bytes.end.min(self.d * std::mem::size_of::<E>());
-        for line in (bytes.start.next_multiple_of(64)..end).step_by(64) {
-            s.prefetch_l2(row.wrapping_add(line));
-        }
+        prefetch_lines(s, row, bytes.start.next_multiple_of(64)..end, Level::L2);
     }
 }
 
@@ -615,11 +619,21 @@ enum Level {
 /// Asks for every cache line of a row, into `level`.
 #[inline(always)]
 fn prefetch_row<S: Simd, E>(s: S, row: &[E], level: Level) {
-    let p = row.as_ptr() as *const u8;
-    for line in (0..std::mem::size_of_val(row)).step_by(64) {
+    prefetch_lines(
+        s,
+        row.as_ptr() as *const u8,
+        0..std::mem::size_of_val(row),
+        level,
+    );
+}
+
+/// Asks for the cache lines at `base + bytes` (a line-aligned start), into `level`.
+#[inline(always)]
+fn prefetch_lines<S: Simd>(s: S, base: *const u8, bytes: Range<usize>, level: Level) {
+    for line in bytes.step_by(64) {
         match level {
-            Level::L1 => s.prefetch(p.wrapping_add(line)),
-            Level::L2 => s.prefetch_l2(p.wrapping_add(line)),
+            Level::L1 => s.prefetch(base.wrapping_add(line)),
+            Level::L2 => s.prefetch_l2(base.wrapping_add(line)),
         }
     }
 }

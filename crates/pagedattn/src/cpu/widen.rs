@@ -18,7 +18,8 @@ use crate::fp8::Fp8Format;
 
 /// An element type the AVX512-BF16 decode kernels read rows of.
 pub trait Bf16Elem: Copy + Send + Sync + 'static {
-    /// What widening needs in registers (the fp8 tables), loaded once per kernel call.
+    /// What widening needs in registers (the fp8 tables), loaded by each pass over a tile
+    /// (the byte tables behind it are built once).
     type Table: Copy;
     /// Whether widening uses AVX512-VBMI instructions.
     const NEEDS_VBMI: bool;
