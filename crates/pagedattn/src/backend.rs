@@ -1,32 +1,16 @@
-//! The backend API: what a backend reports, the cache operations it provides, and the
-//! attention implementation it builds from a config. Also the checks every `forward` shares.
+//! The backend API: what a backend reports, the memory and cache operations it provides, and
+//! the attention implementation it builds from a config.
 
 use std::fmt;
 
 use crate::config::{AttentionConfig, AttnType};
+use crate::device::Device;
 use crate::dtype::DType;
-use crate::error::{ensure, Error, Result};
-use crate::kv_cache::{self, CacheLayout, KvCache, KvCacheSpec, KvScales};
+use crate::error::{Error, Result};
+use crate::kv_cache::{self, CacheLayout, KvCache, KvCacheSpec};
 use crate::metadata::AttentionMetadata;
+use crate::step::{Inputs, Plan, Workspace};
 use crate::tensor::Tensor;
-
-/// Where a backend computes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Device {
-    /// The host CPU.
-    Cpu,
-    /// A CUDA GPU, by ordinal.
-    Cuda(usize),
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Cuda(i) => write!(f, "cuda:{i}"),
-        }
-    }
-}
 
 /// A set of supported sizes (head sizes, block sizes).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -169,39 +153,56 @@ impl Capabilities {
     }
 }
 
-/// The key and value tensors of a call, `[Tk, Hkv, D]` each (present or absent together).
-#[derive(Debug, Clone, Copy)]
-pub struct KvPair<'a> {
-    /// New keys.
-    pub key: &'a Tensor,
-    /// New values.
-    pub value: &'a Tensor,
-}
-
 /// One layer's attention, built by a backend from an [`AttentionConfig`].
+///
+/// A step runs as: [`plan`](Self::plan) once (validates the metadata and prepares it on the
+/// device), then [`forward`](Self::forward) for every layer, each given the plan and a
+/// [`Workspace`]. Layers whose configs differ only in scale, ALiBi slopes, soft cap or fp8
+/// scales share one plan.
 pub trait AttentionImpl: Send + Sync {
     /// The config it was built from.
     fn config(&self) -> &AttentionConfig;
 
-    /// Writes `new_kv` into `kv_cache` through the metadata's slot mapping (the cross slot
-    /// mapping for encoder-decoder), then attends: `output[T, H, D]` for `query[T, H, D]`.
-    fn forward(
+    /// Validates a step's metadata (with the cache geometry, when the layers use a cache) and
+    /// turns it into this backend's prepared plan, uploaded to the device once.
+    fn plan(&self, metadata: &AttentionMetadata, cache: Option<&KvCacheSpec>) -> Result<Plan>;
+
+    /// Writes new keys and values into `cache` through the plan's slot mapping (the cross
+    /// slot mapping for encoder-decoder), as the first half of [`forward`](Self::forward)
+    /// does; fp8 caches quantize with the config's scales.
+    fn write_kv(&self, plan: &Plan, key: &Tensor, value: &Tensor, cache: &mut KvCache)
+        -> Result<()>;
+
+    /// Writes the inputs' new keys and values into the cache (if both are given), then
+    /// attends: `output[T, H, D]` for `query[T, H, D]`. Allocates nothing: the workspace must
+    /// hold [`Plan::workspace_bytes`] (see [`Workspace::reserve`]).
+    fn forward_into(
         &self,
-        query: &Tensor,
-        new_kv: Option<KvPair<'_>>,
-        kv_cache: Option<&mut KvCache>,
-        metadata: &AttentionMetadata,
+        plan: &Plan,
+        workspace: &mut Workspace,
+        inputs: Inputs<'_>,
         output: &mut Tensor,
-        scales: KvScales,
     ) -> Result<()>;
+
+    /// [`forward_into`](Self::forward_into) into a new output on the query's device.
+    fn forward(&self, plan: &Plan, workspace: &mut Workspace, inputs: Inputs<'_>) -> Result<Tensor> {
+        let query = inputs.query();
+        let mut output = Tensor::zeros_on(query.device(), query.dtype(), query.shape())?;
+        self.forward_into(plan, workspace, inputs, &mut output)?;
+        Ok(output)
+    }
 }
 
 /// A backend: a device, a cache layout and an attention implementation.
 pub trait Backend: Send + Sync {
     /// Its registry name (`reference`, `cpu`, `cuda`).
     fn name(&self) -> &'static str;
-    /// Where it computes.
+    /// Where its tensors and caches live and it computes.
     fn device(&self) -> Device;
+    /// Where its swap space lives (host memory the device copies to and from).
+    fn swap_device(&self) -> Device {
+        Device::Cpu
+    }
     /// What it supports.
     fn capabilities(&self) -> Capabilities;
     /// The layout of the caches it allocates and reads.
@@ -215,153 +216,76 @@ pub trait Backend: Send + Sync {
         Vec::new()
     }
 
+    /// Waits until the work queued on the device is done (nothing to wait for on the host).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// The shape of one layer's cache for `spec`.
     fn kv_cache_shape(&self, spec: &KvCacheSpec) -> Result<Vec<usize>> {
         self.capabilities().check_cache(self.name(), spec)?;
         Ok(self.kv_cache_layout().shape(spec))
     }
 
-    /// Allocates one layer's zero-filled cache.
+    /// Allocates one layer's zero-filled cache on the device.
     fn allocate_kv_cache(&self, spec: &KvCacheSpec) -> Result<KvCache> {
         self.capabilities().check_cache(self.name(), spec)?;
-        KvCache::zeros(*spec, self.kv_cache_layout())
+        KvCache::zeros_on(self.device(), *spec, self.kv_cache_layout())
     }
 
-    /// Copies blocks `(src, dst)` from one cache to another (swap in / out).
-    fn swap_blocks(
-        &self,
-        src: &KvCache,
-        dst: &mut KvCache,
-        pairs: &[(usize, usize)],
-    ) -> Result<()> {
-        kv_cache::swap_blocks(src, dst, pairs)
+    /// Allocates zero-filled swap space for blocks of `spec`'s geometry, in host memory the
+    /// device copies to and from ([`Backend::swap_device`]).
+    fn allocate_swap_space(&self, spec: &KvCacheSpec) -> Result<KvCache> {
+        self.capabilities().check_cache(self.name(), spec)?;
+        KvCache::zeros_on(self.swap_device(), *spec, self.kv_cache_layout())
+    }
+
+    /// A copy of `cache` (any layout, any device) in this backend's layout on its device.
+    fn load_kv_cache(&self, cache: &KvCache) -> Result<KvCache> {
+        self.capabilities().check_cache(self.name(), cache.spec())?;
+        cache
+            .to_device(Device::Cpu)?
+            .to_layout(self.kv_cache_layout())?
+            .to_device(self.device())
+    }
+
+    /// A workspace on this backend's device, large enough for `plan`.
+    fn workspace(&self, plan: &Plan) -> Result<Workspace> {
+        let mut workspace = Workspace::empty(self.device());
+        workspace.reserve(plan)?;
+        Ok(workspace)
+    }
+
+    /// Swaps blocks out: copies `(cache block, swap block)` pairs from a device cache to swap
+    /// space (vLLM's `swap_blocks` towards the CPU).
+    fn swap_out(&self, cache: &KvCache, swap: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
+        check_sides(cache, self.device(), "cache", "the backend's device")?;
+        check_sides(swap, self.swap_device(), "swap", "the backend's swap space: allocate it with allocate_swap_space")?;
+        kv_cache::swap_blocks(cache, swap, pairs)
+    }
+
+    /// Swaps blocks in: copies `(swap block, cache block)` pairs from swap space to a device
+    /// cache.
+    fn swap_in(&self, swap: &KvCache, cache: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
+        check_sides(swap, self.swap_device(), "swap", "the backend's swap space: allocate it with allocate_swap_space")?;
+        check_sides(cache, self.device(), "cache", "the backend's device")?;
+        kv_cache::swap_blocks(swap, cache, pairs)
     }
 
     /// Copies blocks `(src, dst)` inside every layer's cache (copy-on-write).
     fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
+        for (i, cache) in caches.iter().enumerate() {
+            check_sides(cache, self.device(), &format!("caches[{i}]"), "the backend's device")?;
+        }
         kv_cache::copy_blocks(caches, pairs)
     }
 }
 
-/// Everything a `forward` call is checked against before any work: tensor dtypes and shapes,
-/// the cache against the config and the backend, the scales, and the metadata.
-pub struct ForwardCheck<'a> {
-    /// Name of the backend (for errors).
-    pub backend: &'a str,
-    /// The backend's capabilities.
-    pub capabilities: &'a Capabilities,
-    /// The layout the backend reads.
-    pub layout: CacheLayout,
-    /// The layer config.
-    pub config: &'a AttentionConfig,
-}
-
-impl ForwardCheck<'_> {
-    /// Runs every check of a `forward` call.
-    pub fn run(
-        &self,
-        query: &Tensor,
-        new_kv: Option<KvPair<'_>>,
-        kv_cache: Option<&KvCache>,
-        metadata: &AttentionMetadata,
-        output: &Tensor,
-        scales: KvScales,
-    ) -> Result<()> {
-        let c = self.config;
-        let (h, hkv, d) = (c.num_heads(), c.num_kv_heads(), c.head_size());
-        let dtype = query.dtype();
-        ensure(
-            dtype.is_float(),
-            || "query.dtype".into(),
-            dtype,
-            || "f32, f16 or bf16".into(),
-        )?;
-        self.capabilities.check_dtype(self.backend, dtype)?;
-        check_shape("query", query, &[None, Some(h), Some(d)])?;
-        let t = query.shape()[0];
-        ensure(
-            output.dtype() == dtype,
-            || "output.dtype".into(),
-            output.dtype(),
-            || format!("{dtype} (the query's)"),
-        )?;
-        check_shape("output", output, &[Some(t), Some(h), Some(d)])?;
-        let num_kv_tokens = match new_kv {
-            Some(kv) => {
-                for (name, x) in [("key", kv.key), ("value", kv.value)] {
-                    ensure(
-                        x.dtype() == dtype,
-                        || format!("{name}.dtype"),
-                        x.dtype(),
-                        || format!("{dtype} (the query's)"),
-                    )?;
-                }
-                check_shape("key", kv.key, &[None, Some(hkv), Some(d)])?;
-                let tk = kv.key.shape()[0];
-                check_shape("value", kv.value, &[Some(tk), Some(hkv), Some(d)])?;
-                Some(tk)
-            }
-            None => None,
-        };
-        scales.validate(c.kv_cache_dtype())?;
-        if let Some(cache) = kv_cache {
-            let spec = cache.spec();
-            for (field, have, want) in [
-                ("kv_cache.num_kv_heads", spec.num_kv_heads, hkv),
-                ("kv_cache.head_size", spec.head_size, d),
-            ] {
-                ensure(
-                    have == want,
-                    || field.into(),
-                    have,
-                    || format!("{want} (the config's)"),
-                )?;
-            }
-            ensure(
-                spec.dtype == dtype,
-                || "kv_cache.dtype".into(),
-                spec.dtype,
-                || format!("{dtype} (the query's)"),
-            )?;
-            ensure(
-                spec.kv_cache_dtype == c.kv_cache_dtype(),
-                || "kv_cache.kv_cache_dtype".into(),
-                spec.kv_cache_dtype,
-                || format!("{} (the config's)", c.kv_cache_dtype()),
-            )?;
-            ensure(
-                cache.layout() == self.layout,
-                || "kv_cache.layout".into(),
-                format!("{:?}", cache.layout()),
-                || {
-                    format!(
-                        "{:?}: allocate the cache with backend {}",
-                        self.layout, self.backend
-                    )
-                },
-            )?;
-            self.capabilities.check_cache(self.backend, spec)?;
-        }
-        metadata.validate(c.attn_type(), t, num_kv_tokens, kv_cache.map(KvCache::spec))
+/// Checks that `cache` lives on `device`.
+pub(crate) fn check_sides(cache: &KvCache, device: Device, what: &str, expected: &str) -> Result<()> {
+    if cache.device() == device {
+        Ok(())
+    } else {
+        Err(Error::device_mismatch(what, cache.device(), format!("{device} ({expected})")))
     }
-}
-
-/// Checks a tensor's rank and the dimensions given as `Some`.
-fn check_shape(name: &str, t: &Tensor, expected: &[Option<usize>]) -> Result<()> {
-    let shape = t.shape();
-    let ok = shape.len() == expected.len()
-        && shape
-            .iter()
-            .zip(expected)
-            .all(|(&s, e)| e.is_none_or(|e| e == s));
-    let want: Vec<String> = expected
-        .iter()
-        .map(|e| e.map_or("_".to_string(), |e| e.to_string()))
-        .collect();
-    ensure(
-        ok,
-        || format!("{name}.shape"),
-        format!("{shape:?}"),
-        || format!("[{}]", want.join(", ")),
-    )
 }

@@ -3,8 +3,10 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Format;
+use crate::kv_cache::{KvCacheSpec, KvScales};
 
 /// What a layer attends over (vLLM's `AttentionType`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -137,6 +139,7 @@ pub struct AttentionConfig {
     sliding_window: Option<usize>,
     logits_soft_cap: Option<f32>,
     kv_cache_dtype: KvCacheDtype,
+    kv_scales: KvScales,
     attn_type: AttnType,
 }
 
@@ -154,6 +157,7 @@ impl AttentionConfig {
                 sliding_window: None,
                 logits_soft_cap: None,
                 kv_cache_dtype: KvCacheDtype::Auto,
+                kv_scales: KvScales::ONE,
                 attn_type: AttnType::Decoder,
             },
         }
@@ -195,9 +199,26 @@ impl AttentionConfig {
     pub fn kv_cache_dtype(&self) -> KvCacheDtype {
         self.kv_cache_dtype
     }
+    /// The fp8 cache's dequantization scales (1.0 for other caches).
+    pub fn kv_scales(&self) -> KvScales {
+        self.kv_scales
+    }
     /// The attention type.
     pub fn attn_type(&self) -> AttnType {
         self.attn_type
+    }
+
+    /// The geometry of a KV cache for this layer: `num_blocks` blocks of `block_size` tokens,
+    /// this layer's kv heads, head size and cache dtype, holding keys and values of `dtype`.
+    pub fn kv_cache_spec(&self, dtype: DType, num_blocks: usize, block_size: usize) -> KvCacheSpec {
+        KvCacheSpec {
+            num_blocks,
+            block_size,
+            num_kv_heads: self.num_kv_heads,
+            head_size: self.head_size,
+            dtype,
+            kv_cache_dtype: self.kv_cache_dtype,
+        }
     }
 
     fn validate(&self) -> Result<()> {
@@ -253,6 +274,7 @@ impl AttentionConfig {
                 ));
             }
         }
+        self.kv_scales.validate(self.kv_cache_dtype)?;
         if let Some(cap) = self.logits_soft_cap {
             if !(cap.is_finite() && cap > 0.0) {
                 return Err(Error::invalid(
@@ -301,6 +323,12 @@ impl AttentionConfigBuilder {
     /// KV-cache dtype (default auto).
     pub fn kv_cache_dtype(mut self, dtype: KvCacheDtype) -> Self {
         self.config.kv_cache_dtype = dtype;
+        self
+    }
+    /// Dequantization scales of an fp8 cache (vLLM's `k_scale`, `v_scale`; default 1.0):
+    /// keys are stored as `k / k_scale` and read as `code * k_scale`, values likewise.
+    pub fn kv_scales(mut self, k_scale: f32, v_scale: f32) -> Self {
+        self.config.kv_scales = KvScales { k_scale, v_scale };
         self
     }
     /// Attention type (default decoder).

@@ -25,6 +25,27 @@ pub enum Error {
     /// A file (replay case or output) could not be parsed; the message says what is wrong.
     #[error("{0}")]
     Format(String),
+    /// A tensor, cache or workspace is on another device than the operation needs.
+    #[error("{what} is on {found}: expected {expected}")]
+    DeviceMismatch {
+        /// The argument at fault, e.g. `query` or `kv_cache`.
+        what: String,
+        /// The device it is on.
+        found: String,
+        /// The device the operation needs, and how to get there.
+        expected: String,
+    },
+    /// The device's driver or run-time compiler failed (or no device is usable).
+    #[error("{0}")]
+    Driver(String),
+    /// A device allocation failed for lack of memory.
+    #[error("out of memory on {device}: {bytes} bytes requested")]
+    OutOfMemory {
+        /// The device.
+        device: String,
+        /// The size of the allocation that failed.
+        bytes: usize,
+    },
     /// Reading or writing a file failed.
     #[error("{path}: {message}")]
     Io {
@@ -54,6 +75,19 @@ impl Error {
         Error::Unsupported {
             backend: backend.into(),
             feature: feature.into(),
+        }
+    }
+
+    /// Builds [`Error::DeviceMismatch`].
+    pub fn device_mismatch(
+        what: impl Into<String>,
+        found: impl std::fmt::Display,
+        expected: impl Into<String>,
+    ) -> Self {
+        Error::DeviceMismatch {
+            what: what.into(),
+            found: found.to_string(),
+            expected: expected.into(),
         }
     }
 }

@@ -8,10 +8,11 @@ use crate::config::KvCacheDtype;
 use crate::dtype::{DType, Element};
 use rayon::prelude::*;
 
+use crate::device::Device;
 use crate::error::{ensure, Error, Result};
 use crate::fp8::Fp8Format;
 use crate::shared::SharedMut;
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::{HostStorage, Storage, Tensor};
 
 /// Dequantization scales of an fp8 cache (vLLM's `k_scale`, `v_scale`); 1.0 for other caches.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -22,16 +23,13 @@ pub struct KvScales {
     pub v_scale: f32,
 }
 
-impl Default for KvScales {
-    fn default() -> Self {
-        KvScales {
-            k_scale: 1.0,
-            v_scale: 1.0,
-        }
-    }
-}
-
 impl KvScales {
+    /// Both scales 1.0: what every cache that is not fp8 has.
+    pub const ONE: KvScales = KvScales {
+        k_scale: 1.0,
+        v_scale: 1.0,
+    };
+
     /// Checks the scales for a cache of `dtype`: finite and positive, and exactly 1.0 unless
     /// the cache is fp8 (a scale that would be ignored is an error, not a silent no-op).
     pub fn validate(&self, dtype: KvCacheDtype) -> Result<()> {
@@ -113,6 +111,17 @@ impl KvCacheSpec {
             || "kv_cache.dtype".into(),
             self.dtype,
             || "f32, f16 or bf16".into(),
+        )?;
+        let bytes = [self.block_size, self.num_kv_heads, self.head_size]
+            .iter()
+            .try_fold(self.num_blocks, |n, &f| n.checked_mul(f))
+            .and_then(|n| n.checked_mul(self.storage_dtype().size_bytes()))
+            .filter(|&n| n <= isize::MAX as usize);
+        ensure(
+            bytes.is_some(),
+            || "kv_cache.num_blocks".into(),
+            self.num_blocks,
+            || "a cache whose size in bytes fits in isize".into(),
         )
     }
 }
@@ -154,8 +163,9 @@ impl CacheLayout {
     }
 }
 
-/// One layer's paged KV cache on the host: two buffers (keys, values) in a backend's layout.
-#[derive(Debug, Clone, PartialEq)]
+/// One layer's paged KV cache: two buffers (keys, values) in a backend's layout, on the
+/// backend's device.
+#[derive(Debug, PartialEq)]
 pub struct KvCache {
     spec: KvCacheSpec,
     layout: CacheLayout,
@@ -164,24 +174,37 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// A zero-filled cache.
+    /// A zero-filled cache in host memory.
     pub fn zeros(spec: KvCacheSpec, layout: CacheLayout) -> Result<Self> {
         spec.validate()?;
         let n = spec.buffer_elems();
         Ok(KvCache {
             spec,
             layout,
-            key: Storage::zeros(spec.storage_dtype(), n),
-            value: Storage::zeros(spec.storage_dtype(), n),
+            key: HostStorage::zeros(spec.storage_dtype(), n).into(),
+            value: HostStorage::zeros(spec.storage_dtype(), n).into(),
         })
     }
 
-    /// A cache in `layout` from key and value buffers in the canonical `[NB, B, Hkv, D]` layout.
+    /// A zero-filled cache on `device`.
+    pub fn zeros_on(device: Device, spec: KvCacheSpec, layout: CacheLayout) -> Result<Self> {
+        spec.validate()?;
+        let n = spec.buffer_elems();
+        Ok(KvCache {
+            spec,
+            layout,
+            key: Storage::zeros(device, spec.storage_dtype(), n)?,
+            value: Storage::zeros(device, spec.storage_dtype(), n)?,
+        })
+    }
+
+    /// A host cache in `layout` from key and value buffers in the canonical `[NB, B, Hkv, D]`
+    /// layout.
     pub fn from_canonical(
         spec: KvCacheSpec,
         layout: CacheLayout,
-        key: Storage,
-        value: Storage,
+        key: HostStorage,
+        value: HostStorage,
     ) -> Result<Self> {
         spec.validate()?;
         for (field, buf) in [("key_cache", &key), ("value_cache", &value)] {
@@ -207,27 +230,42 @@ impl KvCache {
         let canonical = KvCache {
             spec,
             layout: CacheLayout::Nhd,
-            key,
-            value,
+            key: key.into(),
+            value: value.into(),
         };
-        Ok(canonical.to_layout(layout))
+        canonical.to_layout(layout)
     }
 
-    /// The key and value buffers in the canonical `[NB, B, Hkv, D]` layout.
-    pub fn to_canonical(&self) -> (Storage, Storage) {
-        let c = self.to_layout(CacheLayout::Nhd);
-        (c.key, c.value)
-    }
-
-    /// The same cache in another layout.
-    pub fn to_layout(&self, layout: CacheLayout) -> KvCache {
-        if layout == self.layout {
-            return self.clone();
+    /// The key and value buffers in the canonical `[NB, B, Hkv, D]` layout, in host memory
+    /// (copied from the device first if the cache lives on one).
+    pub fn to_canonical(&self) -> Result<(HostStorage, HostStorage)> {
+        let c = self.to_device(Device::Cpu)?.to_layout(CacheLayout::Nhd)?;
+        match (c.key, c.value) {
+            (Storage::Host(k), Storage::Host(v)) => Ok((k, v)),
+            _ => unreachable!("to_device(Cpu) returns host storage"),
         }
+    }
+
+    /// A copy of this cache on `device`, in the same layout.
+    pub fn to_device(&self, device: Device) -> Result<KvCache> {
+        Ok(KvCache {
+            spec: self.spec,
+            layout: self.layout,
+            key: self.key.to_device(device)?,
+            value: self.value.to_device(device)?,
+        })
+    }
+
+    /// The same host cache in another layout.
+    pub fn to_layout(&self, layout: CacheLayout) -> Result<KvCache> {
         let spec = &self.spec;
         let row_bytes = spec.head_size * spec.storage_dtype().size_bytes();
-        let relayout = |src: &Storage| {
-            let mut dst = Storage::zeros(src.dtype(), src.len());
+        let relayout = |src: &Storage, what: &str| -> Result<Storage> {
+            let src = src.host(what)?;
+            if layout == self.layout {
+                return Ok(src.clone().into());
+            }
+            let mut dst = HostStorage::zeros(src.dtype(), src.len());
             let (s, d) = (src.as_bytes(), dst.as_bytes_mut());
             for slot in 0..spec.num_slots() {
                 for head in 0..spec.num_kv_heads {
@@ -236,14 +274,14 @@ impl KvCache {
                     d[to..to + row_bytes].copy_from_slice(&s[from..from + row_bytes]);
                 }
             }
-            dst
+            Ok(dst.into())
         };
-        KvCache {
+        Ok(KvCache {
             spec: self.spec,
             layout,
-            key: relayout(&self.key),
-            value: relayout(&self.value),
-        }
+            key: relayout(&self.key, "kv_cache.key")?,
+            value: relayout(&self.value, "kv_cache.value")?,
+        })
     }
 
     /// The geometry and dtypes.
@@ -253,6 +291,10 @@ impl KvCache {
     /// The element order inside a block.
     pub fn layout(&self) -> CacheLayout {
         self.layout
+    }
+    /// Where the buffers live.
+    pub fn device(&self) -> Device {
+        self.key.device()
     }
     /// The shape in this cache's layout.
     pub fn shape(&self) -> Vec<usize> {
@@ -269,6 +311,20 @@ impl KvCache {
     /// Both buffers, mutably (keys, values).
     pub fn buffers_mut(&mut self) -> (&mut Storage, &mut Storage) {
         (&mut self.key, &mut self.value)
+    }
+    /// Both host buffers (keys, values), or [`Error::DeviceMismatch`].
+    pub fn host_buffers(&self) -> Result<(&HostStorage, &HostStorage)> {
+        Ok((
+            self.key.host("kv_cache.key")?,
+            self.value.host("kv_cache.value")?,
+        ))
+    }
+    /// Both host buffers, mutably.
+    pub fn host_buffers_mut(&mut self) -> Result<(&mut HostStorage, &mut HostStorage)> {
+        Ok((
+            self.key.host_mut("kv_cache.key")?,
+            self.value.host_mut("kv_cache.value")?,
+        ))
     }
     /// Index of element `d = 0` of (`slot`, `head`) in either buffer.
     pub fn row_start(&self, slot: usize, head: usize) -> usize {
@@ -334,9 +390,9 @@ impl KvCache {
         check_distinct_slots(slot_mapping, field)
     }
 
-    /// Writes token `t` of `key`/`value` ([Tk, Hkv, D]) to slot `slot_mapping[t]`, tokens in
-    /// parallel; slot -1 is skipped, and two tokens may not share a slot. fp8 caches store
-    /// `encode(x / k_scale)` (resp. `v_scale`), see [`Fp8Format`].
+    /// Writes token `t` of `key`/`value` ([Tk, Hkv, D]) to slot `slot_mapping[t]` of this
+    /// host cache, tokens in parallel; slot -1 is skipped, and two tokens may not share a slot.
+    /// fp8 caches store `encode(x / k_scale)` (resp. `v_scale`), see [`Fp8Format`].
     pub fn write(
         &mut self,
         key: &Tensor,
@@ -346,35 +402,47 @@ impl KvCache {
     ) -> Result<()> {
         self.check_write(key, value, slot_mapping, "slot_mapping")?;
         scales.validate(self.spec.kv_cache_dtype)?;
+        self.write_checked(key, value, slot_mapping, scales)
+    }
+
+    /// [`KvCache::write`] for input already checked by `check_write` (a forward's gate).
+    pub(crate) fn write_checked(
+        &mut self,
+        key: &Tensor,
+        value: &Tensor,
+        slot_mapping: &[i64],
+        scales: KvScales,
+    ) -> Result<()> {
         let fp8 = self.spec.kv_cache_dtype.fp8_format();
         let (spec, layout) = (self.spec, self.layout);
+        let (key_buf, value_buf) = self.host_buffers_mut()?;
         for (src, dst, scale) in [
-            (key, &mut self.key, scales.k_scale),
-            (value, &mut self.value, scales.v_scale),
+            (key.storage().host("key")?, key_buf, scales.k_scale),
+            (value.storage().host("value")?, value_buf, scales.v_scale),
         ] {
             crate::with_element!(spec.dtype, T => {
-                let src = src.storage().as_slice::<T>().expect("dtype checked");
+                let src = src.as_slice::<T>().ok_or_else(|| {
+                    Error::invalid("key.dtype", src.dtype(), format!("{} (the cache's)", spec.dtype))
+                })?;
                 write_tokens(&spec, layout, src, dst, slot_mapping, fp8, scale);
             });
         }
         Ok(())
     }
 
-    /// Both buffers decoded to f64 in this cache's layout (fp8 codes times their scale): what
-    /// an attention kernel reads. Slots never written decode to whatever they hold.
-    pub fn dequantize(&self, scales: KvScales) -> (Vec<f64>, Vec<f64>) {
-        let decode = |buf: &Storage, scale: f32| match (buf, self.spec.kv_cache_dtype.fp8_format())
-        {
-            (Storage::U8(codes), Some(f)) => codes
+    /// Both host buffers decoded to f64 in this cache's layout (fp8 codes times their scale):
+    /// what an attention kernel reads. Slots never written decode to whatever they hold.
+    pub fn dequantize(&self, scales: KvScales) -> Result<(Vec<f64>, Vec<f64>)> {
+        let fp8 = self.spec.kv_cache_dtype.fp8_format();
+        let decode = |buf: &HostStorage, scale: f32| match (buf, fp8) {
+            (HostStorage::U8(codes), Some(f)) => codes
                 .iter()
                 .map(|&c| f.decode(c) as f64 * scale as f64)
                 .collect(),
             _ => buf.to_f64_vec(),
         };
-        (
-            decode(&self.key, scales.k_scale),
-            decode(&self.value, scales.v_scale),
-        )
+        let (key, value) = self.host_buffers()?;
+        Ok((decode(key, scales.k_scale), decode(value, scales.v_scale)))
     }
 }
 
@@ -406,7 +474,7 @@ fn write_tokens<T: Element>(
     spec: &KvCacheSpec,
     layout: CacheLayout,
     src: &[T],
-    dst: &mut Storage,
+    dst: &mut HostStorage,
     slot_mapping: &[i64],
     fp8: Option<Fp8Format>,
     scale: f32,
@@ -429,7 +497,7 @@ fn write_tokens<T: Element>(
             .for_each(|(t, &slot)| rows(t, slot).for_each(|(row, at)| store(row, at)));
     };
     match (dst, fp8) {
-        (Storage::U8(out), Some(format)) => {
+        (HostStorage::U8(out), Some(format)) => {
             let out = SharedMut(out.as_mut_ptr());
             for_each_row(&|row, at| {
                 for (i, &x) in row.iter().enumerate() {
@@ -514,9 +582,10 @@ pub(crate) fn check_swap(src: &KvCache, dst: &KvCache, pairs: &[(usize, usize)])
     Ok(())
 }
 
-/// Copies whole blocks from `src` to `dst` (vLLM's `swap_blocks`, e.g. device cache to host
-/// swap space). Both caches must have the same block geometry, dtype and layout; their block
-/// counts may differ; each destination block appears once.
+/// Copies whole blocks between two host caches (vLLM's `swap_blocks`). Both caches must have
+/// the same block geometry, dtype and layout; their block counts may differ; each destination
+/// block appears once. Backends wrap it as [`Backend::swap_out`](crate::Backend::swap_out)
+/// and [`Backend::swap_in`](crate::Backend::swap_in).
 pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
     check_swap(src, dst, pairs)?;
     let block_bytes = src.spec.block_elems() * src.spec.storage_dtype().size_bytes();
@@ -525,7 +594,9 @@ pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -
     for &(sb, db) in pairs {
         source_of[db] = Some(sb);
     }
-    for (from, to) in [(&src.key, &mut dst.key), (&src.value, &mut dst.value)] {
+    let (src_key, src_value) = src.host_buffers()?;
+    let (dst_key, dst_value) = dst.host_buffers_mut()?;
+    for (from, to) in [(src_key, dst_key), (src_value, dst_value)] {
         let s = from.as_bytes();
         to.as_bytes_mut()
             .par_chunks_mut(block_bytes)
@@ -539,15 +610,17 @@ pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -
     Ok(())
 }
 
-/// Copies block `src` to block `dst` inside every layer's cache, keys and values, pair by pair
-/// in order (vLLM's `copy_blocks`, used for copy-on-write); the layers in parallel.
+/// Copies block `src` to block `dst` inside every layer's host cache, keys and values, pair by
+/// pair in order (vLLM's `copy_blocks`, used for copy-on-write); the layers in parallel.
 pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
     for cache in caches.iter() {
         check_pairs(pairs, cache.spec.num_blocks, cache.spec.num_blocks)?;
+        cache.host_buffers()?;
     }
     caches.par_iter_mut().for_each(|cache| {
         let block_bytes = cache.spec.block_elems() * cache.spec.storage_dtype().size_bytes();
-        for buf in [&mut cache.key, &mut cache.value] {
+        let (key, value) = cache.host_buffers_mut().expect("checked above: host buffers");
+        for buf in [key, value] {
             let bytes = buf.as_bytes_mut();
             for &(s, d) in pairs {
                 bytes.copy_within(s * block_bytes..(s + 1) * block_bytes, d * block_bytes);

@@ -103,6 +103,9 @@ pub struct AttentionMetadata {
     pub max_seq_len: usize,
     /// Cross-attention fields (encoder-decoder only).
     pub encoder: Option<EncoderMetadata>,
+    /// The block size the block tables and slots were computed for, when known (the builder
+    /// records it): a plan checks it against the cache's.
+    pub block_size: Option<usize>,
 }
 
 impl AttentionMetadata {
@@ -149,6 +152,7 @@ impl AttentionMetadata {
             seq_lens,
             block_tables,
             encoder,
+            block_size: None,
         })
     }
 
@@ -578,6 +582,11 @@ pub struct MetadataBuilder {
 }
 
 impl MetadataBuilder {
+    /// A builder for `cache`'s block size.
+    pub fn for_cache(cache: &KvCacheSpec) -> Self {
+        Self::new(cache.block_size)
+    }
+
     /// A builder for caches of `block_size` tokens per block.
     pub fn new(block_size: usize) -> Self {
         MetadataBuilder {
@@ -676,14 +685,16 @@ impl MetadataBuilder {
             })
         };
         let tables: Vec<Vec<i32>> = self.seqs.iter().map(|s| s.block_table.clone()).collect();
-        AttentionMetadata::from_parts(
+        let mut metadata = AttentionMetadata::from_parts(
             num_prefills,
             qsl,
             seq_lens,
             slots,
             BlockTables::from_rows(&tables),
             encoder,
-        )
+        )?;
+        metadata.block_size = Some(b);
+        Ok(metadata)
     }
 }
 

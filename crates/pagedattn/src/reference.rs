@@ -1,13 +1,15 @@
 //! The `reference` backend: DESIGN.md section 2 written as plainly as possible, in f64.
 //! It is the oracle every other backend is tested against; it is slow on purpose.
 
-use crate::backend::{AttentionImpl, Backend, Capabilities, Device, ForwardCheck, KvPair};
+use crate::backend::{AttentionImpl, Backend, Capabilities};
 use crate::config::{AttentionConfig, AttnType};
+use crate::device::Device;
 use crate::error::Result;
-use crate::kv_cache::{CacheLayout, KvCache, KvScales};
+use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec};
 use crate::metadata::AttentionMetadata;
 use crate::semantics::{alibi_bias, key_allowed, query_position, soft_cap, KeyLocation, KeyMap};
-use crate::tensor::{Storage, Tensor};
+use crate::step::{ForwardCheck, Inputs, KvPair, Plan, Workspace};
+use crate::tensor::{HostStorage, Tensor};
 
 /// The reference backend (registry name `reference`).
 #[derive(Debug, Clone, Copy, Default)]
@@ -34,6 +36,7 @@ impl Backend for Reference {
         self.capabilities().check_config(self.name(), config)?;
         Ok(Box::new(ReferenceAttention {
             config: config.clone(),
+            capabilities: self.capabilities(),
         }))
     }
 }
@@ -42,6 +45,7 @@ impl Backend for Reference {
 #[derive(Debug, Clone)]
 pub struct ReferenceAttention {
     config: AttentionConfig,
+    capabilities: Capabilities,
 }
 
 /// Key and value rows, as f64, with the function that finds the row of (location, kv head).
@@ -71,47 +75,43 @@ impl AttentionImpl for ReferenceAttention {
         &self.config
     }
 
-    fn forward(
+    fn plan(&self, metadata: &AttentionMetadata, cache: Option<&KvCacheSpec>) -> Result<Plan> {
+        self.gate().plan(metadata, cache, |_, _| Ok(((), 0)))
+    }
+
+    fn write_kv(
         &self,
-        query: &Tensor,
-        new_kv: Option<KvPair<'_>>,
-        mut kv_cache: Option<&mut KvCache>,
-        metadata: &AttentionMetadata,
+        plan: &Plan,
+        key: &Tensor,
+        value: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<()> {
+        write_kv_checked(&self.gate(), plan, KvPair { key, value }, cache)
+    }
+
+    fn forward_into(
+        &self,
+        plan: &Plan,
+        workspace: &mut Workspace,
+        inputs: Inputs<'_>,
         output: &mut Tensor,
-        scales: KvScales,
     ) -> Result<()> {
         let cfg = &self.config;
-        let backend = Reference;
-        ForwardCheck {
-            backend: backend.name(),
-            capabilities: &backend.capabilities(),
-            layout: backend.kv_cache_layout(),
-            config: cfg,
-        }
-        .run(query, new_kv, kv_cache.as_deref(), metadata, output, scales)?;
-
+        self.gate().call(plan, &inputs, output, workspace)?;
+        let metadata = plan.metadata();
+        let (query, new_kv, mut kv_cache) = inputs.into_parts();
         let attn_type = cfg.attn_type();
         // 1. Write the new keys and values into the cache.
         if let (Some(cache), Some(kv)) = (kv_cache.as_deref_mut(), new_kv) {
-            let slots = match attn_type {
-                AttnType::EncoderDecoder => {
-                    &metadata
-                        .encoder
-                        .as_ref()
-                        .expect("validated")
-                        .cross_slot_mapping
-                }
-                _ => &metadata.slot_mapping,
-            };
-            cache.write(kv.key, kv.value, slots, scales)?;
+            cache.write_checked(kv.key, kv.value, write_slots(cfg, metadata), cfg.kv_scales())?;
         }
         // 2. Gather every key and value as f64: from the cache when there is one.
         let cache = kv_cache.as_deref();
         let (keys, values) = match (cache, new_kv) {
-            (Some(c), _) => c.dequantize(scales),
+            (Some(c), _) => c.dequantize(cfg.kv_scales())?,
             (None, Some(kv)) => (
-                kv.key.storage().to_f64_vec(),
-                kv.value.storage().to_f64_vec(),
+                kv.key.host()?.to_f64_vec(),
+                kv.value.host()?.to_f64_vec(),
             ),
             (None, None) => unreachable!("validated: without a cache, key and value are given"),
         };
@@ -126,10 +126,10 @@ impl AttentionImpl for ReferenceAttention {
             metadata,
             attn_type,
             cache.map(|c| c.spec().block_size),
-            new_kv.is_some(),
+            plan.num_kv_tokens().is_some(),
         );
         // 3. Attend.
-        let q = query.storage().to_f64_vec();
+        let q = query.host()?.to_f64_vec();
         let (h_count, d) = (cfg.num_heads(), cfg.head_size());
         let mut out = vec![0.0f64; q.len()];
         for s in 0..metadata.num_seqs() {
@@ -148,12 +148,43 @@ impl AttentionImpl for ReferenceAttention {
                 }
             }
         }
-        store(output.storage_mut(), &out);
+        store(output.host_mut()?, &out);
         Ok(())
     }
 }
 
+/// The slot mapping new keys and values are written through: the cross slot mapping for
+/// encoder-decoder, the slot mapping otherwise.
+pub(crate) fn write_slots<'m>(config: &AttentionConfig, metadata: &'m AttentionMetadata) -> &'m [i64] {
+    match (config.attn_type(), &metadata.encoder) {
+        (AttnType::EncoderDecoder, Some(enc)) => &enc.cross_slot_mapping,
+        _ => &metadata.slot_mapping,
+    }
+}
+
+/// `AttentionImpl::write_kv` of the host backends: the gate, then the host cache write.
+pub(crate) fn write_kv_checked(
+    gate: &ForwardCheck<'_>,
+    plan: &Plan,
+    kv: KvPair<'_>,
+    cache: &mut KvCache,
+) -> Result<()> {
+    gate.write(plan, kv, cache)?;
+    let slots = write_slots(gate.config, plan.metadata());
+    cache.write_checked(kv.key, kv.value, slots, gate.config.kv_scales())
+}
+
 impl ReferenceAttention {
+    /// The gate of this layer's calls.
+    fn gate(&self) -> ForwardCheck<'_> {
+        ForwardCheck {
+            backend: "reference",
+            device: Device::Cpu,
+            capabilities: &self.capabilities,
+            layout: CacheLayout::Nhd,
+            config: &self.config,
+        }
+    }
     /// One query row of head `h` at position `i` over a sequence's keys.
     fn attend_one(
         &self,
@@ -199,7 +230,7 @@ impl ReferenceAttention {
 }
 
 /// Rounds f64 results into float storage.
-fn store(dst: &mut Storage, values: &[f64]) {
+fn store(dst: &mut HostStorage, values: &[f64]) {
     crate::with_element!(dst.dtype(), T => {
         let dst = dst.as_slice_mut::<T>().expect("dtype matched");
         for (o, &v) in dst.iter_mut().zip(values) {

@@ -7,16 +7,17 @@ use std::str::FromStr;
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
 
-use crate::backend::{Backend, KvPair};
+use crate::backend::Backend;
+use crate::step::Inputs;
 use crate::config::{AttentionConfig, AttnType, KvCacheDtype};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
+use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec};
 use crate::metadata::{AttentionMetadata, BlockTables, EncoderMetadata};
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::{HostStorage, Tensor};
 
-/// One captured `forward` call.
-#[derive(Debug, Clone, PartialEq)]
+/// One captured `forward` call, in host memory.
+#[derive(Debug, PartialEq)]
 pub struct ReplayCase {
     /// The layer config.
     pub config: AttentionConfig,
@@ -28,12 +29,10 @@ pub struct ReplayCase {
     pub kv_cache: Option<KvCache>,
     /// The batch.
     pub metadata: AttentionMetadata,
-    /// fp8 scales.
-    pub scales: KvScales,
 }
 
-/// What a replayed call produced.
-#[derive(Debug, Clone, PartialEq)]
+/// What a replayed call produced, in host memory.
+#[derive(Debug, PartialEq)]
 pub struct ReplayOutput {
     /// `[T, H, D]`.
     pub output: Tensor,
@@ -120,7 +119,7 @@ impl Tensors<'_> {
         let dtype = from_st_dtype(view.dtype()).expect("checked against float dtypes");
         Ok(Some(Tensor::new(
             view.shape().to_vec(),
-            Storage::from_bytes(dtype, view.data())?,
+            HostStorage::from_bytes(dtype, view.data())?,
         )?))
     }
 
@@ -188,10 +187,8 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
     let kv_cache_dtype: KvCacheDtype =
         meta.require("kv_cache_dtype", "one of auto, fp8_e4m3, fp8_e5m2")?;
     let num_prefills: usize = meta.require("num_prefills", int)?;
-    let scales = KvScales {
-        k_scale: meta.get("k_scale", num)?.unwrap_or(1.0),
-        v_scale: meta.get("v_scale", num)?.unwrap_or(1.0),
-    };
+    let k_scale = meta.get("k_scale", num)?.unwrap_or(1.0);
+    let v_scale = meta.get("v_scale", num)?.unwrap_or(1.0);
 
     let query = required(
         tensors.float("query", &FLOATS, &[None, Some(h), Some(d)])?,
@@ -204,10 +201,11 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
     let config = AttentionConfig::builder(h, d)
         .num_kv_heads(hkv)
         .scale(meta.require("scale", num)?)
-        .alibi_slopes(alibi.map(|a| a.to_f32_vec()))
+        .alibi_slopes(alibi.map(|a| a.to_f32_vec()).transpose()?)
         .sliding_window(meta.get("sliding_window", int)?)
         .logits_soft_cap(meta.get("logits_soft_cap", num)?)
         .kv_cache_dtype(kv_cache_dtype)
+        .kv_scales(k_scale, v_scale)
         .attn_type(attn_type)
         .build()?;
 
@@ -255,12 +253,11 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
                 dtype: query.dtype(),
                 kv_cache_dtype,
             };
-            let into_storage = |t: Tensor| t.storage().clone();
             Some(KvCache::from_canonical(
                 spec,
                 CacheLayout::Nhd,
-                into_storage(k),
-                into_storage(v),
+                k.host()?.clone(),
+                v.host()?.clone(),
             )?)
         }
         (None, None) => None,
@@ -368,7 +365,7 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
         }),
         None => None,
     };
-    let metadata = AttentionMetadata::from_parts(
+    let mut metadata = AttentionMetadata::from_parts(
         num_prefills,
         qsl,
         seq_lens,
@@ -376,13 +373,13 @@ pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
         table(block_tables)?,
         encoder,
     )?;
+    metadata.block_size = block_size;
     Ok(ReplayCase {
         config,
         query,
         key_value,
         kv_cache,
         metadata,
-        scales,
     })
 }
 
@@ -426,8 +423,8 @@ pub fn write_case(case: &ReplayCase) -> Result<Vec<u8>> {
         ("scale", c.scale().to_string()),
         ("num_prefills", md.num_prefills.to_string()),
         ("kv_cache_dtype", c.kv_cache_dtype().to_string()),
-        ("k_scale", case.scales.k_scale.to_string()),
-        ("v_scale", case.scales.v_scale.to_string()),
+        ("k_scale", c.kv_scales().k_scale.to_string()),
+        ("v_scale", c.kv_scales().v_scale.to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -446,21 +443,22 @@ pub fn write_case(case: &ReplayCase) -> Result<Vec<u8>> {
         "query",
         q.dtype(),
         q.shape(),
-        q.storage().as_bytes(),
+        q.host()?.as_bytes(),
     )?];
     if let Some((k, v)) = &case.key_value {
-        entries.push(entry("key", k.dtype(), k.shape(), k.storage().as_bytes())?);
+        entries.push(entry("key", k.dtype(), k.shape(), k.host()?.as_bytes())?);
         entries.push(entry(
             "value",
             v.dtype(),
             v.shape(),
-            v.storage().as_bytes(),
+            v.host()?.as_bytes(),
         )?);
     }
     let canonical = case
         .kv_cache
         .as_ref()
-        .map(|cache| (cache.spec(), cache.to_canonical()));
+        .map(|cache| Ok((cache.spec(), cache.to_canonical()?)))
+        .transpose()?;
     if let Some((spec, (k, v))) = &canonical {
         let shape = [
             spec.num_blocks,
@@ -543,27 +541,30 @@ pub fn write_case(case: &ReplayCase) -> Result<Vec<u8>> {
     serialize(entries, Some(meta))
 }
 
-/// Runs a case on `backend`: the cache is converted to the backend's layout, written and read
-/// by `forward`, and returned in the canonical layout.
+/// Runs a case on `backend`: the tensors and the cache move to the backend's device (the
+/// cache in the backend's layout), the call is planned and run, and the output and the cache
+/// come back to the host, the cache in the canonical layout.
 pub fn run_case(case: &ReplayCase, backend: &dyn Backend) -> Result<ReplayOutput> {
+    let device = backend.device();
     let attention = backend.attention(&case.config)?;
     let mut cache = case
         .kv_cache
         .as_ref()
-        .map(|c| c.to_layout(backend.kv_cache_layout()));
-    let mut output = Tensor::zeros(case.query.dtype(), case.query.shape());
-    let new_kv = case
+        .map(|c| backend.load_kv_cache(c))
+        .transpose()?;
+    let query = case.query.to_device(device)?;
+    let key_value = case
         .key_value
         .as_ref()
-        .map(|(key, value)| KvPair { key, value });
-    attention.forward(
-        &case.query,
-        new_kv,
-        cache.as_mut(),
-        &case.metadata,
-        &mut output,
-        case.scales,
-    )?;
+        .map(|(k, v)| Ok((k.to_device(device)?, v.to_device(device)?)))
+        .transpose()?;
+    let plan = attention.plan(&case.metadata, cache.as_ref().map(KvCache::spec))?;
+    let mut workspace = backend.workspace(&plan)?;
+    let mut inputs = Inputs::new(&query).with_cache_opt(cache.as_mut());
+    if let Some((k, v)) = &key_value {
+        inputs = inputs.with_kv(k, v);
+    }
+    let output = attention.forward(&plan, &mut workspace, inputs)?.to_host()?;
     let kv_cache = match cache {
         Some(c) => {
             let spec = *c.spec();
@@ -573,7 +574,7 @@ pub fn run_case(case: &ReplayCase, backend: &dyn Backend) -> Result<ReplayOutput
                 spec.num_kv_heads,
                 spec.head_size,
             ];
-            let (k, v) = c.to_canonical();
+            let (k, v) = c.to_canonical()?;
             Some((Tensor::new(shape.clone(), k)?, Tensor::new(shape, v)?))
         }
         None => None,
@@ -588,20 +589,20 @@ pub fn write_output(out: &ReplayOutput) -> Result<Vec<u8>> {
         "output",
         o.dtype(),
         o.shape(),
-        o.storage().as_bytes(),
+        o.host()?.as_bytes(),
     )?];
     if let Some((k, v)) = &out.kv_cache {
         entries.push(entry(
             "key_cache",
             k.dtype(),
             k.shape(),
-            k.storage().as_bytes(),
+            k.host()?.as_bytes(),
         )?);
         entries.push(entry(
             "value_cache",
             v.dtype(),
             v.shape(),
-            v.storage().as_bytes(),
+            v.host()?.as_bytes(),
         )?);
     }
     serialize(entries, None)

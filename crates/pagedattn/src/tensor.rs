@@ -1,14 +1,17 @@
-//! Host tensors: a shape and typed, row-major storage.
+//! Tensors: a shape and typed, row-major storage on a [`Device`]. [`HostStorage`] is host
+//! memory; [`Storage`] is memory on any device, and [`HostStorage::to_device`] is the one place
+//! data crosses between devices.
 
 use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 
 use crate::dtype::{DType, Element};
+use crate::device::Device;
 use crate::error::{Error, Result};
 
-/// Typed, contiguous element storage.
+/// Typed, contiguous element storage in host memory.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Storage {
+pub enum HostStorage {
     /// f32 elements.
     F32(Vec<f32>),
     /// f16 elements.
@@ -19,15 +22,15 @@ pub enum Storage {
     U8(Vec<u8>),
 }
 
-impl Storage {
+impl HostStorage {
     /// `len` zeros of `dtype`, from zeroed allocations: large buffers come straight from the
     /// kernel's zero pages, untouched, so that a cache can still ask for huge pages.
     pub fn zeros(dtype: DType, len: usize) -> Self {
         match dtype {
-            DType::F32 => Storage::F32(vec![0.0; len]),
-            DType::F16 => Storage::F16(vec![0u16; len].reinterpret_into()),
-            DType::BF16 => Storage::BF16(vec![0u16; len].reinterpret_into()),
-            DType::U8 => Storage::U8(vec![0; len]),
+            DType::F32 => HostStorage::F32(vec![0.0; len]),
+            DType::F16 => HostStorage::F16(vec![0u16; len].reinterpret_into()),
+            DType::BF16 => HostStorage::BF16(vec![0u16; len].reinterpret_into()),
+            DType::U8 => HostStorage::U8(vec![0; len]),
         }
     }
 
@@ -48,30 +51,30 @@ impl Storage {
                 .collect()
         }
         Ok(match dtype {
-            DType::F32 => Storage::F32(cast(bytes)),
-            DType::F16 => Storage::F16(cast(bytes)),
-            DType::BF16 => Storage::BF16(cast(bytes)),
-            DType::U8 => Storage::U8(bytes.to_vec()),
+            DType::F32 => HostStorage::F32(cast(bytes)),
+            DType::F16 => HostStorage::F16(cast(bytes)),
+            DType::BF16 => HostStorage::BF16(cast(bytes)),
+            DType::U8 => HostStorage::U8(bytes.to_vec()),
         })
     }
 
     /// The element type.
     pub fn dtype(&self) -> DType {
         match self {
-            Storage::F32(_) => DType::F32,
-            Storage::F16(_) => DType::F16,
-            Storage::BF16(_) => DType::BF16,
-            Storage::U8(_) => DType::U8,
+            HostStorage::F32(_) => DType::F32,
+            HostStorage::F16(_) => DType::F16,
+            HostStorage::BF16(_) => DType::BF16,
+            HostStorage::U8(_) => DType::U8,
         }
     }
 
     /// Number of elements.
     pub fn len(&self) -> usize {
         match self {
-            Storage::F32(v) => v.len(),
-            Storage::F16(v) => v.len(),
-            Storage::BF16(v) => v.len(),
-            Storage::U8(v) => v.len(),
+            HostStorage::F32(v) => v.len(),
+            HostStorage::F16(v) => v.len(),
+            HostStorage::BF16(v) => v.len(),
+            HostStorage::U8(v) => v.len(),
         }
     }
 
@@ -83,20 +86,20 @@ impl Storage {
     /// The raw little-endian bytes.
     pub fn as_bytes(&self) -> &[u8] {
         match self {
-            Storage::F32(v) => bytemuck::cast_slice(v),
-            Storage::F16(v) => bytemuck::cast_slice(v),
-            Storage::BF16(v) => bytemuck::cast_slice(v),
-            Storage::U8(v) => v,
+            HostStorage::F32(v) => bytemuck::cast_slice(v),
+            HostStorage::F16(v) => bytemuck::cast_slice(v),
+            HostStorage::BF16(v) => bytemuck::cast_slice(v),
+            HostStorage::U8(v) => v,
         }
     }
 
     /// The raw bytes, mutably.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         match self {
-            Storage::F32(v) => bytemuck::cast_slice_mut(v),
-            Storage::F16(v) => bytemuck::cast_slice_mut(v),
-            Storage::BF16(v) => bytemuck::cast_slice_mut(v),
-            Storage::U8(v) => v,
+            HostStorage::F32(v) => bytemuck::cast_slice_mut(v),
+            HostStorage::F16(v) => bytemuck::cast_slice_mut(v),
+            HostStorage::BF16(v) => bytemuck::cast_slice_mut(v),
+            HostStorage::U8(v) => v,
         }
     }
 
@@ -113,16 +116,153 @@ impl Storage {
     /// Every element widened to f64 (fp8 codes are not decoded here: see the KV cache).
     pub fn to_f64_vec(&self) -> Vec<f64> {
         match self {
-            Storage::F32(v) => v.iter().map(|&x| x as f64).collect(),
-            Storage::F16(v) => v.iter().map(|&x| x.to_f64()).collect(),
-            Storage::BF16(v) => v.iter().map(|&x| x.to_f64()).collect(),
-            Storage::U8(v) => v.iter().map(|&x| x as f64).collect(),
+            HostStorage::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            HostStorage::F16(v) => v.iter().map(|&x| x.to_f64()).collect(),
+            HostStorage::BF16(v) => v.iter().map(|&x| x.to_f64()).collect(),
+            HostStorage::U8(v) => v.iter().map(|&x| x as f64).collect(),
         }
     }
 }
 
-/// A row-major host tensor.
-#[derive(Debug, Clone, PartialEq)]
+/// Typed, contiguous element storage on some device.
+#[derive(Debug)]
+pub enum Storage {
+    /// Host memory.
+    Host(HostStorage),
+    /// Memory of a CUDA GPU, or pinned host memory registered with one.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaStorage),
+}
+
+impl PartialEq for Storage {
+    /// Host storage compares by element; storage on a device never compares equal (move it
+    /// to the host first).
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Storage::Host(a), Storage::Host(b)) => a == b,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+}
+
+impl From<HostStorage> for Storage {
+    fn from(host: HostStorage) -> Self {
+        Storage::Host(host)
+    }
+}
+
+impl Storage {
+    /// `len` zeros of `dtype` on `device`.
+    pub fn zeros(device: Device, dtype: DType, len: usize) -> Result<Self> {
+        match device {
+            Device::Cpu => Ok(Storage::Host(HostStorage::zeros(dtype, len))),
+            _ => Storage::Host(HostStorage::zeros(dtype, 0)).to_device_empty(device, dtype, len),
+        }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Host(h) => h.dtype(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.dtype(),
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Host(h) => h.len(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.len(),
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where the elements live.
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Host(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.device(),
+        }
+    }
+
+    /// The host elements, or [`Error::DeviceMismatch`] naming `what` if they live elsewhere.
+    pub fn host(&self, what: &str) -> Result<&HostStorage> {
+        match self {
+            Storage::Host(h) => Ok(h),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Err(not_on_host(what, c.device())),
+        }
+    }
+
+    /// The host elements, mutably (see [`Storage::host`]).
+    pub fn host_mut(&mut self, what: &str) -> Result<&mut HostStorage> {
+        match self {
+            Storage::Host(h) => Ok(h),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Err(not_on_host(what, c.device())),
+        }
+    }
+
+    /// A copy on `device`: the one host/device boundary (uploads, downloads and copies
+    /// between devices all go through here).
+    pub fn to_device(&self, device: Device) -> Result<Storage> {
+        match (self, device) {
+            (Storage::Host(h), Device::Cpu) => Ok(Storage::Host(h.clone())),
+            #[cfg(feature = "cuda")]
+            (Storage::Host(h), _) => crate::cuda::CudaStorage::upload(h, device).map(Storage::Cuda),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(c), Device::Cpu) => c.download().map(Storage::Host),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(c), _) => c.copy_to(device).map(Storage::Cuda),
+            #[cfg(not(feature = "cuda"))]
+            (Storage::Host(_), _) => Err(no_cuda(device)),
+        }
+    }
+
+    /// `len` zeros of `dtype` on `device` (a device other than the host).
+    fn to_device_empty(&self, device: Device, dtype: DType, len: usize) -> Result<Storage> {
+        #[cfg(feature = "cuda")]
+        {
+            let _ = self;
+            crate::cuda::CudaStorage::zeros(device, dtype, len).map(Storage::Cuda)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (self, dtype, len);
+            Err(no_cuda(device))
+        }
+    }
+}
+
+/// The error for host access to memory that lives on `device`.
+#[cfg(feature = "cuda")]
+fn not_on_host(what: &str, device: Device) -> Error {
+    Error::device_mismatch(
+        what,
+        device,
+        "host memory: move it with to_device(Device::Cpu) first",
+    )
+}
+
+/// The error for a device this build cannot reach.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda(device: Device) -> Error {
+    Error::unsupported(
+        "pagedattn",
+        format!("{device}: this build has no `cuda` feature"),
+    )
+}
+
+/// A row-major tensor on some device.
+#[derive(Debug, PartialEq)]
 pub struct Tensor {
     shape: Vec<usize>,
     storage: Storage,
@@ -130,8 +270,9 @@ pub struct Tensor {
 
 impl Tensor {
     /// Wraps storage whose length matches the shape.
-    pub fn new(shape: Vec<usize>, storage: Storage) -> Result<Self> {
-        let numel: usize = shape.iter().product();
+    pub fn new(shape: Vec<usize>, storage: impl Into<Storage>) -> Result<Self> {
+        let storage = storage.into();
+        let numel = numel(&shape)?;
         if numel != storage.len() {
             return Err(Error::invalid(
                 "tensor storage length",
@@ -142,21 +283,29 @@ impl Tensor {
         Ok(Tensor { shape, storage })
     }
 
-    /// A tensor of zeros.
+    /// A host tensor of zeros.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Self {
         Tensor {
             shape: shape.to_vec(),
-            storage: Storage::zeros(dtype, shape.iter().product()),
+            storage: Storage::Host(HostStorage::zeros(dtype, shape.iter().product())),
         }
     }
 
-    /// A float tensor of `dtype` from f32 values, rounded to nearest even.
+    /// A tensor of zeros on `device`.
+    pub fn zeros_on(device: Device, dtype: DType, shape: &[usize]) -> Result<Self> {
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            storage: Storage::zeros(device, dtype, numel(shape)?)?,
+        })
+    }
+
+    /// A host float tensor of `dtype` from f32 values, rounded to nearest even.
     pub fn from_f32(dtype: DType, shape: &[usize], values: &[f32]) -> Result<Self> {
         let storage = match dtype {
             DType::U8 => return Err(Error::invalid("dtype", dtype, "f32, f16 or bf16")),
             _ => crate::with_element!(dtype, T => {
                 let v: Vec<T> = values.iter().map(|&x| T::from_f32(x)).collect();
-                Storage::from_bytes(dtype, bytemuck::cast_slice(&v))?
+                HostStorage::from_bytes(dtype, bytemuck::cast_slice(&v))?
             }),
         };
         Tensor::new(shape.to_vec(), storage)
@@ -172,6 +321,11 @@ impl Tensor {
         self.storage.dtype()
     }
 
+    /// Where the elements live.
+    pub fn device(&self) -> Device {
+        self.storage.device()
+    }
+
     /// The storage.
     pub fn storage(&self) -> &Storage {
         &self.storage
@@ -182,27 +336,70 @@ impl Tensor {
         &mut self.storage
     }
 
+    /// The host elements ([`Error::DeviceMismatch`] for a tensor on a device).
+    pub fn host(&self) -> Result<&HostStorage> {
+        self.storage.host("tensor")
+    }
+
+    /// The host elements, mutably.
+    pub fn host_mut(&mut self) -> Result<&mut HostStorage> {
+        self.storage.host_mut("tensor")
+    }
+
+    /// A copy of this tensor on `device`.
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        Ok(Tensor {
+            shape: self.shape.clone(),
+            storage: self.storage.to_device(device)?,
+        })
+    }
+
+    /// A copy of this tensor on its own device.
+    pub fn try_clone(&self) -> Result<Tensor> {
+        self.to_device(self.device())
+    }
+
+    /// A copy of this tensor in host memory.
+    pub fn to_host(&self) -> Result<Tensor> {
+        self.to_device(Device::Cpu)
+    }
+
     /// Number of elements.
     pub fn numel(&self) -> usize {
         self.storage.len()
     }
 
-    /// Every element as f32 (fp8 bytes as their integer value).
-    pub fn to_f32_vec(&self) -> Vec<f32> {
-        self.storage
+    /// Every element as f32 (fp8 bytes as their integer value), copied to the host first if
+    /// the tensor lives on a device.
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        let host = self.storage.to_device(Device::Cpu)?;
+        Ok(host
+            .host("tensor")?
             .to_f64_vec()
             .into_iter()
             .map(|x| x as f32)
-            .collect()
+            .collect())
     }
 
-    /// Fills every element with NaN (float tensors) or 0xFF (bytes): for poisoning outputs in tests.
-    pub fn fill_nan(&mut self) {
-        match &mut self.storage {
-            Storage::F32(v) => v.fill(f32::NAN),
-            Storage::F16(v) => v.fill(f16::NAN),
-            Storage::BF16(v) => v.fill(bf16::NAN),
-            Storage::U8(v) => v.fill(0xFF),
+    /// Fills every element with NaN (float tensors) or 0xFF (bytes), on whatever device the
+    /// tensor lives: for poisoning outputs in tests.
+    pub fn fill_nan(&mut self) -> Result<()> {
+        let mut poison = HostStorage::zeros(self.dtype(), self.numel());
+        match &mut poison {
+            HostStorage::F32(v) => v.fill(f32::NAN),
+            HostStorage::F16(v) => v.fill(f16::NAN),
+            HostStorage::BF16(v) => v.fill(bf16::NAN),
+            HostStorage::U8(v) => v.fill(0xFF),
         }
+        self.storage = Storage::Host(poison).to_device(self.device())?;
+        Ok(())
     }
+}
+
+/// The element count of `shape`, or an error if it overflows.
+pub(crate) fn numel(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| Error::invalid("tensor shape", format!("{shape:?}"), "an element count that fits in usize"))
 }

@@ -22,16 +22,19 @@ pub mod widen;
 
 use rayon::prelude::*;
 
-use crate::backend::{AttentionImpl, Backend, Capabilities, Device, ForwardCheck, KvPair};
+use crate::backend::{AttentionImpl, Backend, Capabilities};
 use crate::config::{AttentionConfig, AttnType};
+use crate::device::Device;
 #[cfg(target_arch = "x86_64")]
 use crate::dtype::DType;
 use crate::dtype::Element;
 use crate::error::Result;
 use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
+use crate::reference::write_kv_checked;
 use crate::semantics::{query_position, KeyMap};
-use crate::tensor::{Storage, Tensor};
+use crate::step::{ForwardCheck, Inputs, KvPair, Plan as StepPlan, Workspace};
+use crate::tensor::{HostStorage, Tensor};
 
 use crate::shared::SharedMut;
 pub use isa::{Isa, ISA_ENV};
@@ -95,6 +98,7 @@ impl Backend for Cpu {
         Ok(Box::new(CpuAttention {
             config: config.clone(),
             backend: *self,
+            capabilities: self.capabilities(),
         }))
     }
 
@@ -111,7 +115,7 @@ impl Backend for Cpu {
     fn allocate_kv_cache(&self, spec: &KvCacheSpec) -> Result<KvCache> {
         self.capabilities().check_cache(self.name(), spec)?;
         let mut cache = KvCache::zeros(*spec, self.kv_cache_layout())?;
-        let (key, value) = cache.buffers_mut();
+        let (key, value) = cache.host_buffers_mut()?;
         for buf in [key, value] {
             advise_huge_pages(buf.as_bytes_mut());
         }
@@ -153,6 +157,7 @@ fn advise_range(start: usize, len: usize) {
 pub struct CpuAttention {
     config: AttentionConfig,
     backend: Cpu,
+    capabilities: Capabilities,
 }
 
 impl AttentionImpl for CpuAttention {
@@ -160,65 +165,97 @@ impl AttentionImpl for CpuAttention {
         &self.config
     }
 
-    fn forward(
+    fn plan(&self, metadata: &AttentionMetadata, cache: Option<&KvCacheSpec>) -> Result<StepPlan> {
+        let cfg = &self.config;
+        self.gate().plan(metadata, cache, |md, has_new_kv| {
+            let key_map = KeyMap::new(md, cfg.attn_type(), cache.map(|c| c.block_size), has_new_kv);
+            let plan = plan::plan(cfg, md, &key_map, rayon::current_num_threads());
+            let partial_floats = plan.num_partials * cfg.num_queries_per_kv() * (cfg.head_size() + 2);
+            Ok((plan, partial_floats * 4))
+        })
+    }
+
+    fn write_kv(
         &self,
-        query: &Tensor,
-        new_kv: Option<KvPair<'_>>,
-        kv_cache: Option<&mut KvCache>,
-        metadata: &AttentionMetadata,
+        plan: &StepPlan,
+        key: &Tensor,
+        value: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<()> {
+        write_kv_checked(&self.gate(), plan, KvPair { key, value }, cache)
+    }
+
+    fn forward_into(
+        &self,
+        plan: &StepPlan,
+        workspace: &mut Workspace,
+        inputs: Inputs<'_>,
         output: &mut Tensor,
-        scales: KvScales,
     ) -> Result<()> {
         // One hand-off to the thread pool per call: the cache write, the attention and the
         // split-K merges below then start their parallel work from inside it, instead of each
         // waking the pool from the caller's thread (which costs more than a short decode).
-        rayon::scope(|_| self.forward_in_pool(query, new_kv, kv_cache, metadata, output, scales))
+        rayon::scope(|_| self.forward_in_pool(plan, workspace, inputs, output))
     }
 }
 
 impl CpuAttention {
-    /// [`AttentionImpl::forward`], run on a thread of the pool.
+    /// The gate of this layer's calls.
+    fn gate(&self) -> ForwardCheck<'_> {
+        ForwardCheck {
+            backend: "cpu",
+            device: Device::Cpu,
+            capabilities: &self.capabilities,
+            layout: CacheLayout::Hnd,
+            config: &self.config,
+        }
+    }
+
+    /// [`AttentionImpl::forward_into`], run on a thread of the pool.
     fn forward_in_pool(
         &self,
-        query: &Tensor,
-        new_kv: Option<KvPair<'_>>,
-        mut kv_cache: Option<&mut KvCache>,
-        metadata: &AttentionMetadata,
+        step: &StepPlan,
+        workspace: &mut Workspace,
+        inputs: Inputs<'_>,
         output: &mut Tensor,
-        scales: KvScales,
     ) -> Result<()> {
-        let backend = self.backend;
-        ForwardCheck {
-            backend: backend.name(),
-            capabilities: &backend.capabilities(),
-            layout: backend.kv_cache_layout(),
-            config: &self.config,
-        }
-        .run(query, new_kv, kv_cache.as_deref(), metadata, output, scales)?;
+        self.gate().call(step, &inputs, output, workspace)?;
+        let plan: &Plan = step.prepared("cpu")?;
+        let (query, new_kv, mut kv_cache) = inputs.into_parts();
         if let (Some(cache), Some(kv)) = (kv_cache.as_deref_mut(), new_kv) {
-            let slots = match self.config.attn_type() {
-                AttnType::EncoderDecoder => {
-                    &metadata
-                        .encoder
-                        .as_ref()
-                        .expect("validated")
-                        .cross_slot_mapping
-                }
-                _ => &metadata.slot_mapping,
-            };
-            cache.write(kv.key, kv.value, slots, scales)?;
+            let slots = crate::reference::write_slots(&self.config, step.metadata());
+            cache.write_checked(kv.key, kv.value, slots, self.config.kv_scales())?;
         }
+        let partials: &mut [f32] = match workspace.storage_mut() {
+            Some(storage) => storage
+                .host_mut("workspace")?
+                .as_slice_mut()
+                .expect("a workspace holds f32"),
+            None => &mut [],
+        };
+        let cache = kv_cache.as_deref();
+        let (keys, values) = match (cache, new_kv) {
+            (Some(c), _) => {
+                let (k, v) = c.host_buffers()?;
+                (k, v)
+            }
+            (None, Some(kv)) => (kv.key.host()?, kv.value.host()?),
+            (None, None) => unreachable!("validated: without a cache, key and value are given"),
+        };
         let call = Call {
             config: &self.config,
-            metadata,
-            query,
-            new_kv,
-            cache: kv_cache.as_deref(),
-            scales,
+            metadata: step.metadata(),
+            plan,
+            query: query.host()?,
+            keys,
+            values,
+            cache_geometry: cache.map(|c| *c.spec()),
+            scales: self.config.kv_scales(),
             #[cfg(target_arch = "x86_64")]
             bf16_dot: self.backend.isa == Isa::Avx512Bf16,
         };
-        crate::with_element!(query.dtype(), T => run_isa::<T>(self.backend.isa, &call, output));
+        let output = output.host_mut()?;
+        crate::with_element!(query.dtype(), T => run_isa::<T>(self.backend.isa, &call, output, partials));
         Ok(())
     }
 }
@@ -227,9 +264,13 @@ impl CpuAttention {
 struct Call<'a> {
     config: &'a AttentionConfig,
     metadata: &'a AttentionMetadata,
-    query: &'a Tensor,
-    new_kv: Option<KvPair<'a>>,
-    cache: Option<&'a KvCache>,
+    plan: &'a Plan,
+    query: &'a HostStorage,
+    /// Where keys are read: the cache's buffer, or the input keys without a cache.
+    keys: &'a HostStorage,
+    /// Where values are read, likewise.
+    values: &'a HostStorage,
+    cache_geometry: Option<KvCacheSpec>,
     scales: KvScales,
     /// Whether the AVX512-BF16 kernels may be used.
     #[cfg(target_arch = "x86_64")]
@@ -238,7 +279,7 @@ struct Call<'a> {
 
 /// Picks the widest instruction set whose vector width divides the head size (so kernels
 /// need no tails) and runs the call on it.
-fn run_isa<T: Element + Load>(isa: Isa, call: &Call<'_>, output: &mut Tensor) {
+fn run_isa<T: Element + Load>(isa: Isa, call: &Call<'_>, output: &mut HostStorage, partials: &mut [f32]) {
     let d = call.config.head_size();
     #[cfg(target_arch = "x86_64")]
     {
@@ -250,7 +291,7 @@ fn run_isa<T: Element + Load>(isa: Isa, call: &Call<'_>, output: &mut Tensor) {
             } else {
                 s
             };
-            return run_kv::<_, T>(s, call, output);
+            return run_kv::<_, T>(s, call, output, partials);
         }
         if matches!(isa, Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2) && d.is_multiple_of(Avx2::LANES)
         {
@@ -258,6 +299,7 @@ fn run_isa<T: Element + Load>(isa: Isa, call: &Call<'_>, output: &mut Tensor) {
                 Avx2::new().expect("AVX-512 machines have AVX2"),
                 call,
                 output,
+                partials,
             );
         }
     }
@@ -269,53 +311,37 @@ fn run_isa<T: Element + Load>(isa: Isa, call: &Call<'_>, output: &mut Tensor) {
                 Neon::new().expect("checked when the backend was built"),
                 call,
                 output,
+                partials,
             );
         }
     }
     let _ = isa;
-    run_kv::<_, T>(simd::scalar::Scalar, call, output)
+    run_kv::<_, T>(simd::scalar::Scalar, call, output, partials)
 }
 
 /// Dispatches on the element type the keys and values are read from.
-fn run_kv<S: Simd, T: Element + Load>(s: S, call: &Call<'_>, output: &mut Tensor) {
+fn run_kv<S: Simd, T: Element + Load>(s: S, call: &Call<'_>, output: &mut HostStorage, partials: &mut [f32]) {
     /// Views bytes as fp8 codes.
     fn codes<C>(bytes: &[u8]) -> &[C] {
         // SAFETY: E4m3 and E5m2 are repr(transparent) over u8.
         unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const C, bytes.len()) }
     }
-    match call.cache {
-        Some(cache) => match (
-            cache.key(),
-            cache.value(),
-            call.config.kv_cache_dtype().fp8_format(),
-        ) {
-            (Storage::U8(k), Storage::U8(v), Some(crate::Fp8Format::E4m3)) => {
-                run::<S, T, E4m3>(s, call, codes(k), codes(v), output)
-            }
-            (Storage::U8(k), Storage::U8(v), Some(crate::Fp8Format::E5m2)) => {
-                run::<S, T, E5m2>(s, call, codes(k), codes(v), output)
-            }
-            (k, v, _) => run::<S, T, T>(
-                s,
-                call,
-                k.as_slice().expect("validated"),
-                v.as_slice().expect("validated"),
-                output,
-            ),
-        },
-        None => {
-            let kv = call
-                .new_kv
-                .expect("validated: without a cache, key and value are given");
-            let (k, v) = (kv.key.storage(), kv.value.storage());
-            run::<S, T, T>(
-                s,
-                call,
-                k.as_slice().expect("validated"),
-                v.as_slice().expect("validated"),
-                output,
-            )
+    let fp8 = call.cache_geometry.and_then(|_| call.config.kv_cache_dtype().fp8_format());
+    match (call.keys, call.values, fp8) {
+        (HostStorage::U8(k), HostStorage::U8(v), Some(crate::Fp8Format::E4m3)) => {
+            run::<S, T, E4m3>(s, call, codes(k), codes(v), output, partials)
         }
+        (HostStorage::U8(k), HostStorage::U8(v), Some(crate::Fp8Format::E5m2)) => {
+            run::<S, T, E5m2>(s, call, codes(k), codes(v), output, partials)
+        }
+        (k, v, _) => run::<S, T, T>(
+            s,
+            call,
+            k.as_slice().expect("validated"),
+            v.as_slice().expect("validated"),
+            output,
+            partials,
+        ),
     }
 }
 
@@ -740,34 +766,27 @@ fn run<S: Simd, T: Element + Load, E: Load>(
     call: &Call<'_>,
     keys: &[E],
     values: &[E],
-    output: &mut Tensor,
+    output: &mut HostStorage,
+    partials: &mut [f32],
 ) {
     let cfg = call.config;
     let md = call.metadata;
-    let fp8 = call.cache.is_some() && cfg.kv_cache_dtype().fp8_format().is_some();
+    let plan = call.plan;
+    let fp8 = call.cache_geometry.is_some() && cfg.kv_cache_dtype().fp8_format().is_some();
     let (k_scale, v_scale) = if fp8 {
         (call.scales.k_scale, call.scales.v_scale)
     } else {
         (1.0, 1.0)
     };
     let attn_type = cfg.attn_type();
-    let key_map = KeyMap::new(
-        md,
-        attn_type,
-        call.cache.map(|c| c.spec().block_size),
-        call.new_kv.is_some(),
-    );
-    let plan = plan::plan(cfg, md, &key_map, rayon::current_num_threads());
-    let mut partials =
-        vec![0.0f32; plan.num_partials * cfg.num_queries_per_kv() * (cfg.head_size() + 2)];
     let ctx = Ctx {
         s,
         cfg,
         md,
-        query: call.query.storage().as_slice::<T>().expect("validated"),
+        query: call.query.as_slice::<T>().expect("validated"),
         keys,
         values,
-        cache_geometry: call.cache.map(|c| *c.spec()),
+        cache_geometry: call.cache_geometry,
         mods: ScoreMods {
             causal: attn_type.is_causal(),
             window: cfg.sliding_window(),
@@ -776,15 +795,9 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         },
         score_scale: cfg.scale() * k_scale,
         v_scale,
-        out: SharedMut(
-            output
-                .storage_mut()
-                .as_slice_mut::<T>()
-                .expect("validated")
-                .as_mut_ptr(),
-        ),
+        out: SharedMut(output.as_slice_mut::<T>().expect("validated").as_mut_ptr()),
         partials: SharedMut(partials.as_mut_ptr()),
-        plan: &plan,
+        plan,
         #[cfg(target_arch = "x86_64")]
         bf16_dot: call.bf16_dot,
     };
@@ -792,6 +805,6 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         || plan.prefill.par_iter().for_each(|pg| ctx.prefill(pg)),
         || plan.units.par_iter().for_each(|unit| ctx.decode(unit)),
     );
-    let partials = &partials;
+    let partials = &*partials;
     plan.merges.par_iter().for_each(|m| ctx.merge(m, partials));
 }
