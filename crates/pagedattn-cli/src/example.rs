@@ -3,8 +3,8 @@
 use half::bf16;
 use pagedattn::replay::ReplayCase;
 use pagedattn::{
-    AttentionConfig, CacheLayout, DType, KvCache, KvCacheDtype, KvCacheSpec, KvScales,
-    MetadataBuilder, SequenceDesc, Storage, Tensor,
+    AttentionConfig, CacheLayout, DType, HostStorage, KvCache, KvScales, MetadataBuilder,
+    SequenceDesc, Tensor,
 };
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -44,15 +44,12 @@ pub fn mixed_batch(seed: u64) -> ReplayCase {
         });
     }
     let metadata = builder.build().expect("example batch is valid");
-    let spec = KvCacheSpec {
-        num_blocks: NUM_BLOCKS,
-        block_size: BLOCK,
-        num_kv_heads: KV_HEADS,
-        head_size: HEAD_SIZE,
-        dtype: DType::BF16,
-        kv_cache_dtype: KvCacheDtype::Auto,
-    };
-    let nan = Storage::BF16(vec![bf16::NAN; spec.buffer_elems()]);
+    let config = AttentionConfig::builder(HEADS, HEAD_SIZE)
+        .num_kv_heads(KV_HEADS)
+        .build()
+        .expect("valid config");
+    let spec = config.kv_cache_spec(DType::BF16, NUM_BLOCKS, BLOCK);
+    let nan = HostStorage::BF16(vec![bf16::NAN; spec.buffer_elems()]);
     let mut cache =
         KvCache::from_canonical(spec, CacheLayout::Nhd, nan.clone(), nan).expect("spec matches");
     let mut random = |shape: &[usize]| {
@@ -64,7 +61,7 @@ pub fn mixed_batch(seed: u64) -> ReplayCase {
     let context = [context_slots.len(), KV_HEADS, HEAD_SIZE];
     let (ck, cv) = (random(&context), random(&context));
     cache
-        .write(&ck, &cv, &context_slots, KvScales::default())
+        .write(&ck, &cv, &context_slots, KvScales::ONE)
         .expect("context fits");
     let t = metadata.num_tokens();
     let query = random(&[t, HEADS, HEAD_SIZE]);
@@ -81,6 +78,5 @@ pub fn mixed_batch(seed: u64) -> ReplayCase {
         key_value,
         kv_cache: Some(cache),
         metadata,
-        scales: KvScales::default(),
     }
 }

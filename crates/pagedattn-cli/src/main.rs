@@ -53,6 +53,14 @@ enum Command {
     /// Benchmarks a backend (decode, prefill, mixed batch, paging) against this machine's
     /// measured ceilings (memory read bandwidth, FMA and bf16 dot peaks).
     Bench(bench::BenchArgs),
+    /// Compiles every CUDA kernel through NVRTC for the given architectures, without a GPU
+    /// (needs libnvrtc): the check CI runs. Any compiler warning is an error.
+    #[cfg(feature = "cuda")]
+    CompileKernels {
+        /// Target architectures, e.g. `sm_80`, `sm_90a` (repeat the flag for several).
+        #[arg(long = "arch", required = true)]
+        archs: Vec<String>,
+    },
     /// Writes an example replay case: a mixed batch of chunked prefills with cached context,
     /// a fresh prompt and decodes, GQA, bf16.
     Example {
@@ -183,8 +191,8 @@ fn run(input: Option<&Path>, backend: &str, output: Option<&Path>) -> Result<boo
     let (expected, _) = run_timed(&case, reference.as_ref()).map_err(name_case)?;
     let (ulp, tol) = tolerance(expected.output.dtype());
     let worst = worst_difference(
-        &result.output.to_f32_vec(),
-        &expected.output.to_f32_vec(),
+        &result.output.to_f32_vec()?,
+        &expected.output.to_f32_vec()?,
         ulp,
     );
     let matched = worst <= tol;
@@ -273,6 +281,20 @@ fn simd_features() -> Vec<&'static str> {
     found
 }
 
+/// `pagedattn compile-kernels`: every kernel for every architecture, one line each.
+#[cfg(feature = "cuda")]
+fn compile_kernels(archs: &[String]) -> Result<()> {
+    for arch in archs {
+        let kernels = pagedattn::cuda::compile_check(arch)?;
+        print_ignoring_closed_pipe(&format!(
+            "{arch}: {} kernel sources compiled without warnings: {}\n",
+            kernels.len(),
+            kernels.join(", ")
+        ));
+    }
+    Ok(())
+}
+
 /// Prints `text` to stdout; a reader that closed the pipe early (`| head`) is not an error.
 fn print_ignoring_closed_pipe(text: &str) {
     use std::io::Write;
@@ -300,6 +322,8 @@ fn main() -> ExitCode {
             print_ignoring_closed_pipe(&info());
             Ok(())
         }
+        #[cfg(feature = "cuda")]
+        Command::CompileKernels { archs } => compile_kernels(&archs),
         Command::Example { output, seed } => {
             replay::write_case(&example::mixed_batch(seed)).and_then(|bytes| write(&output, &bytes))
         }

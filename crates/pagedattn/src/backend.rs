@@ -170,8 +170,13 @@ pub trait AttentionImpl: Send + Sync {
     /// Writes new keys and values into `cache` through the plan's slot mapping (the cross
     /// slot mapping for encoder-decoder), as the first half of [`forward`](Self::forward)
     /// does; fp8 caches quantize with the config's scales.
-    fn write_kv(&self, plan: &Plan, key: &Tensor, value: &Tensor, cache: &mut KvCache)
-        -> Result<()>;
+    fn write_kv(
+        &self,
+        plan: &Plan,
+        key: &Tensor,
+        value: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<()>;
 
     /// Writes the inputs' new keys and values into the cache (if both are given), then
     /// attends: `output[T, H, D]` for `query[T, H, D]`. Allocates nothing: the workspace must
@@ -185,7 +190,12 @@ pub trait AttentionImpl: Send + Sync {
     ) -> Result<()>;
 
     /// [`forward_into`](Self::forward_into) into a new output on the query's device.
-    fn forward(&self, plan: &Plan, workspace: &mut Workspace, inputs: Inputs<'_>) -> Result<Tensor> {
+    fn forward(
+        &self,
+        plan: &Plan,
+        workspace: &mut Workspace,
+        inputs: Inputs<'_>,
+    ) -> Result<Tensor> {
         let query = inputs.query();
         let mut output = Tensor::zeros_on(query.device(), query.dtype(), query.shape())?;
         self.forward_into(plan, workspace, inputs, &mut output)?;
@@ -258,16 +268,31 @@ pub trait Backend: Send + Sync {
 
     /// Swaps blocks out: copies `(cache block, swap block)` pairs from a device cache to swap
     /// space (vLLM's `swap_blocks` towards the CPU).
-    fn swap_out(&self, cache: &KvCache, swap: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
+    fn swap_out(
+        &self,
+        cache: &KvCache,
+        swap: &mut KvCache,
+        pairs: &[(usize, usize)],
+    ) -> Result<()> {
         check_sides(cache, self.device(), "cache", "the backend's device")?;
-        check_sides(swap, self.swap_device(), "swap", "the backend's swap space: allocate it with allocate_swap_space")?;
+        check_sides(
+            swap,
+            self.swap_device(),
+            "swap",
+            "the backend's swap space: allocate it with allocate_swap_space",
+        )?;
         kv_cache::swap_blocks(cache, swap, pairs)
     }
 
     /// Swaps blocks in: copies `(swap block, cache block)` pairs from swap space to a device
     /// cache.
     fn swap_in(&self, swap: &KvCache, cache: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
-        check_sides(swap, self.swap_device(), "swap", "the backend's swap space: allocate it with allocate_swap_space")?;
+        check_sides(
+            swap,
+            self.swap_device(),
+            "swap",
+            "the backend's swap space: allocate it with allocate_swap_space",
+        )?;
         check_sides(cache, self.device(), "cache", "the backend's device")?;
         kv_cache::swap_blocks(swap, cache, pairs)
     }
@@ -275,17 +300,31 @@ pub trait Backend: Send + Sync {
     /// Copies blocks `(src, dst)` inside every layer's cache (copy-on-write).
     fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
         for (i, cache) in caches.iter().enumerate() {
-            check_sides(cache, self.device(), &format!("caches[{i}]"), "the backend's device")?;
+            check_sides(
+                cache,
+                self.device(),
+                &format!("caches[{i}]"),
+                "the backend's device",
+            )?;
         }
         kv_cache::copy_blocks(caches, pairs)
     }
 }
 
 /// Checks that `cache` lives on `device`.
-pub(crate) fn check_sides(cache: &KvCache, device: Device, what: &str, expected: &str) -> Result<()> {
+pub(crate) fn check_sides(
+    cache: &KvCache,
+    device: Device,
+    what: &str,
+    expected: &str,
+) -> Result<()> {
     if cache.device() == device {
         Ok(())
     } else {
-        Err(Error::device_mismatch(what, cache.device(), format!("{device} ({expected})")))
+        Err(Error::device_mismatch(
+            what,
+            cache.device(),
+            format!("{device} ({expected})"),
+        ))
     }
 }

@@ -240,10 +240,15 @@ impl KvCache {
     /// (copied from the device first if the cache lives on one).
     pub fn to_canonical(&self) -> Result<(HostStorage, HostStorage)> {
         let c = self.to_device(Device::Cpu)?.to_layout(CacheLayout::Nhd)?;
-        match (c.key, c.value) {
-            (Storage::Host(k), Storage::Host(v)) => Ok((k, v)),
-            _ => unreachable!("to_device(Cpu) returns host storage"),
-        }
+        Ok((
+            c.key.into_host("kv_cache.key")?,
+            c.value.into_host("kv_cache.value")?,
+        ))
+    }
+
+    /// A copy of this cache on its own device.
+    pub fn try_clone(&self) -> Result<KvCache> {
+        self.to_device(self.device())
     }
 
     /// A copy of this cache on `device`, in the same layout.
@@ -619,7 +624,9 @@ pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<(
     }
     caches.par_iter_mut().for_each(|cache| {
         let block_bytes = cache.spec.block_elems() * cache.spec.storage_dtype().size_bytes();
-        let (key, value) = cache.host_buffers_mut().expect("checked above: host buffers");
+        let (key, value) = cache
+            .host_buffers_mut()
+            .expect("checked above: host buffers");
         for buf in [key, value] {
             let bytes = buf.as_bytes_mut();
             for &(s, d) in pairs {

@@ -50,16 +50,16 @@ pub mod step;
 pub mod tensor;
 
 pub use backend::{AttentionImpl, Backend, Capabilities, Sizes};
-pub use device::Device;
 pub use config::{alibi_slopes_bloom, alibi_slopes_mpt, AttentionConfig, AttnType, KvCacheDtype};
+pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use fp8::Fp8Format;
+/// The 16-bit float types of tensors (re-exported from the `half` crate).
+pub use half::{bf16, f16};
 pub use kv_cache::{copy_blocks, swap_blocks, CacheLayout, KvCache, KvCacheSpec, KvScales};
 pub use metadata::{
     AttentionMetadata, BlockTables, EncoderDesc, EncoderMetadata, MetadataBuilder, SequenceDesc,
 };
 pub use step::{Inputs, KvPair, Plan, Workspace};
 pub use tensor::{HostStorage, Storage, Tensor};
-/// The 16-bit float types of tensors (re-exported from the `half` crate).
-pub use half::{bf16, f16};

@@ -1,4 +1,5 @@
-//! The `reference` backend: DESIGN.md section 2 written as plainly as possible, in f64.
+//! The `reference` backend: the contract (`docs/semantics.md`) written as plainly as possible,
+//! in f64.
 //! It is the oracle every other backend is tested against; it is slow on purpose.
 
 use crate::backend::{AttentionImpl, Backend, Capabilities};
@@ -103,16 +104,18 @@ impl AttentionImpl for ReferenceAttention {
         let attn_type = cfg.attn_type();
         // 1. Write the new keys and values into the cache.
         if let (Some(cache), Some(kv)) = (kv_cache.as_deref_mut(), new_kv) {
-            cache.write_checked(kv.key, kv.value, write_slots(cfg, metadata), cfg.kv_scales())?;
+            cache.write_checked(
+                kv.key,
+                kv.value,
+                write_slots(cfg, metadata),
+                cfg.kv_scales(),
+            )?;
         }
         // 2. Gather every key and value as f64: from the cache when there is one.
         let cache = kv_cache.as_deref();
         let (keys, values) = match (cache, new_kv) {
             (Some(c), _) => c.dequantize(cfg.kv_scales())?,
-            (None, Some(kv)) => (
-                kv.key.host()?.to_f64_vec(),
-                kv.value.host()?.to_f64_vec(),
-            ),
+            (None, Some(kv)) => (kv.key.host()?.to_f64_vec(), kv.value.host()?.to_f64_vec()),
             (None, None) => unreachable!("validated: without a cache, key and value are given"),
         };
         let rows = KeyValueRows {
@@ -155,7 +158,10 @@ impl AttentionImpl for ReferenceAttention {
 
 /// The slot mapping new keys and values are written through: the cross slot mapping for
 /// encoder-decoder, the slot mapping otherwise.
-pub(crate) fn write_slots<'m>(config: &AttentionConfig, metadata: &'m AttentionMetadata) -> &'m [i64] {
+pub(crate) fn write_slots<'m>(
+    config: &AttentionConfig,
+    metadata: &'m AttentionMetadata,
+) -> &'m [i64] {
     match (config.attn_type(), &metadata.encoder) {
         (AttnType::EncoderDecoder, Some(enc)) => &enc.cross_slot_mapping,
         _ => &metadata.slot_mapping,

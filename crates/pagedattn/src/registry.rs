@@ -5,16 +5,21 @@ use crate::cpu::Cpu;
 use crate::error::{Error, Result};
 use crate::reference::Reference;
 
-/// The names of the backends built into this binary, best first.
-pub const BACKEND_NAMES: [&str; 2] = ["cpu", "reference"];
+/// The names of the backends of this library.
+pub const BACKEND_NAMES: [&str; 3] = ["cpu", "cuda", "reference"];
+
+/// What `auto` picks: the first of these that starts here. `cuda` joins once its attention
+/// kernels exist (until then its `forward` answers `Unsupported`).
+const AUTO_ORDER: [&str; 2] = ["cpu", "reference"];
 
 /// The backend called `name` (one of [`BACKEND_NAMES`]), or the best one for `auto`. A
 /// backend that cannot start here says why (e.g. `PAGEDATTN_ISA` naming an instruction set
-/// this CPU lacks) instead of being skipped.
+/// this CPU lacks, or no usable GPU) instead of being skipped.
 pub fn backend(name: &str) -> Result<Box<dyn Backend>> {
     match name {
-        "auto" => backend(BACKEND_NAMES[0]),
+        "auto" => backend(AUTO_ORDER[0]),
         "cpu" => Ok(Box::new(Cpu::new()?)),
+        "cuda" => cuda(),
         "reference" => Ok(Box::new(Reference)),
         _ => Err(Error::invalid(
             "backend",
@@ -24,7 +29,22 @@ pub fn backend(name: &str) -> Result<Box<dyn Backend>> {
     }
 }
 
-/// Every built-in backend: the backend, or why it cannot start here.
+/// The `cuda` backend on GPU 0.
+#[cfg(feature = "cuda")]
+fn cuda() -> Result<Box<dyn Backend>> {
+    Ok(Box::new(crate::cuda::Cuda::new(0)?))
+}
+
+/// The `cuda` backend in a build without it.
+#[cfg(not(feature = "cuda"))]
+fn cuda() -> Result<Box<dyn Backend>> {
+    Err(Error::unsupported(
+        "cuda",
+        "this build (compiled without the `cuda` feature)",
+    ))
+}
+
+/// Every backend of the library: the backend, or why it cannot start here.
 pub fn all_backends() -> Vec<(&'static str, Result<Box<dyn Backend>>)> {
     BACKEND_NAMES
         .into_iter()

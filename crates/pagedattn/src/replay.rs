@@ -1,5 +1,5 @@
-//! Replay files: one `forward` call captured as a safetensors file (DESIGN.md section 3,
-//! `docs/replay-format.md`), read, run on any backend, and written back with the results.
+//! Replay files: one `forward` call captured as a safetensors file (`docs/replay-format.md`),
+//! read, run on any backend, and written back with the results.
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -8,12 +8,12 @@ use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
 
 use crate::backend::Backend;
-use crate::step::Inputs;
 use crate::config::{AttentionConfig, AttnType, KvCacheDtype};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec};
 use crate::metadata::{AttentionMetadata, BlockTables, EncoderMetadata};
+use crate::step::Inputs;
 use crate::tensor::{HostStorage, Tensor};
 
 /// One captured `forward` call, in host memory.
@@ -439,20 +439,10 @@ pub fn write_case(case: &ReplayCase) -> Result<Vec<u8>> {
         meta.insert("logits_soft_cap".into(), cap.to_string());
     }
     let q = &case.query;
-    let mut entries = vec![entry(
-        "query",
-        q.dtype(),
-        q.shape(),
-        q.host()?.as_bytes(),
-    )?];
+    let mut entries = vec![entry("query", q.dtype(), q.shape(), q.host()?.as_bytes())?];
     if let Some((k, v)) = &case.key_value {
         entries.push(entry("key", k.dtype(), k.shape(), k.host()?.as_bytes())?);
-        entries.push(entry(
-            "value",
-            v.dtype(),
-            v.shape(),
-            v.host()?.as_bytes(),
-        )?);
+        entries.push(entry("value", v.dtype(), v.shape(), v.host()?.as_bytes())?);
     }
     let canonical = case
         .kv_cache
@@ -564,7 +554,9 @@ pub fn run_case(case: &ReplayCase, backend: &dyn Backend) -> Result<ReplayOutput
     if let Some((k, v)) = &key_value {
         inputs = inputs.with_kv(k, v);
     }
-    let output = attention.forward(&plan, &mut workspace, inputs)?.to_host()?;
+    let output = attention
+        .forward(&plan, &mut workspace, inputs)?
+        .to_host()?;
     let kv_cache = match cache {
         Some(c) => {
             let spec = *c.spec();
@@ -585,12 +577,7 @@ pub fn run_case(case: &ReplayCase, backend: &dyn Backend) -> Result<ReplayOutput
 /// Serializes a replay result: `output`, and `key_cache` / `value_cache` when a cache was used.
 pub fn write_output(out: &ReplayOutput) -> Result<Vec<u8>> {
     let o = &out.output;
-    let mut entries = vec![entry(
-        "output",
-        o.dtype(),
-        o.shape(),
-        o.host()?.as_bytes(),
-    )?];
+    let mut entries = vec![entry("output", o.dtype(), o.shape(), o.host()?.as_bytes())?];
     if let Some((k, v)) = &out.kv_cache {
         entries.push(entry(
             "key_cache",

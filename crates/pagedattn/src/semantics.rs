@@ -1,4 +1,4 @@
-//! The pieces of the attention contract (DESIGN.md section 2) that every backend mirrors:
+//! The pieces of the attention contract (`docs/semantics.md`) that every backend mirrors:
 //! positions, which keys a sequence has and where they are read, the mask, ALiBi and soft cap.
 //! The reference backend is built from exactly these functions.
 

@@ -257,12 +257,9 @@ impl ForwardCheck<'_> {
                 let writes = enc.is_some_and(|e| !e.cross_slot_mapping.is_empty());
                 writes.then(|| enc.map_or(0, |e| e.cross_slot_mapping.len()))
             }
-            (AttnType::EncoderDecoder, None) => Some(
-                metadata
-                    .encoder
-                    .as_ref()
-                    .map_or(0, |e| e.encoder_seq_lens.iter().map(|&l| l.max(0) as usize).sum()),
-            ),
+            (AttnType::EncoderDecoder, None) => Some(metadata.encoder.as_ref().map_or(0, |e| {
+                e.encoder_seq_lens.iter().map(|&l| l.max(0) as usize).sum()
+            })),
             _ => Some(metadata.num_tokens()),
         };
         metadata.validate(c.attn_type(), metadata.num_tokens(), num_kv_tokens, cache)?;
@@ -304,7 +301,12 @@ impl ForwardCheck<'_> {
             self.check_tensor(name, x, dtype, &[Some(t), Some(h), Some(d)])?;
         }
         match (inputs.key_value, plan.num_kv_tokens) {
+            // Key/value tensors of no tokens are accepted where none are expected: nothing to
+            // write either way.
             (Some(kv), Some(_)) => self.check_kv(plan, kv, dtype)?,
+            (Some(kv), None) if kv.key.shape().first() == Some(&0) => {
+                self.check_kv(plan, kv, dtype)?
+            }
             (None, None) | (None, Some(0)) => {}
             (Some(kv), None) => {
                 return Err(Error::invalid(

@@ -1,12 +1,12 @@
 //! Tensors: a shape and typed, row-major storage on a [`Device`]. [`HostStorage`] is host
-//! memory; [`Storage`] is memory on any device, and [`HostStorage::to_device`] is the one place
+//! memory; [`Storage`] is memory on any device, and [`Storage::to_device`] is the one place
 //! data crosses between devices.
 
 use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 
-use crate::dtype::{DType, Element};
 use crate::device::Device;
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
 /// Typed, contiguous element storage in host memory.
@@ -195,6 +195,8 @@ impl Storage {
 
     /// The host elements, or [`Error::DeviceMismatch`] naming `what` if they live elsewhere.
     pub fn host(&self, what: &str) -> Result<&HostStorage> {
+        #[cfg(not(feature = "cuda"))]
+        let _ = what;
         match self {
             Storage::Host(h) => Ok(h),
             #[cfg(feature = "cuda")]
@@ -204,6 +206,19 @@ impl Storage {
 
     /// The host elements, mutably (see [`Storage::host`]).
     pub fn host_mut(&mut self, what: &str) -> Result<&mut HostStorage> {
+        #[cfg(not(feature = "cuda"))]
+        let _ = what;
+        match self {
+            Storage::Host(h) => Ok(h),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Err(not_on_host(what, c.device())),
+        }
+    }
+
+    /// The host elements by value, or [`Error::DeviceMismatch`] (see [`Storage::host`]).
+    pub fn into_host(self, what: &str) -> Result<HostStorage> {
+        #[cfg(not(feature = "cuda"))]
+        let _ = what;
         match self {
             Storage::Host(h) => Ok(h),
             #[cfg(feature = "cuda")]
@@ -401,5 +416,11 @@ pub(crate) fn numel(shape: &[usize]) -> Result<usize> {
     shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .ok_or_else(|| Error::invalid("tensor shape", format!("{shape:?}"), "an element count that fits in usize"))
+        .ok_or_else(|| {
+            Error::invalid(
+                "tensor shape",
+                format!("{shape:?}"),
+                "an element count that fits in usize",
+            )
+        })
 }

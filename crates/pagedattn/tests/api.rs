@@ -160,7 +160,7 @@ fn cache_write_errors() {
         ramp(DType::F16, &[2, 2, 8], 0.0),
         ramp(DType::F16, &[2, 2, 8], 1.0),
     );
-    let ok = KvScales::default();
+    let ok = KvScales::ONE;
     assert_invalid(cache.write(&k, &v, &[0, 12], ok), "slot_mapping[1]");
     assert_invalid(cache.write(&k, &v, &[-2, 1], ok), "slot_mapping[0]");
     assert_invalid(cache.write(&k, &v, &[0], ok), "slot_mapping.len()");
@@ -205,11 +205,11 @@ fn slot_minus_one_is_skipped_and_fp8_quantizes_with_scale() {
         v_scale: 4.0,
     };
     cache.write(&k, &v, &[5, -1, 0], scales).unwrap();
-    let (ck, cv) = cache.to_canonical();
-    let (Storage::U8(ck), Storage::U8(cv)) = (ck, cv) else {
+    let (ck, cv) = cache.to_canonical().unwrap();
+    let (HostStorage::U8(ck), HostStorage::U8(cv)) = (ck, cv) else {
         panic!("fp8 caches are bytes")
     };
-    let (kf, vf) = (k.to_f32_vec(), v.to_f32_vec());
+    let (kf, vf) = (k.to_f32_vec().unwrap(), v.to_f32_vec().unwrap());
     for (token, slot) in [(0usize, 5usize), (2, 0)] {
         for e in 0..16 {
             assert_eq!(
@@ -242,7 +242,7 @@ fn layout_round_trip() {
         let n = s.num_slots();
         let slots: Vec<i64> = (0..n as i64).collect();
         let scales = if dtype == KvCacheDtype::Auto {
-            KvScales::default()
+            KvScales::ONE
         } else {
             KvScales {
                 k_scale: 0.1,
@@ -257,15 +257,15 @@ fn layout_round_trip() {
                 scales,
             )
             .unwrap();
-        let hnd = cache.to_layout(CacheLayout::Hnd);
+        let hnd = cache.to_layout(CacheLayout::Hnd).unwrap();
         assert_eq!(hnd.shape(), vec![2, 3, 2, 4, 8]);
         assert_ne!(
             hnd.key(),
             cache.key(),
             "the layouts order elements differently"
         );
-        assert_eq!(hnd.to_canonical(), cache.to_canonical());
-        let (k, v) = hnd.to_canonical();
+        assert_eq!(hnd.to_canonical().unwrap(), cache.to_canonical().unwrap());
+        let (k, v) = hnd.to_canonical().unwrap();
         assert_eq!(
             KvCache::from_canonical(s, CacheLayout::Hnd, k, v).unwrap(),
             hnd
@@ -283,7 +283,7 @@ fn filled(num_blocks: usize, layout: CacheLayout, offset: f32) -> KvCache {
             &ramp(DType::F16, &[n, 2, 8], offset),
             &ramp(DType::F16, &[n, 2, 8], offset + 9.0),
             &slots,
-            KvScales::default(),
+            KvScales::ONE,
         )
         .unwrap();
     cache
@@ -292,7 +292,7 @@ fn filled(num_blocks: usize, layout: CacheLayout, offset: f32) -> KvCache {
 /// Block `b` of a cache's canonical key and value buffers, as bytes.
 fn block(cache: &KvCache, b: usize) -> (Vec<u8>, Vec<u8>) {
     let bytes = cache.spec().block_elems() * 2;
-    let (k, v) = cache.to_canonical();
+    let (k, v) = cache.to_canonical().unwrap();
     (
         k.as_bytes()[b * bytes..(b + 1) * bytes].to_vec(),
         v.as_bytes()[b * bytes..(b + 1) * bytes].to_vec(),
@@ -311,7 +311,7 @@ fn swap_round_trip() {
         assert_eq!(block(&host, 1).0, vec![0; 128], "untouched block stays");
         let mut back = KvCache::zeros(spec(6, KvCacheDtype::Auto), layout).unwrap();
         backend
-            .swap_blocks(&host, &mut back, &[(0, 4), (2, 1)])
+            .swap_in(&host, &mut back, &[(0, 4), (2, 1)])
             .unwrap();
         assert_eq!(block(&back, 4), block(&device, 4));
         assert_eq!(block(&back, 1), block(&device, 1));
@@ -338,7 +338,10 @@ fn copy_blocks_in_every_layer() {
     let originals: Vec<KvCache> = (0..3)
         .map(|l| filled(5, CacheLayout::Nhd, l as f32))
         .collect();
-    let mut layers = originals.clone();
+    let clone_all = |caches: &[KvCache]| -> Vec<KvCache> {
+        caches.iter().map(|c| c.try_clone().unwrap()).collect()
+    };
+    let mut layers = clone_all(&originals);
     backend.copy_blocks(&mut layers, &[(0, 3), (2, 4)]).unwrap();
     for (layer, original) in layers.iter().zip(&originals) {
         assert_eq!(block(layer, 3), block(original, 0));
@@ -347,7 +350,7 @@ fn copy_blocks_in_every_layer() {
             assert_eq!(block(layer, b), block(original, b));
         }
     }
-    let before = layers.clone();
+    let before = clone_all(&layers);
     assert_invalid(copy_blocks(&mut layers, &[(0, 1), (0, 5)]), "pairs[1].dst");
     assert_eq!(layers, before, "a refused copy changes nothing");
 }
@@ -426,18 +429,14 @@ fn call() -> Call {
 
 impl Call {
     fn run(mut self) -> Result<Tensor> {
-        let attention = registry::backend("reference")?.attention(&self.config)?;
-        attention.forward(
-            &self.q,
-            Some(KvPair {
-                key: &self.k,
-                value: &self.v,
-            }),
-            Some(&mut self.cache),
-            &self.md,
-            &mut self.out,
-            KvScales::default(),
-        )?;
+        let backend = registry::backend("reference")?;
+        let attention = backend.attention(&self.config)?;
+        let plan = attention.plan(&self.md, Some(self.cache.spec()))?;
+        let mut workspace = backend.workspace(&plan)?;
+        let inputs = Inputs::new(&self.q)
+            .with_kv(&self.k, &self.v)
+            .with_cache(&mut self.cache);
+        attention.forward_into(&plan, &mut workspace, inputs, &mut self.out)?;
         Ok(self.out)
     }
 }
@@ -453,15 +452,18 @@ fn forward_errors() {
     assert_invalid(c.run(), "output.dtype");
     let mut c = call();
     c.k = ramp(DType::F16, &[3, 2, 8], 0.0);
+    assert_invalid(c.run(), "key.shape");
+    let mut c = call();
+    c.v = ramp(DType::F16, &[4, 1, 8], 0.0);
     assert_invalid(c.run(), "value.shape");
     let mut c = call();
     (c.k, c.v) = (
         ramp(DType::F16, &[3, 2, 8], 0.0),
         ramp(DType::F16, &[3, 2, 8], 0.0),
     );
-    assert_invalid(c.run(), "key.shape[0]");
+    assert_invalid(c.run(), "key.shape");
     let mut c = call();
-    c.cache = c.cache.to_layout(CacheLayout::Hnd);
+    c.cache = c.cache.to_layout(CacheLayout::Hnd).unwrap();
     assert_invalid(c.run(), "kv_cache.layout");
     let mut c = call();
     c.cache = KvCache::zeros(
@@ -503,4 +505,148 @@ fn forward_errors() {
     assert_invalid(c.run(), "metadata.encoder");
     assert_invalid(registry::backend("fastest").map(|b| b.name()), "backend");
     assert_eq!(registry::backend("auto").unwrap().name(), "cpu");
+}
+
+#[test]
+fn plan_and_workspace_errors() {
+    let backend = registry::backend("cpu").unwrap();
+    let c = call();
+    let attention = backend.attention(&c.config).unwrap();
+    // The builder's block size (4) against a cache of blocks of 8: named directly.
+    let spec8 = KvCacheSpec {
+        block_size: 8,
+        ..spec(4, KvCacheDtype::Auto)
+    };
+    assert_invalid(attention.plan(&c.md, Some(&spec8)), "metadata.block_size");
+
+    let plan = attention.plan(&c.md, Some(c.cache.spec())).unwrap();
+    let run = |attention: &dyn AttentionImpl, plan: &Plan, workspace: &mut Workspace| {
+        let mut c = call();
+        let cache = backend.load_kv_cache(&c.cache).unwrap();
+        c.cache = cache;
+        let inputs = Inputs::new(&c.q)
+            .with_kv(&c.k, &c.v)
+            .with_cache(&mut c.cache);
+        attention.forward_into(plan, workspace, inputs, &mut c.out)
+    };
+    let mut workspace = backend.workspace(&plan).unwrap();
+    run(&*attention, &plan, &mut workspace).unwrap();
+
+    // A plan of another backend, or of a layer of another shape.
+    let reference = registry::backend("reference").unwrap();
+    let other_plan = reference
+        .attention(&c.config)
+        .unwrap()
+        .plan(&c.md, Some(c.cache.spec()))
+        .unwrap();
+    assert_invalid(run(&*attention, &other_plan, &mut workspace), "plan");
+    let mqa = AttentionConfig::builder(4, 8)
+        .num_kv_heads(1)
+        .build()
+        .unwrap();
+    let mqa_attention = backend.attention(&mqa).unwrap();
+    assert_invalid(run(&*mqa_attention, &plan, &mut workspace), "plan");
+
+    // The plan made without a cache, used with one.
+    let encoder_md = MetadataBuilder::new(4)
+        .push(SequenceDesc::prompt(0, 3, vec![]))
+        .push(SequenceDesc::decode(1, vec![]))
+        .build()
+        .unwrap();
+    let uncached_plan = attention.plan(&encoder_md, None).unwrap();
+    assert_invalid(run(&*attention, &uncached_plan, &mut workspace), "kv_cache");
+
+    // A workspace smaller than a split-K decode plan needs.
+    let long = MetadataBuilder::new(4)
+        .push(SequenceDesc::decode(4096, (0..1024).collect()))
+        .build()
+        .unwrap();
+    let long_plan = attention
+        .plan(&long, Some(&spec(1024, KvCacheDtype::Auto)))
+        .unwrap();
+    if long_plan.workspace_bytes() > 0 {
+        let mut small = Workspace::empty(Device::Cpu);
+        let mut cache = backend
+            .allocate_kv_cache(&spec(1024, KvCacheDtype::Auto))
+            .unwrap();
+        let (q, kv) = (
+            ramp(DType::F16, &[1, 4, 8], 0.0),
+            ramp(DType::F16, &[1, 2, 8], 1.0),
+        );
+        let mut out = Tensor::zeros(DType::F16, &[1, 4, 8]);
+        let inputs = Inputs::new(&q).with_kv(&kv, &kv).with_cache(&mut cache);
+        let result = attention.forward_into(&long_plan, &mut small, inputs, &mut out);
+        assert_invalid(result, "workspace bytes");
+        small.reserve(&long_plan).unwrap();
+        assert!(small.bytes() >= long_plan.workspace_bytes());
+    }
+}
+
+#[test]
+fn one_plan_serves_layers_that_differ_in_scale_and_soft_cap() {
+    for name in ["reference", "cpu"] {
+        let backend = registry::backend(name).unwrap();
+        let c = call();
+        let layers = [
+            c.config.clone(),
+            AttentionConfig::builder(4, 8)
+                .num_kv_heads(2)
+                .scale(0.5)
+                .logits_soft_cap(Some(3.0))
+                .build()
+                .unwrap(),
+        ];
+        let first = backend.attention(&layers[0]).unwrap();
+        let shared = first.plan(&c.md, Some(c.cache.spec())).unwrap();
+        let mut workspace = backend.workspace(&shared).unwrap();
+        for config in &layers {
+            let attention = backend.attention(config).unwrap();
+            let own = attention.plan(&c.md, Some(c.cache.spec())).unwrap();
+            let mut outs = Vec::new();
+            for plan in [&shared, &own] {
+                let mut c = call();
+                c.cache = backend.load_kv_cache(&c.cache).unwrap();
+                let inputs = Inputs::new(&c.q)
+                    .with_kv(&c.k, &c.v)
+                    .with_cache(&mut c.cache);
+                let out = attention.forward(plan, &mut workspace, inputs).unwrap();
+                outs.push(out.to_f32_vec().unwrap());
+            }
+            assert_eq!(outs[0], outs[1], "{name}: shared plan vs the layer's own");
+        }
+    }
+}
+
+#[test]
+fn fp8_scales_belong_to_fp8_caches() {
+    let no_fp8 = AttentionConfig::builder(4, 8).kv_scales(0.5, 1.0).build();
+    assert_invalid(no_fp8, "k_scale");
+    let fp8 = AttentionConfig::builder(4, 8)
+        .kv_cache_dtype(KvCacheDtype::Fp8E4m3)
+        .kv_scales(0.5, 0.25)
+        .build()
+        .unwrap();
+    assert_eq!(fp8.kv_scales().v_scale, 0.25);
+    let spec = fp8.kv_cache_spec(DType::BF16, 3, 16);
+    assert_eq!(
+        (spec.num_kv_heads, spec.head_size, spec.kv_cache_dtype),
+        (4, 8, KvCacheDtype::Fp8E4m3)
+    );
+}
+
+#[test]
+fn device_memory_needs_a_device() {
+    // Without a usable GPU (or without the `cuda` feature), asking for GPU memory is an error
+    // that says why, never a panic.
+    match Tensor::zeros_on(Device::Cuda(0), DType::F32, &[4]) {
+        Ok(t) => assert_eq!(t.device(), Device::Cuda(0)),
+        Err(e) => assert!(
+            matches!(e, Error::Driver(_) | Error::Unsupported { .. }),
+            "{e:?}"
+        ),
+    }
+    let host = Tensor::zeros(DType::F32, &[2, 3]);
+    assert_eq!(host.to_host().unwrap(), host);
+    let overflow = Tensor::zeros_on(Device::Cpu, DType::F32, &[1 << 40, 1 << 40]);
+    assert_invalid(overflow, "tensor shape");
 }

@@ -207,7 +207,7 @@ fn compare(got: &Tensor, want: &Tensor, call: &Call, tol: &Tolerance, what: &str
     prop_assert_eq!(got.shape(), want.shape());
     let (h, d) = (want.shape()[1], want.shape()[2]);
     let prefill = prefill_tokens(&call.metadata);
-    let (got, want) = (got.to_f32_vec(), want.to_f32_vec());
+    let (got, want) = (got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
     let mut worst: Option<(usize, f64)> = None;
     let mut bad = 0;
     for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
@@ -705,10 +705,10 @@ fn all_zeros(call: &Call, mut cache: impl FnMut(&Cpu) -> Option<KvCache>) {
             .run(&cpu, c.as_mut(), "forward")
             .unwrap_or_else(|e| panic!("{}: {e}", cpu.isa()));
         assert!(
-            out.to_f32_vec().iter().all(|&x| x == 0.0),
+            out.to_f32_vec().unwrap().iter().all(|&x| x == 0.0),
             "{}: {:?}",
             cpu.isa(),
-            out.to_f32_vec()
+            out.to_f32_vec().unwrap()
         );
     }
 }

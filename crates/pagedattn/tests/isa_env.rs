@@ -6,8 +6,7 @@
 
 use pagedattn::cpu::{Cpu, Isa, ISA_ENV};
 use pagedattn::{
-    registry, AttentionConfig, Backend, DType, KvPair, KvScales, MetadataBuilder, SequenceDesc,
-    Tensor,
+    registry, AttentionConfig, Backend, DType, Inputs, MetadataBuilder, SequenceDesc, Tensor,
 };
 
 /// The outputs of two small prefill calls (f32 and bf16, D = 32, 70 keys, GQA group 2) on
@@ -35,20 +34,13 @@ fn fingerprint(backend: &dyn Backend) -> Vec<u32> {
         let q = Tensor::from_f32(dtype, &[t, h, d], &values(t * h * d, 1)).unwrap();
         let k = Tensor::from_f32(dtype, &[t, hkv, d], &values(t * hkv * d, 2)).unwrap();
         let v = Tensor::from_f32(dtype, &[t, hkv, d], &values(t * hkv * d, 3)).unwrap();
-        let mut out = Tensor::zeros(dtype, &[t, h, d]);
-        backend
-            .attention(&config)
-            .unwrap()
-            .forward(
-                &q,
-                Some(KvPair { key: &k, value: &v }),
-                None,
-                &md,
-                &mut out,
-                KvScales::default(),
-            )
+        let attention = backend.attention(&config).unwrap();
+        let plan = attention.plan(&md, None).unwrap();
+        let mut workspace = backend.workspace(&plan).unwrap();
+        let out = attention
+            .forward(&plan, &mut workspace, Inputs::new(&q).with_kv(&k, &v))
             .unwrap();
-        bits.extend(out.to_f32_vec().iter().map(|x| x.to_bits()));
+        bits.extend(out.to_f32_vec().unwrap().iter().map(|x| x.to_bits()));
     }
     bits
 }

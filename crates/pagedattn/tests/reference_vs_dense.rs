@@ -1,5 +1,5 @@
 //! The `reference` backend against a dense, non-paged attention written here, in f64, straight
-//! from DESIGN.md section 2 (and independently of `src/reference.rs` and `src/semantics.rs`).
+//! from the contract, `docs/semantics.md` (and independently of `src/reference.rs` and `src/semantics.rs`).
 //!
 //! Every property builds a random batch, runs `reference` on it through the public API (paged
 //! cache with shuffled, non-contiguous blocks; unused slots and the output poisoned with NaN) and
@@ -27,14 +27,14 @@ mod common;
 
 use common::*;
 use pagedattn::{
-    registry, AttentionConfig, AttnType, DType, KvCacheDtype, KvCacheSpec, KvPair, KvScales,
-    MetadataBuilder, SequenceDesc, Tensor,
+    registry, AttentionConfig, AttnType, DType, KvCacheDtype, KvCacheSpec, KvPair, MetadataBuilder,
+    SequenceDesc, Tensor,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
 // ---------------------------------------------------------------------------------------------
-// The dense attention of DESIGN.md section 2, in f64.
+// The dense attention of `docs/semantics.md`, in f64.
 // ---------------------------------------------------------------------------------------------
 
 /// One key/value token as an attention kernel reads it (`[Hkv * D]` each), or `None` when the
@@ -136,7 +136,7 @@ fn check_output(out: &Tensor, want: &[f64], num_heads: usize, head_size: usize) 
         DType::BF16 => 1.6e-2,
         DType::U8 => unreachable!(),
     };
-    let got = out.to_f32_vec();
+    let got = ok(out.to_f32_vec(), "output to host")?;
     prop_assert_eq!(got.len(), want.len());
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let g = g as f64;
@@ -420,7 +420,7 @@ fn hand_case(attn_type: AttnType, slopes: Option<Vec<f32>>, cap: Option<f32>) ->
     let k = Tensor::from_f32(DType::F32, &[3, 1, 2], &[0.0, 5.0, 1.0, 7.0, 2.0, -3.0]).unwrap();
     let v = Tensor::from_f32(DType::F32, &[3, 1, 2], &[1.0, 0.0, 0.0, 1.0, 1.0, 1.0]).unwrap();
     let mut out = Tensor::zeros(DType::F32, &[3, 1, 2]);
-    out.fill_nan();
+    out.fill_nan().unwrap();
     let kv = Some(KvPair { key: &k, value: &v });
     if attn_type == AttnType::Decoder {
         let spec = KvCacheSpec {
@@ -432,7 +432,7 @@ fn hand_case(attn_type: AttnType, slopes: Option<Vec<f32>>, cap: Option<f32>) ->
             kv_cache_dtype: KvCacheDtype::Auto,
         };
         let mut cache = backend.allocate_kv_cache(&spec).unwrap();
-        let (kb, vb) = cache.buffers_mut();
+        let (kb, vb) = cache.host_buffers_mut().unwrap();
         kb.as_slice_mut::<f32>().unwrap().fill(f32::NAN);
         vb.as_slice_mut::<f32>().unwrap().fill(f32::NAN);
         let md = MetadataBuilder::new(2)
@@ -440,20 +440,25 @@ fn hand_case(attn_type: AttnType, slopes: Option<Vec<f32>>, cap: Option<f32>) ->
             .build()
             .unwrap();
         let attention = backend.attention(&config).unwrap();
-        attention
-            .forward(&q, kv, Some(&mut cache), &md, &mut out, KvScales::default())
-            .unwrap();
+        forward_once(
+            &*backend,
+            &*attention,
+            &q,
+            kv,
+            Some(&mut cache),
+            &md,
+            &mut out,
+        )
+        .unwrap();
     } else {
         let md = MetadataBuilder::new(2)
             .push(SequenceDesc::prompt(0, 3, vec![]))
             .build()
             .unwrap();
         let attention = backend.attention(&config).unwrap();
-        attention
-            .forward(&q, kv, None, &md, &mut out, KvScales::default())
-            .unwrap();
+        forward_once(&*backend, &*attention, &q, kv, None, &md, &mut out).unwrap();
     }
-    out.to_f32_vec()
+    out.to_f32_vec().unwrap()
 }
 
 /// The same case through this file's dense attention (so the numbers below also check it).
@@ -594,21 +599,16 @@ fn zero_length_encoder_sequences() {
         let q = Tensor::from_f32(dtype, &[4, 4, 8], &[0.5; 128]).unwrap();
         let kv = Tensor::zeros(dtype, &[0, 2, 8]);
         let mut out = Tensor::zeros(dtype, &[4, 4, 8]);
-        out.fill_nan();
-        attention
-            .forward(
-                &q,
-                Some(KvPair {
-                    key: &kv,
-                    value: &kv,
-                }),
-                None,
-                &md,
-                &mut out,
-                st.kv_scales(),
-            )
-            .unwrap();
-        assert!(out.to_f32_vec().iter().all(|&x| x == 0.0), "{dtype}");
+        out.fill_nan().unwrap();
+        let kv = Some(KvPair {
+            key: &kv,
+            value: &kv,
+        });
+        forward_once(&*backend, &*attention, &q, kv, None, &md, &mut out).unwrap();
+        assert!(
+            out.to_f32_vec().unwrap().iter().all(|&x| x == 0.0),
+            "{dtype}"
+        );
 
         // Encoder / encoder-only batches with empty sequences, and with nothing at all.
         for t in [AttnType::Encoder, AttnType::EncoderOnly] {
@@ -641,24 +641,25 @@ fn decoder_queries_without_keys_give_zeros() {
             let q = Tensor::from_f32(dtype, &[4, 4, 8], &[0.5; 128]).unwrap();
             let kv = Tensor::from_f32(dtype, &[4, 2, 8], &[0.25; 64]).unwrap();
             let mut out = Tensor::zeros(dtype, &[4, 4, 8]);
-            out.fill_nan();
-            attention
-                .forward(
-                    &q,
-                    Some(KvPair {
-                        key: &kv,
-                        value: &kv,
-                    }),
-                    Some(&mut cache),
-                    &md,
-                    &mut out,
-                    st.kv_scales(),
-                )
-                .unwrap();
+            out.fill_nan().unwrap();
+            let kv = Some(KvPair {
+                key: &kv,
+                value: &kv,
+            });
+            forward_once(
+                &*backend,
+                &*attention,
+                &q,
+                kv,
+                Some(&mut cache),
+                &md,
+                &mut out,
+            )
+            .unwrap();
             assert!(
-                out.to_f32_vec().iter().all(|&x| x == 0.0),
+                out.to_f32_vec().unwrap().iter().all(|&x| x == 0.0),
                 "{dtype} {kv_cache_dtype}: {:?}",
-                out.to_f32_vec()
+                out.to_f32_vec().unwrap()
             );
             model.check(&cache, "nothing written").unwrap();
         }

@@ -4,7 +4,7 @@
 //! command; then each workload is timed (warm-up, then N iterations, median and min) with the
 //! cache write included in every forward call, rotating over enough layers' caches that the
 //! working set is several times the last-level cache. Decode rows report KV GB/s against the
-//! memory bandwidth, prefill rows GFLOP/s against the compute peak (DESIGN.md section 5).
+//! memory bandwidth, prefill rows GFLOP/s against the compute peak (`bench/README.md`).
 //! `--json` prints every number, the workloads' parameters, the ceilings and the machine, for
 //! `bench/torch_compare.py`.
 

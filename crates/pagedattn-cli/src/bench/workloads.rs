@@ -6,8 +6,8 @@
 use std::fmt;
 
 use pagedattn::{
-    AttentionConfig, AttentionImpl, AttentionMetadata, Backend, DType, KvCache, KvCacheDtype,
-    KvCacheSpec, KvPair, KvScales, MetadataBuilder, Result, SequenceDesc, Storage, Tensor,
+    AttentionConfig, AttentionImpl, Backend, DType, Device, HostStorage, Inputs, KvCache,
+    KvCacheDtype, KvScales, MetadataBuilder, Plan, Result, SequenceDesc, Tensor, Workspace,
 };
 use serde_json::{json, Value};
 
@@ -167,7 +167,7 @@ impl Workload {
             block_size: b,
             dtype: DType::BF16,
             kv_cache_dtype: KvCacheDtype::Auto,
-            scales: KvScales::default(),
+            scales: KvScales::ONE,
             seqs,
             mapping: Mapping::Shuffled,
         }
@@ -207,7 +207,7 @@ impl Workload {
         (tokens * self.num_kv_heads * self.head_size * 2 * self.cache_elem_bytes()) as f64
     }
 
-    /// FLOPs: 4 * (allowed causal query-key pairs) * D * H (DESIGN.md section 5).
+    /// FLOPs: 4 * (allowed causal query-key pairs) * D * H (`bench/README.md`).
     pub fn flops(&self) -> f64 {
         let pairs: u64 = self.seqs.iter().map(SeqShape::causal_pairs).sum();
         4.0 * pairs as f64 * (self.head_size * self.num_heads) as f64
@@ -391,16 +391,16 @@ impl SplitMix {
 }
 
 /// Fills a buffer with random values of its dtype (valid fp8 codes for U8), in parallel.
-fn fill_random(buf: &mut Storage, seed: u64) {
+fn fill_random(buf: &mut HostStorage, seed: u64) {
     // Codes of values in [-1, 1) / (1/16): a realistic spread of fp8 codes, never NaN.
     let fp8: Vec<u8> = (0..64)
         .map(|i| pagedattn::Fp8Format::E4m3.encode((i as f32 - 32.0) / 2.0))
         .collect();
     match buf {
-        Storage::F32(v) => fill_parallel(v, seed, |r| r.unit()),
-        Storage::F16(v) => fill_parallel(v, seed, |r| half::f16::from_f32(r.unit())),
-        Storage::BF16(v) => fill_parallel(v, seed, |r| half::bf16::from_f32(r.unit())),
-        Storage::U8(v) => fill_parallel(v, seed, |r| fp8[r.below(fp8.len())]),
+        HostStorage::F32(v) => fill_parallel(v, seed, |r| r.unit()),
+        HostStorage::F16(v) => fill_parallel(v, seed, |r| half::f16::from_f32(r.unit())),
+        HostStorage::BF16(v) => fill_parallel(v, seed, |r| half::bf16::from_f32(r.unit())),
+        HostStorage::U8(v) => fill_parallel(v, seed, |r| fp8[r.below(fp8.len())]),
     }
 }
 
@@ -453,17 +453,17 @@ pub fn block_tables(w: &Workload, seed: u64) -> Vec<Vec<i32>> {
         .collect()
 }
 
-/// Everything one workload's forward calls need: the layer, `layers` filled caches to rotate
-/// over, the metadata and the input and output tensors.
+/// Everything one workload's forward calls need: the layer, its plan and workspace, `layers`
+/// filled caches to rotate over, and the input and output tensors, on the backend's device.
 pub struct Prepared {
     attention: Box<dyn AttentionImpl>,
+    plan: Plan,
+    workspace: Workspace,
     caches: Vec<KvCache>,
-    metadata: AttentionMetadata,
     query: Tensor,
     key: Tensor,
     value: Tensor,
     output: Tensor,
-    scales: KvScales,
 }
 
 impl Prepared {
@@ -472,9 +472,11 @@ impl Prepared {
         let config = AttentionConfig::builder(w.num_heads, w.head_size)
             .num_kv_heads(w.num_kv_heads)
             .kv_cache_dtype(w.kv_cache_dtype)
+            .kv_scales(w.scales.k_scale, w.scales.v_scale)
             .build()?;
         let attention = backend.attention(&config)?;
-        let mut builder = MetadataBuilder::new(w.block_size);
+        let spec = config.kv_cache_spec(w.dtype, w.num_blocks(), w.block_size);
+        let mut builder = MetadataBuilder::for_cache(&spec);
         for (s, table) in w.seqs.iter().zip(block_tables(w, seed)) {
             builder.push(if s.is_decode {
                 SequenceDesc::decode(s.seq_len(), table)
@@ -483,34 +485,38 @@ impl Prepared {
             });
         }
         let metadata = builder.build()?;
-        let spec = KvCacheSpec {
-            num_blocks: w.num_blocks(),
-            block_size: w.block_size,
-            num_kv_heads: w.num_kv_heads,
-            head_size: w.head_size,
-            dtype: w.dtype,
-            kv_cache_dtype: w.kv_cache_dtype,
-        };
+        let device = backend.device();
         let caches = (0..layers)
             .map(|l| {
-                let mut cache = backend.allocate_kv_cache(&spec)?;
-                let (k, v) = cache.buffers_mut();
+                // Filled in host memory: in place on a host backend (keeping its allocation),
+                // then moved to a device backend's memory.
+                let mut cache = match device {
+                    Device::Cpu => backend.allocate_kv_cache(&spec)?,
+                    _ => KvCache::zeros(spec, backend.kv_cache_layout())?,
+                };
+                let (k, v) = cache.host_buffers_mut()?;
                 fill_random(k, seed.wrapping_add(2 * l as u64 + 1));
                 fill_random(v, seed.wrapping_add(2 * l as u64 + 2));
-                Ok(cache)
+                match device {
+                    Device::Cpu => Ok(cache),
+                    _ => cache.to_device(device),
+                }
             })
             .collect::<Result<Vec<_>>>()?;
+        let plan = attention.plan(&metadata, Some(&spec))?;
+        let workspace = backend.workspace(&plan)?;
         let t = w.num_tokens();
         let (h, hkv, d) = (w.num_heads, w.num_kv_heads, w.head_size);
+        let on_device = |t: Tensor| t.to_device(device);
         Ok(Prepared {
             attention,
+            plan,
+            workspace,
             caches,
-            metadata,
-            query: random_tensor(w.dtype, &[t, h, d], seed ^ 0x51)?,
-            key: random_tensor(w.dtype, &[t, hkv, d], seed ^ 0x52)?,
-            value: random_tensor(w.dtype, &[t, hkv, d], seed ^ 0x53)?,
-            output: Tensor::zeros(w.dtype, &[t, h, d]),
-            scales: w.scales,
+            query: on_device(random_tensor(w.dtype, &[t, h, d], seed ^ 0x51)?)?,
+            key: on_device(random_tensor(w.dtype, &[t, hkv, d], seed ^ 0x52)?)?,
+            value: on_device(random_tensor(w.dtype, &[t, hkv, d], seed ^ 0x53)?)?,
+            output: Tensor::zeros_on(device, w.dtype, &[t, h, d])?,
         })
     }
 
@@ -519,20 +525,15 @@ impl Prepared {
         self.caches.len()
     }
 
-    /// One forward call (cache write, then attention) on layer `i % layers`.
+    /// One forward call (cache write, then attention) on layer `i % layers`, with the step's
+    /// plan made once beforehand.
     pub fn run(&mut self, i: usize) -> Result<()> {
         let layer = i % self.caches.len();
-        self.attention.forward(
-            &self.query,
-            Some(KvPair {
-                key: &self.key,
-                value: &self.value,
-            }),
-            Some(&mut self.caches[layer]),
-            &self.metadata,
-            &mut self.output,
-            self.scales,
-        )
+        let inputs = Inputs::new(&self.query)
+            .with_kv(&self.key, &self.value)
+            .with_cache(&mut self.caches[layer]);
+        self.attention
+            .forward_into(&self.plan, &mut self.workspace, inputs, &mut self.output)
     }
 }
 

@@ -170,7 +170,8 @@ impl AttentionImpl for CpuAttention {
         self.gate().plan(metadata, cache, |md, has_new_kv| {
             let key_map = KeyMap::new(md, cfg.attn_type(), cache.map(|c| c.block_size), has_new_kv);
             let plan = plan::plan(cfg, md, &key_map, rayon::current_num_threads());
-            let partial_floats = plan.num_partials * cfg.num_queries_per_kv() * (cfg.head_size() + 2);
+            let partial_floats =
+                plan.num_partials * cfg.num_queries_per_kv() * (cfg.head_size() + 2);
             Ok((plan, partial_floats * 4))
         })
     }
@@ -279,7 +280,12 @@ struct Call<'a> {
 
 /// Picks the widest instruction set whose vector width divides the head size (so kernels
 /// need no tails) and runs the call on it.
-fn run_isa<T: Element + Load>(isa: Isa, call: &Call<'_>, output: &mut HostStorage, partials: &mut [f32]) {
+fn run_isa<T: Element + Load>(
+    isa: Isa,
+    call: &Call<'_>,
+    output: &mut HostStorage,
+    partials: &mut [f32],
+) {
     let d = call.config.head_size();
     #[cfg(target_arch = "x86_64")]
     {
@@ -320,13 +326,20 @@ fn run_isa<T: Element + Load>(isa: Isa, call: &Call<'_>, output: &mut HostStorag
 }
 
 /// Dispatches on the element type the keys and values are read from.
-fn run_kv<S: Simd, T: Element + Load>(s: S, call: &Call<'_>, output: &mut HostStorage, partials: &mut [f32]) {
+fn run_kv<S: Simd, T: Element + Load>(
+    s: S,
+    call: &Call<'_>,
+    output: &mut HostStorage,
+    partials: &mut [f32],
+) {
     /// Views bytes as fp8 codes.
     fn codes<C>(bytes: &[u8]) -> &[C] {
         // SAFETY: E4m3 and E5m2 are repr(transparent) over u8.
         unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const C, bytes.len()) }
     }
-    let fp8 = call.cache_geometry.and_then(|_| call.config.kv_cache_dtype().fp8_format());
+    let fp8 = call
+        .cache_geometry
+        .and_then(|_| call.config.kv_cache_dtype().fp8_format());
     match (call.keys, call.values, fp8) {
         (HostStorage::U8(k), HostStorage::U8(v), Some(crate::Fp8Format::E4m3)) => {
             run::<S, T, E4m3>(s, call, codes(k), codes(v), output, partials)

@@ -15,8 +15,8 @@ use std::ops::RangeInclusive;
 use half::{bf16, f16};
 use pagedattn::{
     alibi_slopes_bloom, AttentionConfig, AttentionMetadata, AttnType, Backend, CacheLayout, DType,
-    Fp8Format, KvCache, KvCacheDtype, KvCacheSpec, KvPair, KvScales, MetadataBuilder, SequenceDesc,
-    Storage, Tensor,
+    Fp8Format, HostStorage, Inputs, KvCache, KvCacheDtype, KvCacheSpec, KvPair, KvScales,
+    MetadataBuilder, SequenceDesc, Tensor,
 };
 use proptest::prelude::*;
 use proptest::strategy::BoxedStrategy;
@@ -161,7 +161,7 @@ impl Settings {
 
     pub fn kv_scales(&self) -> KvScales {
         match self.kv_cache_dtype {
-            KvCacheDtype::Auto => KvScales::default(),
+            KvCacheDtype::Auto => KvScales::ONE,
             _ => KvScales {
                 k_scale: self.k_scale,
                 v_scale: self.v_scale,
@@ -176,6 +176,7 @@ impl Settings {
             .sliding_window(self.sliding_window)
             .logits_soft_cap(self.soft_cap)
             .kv_cache_dtype(self.kv_cache_dtype)
+            .kv_scales(self.kv_scales().k_scale, self.kv_scales().v_scale)
             .attn_type(attn_type);
         if let Some(scale) = self.scale {
             b = b.scale(scale);
@@ -219,7 +220,7 @@ pub fn random_values(rng: &mut StdRng, dtype: DType, count: usize, amp: f32) -> 
 pub fn tensor(dtype: DType, shape: &[usize], values: &[f32]) -> Tensor {
     let t = Tensor::from_f32(dtype, shape, values).expect("tensor");
     // The values are representable: the tensor holds exactly them.
-    assert_eq!(t.to_f32_vec(), values);
+    assert_eq!(t.to_f32_vec().unwrap(), values);
     t
 }
 
@@ -291,11 +292,12 @@ pub struct Call {
     /// New keys and values (absent for a cross-attention call that only reads the cache).
     pub kv: Option<(Tensor, Tensor)>,
     pub metadata: AttentionMetadata,
+    /// The config's fp8 scales (for writing context with `KvCache::write`).
     pub scales: KvScales,
 }
 
 impl Call {
-    /// Runs the call on `backend` into a NaN-poisoned output and returns the output.
+    /// Plans the call on `backend` and runs it into a NaN-poisoned output; returns the output.
     pub fn run(
         &self,
         backend: &dyn Backend,
@@ -303,22 +305,40 @@ impl Call {
         what: &str,
     ) -> Result<Tensor, TestCaseError> {
         let attention = ok(backend.attention(&self.config), "attention")?;
+        let plan = ok(
+            attention.plan(&self.metadata, cache.as_deref().map(KvCache::spec)),
+            what,
+        )?;
+        let mut workspace = ok(backend.workspace(&plan), "workspace")?;
         let mut out = Tensor::zeros(self.query.dtype(), self.query.shape());
-        out.fill_nan();
+        ok(out.fill_nan(), "poisoning the output")?;
+        let inputs = Inputs::new(&self.query)
+            .with_kv_pair(self.kv.as_ref().map(|(key, value)| KvPair { key, value }))
+            .with_cache_opt(cache);
         ok(
-            attention.forward(
-                &self.query,
-                self.kv.as_ref().map(|(key, value)| KvPair { key, value }),
-                cache,
-                &self.metadata,
-                &mut out,
-                self.scales,
-            ),
+            attention.forward_into(&plan, &mut workspace, inputs, &mut out),
             what,
         )?;
         Ok(out)
     }
 }
+/// One forward call the way an engine makes it: plan the metadata (with the cache's geometry),
+/// take a workspace for the plan, run.
+pub fn forward_once(
+    backend: &dyn Backend,
+    attention: &dyn pagedattn::AttentionImpl,
+    query: &Tensor,
+    kv: Option<KvPair<'_>>,
+    cache: Option<&mut KvCache>,
+    metadata: &AttentionMetadata,
+    output: &mut Tensor,
+) -> pagedattn::Result<()> {
+    let plan = attention.plan(metadata, cache.as_deref().map(KvCache::spec))?;
+    let mut workspace = backend.workspace(&plan)?;
+    let inputs = Inputs::new(query).with_kv_pair(kv).with_cache_opt(cache);
+    attention.forward_into(&plan, &mut workspace, inputs, output)
+}
+
 // ---------------------------------------------------------------------------------------------
 // A model of the paged cache: the canonical bytes it must hold.
 // ---------------------------------------------------------------------------------------------
@@ -448,8 +468,8 @@ impl CacheModel {
         KvCache::from_canonical(
             self.spec,
             layout,
-            Storage::from_bytes(dt, &self.key).unwrap(),
-            Storage::from_bytes(dt, &self.value).unwrap(),
+            HostStorage::from_bytes(dt, &self.key).unwrap(),
+            HostStorage::from_bytes(dt, &self.value).unwrap(),
         )
         .expect("cache from canonical buffers")
     }
@@ -457,7 +477,7 @@ impl CacheModel {
     /// Every byte of the cache equals the model: written slots hold exactly the stored values,
     /// every other slot keeps its poison.
     pub fn check(&self, cache: &KvCache, when: &str) -> TestResult {
-        let (k, v) = cache.to_canonical();
+        let (k, v) = cache.to_canonical().unwrap();
         let (es, h, d) = (
             self.elem_size(),
             self.spec.num_kv_heads,
@@ -489,8 +509,8 @@ pub fn same_cache(got: &KvCache, want: &KvCache, when: &str) -> TestResult {
     prop_assert_eq!(got.spec(), &spec);
     let es = spec.storage_dtype().size_bytes();
     let (h, d) = (spec.num_kv_heads, spec.head_size);
-    let (gk, gv) = got.to_canonical();
-    let (wk, wv) = want.to_canonical();
+    let (gk, gv) = got.to_canonical().unwrap();
+    let (wk, wv) = want.to_canonical().unwrap();
     for (name, got, want) in [
         ("key", gk.as_bytes(), wk.as_bytes()),
         ("value", gv.as_bytes(), wv.as_bytes()),

@@ -1,0 +1,445 @@
+//! Run-time compilation of the kernel sources with NVRTC, to CUBIN for one GPU architecture,
+//! cached in the process and on disk.
+//!
+//! A disk entry is named by a hash of everything the image depends on (source, options,
+//! architecture, NVRTC version) and carries a header with the payload's length and checksum:
+//! an entry that does not match is compiled again and overwritten, never trusted. Disk errors
+//! only cost a compilation.
+
+use std::collections::HashMap;
+use std::ffi::{CString, OsString};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use cudarc::nvrtc::result::{self as nvrtc, NvrtcError};
+use cudarc::nvrtc::sys;
+
+use super::kernels::{KernelSource, SOURCES};
+use crate::error::{Error, Result};
+
+/// Environment variable naming the directory of compiled kernels (see [`DiskCache::from_env`]).
+pub const CACHE_DIR_ENV: &str = "PAGEDATTN_CACHE_DIR";
+
+/// The architecture kernels are compiled for on a GPU of compute capability `major.minor`:
+/// `sm_{major}{minor}`, with the `a` suffix on 9.0 (`sm_90a`) so that Hopper kernels may use
+/// its architecture-specific instructions (wgmma, the tensor memory accelerator).
+pub fn arch_for(major: u32, minor: u32) -> String {
+    let suffix = if (major, minor) == (9, 0) { "a" } else { "" };
+    format!("sm_{major}{minor}{suffix}")
+}
+
+/// The NVRTC options of every kernel besides the architecture, fixed here. IEEE division and
+/// denormals are asked for explicitly: the cache write must round exactly as the host does.
+fn options(arch: &str) -> Vec<String> {
+    let mut options = vec![
+        "-std=c++17".to_string(),
+        format!("--gpu-architecture={arch}"),
+        "-default-device".to_string(),
+        "--ftz=false".to_string(),
+        "--prec-div=true".to_string(),
+        "-lineinfo".to_string(),
+    ];
+    // The kernels of today include no CUDA header; later ones will need cuda_bf16.h.
+    if let Some(dir) = cuda_include_dir() {
+        options.push(format!("--include-path={}", dir.display()));
+    }
+    options
+}
+
+/// `$CUDA_HOME/include` or `/usr/local/cuda/include`, if it exists.
+fn cuda_include_dir() -> Option<PathBuf> {
+    let home = std::env::var_os("CUDA_HOME").filter(|h| !h.is_empty());
+    [
+        home.map(|h| Path::new(&h).join("include")),
+        Some("/usr/local/cuda/include".into()),
+    ]
+    .into_iter()
+    .flatten()
+    .find(|dir| dir.is_dir())
+}
+
+/// The NVRTC version (major, minor), or why libnvrtc cannot be used.
+pub(crate) fn nvrtc_version() -> Result<(u32, u32)> {
+    static VERSION: OnceLock<Result<(u32, u32)>> = OnceLock::new();
+    VERSION
+        .get_or_init(|| {
+            // SAFETY: only tries to open the library under the names cudarc loads it by;
+            // cudarc panics on its first call into a library it cannot find.
+            if !unsafe { sys::is_culib_present() } {
+                return Err(Error::Driver(
+                    "libnvrtc not found: the cuda backend compiles its kernels with NVRTC at run \
+                     time; install the CUDA 13 NVRTC (e.g. `pip install nvidia-cuda-nvrtc`) and put \
+                     the directory of libnvrtc.so.13 on LD_LIBRARY_PATH"
+                        .into(),
+                ));
+            }
+            let (mut major, mut minor) = (0, 0);
+            // SAFETY: writes two ints through valid pointers.
+            unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+                .result()
+                .map_err(|e| nvrtc_error("nvrtcVersion", e))?;
+            Ok((major.max(0) as u32, minor.max(0) as u32))
+        })
+        .clone()
+}
+
+/// Compiles every kernel source for `arch` (e.g. `sm_80`, `sm_90a`) with NVRTC alone, no
+/// GPU and no cache, and returns the names of the kernels: a check for CI. Any warning fails.
+pub fn compile_check(arch: &str) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    for source in SOURCES {
+        compile(source, arch)?;
+        names.extend(source.kernels.iter().map(|k| k.to_string()));
+    }
+    Ok(names)
+}
+
+/// The CUBIN of `source` for `arch`: from the process's map, else the disk cache (when there
+/// is a cache directory), else compiled.
+pub(crate) fn image(source: &'static KernelSource, arch: &str) -> Result<Arc<[u8]>> {
+    static IMAGES: OnceLock<Mutex<HashMap<u64, Arc<[u8]>>>> = OnceLock::new();
+    let key = key(source, arch)?;
+    // Held while compiling, so that two threads never compile the same image. Nothing panics
+    // while it is held, and the map stays valid if something did.
+    let mut images = IMAGES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(image) = images.get(&key) {
+        return Ok(image.clone());
+    }
+    let image: Arc<[u8]> = match DiskCache::from_env() {
+        Some(disk) => disk.fetch(source, arch, key)?.0.into(),
+        None => compile(source, arch)?.into(),
+    };
+    images.insert(key, image.clone());
+    Ok(image)
+}
+
+/// The hash naming `source`'s image for `arch` with this NVRTC: FNV-1a over every input, each
+/// prefixed by its length so that no two different inputs run together.
+fn key(source: &KernelSource, arch: &str) -> Result<u64> {
+    let (major, minor) = nvrtc_version()?;
+    let options = options(arch).join("\0");
+    let nvrtc = format!("{major}.{minor}");
+    let mut hash = Fnv::new();
+    for part in [source.name, source.code, &options, arch, &nvrtc] {
+        hash.write(&(part.len() as u64).to_le_bytes());
+        hash.write(part.as_bytes());
+    }
+    Ok(hash.finish())
+}
+
+/// Where a kernel image came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageOrigin {
+    /// A valid entry of the disk cache.
+    Disk,
+    /// NVRTC (the entry was missing or invalid, and has been written).
+    Compiled,
+}
+
+/// One kernel source's image, as [`DiskCache::load_all`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedImage {
+    /// The kernel source (file name without `.cu`).
+    pub source: &'static str,
+    /// Where the image came from.
+    pub origin: ImageOrigin,
+    /// Its size in bytes.
+    pub bytes: usize,
+    /// Its FNV-1a 64 checksum.
+    pub checksum: u64,
+}
+
+/// The directory of compiled kernel images.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskCache {
+    dir: PathBuf,
+}
+
+/// Identifies a cache entry and the version of its header.
+const MAGIC: &[u8; 8] = b"PAGECUB1";
+/// Magic, key, payload length, payload checksum.
+const HEADER: usize = 32;
+
+impl DiskCache {
+    /// The directory the GPUs use: `$PAGEDATTN_CACHE_DIR`, else
+    /// `$XDG_CACHE_HOME/pagedattn/kernels`, else `$HOME/.cache/pagedattn/kernels`; `None`
+    /// when none is set (kernels are then compiled in every process).
+    pub fn from_env() -> Option<Self> {
+        cache_dir(|name| std::env::var_os(name)).map(Self::at)
+    }
+
+    /// A cache in `dir` (created when an entry is first written).
+    pub fn at(dir: impl Into<PathBuf>) -> Self {
+        DiskCache { dir: dir.into() }
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The image of every kernel source for `arch`, each read from this cache if it holds a
+    /// valid entry, else compiled and stored. The process's in-memory map is neither read nor
+    /// filled: this is what a process's first use of a GPU does, for tools and tests that
+    /// watch the cache.
+    pub fn load_all(&self, arch: &str) -> Result<Vec<CachedImage>> {
+        SOURCES
+            .iter()
+            .map(|&source| {
+                let (image, origin) = self.fetch(source, arch, key(source, arch)?)?;
+                Ok(CachedImage {
+                    source: source.name,
+                    origin,
+                    bytes: image.len(),
+                    checksum: fnv(&image),
+                })
+            })
+            .collect()
+    }
+
+    /// The entry `key` of `source` if valid, else a fresh compilation (written back; a write
+    /// that fails only costs the next process a compilation).
+    fn fetch(&self, source: &KernelSource, arch: &str, key: u64) -> Result<(Vec<u8>, ImageOrigin)> {
+        let path = self
+            .dir
+            .join(format!("{}-{arch}-{key:016x}.cubin", source.name));
+        if let Some(image) = read_entry(&path, key) {
+            return Ok((image, ImageOrigin::Disk));
+        }
+        let image = compile(source, arch)?;
+        let _ = write_entry(&self.dir, &path, key, &image);
+        Ok((image, ImageOrigin::Compiled))
+    }
+}
+
+/// The cache directory from the environment `var`.
+fn cache_dir(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
+    let set = |name: &str| var(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    set(CACHE_DIR_ENV)
+        .or_else(|| {
+            set("XDG_CACHE_HOME")
+                .filter(|p| p.is_absolute())
+                .map(|p| p.join("pagedattn/kernels"))
+        })
+        .or_else(|| set("HOME").map(|p| p.join(".cache/pagedattn/kernels")))
+}
+
+/// The payload of the entry at `path` if its header matches `key`, its length and checksum.
+fn read_entry(path: &Path, key: u64) -> Option<Vec<u8>> {
+    let mut entry = std::fs::read(path).ok()?;
+    let word = |i: usize| {
+        let mut le = [0u8; 8];
+        le.copy_from_slice(&entry[8 + 8 * i..16 + 8 * i]);
+        u64::from_le_bytes(le)
+    };
+    let valid = entry.len() >= HEADER
+        && entry[..8] == *MAGIC
+        && word(0) == key
+        && word(1) == (entry.len() - HEADER) as u64
+        && word(2) == fnv(&entry[HEADER..]);
+    valid.then(|| entry.split_off(HEADER))
+}
+
+/// Writes an entry through a temporary file renamed into place, so that a reader never sees
+/// half of one (another process may be writing the same entry).
+fn write_entry(dir: &Path, path: &Path, key: u64, image: &[u8]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut entry = Vec::with_capacity(HEADER + image.len());
+    entry.extend_from_slice(MAGIC);
+    for word in [key, image.len() as u64, fnv(image)] {
+        entry.extend_from_slice(&word.to_le_bytes());
+    }
+    entry.extend_from_slice(image);
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, &entry)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
+}
+
+/// Compiles `source` for `arch` to CUBIN and checks that it defines every kernel it names.
+fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
+    check_arch(arch)?;
+    nvrtc_version()?;
+    let file = format!("{}.cu", source.name);
+    let fail = |what: &str, e: NvrtcError| nvrtc_error(&format!("{what} of {file} for {arch}"), e);
+    // The sources and names are this crate's own: no NUL byte.
+    let code = CString::new(source.code).map_err(|_| Error::Driver(format!("{file}: NUL byte")))?;
+    let name =
+        CString::new(file.as_str()).map_err(|_| Error::Driver(format!("{file}: NUL byte")))?;
+    let program = Program(
+        nvrtc::create_program(&code, Some(&name)).map_err(|e| fail("nvrtcCreateProgram", e))?,
+    );
+    // SAFETY: `program` was created above and is destroyed only when it drops.
+    let compiled = unsafe { nvrtc::compile_program(program.0, &options(arch)) };
+    let log = program.log().map_err(|e| fail("nvrtcGetProgramLog", e))?;
+    if compiled.is_err() || !log.is_empty() {
+        let verdict = match compiled {
+            Err(e) => format!("failed ({:?})", e.0),
+            Ok(()) => "warned (warnings are errors)".to_string(),
+        };
+        let first: Vec<&str> = log.lines().take(12).collect();
+        return Err(Error::Driver(format!(
+            "NVRTC {verdict} compiling {file} for {arch}:\n{}",
+            first.join("\n")
+        )));
+    }
+    let cubin = program.cubin().map_err(|e| fail("nvrtcGetCUBIN", e))?;
+    // A kernel's name sits NUL-delimited in the CUBIN's symbol string table.
+    for kernel in source.kernels {
+        let symbol = [b"\0", kernel.as_bytes(), b"\0"].concat();
+        if !cubin.windows(symbol.len()).any(|w| w == symbol) {
+            return Err(Error::Driver(format!(
+                "{file} compiled for {arch} defines no kernel `{kernel}`"
+            )));
+        }
+    }
+    Ok(cubin)
+}
+
+/// Checks that `arch` is `sm_<digits>`, optionally with the `a` suffix, before it becomes
+/// an option.
+fn check_arch(arch: &str) -> Result<()> {
+    let valid = arch
+        .strip_prefix("sm_")
+        .map(|n| n.strip_suffix('a').unwrap_or(n))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    if valid {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "arch",
+            arch,
+            "sm_<digits>, optionally with an `a` suffix (e.g. sm_80, sm_90a)",
+        ))
+    }
+}
+
+/// An NVRTC program, destroyed on drop.
+struct Program(sys::nvrtcProgram);
+
+impl Program {
+    /// The compilation log, trimmed.
+    fn log(&self) -> Result<String, NvrtcError> {
+        // SAFETY: the program is alive (destroyed only on drop).
+        let log = unsafe { nvrtc::get_program_log(self.0) }?;
+        let bytes: Vec<u8> = log
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
+        Ok(String::from_utf8_lossy(&bytes).trim().to_string())
+    }
+
+    /// The CUBIN of a compiled program.
+    fn cubin(&self) -> Result<Vec<u8>, NvrtcError> {
+        let mut size = 0;
+        // SAFETY: the program is alive; writes one usize.
+        unsafe { sys::nvrtcGetCUBINSize(self.0, &mut size) }.result()?;
+        let mut cubin = vec![0u8; size];
+        // SAFETY: the program is alive; writes `size` bytes, the buffer's length.
+        unsafe { sys::nvrtcGetCUBIN(self.0, cubin.as_mut_ptr().cast()) }.result()?;
+        Ok(cubin)
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: created by nvrtcCreateProgram and destroyed only here. Nothing can be done
+        // about a failure to free it.
+        let _ = unsafe { nvrtc::destroy_program(self.0) };
+    }
+}
+
+fn nvrtc_error(what: &str, e: NvrtcError) -> Error {
+    Error::Driver(format!("{what} failed: {:?}", e.0))
+}
+
+/// FNV-1a, 64 bits: the cache's names and checksums (no security is asked of it).
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// The FNV-1a 64 hash of `bytes`.
+fn fnv(bytes: &[u8]) -> u64 {
+    let mut hash = Fnv::new();
+    hash.write(bytes);
+    hash.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn architectures() {
+        assert_eq!(arch_for(8, 0), "sm_80");
+        assert_eq!(arch_for(8, 6), "sm_86");
+        assert_eq!(arch_for(8, 9), "sm_89");
+        assert_eq!(arch_for(9, 0), "sm_90a");
+        assert_eq!(arch_for(12, 0), "sm_120");
+    }
+
+    #[test]
+    fn cache_dir_precedence() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| OsString::from(v))
+            }
+        };
+        let all = env(&[
+            (CACHE_DIR_ENV, "/a"),
+            ("XDG_CACHE_HOME", "/x"),
+            ("HOME", "/h"),
+        ]);
+        assert_eq!(cache_dir(all), Some("/a".into()));
+        let xdg = env(&[
+            (CACHE_DIR_ENV, ""),
+            ("XDG_CACHE_HOME", "/x"),
+            ("HOME", "/h"),
+        ]);
+        assert_eq!(cache_dir(xdg), Some("/x/pagedattn/kernels".into()));
+        // A relative XDG_CACHE_HOME is invalid by the XDG spec and ignored.
+        let home = env(&[("XDG_CACHE_HOME", "rel"), ("HOME", "/h")]);
+        assert_eq!(cache_dir(home), Some("/h/.cache/pagedattn/kernels".into()));
+        assert_eq!(cache_dir(env(&[])), None);
+    }
+
+    #[test]
+    fn entries_are_checked() {
+        let dir = std::env::temp_dir().join(format!("pagedattn-entry-{}", std::process::id()));
+        let path = dir.join("e.cubin");
+        write_entry(&dir, &path, 7, b"image").unwrap();
+        assert_eq!(read_entry(&path, 7).as_deref(), Some(&b"image"[..]));
+        assert_eq!(read_entry(&path, 8), None, "another key");
+        let mut bytes = std::fs::read(&path).unwrap();
+        *bytes.last_mut().unwrap() ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(read_entry(&path, 7), None, "a flipped payload bit");
+        std::fs::write(&path, &bytes[..HEADER + 2]).unwrap();
+        assert_eq!(read_entry(&path, 7), None, "a truncated payload");
+        std::fs::write(&path, &bytes[..5]).unwrap();
+        assert_eq!(read_entry(&path, 7), None, "a truncated header");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

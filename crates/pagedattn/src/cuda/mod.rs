@@ -1,0 +1,195 @@
+//! The `cuda` backend: tensors and caches in a GPU's memory, swap space in pinned host memory,
+//! and kernels compiled at first use by NVRTC for the GPU's architecture.
+//!
+//! Everything on one GPU is queued on one stream per GPU, shared by the process: operations
+//! run in the order they were issued, asynchronously to the host. Only downloads to host
+//! memory, [`Backend::synchronize`], copies between two GPUs and the freeing of pinned memory
+//! (which waits for the copies that use it) wait.
+//!
+//! Cache layout: `[NB, Hkv, B, D]` (head-major), the `cpu` backend's, so that caches compare
+//! byte for byte. The attention kernels are not written yet: a forward answers
+//! [`Error::Unsupported`](crate::Error::Unsupported) after checking its inputs.
+//!
+//! Without a usable GPU (no driver, no device) every entry point answers
+//! [`Error::Driver`](crate::Error::Driver) with one line starting `no usable CUDA GPU:`;
+//! [`compile_check`] needs NVRTC only.
+
+mod attention;
+mod compile;
+mod device;
+mod kernels;
+mod memory;
+mod packed;
+mod storage;
+
+use std::sync::Arc;
+
+pub use attention::CudaAttention;
+pub use compile::{arch_for, compile_check, CachedImage, DiskCache, ImageOrigin, CACHE_DIR_ENV};
+pub use device::{info, DeviceInfo};
+pub use storage::CudaStorage;
+
+use crate::backend::{check_sides, AttentionImpl, Backend, Capabilities};
+use crate::config::AttentionConfig;
+use crate::device::Device;
+use crate::error::Result;
+use crate::kv_cache::{check_pairs, check_swap, CacheLayout, KvCache};
+use device::Gpu;
+use kernels::CopyLayer;
+use storage::{cuda_storage, cuda_storage_mut};
+
+/// The CUDA backend (registry name `cuda`) on one GPU.
+pub struct Cuda {
+    gpu: Arc<Gpu>,
+    info: DeviceInfo,
+}
+
+impl std::fmt::Debug for Cuda {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cuda").field("info", &self.info).finish()
+    }
+}
+
+impl Cuda {
+    /// The backend on GPU `ordinal`. Fails if no GPU is usable, or if NVRTC, which compiles
+    /// the kernels at their first use, cannot be loaded.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let gpu = device::gpu(ordinal)?;
+        let info = device::info_of(&gpu)?;
+        compile::nvrtc_version()?;
+        Ok(Cuda { gpu, info })
+    }
+
+    /// The backend on GPU 0.
+    pub fn new_default() -> Result<Self> {
+        Self::new(0)
+    }
+
+    /// What its GPU is.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+}
+
+impl Backend for Cuda {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.gpu.ordinal)
+    }
+
+    fn swap_device(&self) -> Device {
+        Device::CudaHost(self.gpu.ordinal)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::everything()
+    }
+
+    fn kv_cache_layout(&self) -> CacheLayout {
+        CacheLayout::Hnd
+    }
+
+    fn attention(&self, config: &AttentionConfig) -> Result<Box<dyn AttentionImpl>> {
+        let capabilities = self.capabilities();
+        capabilities.check_config(self.name(), config)?;
+        Ok(Box::new(CudaAttention::new(
+            config,
+            self.gpu.clone(),
+            capabilities,
+        )))
+    }
+
+    fn details(&self) -> Vec<(&'static str, String)> {
+        let i = &self.info;
+        let (major, minor) = i.compute_capability;
+        let nvrtc = i
+            .nvrtc_version
+            .map_or("not found".to_string(), |(a, b)| format!("{a}.{b}"));
+        vec![
+            (
+                "gpu",
+                format!("{} ({} of {})", i.name, self.device(), i.num_devices),
+            ),
+            (
+                "compute capability",
+                format!("{major}.{minor} (kernels for {})", i.arch),
+            ),
+            (
+                "memory",
+                format!("{:.1} GiB", i.total_memory as f64 / (1u64 << 30) as f64),
+            ),
+            (
+                "driver",
+                format!("CUDA {}.{}", i.driver_version.0, i.driver_version.1),
+            ),
+            ("nvrtc", nvrtc),
+        ]
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.gpu.synchronize()
+    }
+
+    fn swap_out(
+        &self,
+        cache: &KvCache,
+        swap: &mut KvCache,
+        pairs: &[(usize, usize)],
+    ) -> Result<()> {
+        let expected = "the backend's swap space: allocate it with allocate_swap_space";
+        check_sides(cache, self.device(), "cache", "the backend's device")?;
+        check_sides(swap, self.swap_device(), "swap", expected)?;
+        swap_blocks(cache, swap, pairs)
+    }
+
+    fn swap_in(&self, swap: &KvCache, cache: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
+        let expected = "the backend's swap space: allocate it with allocate_swap_space";
+        check_sides(swap, self.swap_device(), "swap", expected)?;
+        check_sides(cache, self.device(), "cache", "the backend's device")?;
+        swap_blocks(swap, cache, pairs)
+    }
+
+    fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
+        let mut layers = Vec::with_capacity(caches.len());
+        for (i, cache) in caches.iter().enumerate() {
+            let what = format!("caches[{i}]");
+            check_sides(cache, self.device(), &what, "the backend's device")?;
+            let spec = cache.spec();
+            check_pairs(pairs, spec.num_blocks, spec.num_blocks)?;
+            let block_bytes = spec.block_elems() * spec.storage_dtype().size_bytes();
+            let address = |buffer, name| -> Result<u64> {
+                let what = format!("{what}.{name}");
+                Ok(cuda_storage(buffer, &what)?
+                    .kernel_address(&what)?
+                    .unwrap_or(0))
+            };
+            layers.push(CopyLayer {
+                key: address(cache.key(), "key")?,
+                value: address(cache.value(), "value")?,
+                block_bytes: block_bytes as u64,
+            });
+        }
+        kernels::copy_blocks(&self.gpu, &layers, pairs)
+    }
+}
+
+/// Queues one copy per pair of whole blocks, keys and values, from `src` to `dst` (a GPU's
+/// cache and its swap space: the caller checks the devices).
+fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
+    check_swap(src, dst, pairs)?;
+    let spec = src.spec();
+    let block_bytes = spec.block_elems() * spec.storage_dtype().size_bytes();
+    let ranges = || {
+        pairs
+            .iter()
+            .map(move |&(s, d)| (s * block_bytes, d * block_bytes, block_bytes))
+    };
+    let (dst_key, dst_value) = dst.buffers_mut();
+    cuda_storage_mut(dst_key, "dst.key")?
+        .copy_ranges_from(cuda_storage(src.key(), "src.key")?, ranges())?;
+    cuda_storage_mut(dst_value, "dst.value")?
+        .copy_ranges_from(cuda_storage(src.value(), "src.value")?, ranges())
+}

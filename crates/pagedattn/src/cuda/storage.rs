@@ -1,0 +1,283 @@
+//! [`CudaStorage`]: the elements of a tensor or cache buffer in a GPU's memory or in pinned
+//! host memory registered with it.
+
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+use super::device::{gpu, Gpu};
+use super::memory::{self, Pinned};
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::{HostStorage, Storage};
+
+/// Typed elements on a CUDA GPU ([`Device::Cuda`]) or in pinned host memory registered with
+/// one ([`Device::CudaHost`]), kept as raw bytes. Operations are queued on the GPU's stream:
+/// in order with each other and the kernels, asynchronous to the host except where a method
+/// says it synchronizes.
+pub struct CudaStorage {
+    gpu: Arc<Gpu>,
+    dtype: DType,
+    len: usize,
+    memory: Memory,
+}
+
+/// Where the bytes are.
+enum Memory {
+    /// No bytes: the allocators refuse zero-byte requests, and nothing needs one.
+    Empty {
+        /// Whether this is pinned host memory (an empty buffer still has a device).
+        pinned: bool,
+    },
+    Device(CudaSlice<u8>),
+    Pinned(Pinned),
+}
+
+impl fmt::Debug for CudaStorage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaStorage")
+            .field("device", &self.device())
+            .field("dtype", &self.dtype)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl CudaStorage {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// [`Device::Cuda`] for device memory, [`Device::CudaHost`] for pinned host memory.
+    pub fn device(&self) -> Device {
+        if self.is_pinned() {
+            Device::CudaHost(self.gpu.ordinal)
+        } else {
+            Device::Cuda(self.gpu.ordinal)
+        }
+    }
+
+    /// `len` zeros of `dtype` on `device` (a GPU or its pinned host memory).
+    pub fn zeros(device: Device, dtype: DType, len: usize) -> Result<Self> {
+        // SAFETY: zeroed memory.
+        unsafe { Self::allocate(device, dtype, len, true) }
+    }
+
+    /// `len` elements of `dtype` on `device`: zeros, or with `zero == false` uninitialized
+    /// device memory (pinned memory is always zeroed).
+    ///
+    /// # Safety
+    /// With `zero == false`, the caller overwrites every byte before anything reads it.
+    unsafe fn allocate(device: Device, dtype: DType, len: usize, zero: bool) -> Result<Self> {
+        let (gpu, pinned) = target(device)?;
+        let bytes = byte_len(dtype, len)?;
+        let memory = match (bytes, pinned, zero) {
+            (0, _, _) => Memory::Empty { pinned },
+            (_, true, _) => Memory::Pinned(Pinned::zeroed(&gpu, bytes, memory::PORTABLE)?),
+            (_, false, true) => Memory::Device(memory::zeroed_device(&gpu, bytes)?),
+            // SAFETY: the caller overwrites it.
+            (_, false, false) => Memory::Device(unsafe { memory::alloc_device(&gpu, bytes)? }),
+        };
+        Ok(CudaStorage {
+            gpu,
+            dtype,
+            len,
+            memory,
+        })
+    }
+
+    /// A copy of `host` on `device` (a GPU or its pinned host memory). Returns once `host` may
+    /// be dropped; the upload to a GPU may still be running.
+    pub fn upload(host: &HostStorage, device: Device) -> Result<Self> {
+        let src = host.as_bytes();
+        // SAFETY: device memory is overwritten by the copy below.
+        let mut storage = unsafe { Self::allocate(device, host.dtype(), host.len(), false)? };
+        match &mut storage.memory {
+            Memory::Empty { .. } => {}
+            Memory::Pinned(pinned) => pinned.bytes_mut()?.copy_from_slice(src),
+            Memory::Device(slice) => {
+                let dst = memory::device_address(&storage.gpu, slice);
+                // SAFETY: the destination is the whole new buffer; the source is borrowed for
+                // this call, which is all a copy from pageable memory needs.
+                unsafe { memory::copy_async(&storage.gpu, dst, src.as_ptr() as u64, src.len())? };
+            }
+        }
+        Ok(storage)
+    }
+
+    /// A copy in host memory. Synchronizes: waits for the work queued on the GPU before it.
+    pub fn download(&self) -> Result<HostStorage> {
+        let mut host = HostStorage::zeros(self.dtype, self.len);
+        match &self.memory {
+            Memory::Empty { .. } => {}
+            Memory::Pinned(pinned) => host.as_bytes_mut().copy_from_slice(pinned.bytes()?),
+            Memory::Device(slice) => {
+                let dst = host.as_bytes_mut();
+                // SAFETY: the source is this buffer, alive for this call; the destination is
+                // pageable memory borrowed for this call and written before it returns (the
+                // synchronization below, on top of the driver's own rule).
+                unsafe {
+                    memory::copy_async(
+                        &self.gpu,
+                        dst.as_mut_ptr() as u64,
+                        memory::device_address(&self.gpu, slice),
+                        dst.len(),
+                    )?
+                };
+                self.gpu.synchronize()?;
+            }
+        }
+        Ok(host)
+    }
+
+    /// A copy on `device`: between a GPU and its pinned memory, or between GPUs. A copy
+    /// within one GPU is queued on its stream; a copy between two GPUs is finished when this
+    /// returns.
+    pub fn copy_to(&self, device: Device) -> Result<Self> {
+        // SAFETY: the copy below overwrites every byte.
+        let mut copy = unsafe { CudaStorage::allocate(device, self.dtype, self.len, false)? };
+        let bytes = byte_len(self.dtype, self.len)?;
+        copy.copy_ranges_from(self, std::iter::once((0, 0, bytes)))?;
+        Ok(copy)
+    }
+
+    /// Copies `(source offset, destination offset, length)` byte ranges of `src` into this
+    /// storage: queued on the stream when both live with one GPU, finished before returning
+    /// when they live with two. The ranges lie inside both buffers (the caller checks).
+    pub(crate) fn copy_ranges_from(
+        &mut self,
+        src: &CudaStorage,
+        ranges: impl Iterator<Item = (usize, usize, usize)>,
+    ) -> Result<()> {
+        let (Some(from), Some(to)) = (src.address()?, self.address()?) else {
+            return Ok(()); // an empty buffer: no range has bytes
+        };
+        let same_gpu = Arc::ptr_eq(&self.gpu, &src.gpu);
+        if !same_gpu {
+            // The other GPU's stream may still be writing the source.
+            src.gpu.synchronize()?;
+        }
+        for (src_offset, dst_offset, len) in ranges {
+            // SAFETY: the caller keeps the ranges inside both buffers; both stay allocated
+            // until the copy is done (freed in stream order, pinned memory after its event,
+            // and a copy between two GPUs is waited for below).
+            unsafe {
+                memory::copy_async(
+                    &self.gpu,
+                    to + dst_offset as u64,
+                    from + src_offset as u64,
+                    len,
+                )?
+            };
+        }
+        if same_gpu {
+            src.mark_used()?;
+            self.mark_used()
+        } else {
+            self.gpu.synchronize()
+        }
+    }
+
+    /// The device address of device memory, for a kernel (`None` for an empty buffer), or
+    /// [`Error::DeviceMismatch`] naming `what` for pinned memory.
+    pub(crate) fn kernel_address(&self, what: &str) -> Result<Option<u64>> {
+        match &self.memory {
+            Memory::Pinned(_) => Err(Error::device_mismatch(
+                what,
+                self.device(),
+                format!(
+                    "{} (kernels read device memory)",
+                    Device::Cuda(self.gpu.ordinal)
+                ),
+            )),
+            _ => self.address(),
+        }
+    }
+
+    /// The address copies use: device memory's, or pinned memory's host address (`None` for
+    /// an empty buffer).
+    fn address(&self) -> Result<Option<u64>> {
+        match &self.memory {
+            Memory::Empty { .. } => Ok(None),
+            Memory::Device(slice) => Ok(Some(memory::device_address(&self.gpu, slice))),
+            Memory::Pinned(pinned) => pinned.address().map(Some),
+        }
+    }
+
+    /// Records that work queued so far on the GPU's stream uses this storage.
+    fn mark_used(&self) -> Result<()> {
+        match &self.memory {
+            Memory::Pinned(pinned) => pinned.mark_used(&self.gpu),
+            // Device memory is freed in stream order: nothing to record.
+            _ => Ok(()),
+        }
+    }
+
+    fn is_pinned(&self) -> bool {
+        matches!(
+            self.memory,
+            Memory::Pinned(_) | Memory::Empty { pinned: true }
+        )
+    }
+}
+
+/// The GPU of a CUDA device, and whether the device is its pinned host memory.
+fn target(device: Device) -> Result<(Arc<Gpu>, bool)> {
+    match device {
+        Device::Cuda(i) => Ok((gpu(i)?, false)),
+        Device::CudaHost(i) => Ok((gpu(i)?, true)),
+        Device::Cpu => Err(Error::invalid(
+            "device",
+            device,
+            "cuda:N or the pinned host memory of cuda:N (host memory is a HostStorage)",
+        )),
+    }
+}
+
+/// Bytes of `len` elements of `dtype`, or an error if that overflows.
+fn byte_len(dtype: DType, len: usize) -> Result<usize> {
+    len.checked_mul(dtype.size_bytes()).ok_or_else(|| {
+        Error::invalid(
+            "element count",
+            len,
+            format!("a count whose size in bytes as {dtype} fits in usize"),
+        )
+    })
+}
+
+/// The CUDA storage inside `storage`, or [`Error::DeviceMismatch`] naming `what` for host
+/// storage.
+pub(crate) fn cuda_storage<'a>(storage: &'a Storage, what: &str) -> Result<&'a CudaStorage> {
+    match storage {
+        Storage::Cuda(c) => Ok(c),
+        Storage::Host(_) => Err(on_host(what)),
+    }
+}
+
+/// [`cuda_storage`], mutably.
+pub(crate) fn cuda_storage_mut<'a>(
+    storage: &'a mut Storage,
+    what: &str,
+) -> Result<&'a mut CudaStorage> {
+    match storage {
+        Storage::Cuda(c) => Ok(c),
+        Storage::Host(_) => Err(on_host(what)),
+    }
+}
+
+fn on_host(what: &str) -> Error {
+    Error::device_mismatch(what, Device::Cpu, "a CUDA device: move it with to_device")
+}

@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# The GPU suite, in two halves.
+#
+#   tools/gpu-suite.sh build       here (cargo): builds the release CLI and every test
+#                                  executable of the workspace and copies them, debug info
+#                                  stripped, into gpu-bin/ (git-ignored) under stable names:
+#                                  gpu-bin/pagedattn, gpu-bin/test-cuda, gpu-bin/test-api, ...
+#                                  (unit tests: gpu-bin/test-<crate>-lib, test-<bin>-bin).
+#   tools/gpu-suite.sh run [all]   on the GPU machine (no cargo), from the repository root with
+#                                  gpu-bin/ carried: the cuda tests, the same binary under
+#                                  compute-sanitizer (memcheck, initcheck, racecheck), and
+#                                  `pagedattn info`; with `all`, every other test executable too.
+#
+# `run` writes each part's full log to $OUT/ (else /tmp/pagedattn-gpu-suite/): at most 6
+# files, the other test executables sharing other-tests.log. It prints one summary line per
+# part last and exits non-zero if any part failed. A cuda test that skips (no usable GPU)
+# fails the suite: this half exists to exercise the GPU.
+#
+# Settings of `run`: GPU_SUITE_TIMEOUT (seconds per part, default 240), GPU_SUITE_SANITIZERS
+# (default "memcheck initcheck racecheck"; empty for none), GPU_SUITE_SANITIZER_CASES (random
+# cases per setting under a sanitizer, default 6; the plain run uses the tests' default).
+
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 2
+BIN=gpu-bin
+
+build() {
+    set -e
+    cargo build --release -p pagedattn-cli
+    local json
+    json=$(mktemp)
+    cargo test --release --workspace --no-run --message-format=json >"$json"
+    rm -rf "$BIN"
+    mkdir -p "$BIN"
+    # "<executable> <stable name>" for every test executable and the CLI binary.
+    python3 - "$json" >"$json.list" <<'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    t = m["target"]
+    if m["profile"]["test"]:
+        kind = t["kind"][0]
+        name = "test-" + t["name"] + ("" if kind == "test" else "-" + kind)
+    elif "bin" in t["kind"] and t["name"] == "pagedattn":
+        name = "pagedattn"
+    else:
+        continue
+    print(m["executable"], name)
+EOF
+    while read -r exe name; do
+        # Symbols stay (backtraces name functions); line tables go, to keep gpu-bin small
+        # enough to carry.
+        strip --strip-debug -o "$BIN/$name" "$exe"
+        echo "$BIN/$name"
+    done <"$json.list"
+    rm -f "$json" "$json.list"
+    [ -x "$BIN/test-cuda" ] && [ -x "$BIN/pagedattn" ] || {
+        echo "gpu-suite build: test-cuda or pagedattn is missing from $BIN" >&2
+        exit 1
+    }
+    du -sh "$BIN"
+}
+
+# Puts the directory of libnvrtc (CUDA 13) on LD_LIBRARY_PATH unless the loader finds it.
+find_nvrtc() {
+    # (grep without -q: with pipefail, -q's early exit would fail ldconfig with SIGPIPE)
+    ldconfig -p 2>/dev/null | grep 'libnvrtc\.so' >/dev/null && return
+    local dir
+    for dir in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 \
+        /usr/local/cuda/targets/x86_64-linux/lib \
+        $(python3 -c 'import site; print(*site.getsitepackages())' 2>/dev/null | tr ' ' '\n' | sed 's|$|/nvidia/cu13/lib|'); do
+        if [ -e "$dir/libnvrtc.so.13" ] || [ -e "$dir/libnvrtc.so" ]; then
+            export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            return
+        fi
+    done
+}
+
+SUMMARY=()
+FAILED=0
+
+# record PART VERDICT DETAIL
+record() {
+    SUMMARY+=("$1: $2 ($3)")
+    [ "$2" = PASS ] || FAILED=1
+}
+
+# The verdict of a libtest run from its log and exit status: "VERDICT|detail".
+test_verdict() {
+    local log=$1 status=$2 result passed failed skipped
+    result=$(grep -E '^test result: ' "$log" | tail -1)
+    passed=$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<"$result")
+    failed=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<"$result")
+    skipped=$(grep -c 'SKIPPED (' "$log")
+    if [ "$status" = 124 ]; then
+        echo "FAIL|timed out after ${TIMEOUT}s"
+    elif [ -z "$result" ]; then
+        echo "FAIL|no test result, exit status $status"
+    elif [ "$status" != 0 ] || [ "${failed:-1}" != 0 ]; then
+        echo "FAIL|${passed:-?} passed, ${failed:-?} failed"
+    elif [ "$skipped" != 0 ]; then
+        echo "FAIL|${passed} passed, $skipped skipped: $(grep -m1 -o 'SKIPPED (.*' "$log")"
+    else
+        echo "PASS|${passed} passed"
+    fi
+}
+
+run() {
+    local all=${1:-} out=${OUT:-/tmp/pagedattn-gpu-suite}
+    TIMEOUT=${GPU_SUITE_TIMEOUT:-240}
+    mkdir -p "$out"
+    [ -x "$BIN/test-cuda" ] || {
+        echo "gpu-suite run: $BIN/test-cuda not found: run 'tools/gpu-suite.sh build' first and carry $BIN" >&2
+        exit 2
+    }
+    find_nvrtc
+    # Kernels compile once per machine, then come from this cache.
+    export PAGEDATTN_CACHE_DIR=${PAGEDATTN_CACHE_DIR:-/tmp/pagedattn-kernels}
+    export RUST_BACKTRACE=1
+
+    local log="$out/cuda-tests.log" status verdict
+    timeout "$TIMEOUT" "$BIN/test-cuda" --test-threads=1 >"$log" 2>&1
+    status=$?
+    verdict=$(test_verdict "$log" "$status")
+    record "cuda tests" "${verdict%%|*}" "${verdict#*|}"
+
+    local sanitizer tool
+    sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    for tool in ${GPU_SUITE_SANITIZERS-memcheck initcheck racecheck}; do
+        log="$out/$tool.log"
+        if [ ! -x "$sanitizer" ]; then
+            record "$tool" FAIL "compute-sanitizer not found"
+            continue
+        fi
+        # Fewer random cases under the sanitizer, and without the test whose failing
+        # allocations the sanitizer would count as API errors.
+        PAGEDATTN_TEST_CASES=${GPU_SUITE_SANITIZER_CASES:-6} timeout "$TIMEOUT" \
+            "$sanitizer" --tool "$tool" --error-exitcode 99 \
+            "$BIN/test-cuda" --test-threads=1 --skip allocation_failures_are_errors >"$log" 2>&1
+        status=$?
+        local summary errors
+        summary=$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1)
+        errors=$(sed -nE 's/.*SUMMARY: ([0-9]+) (errors|hazards).*/\1/p' <<<"$summary")
+        verdict=$(test_verdict "$log" "$status")
+        if [ "$status" = 124 ]; then
+            record "$tool" FAIL "timed out after ${TIMEOUT}s"
+        elif [ -z "$errors" ]; then
+            record "$tool" FAIL "no sanitizer summary, exit status $status"
+        elif [ "$errors" != 0 ] || [ "${verdict%%|*}" != PASS ]; then
+            record "$tool" FAIL "$errors errors; tests: ${verdict#*|}"
+        else
+            record "$tool" PASS "0 errors"
+        fi
+    done
+
+    # The CLI lists each backend as `backend NAME ...`; the cuda one must be available.
+    log="$out/info.log"
+    "$BIN/pagedattn" info >"$log" 2>&1
+    status=$?
+    local line
+    line=$(grep -m1 '^backend cuda' "$log" | cut -c1-160)
+    if [ "$status" = 0 ] && [ -n "$line" ] && ! grep -q unavailable <<<"$line"; then
+        record "pagedattn info" PASS "$line"
+    else
+        record "pagedattn info" FAIL "exit status $status: ${line:-no cuda backend listed}"
+    fi
+
+    if [ "$all" = all ]; then
+        # One log for all of them: few files come back from $OUT.
+        local exe name
+        log=$(mktemp)
+        : >"$out/other-tests.log"
+        for exe in "$BIN"/test-*; do
+            name=${exe#"$BIN"/}
+            [ "$name" = test-cuda ] && continue
+            timeout "$TIMEOUT" "$exe" >"$log" 2>&1
+            status=$?
+            verdict=$(test_verdict "$log" "$status")
+            record "$name" "${verdict%%|*}" "${verdict#*|}"
+            { echo "==== $name: exit status $status"; cat "$log"; } >>"$out/other-tests.log"
+        done
+        rm -f "$log"
+    fi
+
+    echo "logs: $out"
+    printf '%s\n' "${SUMMARY[@]}"
+    exit "$FAILED"
+}
+
+case "${1:-}" in
+build) build ;;
+run) run "${2:-}" ;;
+*)
+    echo "usage: tools/gpu-suite.sh build | run [all]" >&2
+    exit 2
+    ;;
+esac
