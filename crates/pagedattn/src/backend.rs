@@ -274,42 +274,45 @@ pub trait Backend: Send + Sync {
         swap: &mut KvCache,
         pairs: &[(usize, usize)],
     ) -> Result<()> {
-        check_sides(cache, self.device(), "cache", "the backend's device")?;
-        check_sides(
-            swap,
-            self.swap_device(),
-            "swap",
-            "the backend's swap space: allocate it with allocate_swap_space",
-        )?;
-        kv_cache::swap_blocks(cache, swap, pairs)
+        check_sides(cache, self.device(), "cache", ON_DEVICE)?;
+        check_sides(swap, self.swap_device(), "swap", IN_SWAP_SPACE)?;
+        self.copy_swap_blocks(cache, swap, pairs)
     }
 
     /// Swaps blocks in: copies `(swap block, cache block)` pairs from swap space to a device
     /// cache.
     fn swap_in(&self, swap: &KvCache, cache: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
-        check_sides(
-            swap,
-            self.swap_device(),
-            "swap",
-            "the backend's swap space: allocate it with allocate_swap_space",
-        )?;
-        check_sides(cache, self.device(), "cache", "the backend's device")?;
-        kv_cache::swap_blocks(swap, cache, pairs)
+        check_sides(swap, self.swap_device(), "swap", IN_SWAP_SPACE)?;
+        check_sides(cache, self.device(), "cache", ON_DEVICE)?;
+        self.copy_swap_blocks(swap, cache, pairs)
+    }
+
+    /// The copy behind [`swap_out`](Self::swap_out) and [`swap_in`](Self::swap_in), once they
+    /// have checked where both caches live: between host caches by default; a GPU backend
+    /// queues copies between its memory and pinned host memory.
+    fn copy_swap_blocks(
+        &self,
+        src: &KvCache,
+        dst: &mut KvCache,
+        pairs: &[(usize, usize)],
+    ) -> Result<()> {
+        kv_cache::swap_blocks(src, dst, pairs)
     }
 
     /// Copies blocks `(src, dst)` inside every layer's cache (copy-on-write).
     fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
         for (i, cache) in caches.iter().enumerate() {
-            check_sides(
-                cache,
-                self.device(),
-                &format!("caches[{i}]"),
-                "the backend's device",
-            )?;
+            check_sides(cache, self.device(), &format!("caches[{i}]"), ON_DEVICE)?;
         }
         kv_cache::copy_blocks(caches, pairs)
     }
 }
+
+/// What a device cache of a swap must be on.
+const ON_DEVICE: &str = "the backend's device";
+
+/// What swap space must be on.
+const IN_SWAP_SPACE: &str = "the backend's swap space: allocate it with allocate_swap_space";
 
 /// Checks that `cache` lives on `device`.
 pub(crate) fn check_sides(

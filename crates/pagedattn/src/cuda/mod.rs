@@ -133,23 +133,13 @@ impl Backend for Cuda {
         self.gpu.synchronize()
     }
 
-    fn swap_out(
+    fn copy_swap_blocks(
         &self,
-        cache: &KvCache,
-        swap: &mut KvCache,
+        src: &KvCache,
+        dst: &mut KvCache,
         pairs: &[(usize, usize)],
     ) -> Result<()> {
-        let expected = "the backend's swap space: allocate it with allocate_swap_space";
-        check_sides(cache, self.device(), "cache", "the backend's device")?;
-        check_sides(swap, self.swap_device(), "swap", expected)?;
-        swap_blocks(cache, swap, pairs)
-    }
-
-    fn swap_in(&self, swap: &KvCache, cache: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
-        let expected = "the backend's swap space: allocate it with allocate_swap_space";
-        check_sides(swap, self.swap_device(), "swap", expected)?;
-        check_sides(cache, self.device(), "cache", "the backend's device")?;
-        swap_blocks(swap, cache, pairs)
+        swap_blocks(src, dst, pairs)
     }
 
     fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
