@@ -287,7 +287,7 @@ fn compile_kernels(archs: &[String]) -> Result<()> {
     for arch in archs {
         let kernels = pagedattn::cuda::compile_check(arch)?;
         print_ignoring_closed_pipe(&format!(
-            "{arch}: {} kernel sources compiled without warnings: {}\n",
+            "{arch}: {} kernels compiled without warnings: {}\n",
             kernels.len(),
             kernels.join(", ")
         ));

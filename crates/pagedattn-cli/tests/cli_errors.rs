@@ -202,3 +202,34 @@ fn unknown_backend_and_missing_file() {
     );
     assert_one_line_error(&out, "/nonexistent/case.safetensors");
 }
+
+/// `--backend cuda` where no GPU is usable is one line and exit code 2, and `pagedattn info`
+/// says why in one line; on a GPU machine the backend starts but has no attention kernels yet,
+/// which is the same one-line error.
+#[test]
+fn cuda_without_attention_or_gpu_is_one_line() {
+    let out = run(&["run", "--backend", "cuda"], None, "cuda");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let needle = if stderr.contains("no usable CUDA GPU") {
+        "no usable CUDA GPU"
+    } else {
+        "cuda"
+    };
+    assert_one_line_error(&out, needle);
+    let info = run(&["info"], None, "info");
+    assert_eq!(info.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&info.stdout);
+    let cuda: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("backend cuda"))
+        .collect();
+    assert_eq!(cuda.len(), 1, "{text}");
+    if cuda[0].contains("unavailable") {
+        assert!(
+            cuda[0].contains("no usable CUDA GPU") || cuda[0].contains("libnvrtc"),
+            "{text}"
+        );
+    } else {
+        assert!(text.contains("compute capability"), "{text}");
+    }
+}

@@ -330,7 +330,8 @@ impl Program {
         let bytes: Vec<u8> = log
             .iter()
             .take_while(|&&c| c != 0)
-            .map(|&c| c as u8)
+            // `c_char` is i8 on x86-64 and u8 on aarch64: its byte either way.
+            .map(|&c| c.to_ne_bytes()[0])
             .collect();
         Ok(String::from_utf8_lossy(&bytes).trim().to_string())
     }
