@@ -19,8 +19,9 @@ pub struct BlockTables {
 impl BlockTables {
     /// A `[num_rows, width]` table from row-major data.
     pub fn new(num_rows: usize, width: usize, data: Vec<i32>) -> Result<Self> {
+        let elems = num_rows.checked_mul(width);
         ensure(
-            data.len() == num_rows * width,
+            elems == Some(data.len()),
             || "block_tables element count".into(),
             data.len(),
             || format!("{num_rows} rows * {width} columns"),
@@ -143,7 +144,8 @@ impl AttentionMetadata {
             context_lens: seq_lens
                 .iter()
                 .zip(&query_lens)
-                .map(|(l, n)| l - n)
+                // Saturating: a negative seq_len is refused by `validate`, never a panic here.
+                .map(|(l, n)| l.saturating_sub(*n))
                 .collect(),
             max_query_len: query_lens.iter().copied().max().unwrap_or(0) as usize,
             max_seq_len: seq_lens.iter().copied().max().unwrap_or(0).max(0) as usize,
@@ -635,9 +637,12 @@ impl MetadataBuilder {
                 seq.query_len,
                 || "1 for a decode".into(),
             )?;
-            let len = seq.context_len + seq.query_len;
-            qsl.push(qsl[s] + seq.query_len as i32);
-            seq_lens.push(len as i32);
+            let len = seq.context_len.checked_add(seq.query_len);
+            let len = to_i32(len, || format!("sequence {s} context_len + query_len"))?;
+            let end = (qsl[s] as usize).checked_add(seq.query_len);
+            qsl.push(to_i32(end, || format!("tokens up to sequence {s}"))?);
+            seq_lens.push(len);
+            let len = len as usize;
             slots.extend(slots_of(
                 &seq.block_table,
                 b,
@@ -661,6 +666,11 @@ impl MetadataBuilder {
                 .iter()
                 .filter_map(|s| s.encoder.as_ref())
                 .collect();
+            let encoder_seq_lens = encs
+                .iter()
+                .enumerate()
+                .map(|(s, e)| to_i32(Some(e.len), || format!("sequence {s} encoder len")))
+                .collect::<Result<Vec<i32>>>()?;
             let mut cross_slots = Vec::new();
             if self.write_cross_kv {
                 for (s, e) in encs.iter().enumerate() {
@@ -674,7 +684,7 @@ impl MetadataBuilder {
                 }
             }
             Some(EncoderMetadata {
-                encoder_seq_lens: encs.iter().map(|e| e.len as i32).collect(),
+                encoder_seq_lens,
                 cross_block_tables: BlockTables::from_rows(
                     &encs
                         .iter()
@@ -721,7 +731,36 @@ fn slots_of(
             )
         },
     )?;
-    Ok(positions
-        .map(|p| table[p / b] as i64 * b as i64 + (p % b) as i64)
-        .collect())
+    positions
+        .map(|p| {
+            let block = table[p / b];
+            ensure(
+                block >= 0,
+                || format!("sequence {s} {field}[{}]", p / b),
+                block,
+                || "a block number >= 0".into(),
+            )?;
+            // A block number times the block size, plus the offset: a slot that fits in i64
+            // (an error otherwise, never a wrapped slot).
+            (block as i64)
+                .checked_mul(b as i64)
+                .and_then(|x| x.checked_add((p % b) as i64))
+                .filter(|_| i64::try_from(b).is_ok())
+                .ok_or_else(|| {
+                    Error::invalid("block_size", b, "a block size whose slots fit in i64")
+                })
+        })
+        .collect()
+}
+
+/// `value` as one of the metadata's i32 fields, or an error naming `field` if it is absent (an
+/// overflowed sum) or does not fit.
+fn to_i32(value: Option<usize>, field: impl FnOnce() -> String) -> Result<i32> {
+    value.and_then(|v| i32::try_from(v).ok()).ok_or_else(|| {
+        Error::invalid(
+            field(),
+            value.map_or("an overflowing sum".to_string(), |v| v.to_string()),
+            format!("at most {} (the metadata's fields are i32)", i32::MAX),
+        )
+    })
 }

@@ -6,7 +6,8 @@ use crate::backend::{AttentionImpl, Backend, Capabilities};
 use crate::config::{AttentionConfig, AttnType};
 use crate::device::Device;
 use crate::error::Result;
-use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec};
+use crate::fp8::Fp8Format;
+use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
 use crate::semantics::{alibi_bias, key_allowed, query_position, soft_cap, KeyLocation, KeyMap};
 use crate::step::{ForwardCheck, Inputs, KvPair, Plan, Workspace};
@@ -49,11 +50,16 @@ pub struct ReferenceAttention {
     capabilities: Capabilities,
 }
 
-/// Key and value rows, as f64, with the function that finds the row of (location, kv head).
+/// Where a call's keys and values are read: the cache's buffers (fp8 codes decoded with their
+/// scales) or the input tensors, one element at a time as f64, so that memory stays bounded
+/// whatever the sequences' lengths.
 struct KeyValueRows<'a> {
-    keys: Vec<f64>,
-    values: Vec<f64>,
+    keys: &'a HostStorage,
+    values: &'a HostStorage,
+    /// The cache, when keys are read from one.
     cache: Option<&'a KvCache>,
+    /// The cache's fp8 format and scales (None: elements are values).
+    fp8: Option<(Fp8Format, KvScales)>,
     num_kv_heads: usize,
     head_size: usize,
 }
@@ -68,6 +74,29 @@ impl KeyValueRows<'_> {
             KeyLocation::InputToken(t) => (t * self.num_kv_heads + kv_head) * self.head_size,
             KeyLocation::Absent => unreachable!("absent keys are filtered out"),
         }
+    }
+
+    /// Element `i` of the key buffer.
+    fn key(&self, i: usize) -> f64 {
+        element(self.keys, self.fp8.map(|(f, s)| (f, s.k_scale)), i)
+    }
+
+    /// Element `i` of the value buffer.
+    fn value(&self, i: usize) -> f64 {
+        element(self.values, self.fp8.map(|(f, s)| (f, s.v_scale)), i)
+    }
+}
+
+/// Element `i` of `buf` as f64: fp8 codes decoded and multiplied by their scale.
+fn element(buf: &HostStorage, fp8: Option<(Fp8Format, f32)>, i: usize) -> f64 {
+    match (buf, fp8) {
+        (HostStorage::U8(codes), Some((format, scale))) => {
+            format.decode(codes[i]) as f64 * scale as f64
+        }
+        (HostStorage::F32(v), _) => v[i] as f64,
+        (HostStorage::F16(v), _) => v[i].to_f64(),
+        (HostStorage::BF16(v), _) => v[i].to_f64(),
+        (HostStorage::U8(_), None) => unreachable!("validated: byte buffers are fp8 caches"),
     }
 }
 
@@ -111,17 +140,22 @@ impl AttentionImpl for ReferenceAttention {
                 cfg.kv_scales(),
             )?;
         }
-        // 2. Gather every key and value as f64: from the cache when there is one.
+        // 2. Read every key and value from the cache when there is one, else from the inputs.
         let cache = kv_cache.as_deref();
-        let (keys, values) = match (cache, new_kv) {
-            (Some(c), _) => c.dequantize(cfg.kv_scales())?,
-            (None, Some(kv)) => (kv.key.host()?.to_f64_vec(), kv.value.host()?.to_f64_vec()),
+        let (keys, values, fp8) = match (cache, new_kv) {
+            (Some(c), _) => {
+                let (k, v) = c.host_buffers()?;
+                let fp8 = cfg.kv_cache_dtype().fp8_format();
+                (k, v, fp8.map(|f| (f, cfg.kv_scales())))
+            }
+            (None, Some(kv)) => (kv.key.host()?, kv.value.host()?, None),
             (None, None) => unreachable!("validated: without a cache, key and value are given"),
         };
         let rows = KeyValueRows {
             keys,
             values,
             cache,
+            fp8,
             num_kv_heads: cfg.num_kv_heads(),
             head_size: cfg.head_size(),
         };
@@ -136,10 +170,6 @@ impl AttentionImpl for ReferenceAttention {
         let (h_count, d) = (cfg.num_heads(), cfg.head_size());
         let mut out = vec![0.0f64; q.len()];
         for s in 0..metadata.num_seqs() {
-            let keys: Vec<(usize, KeyLocation)> = (0..key_map.num_positions(s))
-                .map(|j| (j, key_map.locate(s, j)))
-                .filter(|&(_, loc)| loc != KeyLocation::Absent)
-                .collect();
             let range = metadata.query_range(s);
             let seq_len = metadata.seq_lens[s] as usize;
             for (m, t) in range.clone().enumerate() {
@@ -147,7 +177,7 @@ impl AttentionImpl for ReferenceAttention {
                 for h in 0..h_count {
                     let q_row = &q[(t * h_count + h) * d..][..d];
                     let o_row = &mut out[(t * h_count + h) * d..][..d];
-                    self.attend_one(q_row, o_row, h, i, &keys, &rows);
+                    self.attend_one(q_row, o_row, h, i, s, &key_map, &rows);
                 }
             }
         }
@@ -191,46 +221,59 @@ impl ReferenceAttention {
             config: &self.config,
         }
     }
-    /// One query row of head `h` at position `i` over a sequence's keys.
+    /// One query row of head `h` at position `i` over the keys of sequence `seq`, streaming:
+    /// one pass for the largest score, one for the softmax-weighted sum of the values.
+    #[allow(clippy::too_many_arguments)]
     fn attend_one(
         &self,
         q: &[f64],
         out: &mut [f64],
         h: usize,
         i: usize,
-        keys: &[(usize, KeyLocation)],
+        seq: usize,
+        key_map: &KeyMap<'_>,
         rows: &KeyValueRows<'_>,
     ) {
         let cfg = &self.config;
         let kv_head = h / cfg.num_queries_per_kv();
         let d = cfg.head_size();
-        let mut scored = Vec::with_capacity(keys.len());
-        for &(j, loc) in keys {
-            if !key_allowed(cfg.attn_type(), cfg.sliding_window(), i, j) {
-                continue;
-            }
-            let row = rows.row_start(loc, kv_head);
-            let k = &rows.keys[row..row + d];
-            let mut s = cfg.scale() as f64 * q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>();
+        // The keys this query sees: (position, start of its row).
+        let keys = || {
+            (0..key_map.num_positions(seq))
+                .filter(|&j| key_allowed(cfg.attn_type(), cfg.sliding_window(), i, j))
+                .filter_map(|j| match key_map.locate(seq, j) {
+                    KeyLocation::Absent => None,
+                    loc => Some((j, rows.row_start(loc, kv_head))),
+                })
+        };
+        let score = |j: usize, row: usize| {
+            let dot: f64 = (0..d).map(|x| q[x] * rows.key(row + x)).sum();
+            let mut s = cfg.scale() as f64 * dot;
             if let Some(cap) = cfg.logits_soft_cap() {
                 s = soft_cap(s, cap as f64);
             }
             if let Some(slopes) = cfg.alibi_slopes() {
                 s += alibi_bias(cfg.attn_type(), slopes[h] as f64, i, j);
             }
-            scored.push((s, row));
-        }
+            s
+        };
         out.fill(0.0);
-        let max = scored
-            .iter()
-            .map(|&(s, _)| s)
+        if keys().next().is_none() {
+            return; // No key: a zero output.
+        }
+        let max = keys()
+            .map(|(j, row)| score(j, row))
             .fold(f64::NEG_INFINITY, f64::max);
-        let total: f64 = scored.iter().map(|&(s, _)| (s - max).exp()).sum();
-        for &(s, row) in &scored {
-            let p = (s - max).exp() / total;
-            for (o, v) in out.iter_mut().zip(&rows.values[row..row + d]) {
-                *o += p * v;
+        let mut total = 0.0;
+        for (j, row) in keys() {
+            let e = (score(j, row) - max).exp();
+            total += e;
+            for (x, o) in out.iter_mut().enumerate() {
+                *o += e * rows.value(row + x);
             }
+        }
+        for o in out.iter_mut() {
+            *o /= total;
         }
     }
 }

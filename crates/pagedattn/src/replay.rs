@@ -169,6 +169,7 @@ const FLOATS: [StDtype; 3] = [StDtype::F32, StDtype::F16, StDtype::BF16];
 
 /// Parses a replay case. Every malformation is an error naming what is wrong.
 pub fn read_case(bytes: &[u8]) -> Result<ReplayCase> {
+    check_unique_keys(bytes)?;
     let st = SafeTensors::deserialize(bytes).map_err(format_err)?;
     let (_, header) = SafeTensors::read_metadata(bytes).map_err(format_err)?;
     let meta = Meta(header.metadata().clone().unwrap_or_default());
@@ -597,6 +598,7 @@ pub fn write_output(out: &ReplayOutput) -> Result<Vec<u8>> {
 
 /// Parses a file written by [`write_output`] (or an expected-result file in the same format).
 pub fn read_output(bytes: &[u8]) -> Result<ReplayOutput> {
+    check_unique_keys(bytes)?;
     let tensors = Tensors {
         st: SafeTensors::deserialize(bytes).map_err(format_err)?,
     };
@@ -622,4 +624,79 @@ pub fn read_output(bytes: &[u8]) -> Result<ReplayOutput> {
         }
     };
     Ok(ReplayOutput { output, kv_cache })
+}
+
+/// Refuses a safetensors file whose JSON header repeats a key in any object (the tensor names,
+/// a tensor's fields, `__metadata__`): the safetensors reader would keep the last silently.
+fn check_unique_keys(bytes: &[u8]) -> Result<()> {
+    use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+
+    /// Walks any JSON value, failing on a repeated key.
+    struct Unique;
+
+    impl<'de> DeserializeSeed<'de> for Unique {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Unique {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<(), A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(key) = map.next_key::<String>()? {
+                map.next_value_seed(Unique)?;
+                if !seen.insert(key.clone()) {
+                    return Err(A::Error::custom(format!("the key {key:?} appears twice")));
+                }
+            }
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<(), A::Error> {
+            while seq.next_element_seed(Unique)?.is_some() {}
+            Ok(())
+        }
+        fn visit_bool<E>(self, _: bool) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> std::result::Result<(), E> {
+            Ok(())
+        }
+    }
+
+    // The header: its length as a little-endian u64, then that many bytes of JSON. A file
+    // too short for it is left to the safetensors reader to report.
+    let Some(len) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    else {
+        return Ok(());
+    };
+    let Some(header) = usize::try_from(len)
+        .ok()
+        .and_then(|n| bytes.get(8..8usize.checked_add(n)?))
+    else {
+        return Ok(());
+    };
+    let mut json = serde_json::Deserializer::from_slice(header);
+    match Unique.deserialize(&mut json) {
+        Err(e) if e.is_data() => Err(format_err(format!("header: {e}"))),
+        _ => Ok(()),
+    }
 }

@@ -21,7 +21,8 @@ pub fn key_allowed(attn_type: AttnType, sliding_window: Option<usize>, i: usize,
     if !attn_type.is_causal() {
         return true;
     }
-    j <= i && sliding_window.is_none_or(|w| j + w > i)
+    // `i - j < w` rather than `j + w > i`: no overflow for any window.
+    j <= i && sliding_window.is_none_or(|w| i - j < w)
 }
 
 /// The ALiBi term added to a score: `slope * (j - i)` for the decoder, `-slope * |j - i|` for
