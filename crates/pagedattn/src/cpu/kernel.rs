@@ -335,7 +335,10 @@ pub fn attend<S: Simd, Src: TileSource>(
             && n == KEY_TILE
             && start >= keys.start
             && (!mods.causal
-                || (end <= first_row + 1 && mods.window.is_none_or(|w| start + w > last_row)));
+                || (end <= first_row + 1
+                    && mods
+                        .window
+                        .is_none_or(|w| last_row.saturating_sub(start) < w)));
         for ((source, group), state) in sources.iter().zip(groups).zip(states.iter_mut()) {
             let tile = source.tile(start..end);
             source.scores(s, &tile, &mut scores);
@@ -691,6 +694,10 @@ fn qk_partial<S: Simd, E: Load, const R: usize>(s: S, q: &[f32], k: &[E]) -> [S:
 
 /// Soft cap, ALiBi and the masks for one row's tile of scores (keys `start..end`; keys before
 /// `first` and slots past `end` become -inf).
+///
+/// Positions never go through f32: the allowed keys are worked out in integers and compared
+/// as tile-local indices (below `KEY_TILE`, exact in f32), and ALiBi's distance `j - i` is an
+/// integer before it is rounded once to f32.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn apply_mods<S: Simd>(
@@ -704,9 +711,16 @@ fn apply_mods<S: Simd>(
     mods: &ScoreMods,
 ) {
     let neg_inf = s.splat(f32::NEG_INFINITY);
-    let i = s.splat(pos as f32);
-    let (lo, hi) = (s.splat(first as f32), s.splat(end as f32));
-    let window_start = mods.window.map(|w| s.splat(pos as f32 + 1.0 - w as f32));
+    // The allowed key positions `lo..hi`: the unit's keys, the causal end, the window.
+    let (mut lo, mut hi) = (first, end);
+    if mods.causal {
+        hi = hi.min(pos + 1);
+        if let Some(w) = mods.window {
+            lo = lo.max((pos + 1).saturating_sub(w));
+        }
+    }
+    let local = |p: usize| s.splat(p.saturating_sub(start).min(KEY_TILE) as f32);
+    let (lo, hi) = (local(lo), local(hi.max(lo)));
     for c in (0..KEY_TILE).step_by(S::LANES) {
         if start + c >= end {
             row[c..].fill(f32::NEG_INFINITY);
@@ -714,12 +728,13 @@ fn apply_mods<S: Simd>(
         }
         // SAFETY: c + LANES <= KEY_TILE = row.len().
         let mut v = unsafe { s.load(row.as_ptr().add(c)) };
-        let j = s.add(s.iota(), s.splat((start + c) as f32));
+        let t = s.add(s.iota(), s.splat(c as f32));
         if let Some(cap) = mods.soft_cap {
             v = s.mul(s.splat(cap), s.tanh(s.div(v, s.splat(cap))));
         }
         if mods.alibi {
-            let dist = s.sub(j, i);
+            let base = (start + c) as i64 - pos as i64;
+            let dist = s.add(s.iota(), s.splat(base as f32));
             v = if mods.causal {
                 s.fma(s.splat(slope), dist, v)
             } else {
@@ -727,14 +742,8 @@ fn apply_mods<S: Simd>(
                 s.sub(v, s.mul(s.splat(slope), abs))
             };
         }
-        if mods.causal {
-            v = s.select_lt(i, j, neg_inf, v);
-            if let Some(ws) = window_start {
-                v = s.select_lt(j, ws, neg_inf, v);
-            }
-        }
-        v = s.select_lt(j, hi, v, neg_inf);
-        v = s.select_lt(j, lo, neg_inf, v);
+        v = s.select_lt(t, lo, neg_inf, v);
+        v = s.select_lt(t, hi, v, neg_inf);
         // SAFETY: as above.
         unsafe { s.store(row.as_mut_ptr().add(c), v) };
     }

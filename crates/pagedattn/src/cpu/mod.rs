@@ -447,8 +447,23 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         let group = self.group_size();
         let mut pos = Vec::with_capacity(tokens.len() * group);
         let mut slope = Vec::new();
+        // A cross-attention query sits past every encoder key: its ALiBi term
+        // `-slope * (i - j)` is `-slope * (n - 1 - j)` plus a constant of the row, which the
+        // softmax ignores. Using position n - 1 keeps the distances small integers (exact in
+        // f32) however far the decoder has run; the other types' positions are already keys'.
+        let last_key = match (self.cfg.attn_type(), &self.md.encoder) {
+            (AttnType::EncoderDecoder, Some(enc)) => {
+                (enc.encoder_seq_lens[seq] as usize).saturating_sub(1)
+            }
+            _ => usize::MAX,
+        };
         for t in tokens {
             let i = query_position(self.cfg.attn_type(), seq_len, range.len(), t - range.start);
+            let i = if self.cfg.attn_type().is_causal() {
+                i
+            } else {
+                i.min(last_key)
+            };
             for gh in 0..group {
                 pos.push(i);
                 if let Some(slopes) = self.cfg.alibi_slopes() {

@@ -126,22 +126,53 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// polynomial in Horner form.
     #[inline(always)]
     fn exp_reduced(self, x: Self::V) -> (Self::V, Self::V) {
-        let n = self.round(self.mul(x, self.splat(std::f32::consts::LOG2_E)));
-        let r = self.fma(n, self.splat(-0.693_145_75), x);
-        let r = self.fma(n, self.splat(-1.428_606_8e-6), r);
-        let mut p = self.splat(1.0 / 720.0);
-        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-            p = self.fma(p, r, self.splat(c));
-        }
-        (n, p)
+        let (n, r) = self.reduce_ln2(x);
+        (n, self.fma(self.expm1_over(r), r, self.splat(1.0)))
     }
 
-    /// `tanh(x)`, as `1 - 2 / (e^(2x) + 1)`.
+    /// `(n, r)` with `x = n ln2 + r`, n an integer and `|r| <= ln2 / 2` (Cody-Waite, two
+    /// steps).
+    #[inline(always)]
+    fn reduce_ln2(self, x: Self::V) -> (Self::V, Self::V) {
+        let n = self.round(self.mul(x, self.splat(std::f32::consts::LOG2_E)));
+        let r = self.fma(n, self.splat(-0.693_145_75), x);
+        (n, self.fma(n, self.splat(-1.428_606_8e-6), r))
+    }
+
+    /// `(e^r - 1) / r` for `|r| <= ln2 / 2`: the Taylor polynomial of degree 5, Horner form.
+    #[inline(always)]
+    fn expm1_over(self, r: Self::V) -> Self::V {
+        let mut p = self.splat(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0] {
+            p = self.fma(p, r, self.splat(c));
+        }
+        p
+    }
+
+    /// `e^x - 1`, accurate relative to the result for small `|x|` too (no `1 + ... - 1`);
+    /// exactly -1 below -87.
+    #[inline(always)]
+    fn expm1(self, x: Self::V) -> Self::V {
+        let lowest = self.splat(-87.0);
+        let (n, r) = self.reduce_ln2(self.min(self.max(x, lowest), self.splat(88.0)));
+        let scale = self.pow2i(n);
+        // 2^n (e^r - 1) + (2^n - 1); for |x| <= ln2/2, n = 0 and this is e^r - 1 itself.
+        let e = self.add(
+            self.mul(scale, self.mul(self.expm1_over(r), r)),
+            self.sub(scale, self.splat(1.0)),
+        );
+        self.select_lt(x, lowest, self.splat(-1.0), e)
+    }
+
+    /// `tanh(x)` as `sign(x) · -m / (2 + m)` with `m = e^(-2|x|) - 1`: accurate relative to
+    /// the result for every `x` (the form `1 - 2 / (e^(2x) + 1)` cancels for small `|x|`).
     #[inline(always)]
     fn tanh(self, x: Self::V) -> Self::V {
-        let e = self.exp(self.add(x, x));
-        let one = self.splat(1.0);
-        self.sub(one, self.div(self.splat(2.0), self.add(e, one)))
+        let zero = self.splat(0.0);
+        let a = self.max(x, self.sub(zero, x));
+        let m = self.expm1(self.mul(a, self.splat(-2.0)));
+        let t = self.div(self.sub(zero, m), self.add(m, self.splat(2.0)));
+        self.select_lt(x, zero, self.sub(zero, t), t)
     }
 }
 
@@ -281,6 +312,23 @@ mod tests {
                 assert!(
                     ((*o as f64) - (*x as f64).tanh()).abs() < 1e-6,
                     "tanh({x}) = {o}"
+                );
+            }
+            // Relative accuracy where `1 - 2 / (e^(2x) + 1)` cancels: tiny and mid arguments.
+            for x in [1e-8f32, -3e-6, 1e-3, -0.2, 0.34, 0.7, -5.0, 20.0, 100.0] {
+                s.store(out.as_mut_ptr(), s.tanh(s.splat(x)));
+                let want = (x as f64).tanh();
+                assert!(
+                    ((out[0] as f64) - want).abs() <= 4e-7 * want.abs(),
+                    "tanh({x}) = {}, want {want}",
+                    out[0]
+                );
+                s.store(out.as_mut_ptr(), s.expm1(s.splat(x.min(80.0))));
+                let want = (x.min(80.0) as f64).exp_m1();
+                assert!(
+                    ((out[0] as f64) - want).abs() <= 4e-7 * want.abs().max(1e-30),
+                    "expm1({x}) = {}, want {want}",
+                    out[0]
                 );
             }
             for tiny in [f32::NEG_INFINITY, -100.0, -87.5] {
