@@ -275,6 +275,19 @@ impl AttentionConfig {
             }
         }
         self.kv_scales.validate(self.kv_cache_dtype)?;
+        // Backends apply scale × k_scale as one f32 factor.
+        let factor = self.scale.abs() as f64 * self.kv_scales.k_scale as f64;
+        if !(f32::MIN_POSITIVE as f64..=f32::MAX as f64).contains(&factor) {
+            return Err(Error::invalid(
+                "scale",
+                self.scale,
+                format!(
+                    "|scale| * k_scale (k_scale = {}) within f32's normal range \
+                     [2^-126, f32::MAX]",
+                    self.kv_scales.k_scale
+                ),
+            ));
+        }
         if let Some(cap) = self.logits_soft_cap {
             if !(cap.is_finite() && cap > 0.0) {
                 return Err(Error::invalid(

@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::fp8::Fp8Format;
 use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
-use crate::semantics::{alibi_bias, key_allowed, query_position, soft_cap, KeyLocation, KeyMap};
+use crate::semantics::{alibi_bias, allowed_keys, query_position, soft_cap, KeyLocation, KeyMap};
 use crate::step::{ForwardCheck, Inputs, KvPair, Plan, Workspace};
 use crate::tensor::{HostStorage, Tensor};
 
@@ -238,22 +238,29 @@ impl ReferenceAttention {
         let kv_head = h / cfg.num_queries_per_kv();
         let d = cfg.head_size();
         // The keys this query sees: (position, start of its row).
+        let allowed = allowed_keys(
+            cfg.attn_type(),
+            cfg.sliding_window(),
+            i,
+            key_map.num_positions(seq),
+        );
         let keys = || {
-            (0..key_map.num_positions(seq))
-                .filter(|&j| key_allowed(cfg.attn_type(), cfg.sliding_window(), i, j))
+            allowed
+                .clone()
                 .filter_map(|j| match key_map.locate(seq, j) {
                     KeyLocation::Absent => None,
                     loc => Some((j, rows.row_start(loc, kv_head))),
                 })
         };
+        // Each step's result in f32's range: what f32 rounds to infinity is infinite.
         let score = |j: usize, row: usize| {
             let dot: f64 = (0..d).map(|x| q[x] * rows.key(row + x)).sum();
-            let mut s = cfg.scale() as f64 * dot;
+            let mut s = in_f32_range(cfg.scale() as f64 * dot);
             if let Some(cap) = cfg.logits_soft_cap() {
                 s = soft_cap(s, cap as f64);
             }
             if let Some(slopes) = cfg.alibi_slopes() {
-                s += alibi_bias(cfg.attn_type(), slopes[h] as f64, i, j);
+                s = in_f32_range(s + alibi_bias(cfg.attn_type(), slopes[h] as f64, i, j));
             }
             s
         };
@@ -275,6 +282,16 @@ impl ReferenceAttention {
         for o in out.iter_mut() {
             *o /= total;
         }
+    }
+}
+
+/// `x`, or ±infinity where rounding it to f32 overflows (the contract keeps scores in f32's
+/// range).
+fn in_f32_range(x: f64) -> f64 {
+    if (x as f32).is_infinite() {
+        x.signum() * f64::INFINITY
+    } else {
+        x
     }
 }
 

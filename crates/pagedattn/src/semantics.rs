@@ -2,6 +2,8 @@
 //! positions, which keys a sequence has and where they are read, the mask, ALiBi and soft cap.
 //! The reference backend is built from exactly these functions.
 
+use std::ops::Range;
+
 use crate::config::AttnType;
 use crate::metadata::AttentionMetadata;
 
@@ -15,14 +17,21 @@ pub fn query_position(attn_type: AttnType, seq_len: usize, query_len: usize, m: 
     }
 }
 
-/// Whether query position `i` may see key position `j`: causal for the decoder (`j <= i`, and
-/// `j > i - W` with a sliding window W), everything for the non-causal types.
-pub fn key_allowed(attn_type: AttnType, sliding_window: Option<usize>, i: usize, j: usize) -> bool {
+/// The key positions, among a sequence's `n`, that query position `i` may see: all of them
+/// for the non-causal types; for the decoder `j <= i`, and `i - j < W` with a sliding window W
+/// (worked out without overflow for any window).
+pub fn allowed_keys(
+    attn_type: AttnType,
+    sliding_window: Option<usize>,
+    i: usize,
+    n: usize,
+) -> Range<usize> {
     if !attn_type.is_causal() {
-        return true;
+        return 0..n;
     }
-    // `i - j < w` rather than `j + w > i`: no overflow for any window.
-    j <= i && sliding_window.is_none_or(|w| i - j < w)
+    let end = i.saturating_add(1).min(n);
+    let start = sliding_window.map_or(0, |w| i.saturating_add(1).saturating_sub(w));
+    start.min(end)..end
 }
 
 /// The ALiBi term added to a score: `slope * (j - i)` for the decoder, `-slope * |j - i|` for

@@ -145,17 +145,32 @@ impl TileSource for PackedBf16Source<'_> {
         &self,
         _s: S,
         keys: &Range<usize>,
-        _absent: &[bool],
+        absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
         let p = self.packed;
         let rows = state.m.len();
-        // Absent keys have zero probability and zero (packed) values already.
         probs_to_pairs(probs, rows);
         let first_pair = (keys.start - p.origin) / 2;
         let pairs = keys.len().div_ceil(2);
-        let v = &p.v[first_pair * p.d..(first_pair + pairs) * p.d];
+        let packed = &p.v[first_pair * p.d..(first_pair + pairs) * p.d];
+        // Keys that are not keys were packed as zeros; the rare keys to skip besides (values
+        // that are not finite, which `0 * v` would spread) are zeroed in a copy of the tile.
+        let skipped: Vec<u32>;
+        let v = if absent.iter().any(|&a| a) {
+            let mut copy = packed.to_vec();
+            for (t, _) in absent.iter().enumerate().filter(|(_, &a)| a) {
+                let keep = !(0xffffu32 << (16 * (t % 2)));
+                for x in &mut copy[(t / 2) * p.d..][..p.d] {
+                    *x &= keep;
+                }
+            }
+            skipped = copy;
+            &skipped[..]
+        } else {
+            packed
+        };
         for_row_blocks!(rows, |r0, R| pv_block::<R>(
             v,
             pairs,
@@ -164,6 +179,15 @@ impl TileSource for PackedBf16Source<'_> {
             r0,
             &mut state.acc
         ));
+    }
+
+    fn value_row(&self, keys: &Range<usize>, t: usize, out: &mut [f32]) {
+        let p = self.packed;
+        let column = keys.start + t - p.origin;
+        let shift = 16 * (column % 2);
+        for (o, &x) in out.iter_mut().zip(&p.v[(column / 2) * p.d..][..p.d]) {
+            *o = f32::from_bits((x >> shift) << 16);
+        }
     }
 }
 
@@ -319,6 +343,15 @@ pub struct RowsBf16Source<'a, C, const D: usize> {
 /// Elements per 512-bit chunk of a bf16 row.
 const CHUNK: usize = 32;
 
+/// The dimension that accumulator lane `i` of a 32-element chunk holds in the decode P·V
+/// order: lane i of the low half holds dimension (i / 4) * 8 + i % 4, lane i of the high half
+/// dimension (i / 4) * 8 + 4 + i % 4.
+#[inline(always)]
+fn permuted_dimension(i: usize) -> usize {
+    let (half, i) = (i / 16, i % 16);
+    (i / 4) * 8 + 4 * half + i % 4
+}
+
 impl<C, const D: usize> RowsBf16Source<'_, C, D> {
     /// The head size, a constant where specialized.
     #[inline(always)]
@@ -431,15 +464,22 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
         ));
     }
 
+    fn value_row(&self, tile: &TileRows<'_, C>, t: usize, out: &mut [f32]) {
+        let row = &self.kv.value[tile.rows()[t]..][..self.head_size()];
+        for (chunk, values) in out.chunks_exact_mut(CHUNK).zip(row.chunks_exact(CHUNK)) {
+            for (i, o) in chunk.iter_mut().enumerate() {
+                *o = values[permuted_dimension(i)].to_f32();
+            }
+        }
+    }
+
     #[inline(always)]
     fn finish(&self, state: &mut RowStates) {
-        // Undo the P·V order: in each 32-element chunk, accumulator lane i of the low half holds
-        // dimension (i / 4) * 8 + i % 4, lane i of the high half dimension (i / 4) * 8 + 4 + i % 4.
+        // Undo the P·V order.
         for chunk in state.acc.chunks_exact_mut(CHUNK) {
             let permuted: [f32; CHUNK] = chunk.try_into().expect("chunk of 32");
-            for i in 0..16 {
-                chunk[(i / 4) * 8 + i % 4] = permuted[i];
-                chunk[(i / 4) * 8 + 4 + i % 4] = permuted[16 + i];
+            for (i, &x) in permuted.iter().enumerate() {
+                chunk[permuted_dimension(i)] = x;
             }
         }
     }

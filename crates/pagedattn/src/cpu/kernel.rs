@@ -17,6 +17,9 @@ use super::simd::{Load, Simd, WithSimd};
 /// Keys per tile.
 pub const KEY_TILE: usize = 64;
 
+// Tile columns are tracked as the bits of a u64.
+const _: () = assert!(KEY_TILE == 64);
+
 /// Query rows per micro-kernel block.
 pub const ROW_BLOCK: usize = 8;
 
@@ -258,6 +261,20 @@ pub trait TileSource {
         probs: &mut [f32],
         state: &mut RowStates,
     );
+    /// The value row of tile column `t` widened to f32 (scales not applied), in the order of
+    /// this source's accumulators.
+    fn value_row(&self, tile: &Self::Tile<'_>, t: usize, out: &mut [f32]);
+    /// The columns among `cols` (bit t: tile column t) whose value row holds a NaN or an
+    /// infinity; `row` is scratch of `d` elements.
+    #[inline(always)]
+    fn nonfinite_values(&self, tile: &Self::Tile<'_>, cols: u64, row: &mut [f32]) -> u64 {
+        columns(cols)
+            .filter(|&t| {
+                self.value_row(tile, t, row);
+                row.iter().any(|x| !x.is_finite())
+            })
+            .fold(0, |m, t| m | 1 << t)
+    }
     /// Called once after the last tile (e.g. to undo a permuted accumulator layout).
     #[inline(always)]
     fn finish(&self, state: &mut RowStates) {
@@ -307,6 +324,8 @@ pub fn attend<S: Simd, Src: TileSource>(
     let d = first_state.acc.len() / first_state.m.len().max(1);
     let rows = first.pos.len();
     let mut scores = vec![0.0f32; rows * KEY_TILE];
+    let mut row_cols = vec![0..0; rows];
+    let mut value_row = vec![0.0f32; d];
     let mut absent = first.absent.iter().copied().peekable();
     let (origin, step) = sources[0].alignment();
     let plain = mods.soft_cap.is_none() && !mods.alibi;
@@ -319,14 +338,14 @@ pub fn attend<S: Simd, Src: TileSource>(
         let n = end - start;
         // Positions in this tile that are not keys: masked for every row, skipped in P·V.
         let mut tile_absent = [false; KEY_TILE];
-        let mut any_absent = false;
+        let mut absent_bits = 0u64;
         while let Some(&j) = absent.peek() {
             if j >= end {
                 break;
             }
             if j >= start {
                 tile_absent[j - start] = true;
-                any_absent = true;
+                absent_bits |= 1 << (j - start);
             }
             absent.next();
         }
@@ -339,23 +358,57 @@ pub fn attend<S: Simd, Src: TileSource>(
                     && mods
                         .window
                         .is_none_or(|w| last_row.saturating_sub(start) < w)));
+        // The columns each row attends, and those some row does not (a key masked for a row
+        // has probability 0 there, but 0 · NaN is NaN: such a key's value must not enter that
+        // row's P·V when it is not finite).
+        let mut seen_by_all = column_bits(0..n);
+        for (cols, &pos) in row_cols.iter_mut().zip(first.pos) {
+            *cols = attended_columns(start, end, keys.start, pos, mods);
+            seen_by_all &= column_bits(cols.clone());
+        }
+        let masked = column_bits(0..n) & !absent_bits & !seen_by_all;
         for ((source, group), state) in sources.iter().zip(groups).zip(states.iter_mut()) {
             let tile = source.tile(start..end);
+            let special = if masked == 0 {
+                0
+            } else {
+                source.nonfinite_values(&tile, masked, &mut value_row)
+            };
             source.scores(s, &tile, &mut scores);
-            for r in 0..rows {
+            for (r, cols) in row_cols.iter().enumerate() {
                 let row = &mut scores[r * KEY_TILE..(r + 1) * KEY_TILE];
                 if !unmasked {
                     let slope = group.slope.get(r).copied().unwrap_or(0.0);
-                    apply_mods(s, row, start, end, keys.start, group.pos[r], slope, mods);
+                    apply_mods(s, row, start, end, cols.clone(), group.pos[r], slope, mods);
                 }
-                if any_absent {
-                    for (t, _) in tile_absent[..n].iter().enumerate().filter(|(_, &a)| a) {
+                if absent_bits != 0 {
+                    for t in columns(absent_bits) {
                         row[t] = f32::NEG_INFINITY;
                     }
                 }
                 softmax_step(s, row, r, d, state);
             }
-            source.accumulate(s, &tile, &tile_absent[..n], &mut scores, state);
+            if special == 0 {
+                source.accumulate(s, &tile, &tile_absent[..n], &mut scores, state);
+            } else {
+                // Non-finite values that some row must not see: each such key enters the rows
+                // that attend it here, and the source's P·V skips it.
+                let mut skip = tile_absent;
+                for t in columns(special) {
+                    skip[t] = true;
+                    source.value_row(&tile, t, &mut value_row);
+                    for (r, cols) in row_cols.iter().enumerate() {
+                        if cols.contains(&t) {
+                            let p = scores[r * KEY_TILE + t];
+                            let acc = &mut state.acc[r * d..(r + 1) * d];
+                            for (a, &v) in acc.iter_mut().zip(&value_row) {
+                                *a += p * v;
+                            }
+                        }
+                    }
+                }
+                source.accumulate(s, &tile, &skip[..n], &mut scores, state);
+            }
         }
         start = end;
     }
@@ -364,13 +417,59 @@ pub fn attend<S: Simd, Src: TileSource>(
     }
 }
 
+/// The tile-local columns of tile `start..end` that a row at position `pos` attends: the
+/// unit's keys from `first` up to the causal end, inside the window (absent positions aside).
+#[inline(always)]
+fn attended_columns(
+    start: usize,
+    end: usize,
+    first: usize,
+    pos: usize,
+    mods: &ScoreMods,
+) -> Range<usize> {
+    let (mut lo, mut hi) = (first.max(start), end);
+    if mods.causal {
+        hi = hi.min(pos + 1);
+        if let Some(w) = mods.window {
+            lo = lo.max((pos + 1).saturating_sub(w));
+        }
+    }
+    let lo = lo.min(end);
+    (lo - start)..(hi.clamp(lo, end) - start)
+}
+
+/// The bits of tile columns `cols` (at most [`KEY_TILE`] = 64 columns).
+#[inline(always)]
+fn column_bits(cols: Range<usize>) -> u64 {
+    if cols.is_empty() {
+        0
+    } else {
+        (u64::MAX >> (64 - cols.len())) << cols.start
+    }
+}
+
+/// The columns whose bits are set, in order.
+#[inline(always)]
+fn columns(mut bits: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let t = bits.trailing_zeros() as usize;
+        (bits != 0).then(|| {
+            bits &= bits - 1;
+            t
+        })
+    })
+}
+
 /// Scores and values read straight from the cache rows (decode: a few rows per key).
 #[derive(Debug, Clone, Copy)]
 pub struct RowsSource<'a, E> {
     /// Keys and values.
     pub kv: KvRows<'a, E>,
-    /// Rows × D queries, multiplied by the softmax scale (and the fp8 k_scale).
+    /// Rows × D queries, unscaled.
     pub q: &'a [f32],
+    /// Score scale: softmax scale × fp8 k_scale (applied to each dot product, so that the
+    /// score overflows only where the product itself leaves f32's range).
+    pub scale: f32,
     /// Where the prefetches run ahead to.
     pub stream: Stream,
 }
@@ -451,7 +550,7 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
                 tile,
                 t0,
                 r0,
-                1.0,
+                self.scale,
                 scores,
                 |k| qk_partial::<S, E, R>(s, &self.q[r0 * d..(r0 + R) * d], k)
             ));
@@ -468,6 +567,13 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
         state: &mut RowStates,
     ) {
         accumulate_rows(s, self.kv.value, tile.rows(), absent, probs, state);
+    }
+
+    fn value_row(&self, tile: &TileRows<'_, E>, t: usize, out: &mut [f32]) {
+        let row = &self.kv.value[tile.rows()[t]..][..self.kv.head_size];
+        for (o, &x) in out.iter_mut().zip(row) {
+            *o = x.to_f32();
+        }
     }
 }
 
@@ -692,12 +798,12 @@ fn qk_partial<S: Simd, E: Load, const R: usize>(s: S, q: &[f32], k: &[E]) -> [S:
     acc
 }
 
-/// Soft cap, ALiBi and the masks for one row's tile of scores (keys `start..end`; keys before
-/// `first` and slots past `end` become -inf).
+/// Soft cap, ALiBi and the masks for one row's tile of scores (keys `start..end`; tile columns
+/// outside `cols`, the ones the row attends, become -inf).
 ///
-/// Positions never go through f32: the allowed keys are worked out in integers and compared
-/// as tile-local indices (below `KEY_TILE`, exact in f32), and ALiBi's distance `j - i` is an
-/// integer before it is rounded once to f32.
+/// Positions never go through f32: the attended columns are worked out in integers
+/// ([`attended_columns`]) and compared as tile-local indices (below `KEY_TILE`, exact in
+/// f32), and ALiBi's distance `j - i` is an integer before it is rounded once to f32.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn apply_mods<S: Simd>(
@@ -705,22 +811,13 @@ fn apply_mods<S: Simd>(
     row: &mut [f32],
     start: usize,
     end: usize,
-    first: usize,
+    cols: Range<usize>,
     pos: usize,
     slope: f32,
     mods: &ScoreMods,
 ) {
     let neg_inf = s.splat(f32::NEG_INFINITY);
-    // The allowed key positions `lo..hi`: the unit's keys, the causal end, the window.
-    let (mut lo, mut hi) = (first, end);
-    if mods.causal {
-        hi = hi.min(pos + 1);
-        if let Some(w) = mods.window {
-            lo = lo.max((pos + 1).saturating_sub(w));
-        }
-    }
-    let local = |p: usize| s.splat(p.saturating_sub(start).min(KEY_TILE) as f32);
-    let (lo, hi) = (local(lo), local(hi.max(lo)));
+    let (lo, hi) = (s.splat(cols.start as f32), s.splat(cols.end as f32));
     for c in (0..KEY_TILE).step_by(S::LANES) {
         if start + c >= end {
             row[c..].fill(f32::NEG_INFINITY);
@@ -760,7 +857,17 @@ fn softmax_step<S: Simd>(s: S, row: &mut [f32], r: usize, d: usize, state: &mut 
     }
     let m_new = state.m[r].max(s.reduce_max(mx));
     if m_new == f32::NEG_INFINITY {
-        row.fill(0.0);
+        // Every score so far is -inf or NaN: masked keys and -inf scores weigh 0, NaN scores
+        // poison the row (IEEE: exp(NaN) is NaN). Whether the row attended any key at all is
+        // settled when it is written out.
+        let mut nan = false;
+        for p in row.iter_mut() {
+            nan |= p.is_nan();
+            *p = if p.is_nan() { f32::NAN } else { 0.0 };
+        }
+        if nan {
+            state.l[r] = f32::NAN;
+        }
         return;
     }
     let alpha = (state.m[r] - m_new).exp();

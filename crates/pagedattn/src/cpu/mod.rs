@@ -32,7 +32,7 @@ use crate::error::Result;
 use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
 use crate::reference::write_kv_checked;
-use crate::semantics::{query_position, KeyMap};
+use crate::semantics::{allowed_keys, query_position, KeyMap};
 use crate::step::{ForwardCheck, Inputs, KvPair, Plan as StepPlan, Workspace};
 use crate::tensor::{HostStorage, Tensor};
 
@@ -474,7 +474,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         (pos, slope)
     }
 
-    /// The query rows of `kv_head` for `tokens` in f32, multiplied by the score scale.
+    /// The query rows of `kv_head` for `tokens` in f32 (unscaled).
     fn q_f32(&self, kv_head: usize, tokens: Range<usize>) -> Vec<f32> {
         let (d, h, group) = (
             self.cfg.head_size(),
@@ -484,13 +484,46 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         let mut q = Vec::with_capacity(tokens.len() * group * d);
         for t in tokens {
             let heads = &self.query[(t * h + kv_head * group) * d..][..group * d];
-            q.extend(heads.iter().map(|&x| Element::to_f32(x) * self.score_scale));
+            q.extend(heads.iter().map(|&x| Element::to_f32(x)));
         }
         q
     }
 
-    /// Writes finished rows (`tokens` × the heads of `kv_head`) to the output.
-    fn finish(&self, kv_head: usize, tokens: Range<usize>, state: &RowStates) {
+    /// Whether the query token `t` of sequence `seq` attends at least one key (allowed and
+    /// present). A row whose running max stayed -inf had only -inf scores if it did (IEEE:
+    /// 0 / 0, NaN), and no key at all if not (the contract's zero output).
+    fn attends_a_key(&self, seq: usize, t: usize) -> bool {
+        let attn_type = self.cfg.attn_type();
+        let range = self.md.query_range(seq);
+        let i = query_position(
+            attn_type,
+            self.md.seq_lens[seq] as usize,
+            range.len(),
+            t - range.start,
+        );
+        let n = KeyMap::new(self.md, attn_type, None, false).num_positions(seq);
+        let keys = allowed_keys(attn_type, self.cfg.sliding_window(), i, n);
+        let absent = &self.plan.absent[seq];
+        let absent_inside =
+            absent.partition_point(|&j| j < keys.end) - absent.partition_point(|&j| j < keys.start);
+        keys.len() > absent_inside
+    }
+
+    /// What a finished row's weighted sum is multiplied by: `v_scale / l`, or, for a row whose
+    /// running max stayed -inf, NaN where it attended a key and 0 where it had none.
+    fn output_norm(&self, m: f32, l: f32, seq: usize, t: usize) -> f32 {
+        if m > f32::NEG_INFINITY || l.is_nan() {
+            self.v_scale / l
+        } else if self.attends_a_key(seq, t) {
+            f32::NAN
+        } else {
+            0.0
+        }
+    }
+
+    /// Writes finished rows (`tokens` of sequence `seq` × the heads of `kv_head`) to the
+    /// output.
+    fn finish(&self, seq: usize, kv_head: usize, tokens: Range<usize>, state: &RowStates) {
         let (d, h, group) = (
             self.cfg.head_size(),
             self.cfg.num_heads(),
@@ -499,11 +532,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         for (ti, t) in tokens.enumerate() {
             for gh in 0..group {
                 let r = ti * group + gh;
-                let norm = if state.l[r] > 0.0 {
-                    self.v_scale / state.l[r]
-                } else {
-                    0.0
-                };
+                let norm = self.output_norm(state.m[r], state.l[r], seq, t);
                 // SAFETY: each (token, head) row is written by exactly one unit.
                 let dst = unsafe {
                     std::slice::from_raw_parts_mut(
@@ -563,6 +592,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                 .map(|(h, q)| RowsSource {
                     kv: kvs[h],
                     q,
+                    scale: self.score_scale,
                     stream: streams[h],
                 })
                 .collect();
@@ -575,7 +605,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         }
         for (h, state) in states.iter().enumerate() {
             match unit.partial {
-                None => self.finish(h, unit.tokens.clone(), state),
+                None => self.finish(unit.seq, h, unit.tokens.clone(), state),
                 Some(slots) => {
                     let width = self.group_size() * (d + 2);
                     let slot = slots.first + h * slots.stride;
@@ -622,7 +652,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                     &self.mods,
                     std::slice::from_mut(&mut state),
                 );
-                self.finish(pg.kv_head, tile.tokens.clone(), &state);
+                self.finish(pg.seq, pg.kv_head, tile.tokens.clone(), &state);
             });
             return;
         }
@@ -637,6 +667,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             let source = packed::PackedF32Source {
                 packed: &packed,
                 q: &q,
+                scale: self.score_scale,
             };
             let group = Group {
                 pos: &pos,
@@ -651,7 +682,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                 mods: &self.mods,
                 states: std::slice::from_mut(&mut state),
             });
-            self.finish(pg.kv_head, tile.tokens.clone(), &state);
+            self.finish(pg.seq, pg.kv_head, tile.tokens.clone(), &state);
         });
     }
 
@@ -762,16 +793,20 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                 .fold(f32::NEG_INFINITY, f32::max);
             let mut acc = vec![0.0f32; d];
             let mut l = 0.0f32;
-            if m > f32::NEG_INFINITY {
-                for p in merge.parts.clone() {
-                    let w = (part(p)[0] - m).exp();
-                    l += part(p)[1] * w;
-                    for (a, x) in acc.iter_mut().zip(&part(p)[2..]) {
-                        *a += x * w;
-                    }
+            for p in merge.parts.clone() {
+                // A partition whose max stayed -inf weighs 0 (its sum is 0, or NaN from a NaN
+                // score, which 0 * NaN keeps); with every max -inf, `output_norm` decides.
+                let w = if m > f32::NEG_INFINITY {
+                    (part(p)[0] - m).exp()
+                } else {
+                    0.0
+                };
+                l += part(p)[1] * w;
+                for (a, x) in acc.iter_mut().zip(&part(p)[2..]) {
+                    *a += x * w;
                 }
             }
-            let norm = if l > 0.0 { self.v_scale / l } else { 0.0 };
+            let norm = self.output_norm(m, l, merge.seq, merge.token);
             // SAFETY: each (token, head) row is merged by exactly one merge.
             let dst = unsafe {
                 std::slice::from_raw_parts_mut(
@@ -821,7 +856,8 @@ fn run<S: Simd, T: Element + Load, E: Load>(
             soft_cap: cfg.logits_soft_cap(),
             alibi: cfg.alibi_slopes().is_some(),
         },
-        score_scale: cfg.scale() * k_scale,
+        // Validated to be a normal f32 (`AttentionConfig`).
+        score_scale: (cfg.scale() as f64 * k_scale as f64) as f32,
         v_scale,
         out: SharedMut(output.as_slice_mut::<T>().expect("validated").as_mut_ptr()),
         partials: SharedMut(partials.as_mut_ptr()),

@@ -92,8 +92,10 @@ pub fn pack_f32<S: Simd, E: Load>(
 pub struct PackedF32Source<'a> {
     /// The packed keys and values.
     pub packed: &'a PackedF32,
-    /// Rows × D queries, multiplied by the softmax scale (and the fp8 k_scale).
+    /// Rows × D queries, unscaled.
     pub q: &'a [f32],
+    /// Score scale: softmax scale × fp8 k_scale.
+    pub scale: f32,
 }
 
 impl TileSource for PackedF32Source<'_> {
@@ -120,7 +122,7 @@ impl TileSource for PackedF32Source<'_> {
         for (g, c) in (0..keys.len()).step_by(S::LANES).enumerate() {
             let kt = &p.kt[(first_group + g) * p.d * S::LANES..][..p.d * S::LANES];
             for_row_blocks!(rows, |r0, R| qk_group::<S, R>(
-                s, self.q, r0, p.d, kt, c, scores
+                s, self.q, r0, p.d, kt, c, self.scale, scores
             ));
         }
     }
@@ -141,9 +143,16 @@ impl TileSource for PackedF32Source<'_> {
         }
         accumulate_rows(s, &p.v, &rows[..absent.len()], absent, probs, state);
     }
+
+    fn value_row(&self, keys: &Range<usize>, t: usize, out: &mut [f32]) {
+        let p = self.packed;
+        out.copy_from_slice(&p.v[(keys.start + t - p.origin) * p.d..][..p.d]);
+    }
 }
 
-/// Scores of rows `r0..r0+R` against one column group of `LANES` keys (columns `c..`).
+/// Scores of rows `r0..r0+R` against one column group of `LANES` keys (columns `c..`), times
+/// `scale`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn qk_group<S: Simd, const R: usize>(
     s: S,
@@ -152,6 +161,7 @@ fn qk_group<S: Simd, const R: usize>(
     d: usize,
     kt: &[f32],
     c: usize,
+    scale: f32,
     scores: &mut [f32],
 ) {
     let q = &q[r0 * d..(r0 + R) * d];
@@ -167,6 +177,11 @@ fn qk_group<S: Simd, const R: usize>(
     }
     for (r, a) in acc.iter().enumerate() {
         // SAFETY: a row of scores has KEY_TILE >= c + LANES slots.
-        unsafe { s.store(scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c), *a) };
+        unsafe {
+            s.store(
+                scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c),
+                s.mul(*a, s.splat(scale)),
+            )
+        };
     }
 }

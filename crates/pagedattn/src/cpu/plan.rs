@@ -10,7 +10,7 @@ use std::ops::Range;
 use super::kernel::KEY_TILE;
 use crate::config::AttentionConfig;
 use crate::metadata::AttentionMetadata;
-use crate::semantics::{query_position, KeyMap};
+use crate::semantics::{allowed_keys, query_position, KeyMap};
 
 /// Query rows a prefill unit aims for (tokens × query heads of the kv head).
 const TARGET_ROWS: usize = 64;
@@ -80,6 +80,8 @@ impl Unit {
 /// Partitions of one (token, kv head) to merge: their slots in the partial buffer.
 #[derive(Debug, Clone)]
 pub struct Merge {
+    /// The sequence.
+    pub seq: usize,
     /// The query token.
     pub token: usize,
     /// The kv head.
@@ -116,10 +118,6 @@ pub fn plan(
     let mut plan = Plan::default();
     // Key range of one query token, from the mask (causal end, window start).
     let key_range = |s: usize, t: usize| -> Range<usize> {
-        let n_keys = key_map.num_positions(s);
-        if !attn_type.is_causal() {
-            return 0..n_keys;
-        }
         let range = md.query_range(s);
         let i = query_position(
             attn_type,
@@ -127,10 +125,12 @@ pub fn plan(
             range.len(),
             t - range.start,
         );
-        let lo = config
-            .sliding_window()
-            .map_or(0, |w| (i + 1).saturating_sub(w));
-        lo..(i + 1).min(n_keys)
+        allowed_keys(
+            attn_type,
+            config.sliding_window(),
+            i,
+            key_map.num_positions(s),
+        )
     };
     // Decode work, to decide whether to split the keys.
     let decode_keys: usize = (0..md.num_seqs())
@@ -177,6 +177,7 @@ pub fn plan(
             }
             for g in 0..hkv {
                 plan.merges.push(Merge {
+                    seq: s,
                     token: tokens.start,
                     kv_head: g,
                     parts: first + g * parts..first + (g + 1) * parts,

@@ -42,6 +42,9 @@ pub trait Bf16Elem: Copy + Send + Sync + 'static {
         mask: Option<u32>,
     ) -> [__m512i; W];
 
+    /// One element as f32 (for the rare scalar paths).
+    fn to_f32(self) -> f32;
+
     /// The `32 * W` elements at `p` as bf16 in memory: `p` itself for bf16, else widened into
     /// `buf`.
     ///
@@ -65,6 +68,10 @@ pub trait Bf16Elem: Copy + Send + Sync + 'static {
 impl Bf16Elem for u16 {
     type Table = ();
     const NEEDS_VBMI: bool = false;
+
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self as u32) << 16)
+    }
 
     #[inline(always)]
     unsafe fn table() {}
@@ -188,6 +195,10 @@ macro_rules! fp8_elem {
         impl Bf16Elem for $code {
             type Table = Fp8Table;
             const NEEDS_VBMI: bool = true;
+
+            fn to_f32(self) -> f32 {
+                $format.decode(self.0)
+            }
 
             #[inline(always)]
             unsafe fn table() -> Fp8Table {

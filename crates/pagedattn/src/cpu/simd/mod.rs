@@ -112,13 +112,23 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// Maximum of the lanes.
     fn reduce_max(self, a: Self::V) -> f32;
 
-    /// `e^x`, accurate to a few ulp; exactly 0 below -87.
+    /// `e^x`, accurate to a few ulp; exactly 0 below -87 (and for -Inf), +Inf from 88 on (f32's
+    /// largest value is e^88.72) and NaN for NaN: the softmax relies on NaN going through.
     #[inline(always)]
     fn exp(self, x: Self::V) -> Self::V {
+        // The clamp keeps `pow2i` in its range, NaN included (which it turns into a bound).
         let clamped = self.min(self.max(x, self.splat(-87.0)), self.splat(88.0));
         let (n, p) = self.exp_reduced(clamped);
-        let e = self.mul(p, self.pow2i(n));
-        self.select_lt(x, self.splat(-87.0), self.splat(0.0), e)
+        self.saturate_exp(x, self.mul(p, self.pow2i(n)), self.splat(0.0))
+    }
+
+    /// `e` where `x` is in [-87, 88); `below` under -87; +Inf from 88 on; NaN for NaN (the
+    /// comparisons are false for NaN, and `NaN + Inf` is NaN).
+    #[inline(always)]
+    fn saturate_exp(self, x: Self::V, e: Self::V, below: Self::V) -> Self::V {
+        let high = self.splat(88.0);
+        let e = self.select_lt(x, self.splat(-87.0), below, e);
+        self.select_lt(x, high, e, self.add(x, self.splat(f32::INFINITY)))
     }
 
     /// `(n, e^r)` with `x = n ln2 + r`, n an integer and `|r| <= ln2 / 2` (so `e^x` is
@@ -150,29 +160,33 @@ pub trait Simd: Copy + Send + Sync + 'static {
     }
 
     /// `e^x - 1`, accurate relative to the result for small `|x|` too (no `1 + ... - 1`);
-    /// exactly -1 below -87.
+    /// exactly -1 below -87, +Inf from 88 on, NaN for NaN.
     #[inline(always)]
     fn expm1(self, x: Self::V) -> Self::V {
-        let lowest = self.splat(-87.0);
-        let (n, r) = self.reduce_ln2(self.min(self.max(x, lowest), self.splat(88.0)));
+        let clamped = self.min(self.max(x, self.splat(-87.0)), self.splat(88.0));
+        let (n, r) = self.reduce_ln2(clamped);
         let scale = self.pow2i(n);
         // 2^n (e^r - 1) + (2^n - 1); for |x| <= ln2/2, n = 0 and this is e^r - 1 itself.
         let e = self.add(
             self.mul(scale, self.mul(self.expm1_over(r), r)),
             self.sub(scale, self.splat(1.0)),
         );
-        self.select_lt(x, lowest, self.splat(-1.0), e)
+        self.saturate_exp(x, e, self.splat(-1.0))
     }
 
     /// `tanh(x)` as `sign(x) · -m / (2 + m)` with `m = e^(-2|x|) - 1`: accurate relative to
-    /// the result for every `x` (the form `1 - 2 / (e^(2x) + 1)` cancels for small `|x|`).
+    /// the result for every `x` (the form `1 - 2 / (e^(2x) + 1)` cancels for small `|x|`);
+    /// ±1 for ±Inf, NaN for NaN.
     #[inline(always)]
     fn tanh(self, x: Self::V) -> Self::V {
         let zero = self.splat(0.0);
         let a = self.max(x, self.sub(zero, x));
         let m = self.expm1(self.mul(a, self.splat(-2.0)));
         let t = self.div(self.sub(zero, m), self.add(m, self.splat(2.0)));
-        self.select_lt(x, zero, self.sub(zero, t), t)
+        let t = self.select_lt(x, zero, self.sub(zero, t), t);
+        // Whatever `max` does with NaN on this ISA: NaN comes back as itself, +Inf as 1.
+        let t = self.select_lt(x, self.splat(f32::INFINITY), t, x);
+        self.select_lt(self.splat(f32::MAX), x, self.splat(1.0), t)
     }
 }
 
@@ -334,6 +348,29 @@ mod tests {
             for tiny in [f32::NEG_INFINITY, -100.0, -87.5] {
                 s.store(out.as_mut_ptr(), s.exp(s.splat(tiny)));
                 assert!(out.iter().all(|&o| o == 0.0), "exp({tiny}) = {out:?}");
+            }
+            // IEEE edges: NaN goes through every function; infinities saturate.
+            let nan = f32::NAN;
+            let inf = f32::INFINITY;
+            type Case<S> = (
+                &'static str,
+                fn(S, <S as Simd>::V) -> <S as Simd>::V,
+                [(f32, f32); 3],
+            );
+            let cases: [Case<S>; 3] = [
+                ("exp", S::exp, [(nan, nan), (inf, inf), (-inf, 0.0)]),
+                ("expm1", S::expm1, [(nan, nan), (inf, inf), (-inf, -1.0)]),
+                ("tanh", S::tanh, [(nan, nan), (inf, 1.0), (-inf, -1.0)]),
+            ];
+            for (name, f, pairs) in cases {
+                for (x, want) in pairs {
+                    s.store(out.as_mut_ptr(), f(s, s.splat(x)));
+                    assert!(
+                        out.iter()
+                            .all(|&o| o == want || (o.is_nan() && want.is_nan())),
+                        "{name}({x}) = {out:?}, want {want}"
+                    );
+                }
             }
             assert!((s.reduce_sum(v) - xs.iter().sum::<f32>()).abs() < 1e-4);
             // Vector i holds i * 100 + lane: its lane sum lands in lane i.
