@@ -241,3 +241,331 @@ fn replay_headers_with_a_repeated_key_are_refused() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Exact positions, soft caps, scales, NaN and Inf: `reference` against `cpu` on every ISA.
+// ---------------------------------------------------------------------------------------------
+
+/// One call to run on every backend: its cache (if any) starts as zeros plus `fill`.
+struct Case {
+    config: AttentionConfig,
+    metadata: AttentionMetadata,
+    query: Tensor,
+    kv: Option<(Tensor, Tensor)>,
+    /// The cache's dtype and block count, and the rows written before the call
+    /// (`[rows, Hkv, D]` keys and values, their slots).
+    cache: Option<(DType, usize, Tensor, Tensor, Vec<i64>)>,
+}
+
+impl Case {
+    /// The output on `backend`, which starts poisoned with NaN.
+    fn run(&self, backend: &dyn Backend) -> Vec<f32> {
+        let attention = backend.attention(&self.config).unwrap();
+        let mut cache = self.cache.as_ref().map(|(dtype, blocks, k, v, slots)| {
+            let block_size = self.metadata.block_size.unwrap();
+            let spec = self.config.kv_cache_spec(*dtype, *blocks, block_size);
+            let mut cache = backend.allocate_kv_cache(&spec).unwrap();
+            cache.write(k, v, slots, self.config.kv_scales()).unwrap();
+            cache
+        });
+        let plan = attention
+            .plan(&self.metadata, cache.as_ref().map(KvCache::spec))
+            .unwrap();
+        let mut workspace = backend.workspace(&plan).unwrap();
+        let mut out = Tensor::zeros(self.query.dtype(), self.query.shape());
+        out.fill_nan().unwrap();
+        let inputs = Inputs::new(&self.query)
+            .with_kv_pair(self.kv.as_ref().map(|(key, value)| KvPair { key, value }))
+            .with_cache_opt(cache.as_mut());
+        attention
+            .forward_into(&plan, &mut workspace, inputs, &mut out)
+            .unwrap();
+        out.to_f32_vec().unwrap()
+    }
+
+    /// The reference output, after checking that `cpu` on every ISA of this machine agrees
+    /// with it: the contract's NaN / Inf classes, and finite elements within `rel` of the
+    /// largest finite reference magnitude.
+    fn agreed(&self, rel: f32) -> Vec<f32> {
+        let want = self.run(&*registry::backend("reference").unwrap());
+        let scale = want
+            .iter()
+            .filter(|x| x.is_finite())
+            .fold(0.0f32, |m, x| m.max(x.abs()));
+        for isa in cpu::Isa::ALL.into_iter().filter(|i| i.is_available()) {
+            let got = self.run(&cpu::Cpu::with_isa(isa).unwrap());
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                let agrees = if w.is_nan() {
+                    g.is_nan()
+                } else if w.is_infinite() {
+                    g == w || g.is_nan()
+                } else {
+                    g.is_finite() && (g - w).abs() <= rel * scale
+                };
+                assert!(agrees, "{isa}: output element {i} = {g}, reference {w}");
+            }
+        }
+        want
+    }
+}
+
+/// `n` distinct values of modest size (a fixed pseudo-random pattern).
+fn pattern(n: usize, phase: f32) -> Vec<f32> {
+    (0..n).map(|i| (i as f32 * 0.731 + phase).sin()).collect()
+}
+
+fn f32_tensor(shape: &[usize], values: &[f32]) -> Tensor {
+    Tensor::from_f32(DType::F32, shape, values).unwrap()
+}
+
+/// A decode at position 2^24 + 999 with a soft cap (which takes the masked path on every
+/// tile): `cpu` held positions as f32 and was 7e-3 relative off. The block table reuses one
+/// zero block up to the last block, whose keys (the newest one above all) dominate.
+#[test]
+fn cpu_decode_positions_are_exact_past_2_pow_24() {
+    let (bs, d) = (1024usize, 8usize);
+    let seq_len: usize = (1 << 24) + 1000;
+    let blocks = seq_len.div_ceil(bs);
+    let mut table = vec![0i32; blocks];
+    table[blocks - 1] = 1;
+    let config = AttentionConfig::builder(1, d)
+        .scale(1.0)
+        .logits_soft_cap(Some(50.0))
+        .build()
+        .unwrap();
+    let last = (blocks - 1) * bs;
+    let context = seq_len - 1 - last;
+    // Keys of the last block score 8..=20 against q = (4, 0, ...); the new key scores 30.
+    let mut k = vec![0.0f32; context * d];
+    for (o, row) in k.chunks_exact_mut(d).enumerate() {
+        row[0] = 2.0 + 0.5 * (o % 7) as f32;
+    }
+    let mut new_k = vec![0.0f32; d];
+    new_k[0] = 7.5;
+    let mut q = vec![0.0f32; d];
+    q[0] = 4.0;
+    let case = Case {
+        config,
+        metadata: MetadataBuilder::new(bs)
+            .push(SequenceDesc::decode(seq_len, table))
+            .build()
+            .unwrap(),
+        query: f32_tensor(&[1, 1, d], &q),
+        kv: Some((
+            f32_tensor(&[1, 1, d], &new_k),
+            f32_tensor(&[1, 1, d], &pattern(d, 3.0)),
+        )),
+        cache: Some((
+            DType::F32,
+            2,
+            f32_tensor(&[context, 1, d], &k),
+            f32_tensor(&[context, 1, d], &pattern(context * d, 1.0)),
+            (0..context as i64).map(|o| bs as i64 + o).collect(),
+        )),
+    };
+    case.agreed(1e-5);
+}
+
+/// Cross attention with ALiBi far into the decoder: `cpu` rounded the query position to f32,
+/// 3.8e-2 relative off at 2^24 and 0.28 at i32::MAX.
+#[test]
+fn cpu_cross_alibi_is_exact_at_any_decoder_position() {
+    let (h, d, enc) = (4usize, 8usize, 6usize);
+    for seq_len in [(1usize << 24) + 2, i32::MAX as usize] {
+        let config = AttentionConfig::builder(h, d)
+            .num_kv_heads(1)
+            .attn_type(AttnType::EncoderDecoder)
+            .alibi_slopes(Some(vec![0.5, 0.25, 0.0625, 0.015625]))
+            .build()
+            .unwrap();
+        let case = Case {
+            config,
+            metadata: MetadataBuilder::new(8)
+                .push(SequenceDesc::decode(seq_len, vec![]).with_encoder(enc, vec![0]))
+                .build()
+                .unwrap(),
+            query: f32_tensor(&[1, h, d], &pattern(h * d, 0.5)),
+            kv: None,
+            cache: Some((
+                DType::F32,
+                1,
+                f32_tensor(&[enc, 1, d], &pattern(enc * d, 1.5)),
+                f32_tensor(&[enc, 1, d], &pattern(enc * d, 2.5)),
+                (0..enc as i64).collect(),
+            )),
+        };
+        case.agreed(1e-5);
+    }
+}
+
+/// A prefill of `n` tokens (one sequence, no cache) with `config`, queries, keys and values
+/// of `D = 64` from `q`, `k`, `v` (each `[n, heads, 64]`).
+fn prefill(config: AttentionConfig, dtype: DType, q: &[f32], k: &[f32], v: &[f32]) -> Case {
+    let (h, hkv, d) = (
+        config.num_heads(),
+        config.num_kv_heads(),
+        config.head_size(),
+    );
+    let n = q.len() / (h * d);
+    let tensor = |shape: &[usize], x: &[f32]| Tensor::from_f32(dtype, shape, x).unwrap();
+    Case {
+        metadata: MetadataBuilder::new(16)
+            .push(SequenceDesc::prompt(0, n, vec![]))
+            .build()
+            .unwrap(),
+        query: tensor(&[n, h, d], q),
+        kv: Some((tensor(&[n, hkv, d], k), tensor(&[n, hkv, d], v))),
+        cache: None,
+        config,
+    }
+}
+
+/// Soft caps far above the scores: `cpu`'s `tanh` as `1 - 2 / (e^(2x) + 1)` cancelled, and a
+/// cap of 1e8 made attention uniform (0.44 relative off; 1e5: 2.7e-3).
+#[test]
+fn huge_soft_caps_are_accurate() {
+    let (n, d) = (40usize, 64usize);
+    for cap in [1e5f32, 1e8, 3e38] {
+        let config = AttentionConfig::builder(2, d)
+            .logits_soft_cap(Some(cap))
+            .build()
+            .unwrap();
+        let x = |phase| pattern(n * 2 * d, phase);
+        let q: Vec<f32> = x(0.0).iter().map(|v| v * 4.0).collect();
+        prefill(config, DType::F32, &q, &x(1.0), &x(2.0)).agreed(1e-5);
+    }
+}
+
+/// `scale = 3e38` was folded into the queries by `cpu` and overflowed f32 even where the
+/// scores themselves are small (1.0 relative off); the same through an fp8 `k_scale`.
+/// Factors outside f32's normal range are refused.
+#[test]
+fn scales_apply_to_the_dot_product_and_are_range_checked() {
+    let (n, d) = (20usize, 64usize);
+    let config = AttentionConfig::builder(1, d).scale(3e38).build().unwrap();
+    let k: Vec<f32> = pattern(n * d, 1.0).iter().map(|v| v * 3e-38).collect();
+    let q: Vec<f32> = pattern(n * d, 0.0).iter().map(|v| v * 2.0).collect();
+    prefill(config, DType::F32, &q, &k, &pattern(n * d, 2.0)).agreed(1e-5);
+
+    // fp8: keys of order 1e38 stored with k_scale 3e38, queries of order 1e-37.
+    let config = AttentionConfig::builder(1, d)
+        .kv_cache_dtype(KvCacheDtype::Fp8E4m3)
+        .kv_scales(3e38, 1.0)
+        .build()
+        .unwrap();
+    let k: Vec<f32> = pattern(n * d, 1.0).iter().map(|v| v * 1e38).collect();
+    let q: Vec<f32> = pattern(n * d, 0.0).iter().map(|v| v * 1e-37).collect();
+    let md = MetadataBuilder::new(16)
+        .push(SequenceDesc::prompt(0, n, vec![0, 1]))
+        .build()
+        .unwrap();
+    let case = Case {
+        config,
+        metadata: md,
+        query: f32_tensor(&[n, 1, d], &q),
+        kv: Some((
+            f32_tensor(&[n, 1, d], &k),
+            f32_tensor(&[n, 1, d], &pattern(n * d, 2.0)),
+        )),
+        cache: Some((
+            DType::F32,
+            2,
+            f32_tensor(&[0, 1, d], &[]),
+            f32_tensor(&[0, 1, d], &[]),
+            vec![],
+        )),
+    };
+    let out = case.agreed(1e-5);
+    assert!(out.iter().all(|x| x.is_finite()));
+
+    for (scale, k_scale) in [(3e38f32, 2.0f32), (1e-30, 1e-10), (-3e38, 4.0)] {
+        let built = AttentionConfig::builder(1, d)
+            .scale(scale)
+            .kv_cache_dtype(KvCacheDtype::Fp8E5m2)
+            .kv_scales(k_scale, 1.0)
+            .build();
+        assert_invalid(built, "scale");
+    }
+}
+
+/// A score beyond f32's range is infinite on every backend: +Inf makes its query's output NaN
+/// (Inf - Inf in the softmax); a soft cap maps it to the cap and the output stays finite.
+#[test]
+fn overflowing_scores_follow_the_contract() {
+    let (n, d) = (6usize, 64usize);
+    let (q, k, v) = (
+        pattern(n * d, 0.0),
+        pattern(n * d, 0.0),
+        pattern(n * d, 2.0),
+    );
+    // q_i . k_i is about 32: times 1e38 the diagonal scores overflow, so every row is NaN.
+    let config = AttentionConfig::builder(1, d).scale(1e38).build().unwrap();
+    let out = prefill(config, DType::F32, &q, &k, &v).agreed(1e-5);
+    assert!(out.iter().all(|x| x.is_nan()));
+    let config = AttentionConfig::builder(1, d)
+        .scale(1e38)
+        .logits_soft_cap(Some(30.0))
+        .build()
+        .unwrap();
+    let out = prefill(config, DType::F32, &q, &k, &v).agreed(1e-5);
+    assert!(out.iter().all(|x| x.is_finite()));
+}
+
+/// NaN and Inf reach exactly the outputs IEEE arithmetic sends them to. `cpu` once gave a zero
+/// row for a NaN query, finite rows for Inf in a query or NaN / Inf in a key (its `exp`
+/// clamps dropped NaN), and NaN rows for earlier tokens when a later token's value was NaN
+/// (0 * NaN in P·V of a masked key).
+#[test]
+fn nan_and_inf_reach_exactly_the_outputs_they_should() {
+    let (n, h, d) = (70usize, 2usize, 64usize);
+    let row = |t: usize, head: usize| (t * h + head) * d;
+    for dtype in [DType::F32, DType::BF16] {
+        let config = AttentionConfig::builder(h, d).build().unwrap();
+        let base = |phase| -> Vec<f32> { pattern(n * h * d, phase) };
+        let run = |q: &[f32], k: &[f32], v: &[f32]| {
+            prefill(config.clone(), dtype, q, k, v).agreed(if dtype == DType::F32 {
+                1e-5
+            } else {
+                2e-2
+            })
+        };
+        let (q, k, v) = (base(0.0), base(1.0), base(2.0));
+
+        // A NaN in query row (token 3, head 1): that row is NaN, every other row finite.
+        let mut q1 = q.clone();
+        q1[row(3, 1) + 5] = f32::NAN;
+        let out = run(&q1, &k, &v);
+        for (i, x) in out.iter().enumerate() {
+            assert_eq!(x.is_nan(), i / d == 3 * h + 1, "element {i} = {x}");
+        }
+
+        // +Inf in a query element whose keys have both signs there: NaN (Inf - Inf).
+        let mut q2 = q.clone();
+        q2[row(10, 0) + 7] = f32::INFINITY;
+        let out = run(&q2, &k, &v);
+        assert!(out[row(10, 0)..row(10, 0) + d].iter().all(|x| x.is_nan()));
+
+        // NaN in the key of token 20: rows of tokens >= 20 are NaN, earlier rows finite.
+        let mut k3 = k.clone();
+        k3[row(20, 0) + 2] = f32::NAN;
+        let out = run(&q, &k3, &v);
+        for t in 0..n {
+            let r = &out[row(t, 0)..row(t, 0) + d];
+            assert!(
+                r.iter().all(|x| x.is_nan() == (t >= 20)),
+                "token {t}: {r:?}"
+            );
+        }
+
+        // NaN in the value of token 40 (a later token for rows 0..40, inside their tiles):
+        // earlier rows stay finite, later rows are NaN in that dimension.
+        let mut v4 = v.clone();
+        v4[row(40, 0) + 9] = f32::NAN;
+        let out = run(&q, &k, &v4);
+        for t in 0..n {
+            let x = out[row(t, 0) + 9];
+            assert_eq!(x.is_nan(), t >= 40, "token {t}: {x}");
+            assert!(out[row(t, 0) + 8].is_finite());
+        }
+    }
+}

@@ -55,6 +55,9 @@ pub struct Settings {
     pub v_scale: f32,
     /// Inputs are uniform in [-amplitude, amplitude].
     pub amplitude: f32,
+    /// The probability that an input element (query, key, value) is NaN, +Inf or -Inf
+    /// instead: the suites hold every backend to the contract's IEEE propagation.
+    pub specials: f64,
     /// Seeds the data: values, block permutation, poison.
     pub seed: u64,
 }
@@ -117,6 +120,7 @@ pub fn settings_in(space: &Space, allow_window: bool) -> impl Strategy<Value = S
         -7.0f64..1.5,
         prop::sample::select(vec![0.25f32, 1.0, 4.0]),
         any::<u64>(),
+        prop_oneof![3 => Just(0.0f64), 1 => prop::sample::select(vec![0.002f64, 0.02, 0.2])],
     );
     (dtype, kv_cache_dtype, geometry, features, data).prop_map(
         |(dtype, kv_cache_dtype, geometry, features, data)| Settings {
@@ -134,6 +138,7 @@ pub fn settings_in(space: &Space, allow_window: bool) -> impl Strategy<Value = S
             v_scale: data.1.exp2() as f32,
             amplitude: data.2,
             seed: data.3,
+            specials: data.4,
         },
     )
 }
@@ -145,6 +150,22 @@ impl Settings {
 
     pub fn rng(&self) -> StdRng {
         StdRng::seed_from_u64(self.seed)
+    }
+
+    /// `count` input values: uniform in [-amplitude, amplitude] and rounded to the dtype,
+    /// each replaced by NaN, +Inf or -Inf with probability `specials`.
+    pub fn values(&self, rng: &mut StdRng, count: usize) -> Vec<f32> {
+        let mut xs = random_values(rng, self.dtype, count, self.amplitude);
+        if self.specials > 0.0 {
+            for x in &mut xs {
+                if rng.random_bool(self.specials) {
+                    *x = *[f32::NAN, f32::INFINITY, f32::NEG_INFINITY]
+                        .choose(&mut *rng)
+                        .unwrap();
+                }
+            }
+        }
+        xs
     }
 
     pub fn slopes(&self) -> Option<Vec<f32>> {
@@ -219,8 +240,12 @@ pub fn random_values(rng: &mut StdRng, dtype: DType, count: usize, amp: f32) -> 
 
 pub fn tensor(dtype: DType, shape: &[usize], values: &[f32]) -> Tensor {
     let t = Tensor::from_f32(dtype, shape, values).expect("tensor");
-    // The values are representable: the tensor holds exactly them.
-    assert_eq!(t.to_f32_vec().unwrap(), values);
+    // The values are representable: the tensor holds exactly them (NaN as NaN).
+    let held = t.to_f32_vec().unwrap();
+    assert!(held
+        .iter()
+        .zip(values)
+        .all(|(a, b)| a == b || (a.is_nan() && b.is_nan())));
     t
 }
 
@@ -355,8 +380,9 @@ pub struct CacheModel {
 }
 
 impl CacheModel {
-    /// A cache full of NaNs: random quiet-NaN payloads for float caches, random NaN codes
-    /// (e4m3: 0x7F / 0xFF; e5m2: exponent 11111 with a non-zero mantissa) for fp8.
+    /// A cache full of NaNs and infinities: random quiet-NaN payloads and ±Inf for float
+    /// caches, random NaN codes (e4m3: 0x7F / 0xFF, it has no infinity; e5m2: exponent 11111,
+    /// with a non-zero mantissa for NaN, zero for ±Inf) for fp8.
     pub fn poisoned(spec: KvCacheSpec, scales: KvScales, rng: &mut StdRng) -> Self {
         let fp8 = spec.kv_cache_dtype.fp8_format();
         let n = spec.num_blocks * spec.block_size * spec.num_kv_heads * spec.head_size;
@@ -369,18 +395,35 @@ impl CacheModel {
                         bytes.push(*[0x7Fu8, 0xFF].choose(&mut *rng).unwrap())
                     }
                     (Some(Fp8Format::E5m2), _) => bytes.push(
-                        *[0x7Du8, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF]
+                        *[0x7Cu8, 0x7D, 0x7E, 0x7F, 0xFC, 0xFD, 0xFE, 0xFF]
                             .choose(&mut *rng)
                             .unwrap(),
                     ),
-                    (None, DType::F32) => bytes
-                        .extend(((r & 0x8000_0000) | 0x7FC0_0000 | (r & 0x3F_FFFF)).to_le_bytes()),
-                    (None, DType::F16) => bytes.extend(
-                        (((r >> 16) as u16 & 0x8000) | 0x7E00 | (r as u16 & 0x1FF)).to_le_bytes(),
-                    ),
-                    (None, DType::BF16) => bytes.extend(
-                        (((r >> 16) as u16 & 0x8000) | 0x7FC0 | (r as u16 & 0x3F)).to_le_bytes(),
-                    ),
+                    // One slot in eight holds an infinity (the payload bits cleared).
+                    (None, DType::F32) => {
+                        let payload = if r & 0x70 == 0 {
+                            0
+                        } else {
+                            0x40_0000 | (r & 0x3F_FFFF)
+                        };
+                        bytes.extend(((r & 0x8000_0000) | 0x7F80_0000 | payload).to_le_bytes())
+                    }
+                    (None, DType::F16) => {
+                        let payload = if r & 0x70 == 0 {
+                            0
+                        } else {
+                            0x200 | (r as u16 & 0x1FF)
+                        };
+                        bytes.extend((((r >> 16) as u16 & 0x8000) | 0x7C00 | payload).to_le_bytes())
+                    }
+                    (None, DType::BF16) => {
+                        let payload = if r & 0x70 == 0 {
+                            0
+                        } else {
+                            0x40 | (r as u16 & 0x3F)
+                        };
+                        bytes.extend((((r >> 16) as u16 & 0x8000) | 0x7F80 | payload).to_le_bytes())
+                    }
                     (None, DType::U8) => unreachable!(),
                 }
             }
@@ -651,17 +694,11 @@ impl DecoderPaged {
         let mut model = poisoned.clone();
 
         // The logical sequences: K/V of every position, Q of the new tokens.
-        let keys: Vec<Vec<f32>> = lens
-            .iter()
-            .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
-            .collect();
-        let values: Vec<Vec<f32>> = lens
-            .iter()
-            .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
-            .collect();
+        let keys: Vec<Vec<f32>> = lens.iter().map(|&l| st.values(&mut rng, l * row)).collect();
+        let values: Vec<Vec<f32>> = lens.iter().map(|&l| st.values(&mut rng, l * row)).collect();
         let queries: Vec<Vec<f32>> = seqs
             .iter()
-            .map(|s| random_values(&mut rng, dtype, s.new * h * d, st.amplitude))
+            .map(|s| st.values(&mut rng, s.new * h * d))
             .collect();
 
         // The cached context.
@@ -850,9 +887,9 @@ impl UncachedSelf {
         all_lens.resize(lens.len() + decodes, 1);
         let md = ok(builder.build(), "MetadataBuilder::build")?;
         let num_tokens: usize = all_lens.iter().sum();
-        let q = random_values(&mut rng, dtype, num_tokens * h * d, st.amplitude);
-        let k = random_values(&mut rng, dtype, num_tokens * row, st.amplitude);
-        let v = random_values(&mut rng, dtype, num_tokens * row, st.amplitude);
+        let q = st.values(&mut rng, num_tokens * h * d);
+        let k = st.values(&mut rng, num_tokens * row);
+        let v = st.values(&mut rng, num_tokens * row);
         Ok(UncachedSelf {
             call: Call {
                 config,
@@ -1033,17 +1070,17 @@ impl CrossPaged {
             .collect();
         let enc_k: Vec<Vec<f32>> = enc_lens
             .iter()
-            .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
+            .map(|&l| st.values(&mut rng, l * row))
             .collect();
         let enc_v: Vec<Vec<f32>> = enc_lens
             .iter()
-            .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
+            .map(|&l| st.values(&mut rng, l * row))
             .collect();
 
         // Call 1: decoder prompts with the encoder K/V.
         let q1: Vec<Vec<f32>> = seqs
             .iter()
-            .map(|s| random_values(&mut rng, dtype, s.first_len * h * d, st.amplitude))
+            .map(|s| st.values(&mut rng, s.first_len * h * d))
             .collect();
         let mut builder = MetadataBuilder::new(b);
         builder.write_cross_kv(true);
@@ -1118,7 +1155,7 @@ impl CrossPaged {
         let mut q2: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
         let mut builder = MetadataBuilder::new(b);
         for step in &steps2 {
-            q2[step.s] = random_values(&mut rng, dtype, step.new * h * d, st.amplitude);
+            q2[step.s] = st.values(&mut rng, step.new * h * d);
             let desc = if step.decode {
                 SequenceDesc::decode(step.context + 1, decoder_tables[step.s].clone())
             } else {
@@ -1230,15 +1267,15 @@ impl CrossNoCache {
         let md = ok(builder.build(), "MetadataBuilder::build")?;
         let queries: Vec<Vec<f32>> = steps
             .iter()
-            .map(|s| random_values(&mut rng, dtype, s.new * h * d, st.amplitude))
+            .map(|s| st.values(&mut rng, s.new * h * d))
             .collect();
         let enc_k: Vec<Vec<f32>> = enc_lens
             .iter()
-            .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
+            .map(|&l| st.values(&mut rng, l * row))
             .collect();
         let enc_v: Vec<Vec<f32>> = enc_lens
             .iter()
-            .map(|&l| random_values(&mut rng, dtype, l * row, st.amplitude))
+            .map(|&l| st.values(&mut rng, l * row))
             .collect();
         let num_tokens: usize = steps.iter().map(|s| s.new).sum();
         let num_enc: usize = enc_lens.iter().sum();
@@ -1283,6 +1320,7 @@ pub fn fixed_settings(dtype: DType, kv_cache_dtype: KvCacheDtype, head_size: usi
         k_scale: 0.5,
         v_scale: 0.25,
         amplitude: 1.0,
+        specials: 0.0,
         seed: 7,
     }
 }
