@@ -557,15 +557,36 @@ fn nan_and_inf_reach_exactly_the_outputs_they_should() {
             );
         }
 
-        // NaN in the value of token 40 (a later token for rows 0..40, inside their tiles):
-        // earlier rows stay finite, later rows are NaN in that dimension.
-        let mut v4 = v.clone();
-        v4[row(40, 0) + 9] = f32::NAN;
-        let out = run(&q, &k, &v4);
-        for t in 0..n {
-            let x = out[row(t, 0) + 9];
-            assert_eq!(x.is_nan(), t >= 40, "token {t}: {x}");
-            assert!(out[row(t, 0) + 8].is_finite());
+        // NaN in the value of a later token (inside the earlier rows' key tiles, or just past
+        // an odd tile's end): earlier rows stay finite, later rows are NaN in that dimension.
+        for later in [21, 40] {
+            let mut v4 = v.clone();
+            v4[row(later, 0) + 9] = f32::NAN;
+            let out = run(&q, &k, &v4);
+            for t in 0..n {
+                let x = out[row(t, 0) + 9];
+                assert_eq!(x.is_nan(), t >= later, "token {t}: {x}");
+                assert!(out[row(t, 0) + 8].is_finite());
+            }
+        }
+    }
+    // Three query heads per kv head: the query tiles hold 21 tokens, so their key tiles end
+    // at odd positions, and the bf16 P·V pairs the last key with the next position's value.
+    for dtype in [DType::F32, DType::BF16] {
+        let config = AttentionConfig::builder(3, d)
+            .num_kv_heads(1)
+            .build()
+            .unwrap();
+        let q = pattern(n * 3 * d, 0.0);
+        let k = pattern(n * d, 1.0);
+        for later in [21, 42, 43] {
+            let mut v = pattern(n * d, 2.0);
+            v[later * d + 9] = f32::NAN;
+            let out = prefill(config.clone(), dtype, &q, &k, &v).agreed(2e-2);
+            for t in 0..n {
+                let x = out[t * 3 * d + 9];
+                assert_eq!(x.is_nan(), t >= later, "{dtype} token {t}: {x}");
+            }
         }
     }
 }

@@ -155,12 +155,25 @@ impl TileSource for PackedBf16Source<'_> {
         let first_pair = (keys.start - p.origin) / 2;
         let pairs = keys.len().div_ceil(2);
         let packed = &p.v[first_pair * p.d..(first_pair + pairs) * p.d];
-        // Keys that are not keys were packed as zeros; the rare keys to skip besides (values
-        // that are not finite, which `0 * v` would spread) are zeroed in a copy of the tile.
+        // Positions that are not keys were packed as zeros. The rare columns to skip besides
+        // (values that are not finite, which `0 * v` would spread to rows that mask them), and
+        // the column past an odd tile's end (the next position, paired with the last key),
+        // when its value is not finite, are zeroed in a copy of the tile.
+        let n = keys.len();
+        let tail = n % 2 == 1
+            && packed[(n / 2) * p.d..][..p.d]
+                .iter()
+                .any(|&x| (x >> 16) & 0x7f80 == 0x7f80);
         let skipped: Vec<u32>;
-        let v = if absent.iter().any(|&a| a) {
+        let v = if tail || absent.iter().any(|&a| a) {
             let mut copy = packed.to_vec();
-            for (t, _) in absent.iter().enumerate().filter(|(_, &a)| a) {
+            let zero = absent
+                .iter()
+                .enumerate()
+                .filter(|(_, &a)| a)
+                .map(|(t, _)| t)
+                .chain(tail.then_some(n));
+            for t in zero {
                 let keep = !(0xffffu32 << (16 * (t % 2)));
                 for x in &mut copy[(t / 2) * p.d..][..p.d] {
                     *x &= keep;
