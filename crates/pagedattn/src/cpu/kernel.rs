@@ -836,7 +836,7 @@ fn apply_mods<S: Simd>(
                 s.fma(s.splat(slope), dist, v)
             } else {
                 let abs = s.max(dist, s.sub(s.splat(0.0), dist));
-                s.sub(v, s.mul(s.splat(slope), abs))
+                s.fma(s.splat(-slope), abs, v)
             };
         }
         v = s.select_lt(t, lo, neg_inf, v);
