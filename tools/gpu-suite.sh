@@ -7,18 +7,24 @@
 #                                  gpu-bin/pagedattn, gpu-bin/test-cuda, gpu-bin/test-api, ...
 #                                  (unit tests: gpu-bin/test-<crate>-lib, test-<bin>-bin).
 #   tools/gpu-suite.sh run [all]   on the GPU machine (no cargo), from the repository root with
-#                                  gpu-bin/ carried: the cuda tests, the same binary under
-#                                  compute-sanitizer (memcheck, initcheck, racecheck), and
-#                                  `pagedattn info`; with `all`, every other test executable too.
+#                                  gpu-bin/ carried: `pagedattn info`, the kernel cache filled
+#                                  for the GPU's architecture (`pagedattn compile-kernels
+#                                  --cache`: every attention variant, in parallel, so that no
+#                                  test waits for NVRTC), the cuda tests (test-cuda), the cuda
+#                                  attention tests against the reference (test-cuda_attention),
+#                                  both binaries under compute-sanitizer (memcheck, initcheck,
+#                                  racecheck); with `all`, every other test executable too.
 #
-# `run` writes each part's full log to $OUT/ (else /tmp/pagedattn-gpu-suite/): at most 6
-# files, the other test executables sharing other-tests.log. It prints one summary line per
-# part last and exits non-zero if any part failed. A cuda test that skips (no usable GPU)
-# fails the suite: this half exists to exercise the GPU.
+# `run` writes each part's full log to $OUT/ (else /tmp/pagedattn-gpu-suite/): at most 7
+# files (each sanitizer's log holds both binaries' runs; the other test executables share
+# other-tests.log). It prints one summary line per part last and exits non-zero if any part
+# failed. A cuda test that skips (no usable GPU) fails the suite: this half exists to exercise
+# the GPU.
 #
-# Settings of `run`: GPU_SUITE_TIMEOUT (seconds per part, default 240), GPU_SUITE_SANITIZERS
-# (default "memcheck initcheck racecheck"; empty for none), GPU_SUITE_SANITIZER_CASES (random
-# cases per setting under a sanitizer, default 6; the plain run uses the tests' default).
+# Settings of `run`: GPU_SUITE_TIMEOUT (seconds per part, default 240; a sanitizer part runs
+# both binaries, each within it), GPU_SUITE_SANITIZERS (default "memcheck initcheck racecheck";
+# empty for none), GPU_SUITE_SANITIZER_CASES (random cases per setting or property under a
+# sanitizer, default 6; the plain runs use the tests' defaults).
 
 set -uo pipefail
 
@@ -57,8 +63,8 @@ EOF
         echo "$BIN/$name"
     done <"$json.list"
     rm -f "$json" "$json.list"
-    [ -x "$BIN/test-cuda" ] && [ -x "$BIN/pagedattn" ] || {
-        echo "gpu-suite build: test-cuda or pagedattn is missing from $BIN" >&2
+    [ -x "$BIN/test-cuda" ] && [ -x "$BIN/test-cuda_attention" ] && [ -x "$BIN/pagedattn" ] || {
+        echo "gpu-suite build: test-cuda, test-cuda_attention or pagedattn is missing from $BIN" >&2
         exit 1
     }
     du -sh "$BIN"
@@ -114,22 +120,59 @@ run() {
     local all=${1:-} out=${OUT:-/tmp/pagedattn-gpu-suite}
     TIMEOUT=${GPU_SUITE_TIMEOUT:-240}
     mkdir -p "$out"
-    [ -x "$BIN/test-cuda" ] || {
-        echo "gpu-suite run: $BIN/test-cuda not found: run 'tools/gpu-suite.sh build' first and carry $BIN" >&2
-        exit 2
-    }
+    local exe
+    for exe in test-cuda test-cuda_attention pagedattn; do
+        [ -x "$BIN/$exe" ] || {
+            echo "gpu-suite run: $BIN/$exe not found: run 'tools/gpu-suite.sh build' first and carry $BIN" >&2
+            exit 2
+        }
+    done
     find_nvrtc
     # Kernels compile once per machine, then come from this cache.
     export PAGEDATTN_CACHE_DIR=${PAGEDATTN_CACHE_DIR:-/tmp/pagedattn-kernels}
     export RUST_BACKTRACE=1
 
-    local log="$out/cuda-tests.log" status verdict
+    # The CLI lists each backend as `backend NAME ...`; the cuda one must be available. Its
+    # details name the architecture the kernels are compiled for.
+    local log="$out/info.log" status line arch verdict
+    "$BIN/pagedattn" info >"$log" 2>&1
+    status=$?
+    line=$(grep -m1 '^backend cuda' "$log" | cut -c1-160)
+    if [ "$status" = 0 ] && [ -n "$line" ] && ! grep -q unavailable <<<"$line"; then
+        record "pagedattn info" PASS "$line"
+    else
+        record "pagedattn info" FAIL "exit status $status: ${line:-no cuda backend listed}"
+    fi
+    arch=$(grep -o -m1 'kernels for sm_[0-9]*a\?' "$log" | cut -d' ' -f3)
+
+    # Every kernel into the cache for this GPU; the output joins info.log.
+    if [ -n "$arch" ]; then
+        echo "==== pagedattn compile-kernels --arch $arch --cache" >>"$log"
+        timeout "$TIMEOUT" "$BIN/pagedattn" compile-kernels --arch "$arch" --cache >>"$log" 2>&1
+        status=$?
+        line=$(grep -m1 "^$arch: " "$log" | cut -c1-160)
+        if [ "$status" = 0 ] && [ -n "$line" ]; then
+            record "kernel cache" PASS "$line"
+        else
+            record "kernel cache" FAIL "exit status $status: ${line:-no summary}"
+        fi
+    else
+        record "kernel cache" FAIL "no architecture in the output of pagedattn info"
+    fi
+
+    log="$out/cuda-tests.log"
     timeout "$TIMEOUT" "$BIN/test-cuda" --test-threads=1 >"$log" 2>&1
     status=$?
     verdict=$(test_verdict "$log" "$status")
     record "cuda tests" "${verdict%%|*}" "${verdict#*|}"
 
-    local sanitizer tool
+    log="$out/cuda-attention-tests.log"
+    timeout "$TIMEOUT" "$BIN/test-cuda_attention" --test-threads=1 >"$log" 2>&1
+    status=$?
+    verdict=$(test_verdict "$log" "$status")
+    record "cuda attention tests" "${verdict%%|*}" "${verdict#*|}"
+
+    local sanitizer tool part part_log summary found problems
     sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for tool in ${GPU_SUITE_SANITIZERS-memcheck initcheck racecheck}; do
         log="$out/$tool.log"
@@ -137,47 +180,48 @@ run() {
             record "$tool" FAIL "compute-sanitizer not found"
             continue
         fi
-        # Fewer random cases under the sanitizer, and without the test whose failing
-        # allocations the sanitizer would count as API errors.
-        PAGEDATTN_TEST_CASES=${GPU_SUITE_SANITIZER_CASES:-6} timeout "$TIMEOUT" \
-            "$sanitizer" --tool "$tool" --error-exitcode 99 \
-            "$BIN/test-cuda" --test-threads=1 --skip allocation_failures_are_errors >"$log" 2>&1
-        status=$?
-        local summary errors
-        summary=$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1)
-        errors=$(sed -nE 's/.*SUMMARY: ([0-9]+) (errors|hazards).*/\1/p' <<<"$summary")
-        verdict=$(test_verdict "$log" "$status")
-        if [ "$status" = 124 ]; then
-            record "$tool" FAIL "timed out after ${TIMEOUT}s"
-        elif [ -z "$errors" ]; then
-            record "$tool" FAIL "no sanitizer summary, exit status $status"
-        elif [ "$errors" != 0 ] || [ "${verdict%%|*}" != PASS ]; then
-            record "$tool" FAIL "$errors errors; tests: ${verdict#*|}"
+        : >"$log"
+        problems=""
+        # Fewer random cases under the sanitizer; without the test whose failing allocations
+        # the sanitizer would count as API errors, the host-only NVRTC tests, and the decode of
+        # 2^24 keys (minutes under instrumentation; its accesses are the long decodes').
+        for part in test-cuda test-cuda_attention; do
+            part_log=$(mktemp)
+            PAGEDATTN_TEST_CASES=${GPU_SUITE_SANITIZER_CASES:-6} timeout "$TIMEOUT" \
+                "$sanitizer" --tool "$tool" --error-exitcode 99 \
+                "$BIN/$part" --test-threads=1 --skip allocation_failures_are_errors \
+                --skip kernels_compile_for_sm80_and_sm90a \
+                --skip disk_cache_reuses_images_and_recompiles_corrupt_entries \
+                --skip decode_positions_are_exact_past_2_pow_24 >"$part_log" 2>&1
+            status=$?
+            { echo "==== $part: exit status $status"; cat "$part_log"; } >>"$log"
+            summary=$(grep -E '(ERROR|RACECHECK) SUMMARY' "$part_log" | tail -1)
+            found=$(sed -nE 's/.*SUMMARY: ([0-9]+) (errors|hazards).*/\1/p' <<<"$summary")
+            verdict=$(test_verdict "$part_log" "$status")
+            rm -f "$part_log"
+            if [ "$status" = 124 ]; then
+                problems+="$part timed out after ${TIMEOUT}s; "
+            elif [ -z "$found" ]; then
+                problems+="$part: no sanitizer summary, exit status $status; "
+            elif [ "$found" != 0 ] || [ "${verdict%%|*}" != PASS ]; then
+                problems+="$part: $found errors, tests: ${verdict#*|}; "
+            fi
+        done
+        if [ -z "$problems" ]; then
+            record "$tool" PASS "0 errors in test-cuda and test-cuda_attention"
         else
-            record "$tool" PASS "0 errors"
+            record "$tool" FAIL "${problems%; }"
         fi
     done
 
-    # The CLI lists each backend as `backend NAME ...`; the cuda one must be available.
-    log="$out/info.log"
-    "$BIN/pagedattn" info >"$log" 2>&1
-    status=$?
-    local line
-    line=$(grep -m1 '^backend cuda' "$log" | cut -c1-160)
-    if [ "$status" = 0 ] && [ -n "$line" ] && ! grep -q unavailable <<<"$line"; then
-        record "pagedattn info" PASS "$line"
-    else
-        record "pagedattn info" FAIL "exit status $status: ${line:-no cuda backend listed}"
-    fi
-
     if [ "$all" = all ]; then
         # One log for all of them: few files come back from $OUT.
-        local exe name
+        local name
         log=$(mktemp)
         : >"$out/other-tests.log"
         for exe in "$BIN"/test-*; do
             name=${exe#"$BIN"/}
-            [ "$name" = test-cuda ] && continue
+            case "$name" in test-cuda | test-cuda_attention) continue ;; esac
             timeout "$TIMEOUT" "$exe" >"$log" 2>&1
             status=$?
             verdict=$(test_verdict "$log" "$status")

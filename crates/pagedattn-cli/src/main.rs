@@ -53,13 +53,19 @@ enum Command {
     /// Benchmarks a backend (decode, prefill, mixed batch, paging) against this machine's
     /// measured ceilings (memory read bandwidth, FMA and bf16 dot peaks).
     Bench(bench::BenchArgs),
-    /// Compiles every CUDA kernel through NVRTC for the given architectures, without a GPU
-    /// (needs libnvrtc): the check CI runs. Any compiler warning is an error.
+    /// Compiles every CUDA kernel (every attention variant included) through NVRTC for the
+    /// given architectures, without a GPU (needs libnvrtc), one program per CPU at a time: the
+    /// check CI runs. Any compiler warning is an error.
     #[cfg(feature = "cuda")]
     CompileKernels {
         /// Target architectures, e.g. `sm_80`, `sm_90a` (repeat the flag for several).
         #[arg(long = "arch", required = true)]
         archs: Vec<String>,
+        /// Also store the images in the kernel cache directory (`PAGEDATTN_CACHE_DIR`, else
+        /// `$XDG_CACHE_HOME/pagedattn/kernels`, else `~/.cache/pagedattn/kernels`), reusing the
+        /// valid entries there: a GPU's calls then never wait for NVRTC.
+        #[arg(long)]
+        cache: bool,
     },
     /// Writes an example replay case: a mixed batch of chunked prefills with cached context,
     /// a fresh prompt and decodes, GQA, bf16.
@@ -281,18 +287,87 @@ fn simd_features() -> Vec<&'static str> {
     found
 }
 
-/// `pagedattn compile-kernels`: every kernel for every architecture, one line each.
+/// `pagedattn compile-kernels`: every kernel for every architecture, one line each: how many
+/// compiled, in how long, per family (the attention variants counted, not listed).
 #[cfg(feature = "cuda")]
-fn compile_kernels(archs: &[String]) -> Result<()> {
+fn compile_kernels(archs: &[String], cache: bool) -> Result<()> {
+    use pagedattn::cuda::{compile_check, DiskCache, ImageOrigin};
+    let disk = if cache {
+        Some(DiskCache::from_env().ok_or_else(|| {
+            Error::invalid(
+                "--cache",
+                "no cache directory",
+                "PAGEDATTN_CACHE_DIR, XDG_CACHE_HOME or HOME set",
+            )
+        })?)
+    } else {
+        None
+    };
     for arch in archs {
-        let kernels = pagedattn::cuda::compile_check(arch)?;
-        print_ignoring_closed_pipe(&format!(
-            "{arch}: {} kernels compiled without warnings: {}\n",
-            kernels.len(),
-            kernels.join(", ")
-        ));
+        let start = std::time::Instant::now();
+        let line = match &disk {
+            None => {
+                let kernels = compile_check(arch)?;
+                format!(
+                    "{arch}: {} kernels compiled without warnings in {:.1} s: {}",
+                    kernels.len(),
+                    start.elapsed().as_secs_f64(),
+                    kernel_families(&kernels)
+                )
+            }
+            Some(disk) => {
+                let images = disk.fill(arch)?;
+                let compiled = images
+                    .iter()
+                    .filter(|i| i.origin == ImageOrigin::Compiled)
+                    .count();
+                format!(
+                    "{arch}: {} programs in {} ({compiled} compiled, {} valid there) in {:.1} s",
+                    images.len(),
+                    disk.dir().display(),
+                    images.len() - compiled,
+                    start.elapsed().as_secs_f64()
+                )
+            }
+        };
+        print_ignoring_closed_pipe(&format!("{line}\n"));
     }
     Ok(())
+}
+
+/// Kernel names grouped by family with their counts: `write_kv_* (9)`, `copy_blocks`,
+/// `attention_merge_* (3)`, `attention_*_decode (N)`, `attention_*_prefill (N)`.
+#[cfg(feature = "cuda")]
+fn kernel_families(kernels: &[String]) -> String {
+    let mut families: Vec<(String, usize)> = Vec::new();
+    for name in kernels {
+        let family = if let Some(prefix) = ["write_kv_", "attention_merge_"]
+            .into_iter()
+            .find(|p| name.starts_with(p))
+        {
+            format!("{prefix}*")
+        } else if name.starts_with("attention_") {
+            let kind = name.rsplit('_').next().unwrap_or(name);
+            format!("attention_*_{kind}")
+        } else {
+            name.clone()
+        };
+        match families.iter_mut().find(|(f, _)| *f == family) {
+            Some((_, n)) => *n += 1,
+            None => families.push((family, 1)),
+        }
+    }
+    families
+        .iter()
+        .map(|(f, n)| {
+            if *n == 1 {
+                f.clone()
+            } else {
+                format!("{f} ({n})")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Prints `text` to stdout; a reader that closed the pipe early (`| head`) is not an error.
@@ -323,7 +398,7 @@ fn main() -> ExitCode {
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Command::CompileKernels { archs } => compile_kernels(&archs),
+        Command::CompileKernels { archs, cache } => compile_kernels(&archs, cache),
         Command::Example { output, seed } => {
             replay::write_case(&example::mixed_batch(seed)).and_then(|bytes| write(&output, &bytes))
         }

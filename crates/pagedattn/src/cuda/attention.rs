@@ -1,14 +1,24 @@
-//! [`CudaAttention`]: one layer's attention on a GPU. Plans upload the step's metadata, the
-//! cache write runs as a kernel; the attention kernels do not exist yet, so a forward answers
-//! [`Error::Unsupported`] after the gate, having written nothing.
+//! [`CudaAttention`]: one layer's attention on a GPU.
+//!
+//! A plan validates the step's metadata through the gate, makes the work list on the host
+//! (`plan.rs`) and uploads everything the kernels read (the write's slots, the sequences, the
+//! block-table entries, the units and the split-K merges) in one asynchronous copy from pinned
+//! staging memory into device memory the plan owns; its workspace holds the split-K partials.
+//! A forward then only queues work on the GPU's stream, allocating nothing and never waiting
+//! for the GPU: the cache write, the prefill kernel, the decode kernel and the merge, in that
+//! order (so a step's work could be captured in a CUDA graph once its variant is loaded).
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::device::Gpu;
-use super::kernels::{self, WriteKv};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::device::{driver_error, Gpu};
+use super::kernels::{self, grid_size, Merge, WriteKv};
 use super::packed::Packed;
-use super::storage::{cuda_storage, cuda_storage_mut};
+use super::plan::{self, Work, UNIT_FIELDS};
+use super::storage::{cuda_storage, cuda_storage_mut, CudaStorage};
+use super::variant::{self, Variant};
 use crate::backend::{AttentionImpl, Capabilities};
 use crate::config::AttentionConfig;
 use crate::device::Device;
@@ -17,13 +27,15 @@ use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec};
 use crate::metadata::AttentionMetadata;
 use crate::reference::write_slots;
 use crate::step::{ForwardCheck, Inputs, KvPair, Plan, Workspace};
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::{HostStorage, Storage, Tensor};
 
 /// One layer's attention on the `cuda` backend.
 pub struct CudaAttention {
     config: AttentionConfig,
     gpu: Arc<Gpu>,
     capabilities: Capabilities,
+    /// The ALiBi slopes, one per query head, on the GPU.
+    slopes: Option<CudaStorage>,
 }
 
 impl std::fmt::Debug for CudaAttention {
@@ -35,23 +47,74 @@ impl std::fmt::Debug for CudaAttention {
     }
 }
 
-/// A plan's data on the GPU.
+/// A plan's data on the GPU: one packed buffer and where each section is in it.
 struct Prepared {
     /// The GPU it was uploaded to.
     ordinal: usize,
-    /// The step's metadata.
+    /// The step's metadata and work list.
     metadata: Packed,
-    /// Where the slot mapping of the cache write is in `metadata`.
+    /// The write's slot mapping (also where the kernels look up which new tokens are keys).
     slot_mapping: Range<usize>,
+    seqs: Range<usize>,
+    tables: Range<usize>,
+    decode: Range<usize>,
+    prefill: Range<usize>,
+    merges: Range<usize>,
+    /// Whether the kernels read keys through block tables (a cache) or from the inputs.
+    paged: bool,
 }
 
+/// The arguments of the attention kernels: `struct Params` of `kernels/attention.cu`, field
+/// for field (device addresses as u64; 8-byte fields first, so that neither side pads).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Params {
+    query: u64,
+    key: u64,
+    value: u64,
+    output: u64,
+    partials: u64,
+    seqs: u64,
+    tables: u64,
+    slots: u64,
+    units: u64,
+    slopes: u64,
+    block_size: i64,
+    window: i64,
+    num_heads: i64,
+    num_kv_heads: i64,
+    group: i64,
+    paged: i64,
+    score_scale: f32,
+    out_scale: f32,
+    soft_cap: f32,
+    unused: f32,
+}
+
+// SAFETY: a plain `repr(C)` struct of integers and floats, laid out as the kernels' `Params`
+// (no padding on either side), passed by value.
+unsafe impl DeviceRepr for Params {}
+
+/// Threads per block of the attention kernels (`THREADS` in attention.cu).
+const THREADS: u32 = 128;
+
 impl CudaAttention {
-    pub(crate) fn new(config: &AttentionConfig, gpu: Arc<Gpu>, capabilities: Capabilities) -> Self {
-        CudaAttention {
+    /// The layer on `gpu`; uploads its ALiBi slopes.
+    pub(crate) fn new(
+        config: &AttentionConfig,
+        gpu: Arc<Gpu>,
+        capabilities: Capabilities,
+    ) -> Result<Self> {
+        let slopes = config
+            .alibi_slopes()
+            .map(|s| CudaStorage::upload(&HostStorage::F32(s.to_vec()), Device::Cuda(gpu.ordinal)))
+            .transpose()?;
+        Ok(CudaAttention {
             config: config.clone(),
             gpu,
             capabilities,
-        }
+            slopes,
+        })
     }
 
     /// The gate of this layer's calls.
@@ -64,33 +127,9 @@ impl CudaAttention {
             config: &self.config,
         }
     }
-}
 
-impl AttentionImpl for CudaAttention {
-    fn config(&self) -> &AttentionConfig {
-        &self.config
-    }
-
-    fn plan(&self, metadata: &AttentionMetadata, cache: Option<&KvCacheSpec>) -> Result<Plan> {
-        self.gate().plan(metadata, cache, |md, _| {
-            let (packed, ranges) = Packed::upload(&self.gpu, &[write_slots(&self.config, md)])?;
-            let prepared = Prepared {
-                ordinal: self.gpu.ordinal,
-                metadata: packed,
-                slot_mapping: ranges[0].clone(),
-            };
-            Ok((prepared, 0))
-        })
-    }
-
-    fn write_kv(
-        &self,
-        plan: &Plan,
-        key: &Tensor,
-        value: &Tensor,
-        cache: &mut KvCache,
-    ) -> Result<()> {
-        self.gate().write(plan, KvPair { key, value }, cache)?;
+    /// The plan's data, if it was uploaded to this layer's GPU.
+    fn prepared<'p>(&self, plan: &'p Plan) -> Result<&'p Prepared> {
         let prepared: &Prepared = plan.prepared("cuda")?;
         if prepared.ordinal != self.gpu.ordinal {
             return Err(Error::device_mismatch(
@@ -102,6 +141,18 @@ impl AttentionImpl for CudaAttention {
                 ),
             ));
         }
+        Ok(prepared)
+    }
+
+    /// Queues the write of `key` and `value` (checked by the gate) into `cache` through the
+    /// plan's slots.
+    fn queue_write(
+        &self,
+        prepared: &Prepared,
+        key: &Tensor,
+        value: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<()> {
         let num_tokens = prepared.slot_mapping.len();
         if key.shape()[0] != num_tokens {
             return Err(Error::invalid(
@@ -127,6 +178,114 @@ impl AttentionImpl for CudaAttention {
         kernels::write_kv(&self.gpu, &write)
     }
 
+    /// Queues one attention kernel over the `units` section (nothing when it is empty).
+    fn launch(
+        &self,
+        kernel: &cudarc::driver::CudaFunction,
+        params: Params,
+        prepared: &Prepared,
+        units: &Range<usize>,
+        what: &str,
+    ) -> Result<()> {
+        let count = units.len() / UNIT_FIELDS;
+        if count == 0 {
+            return Ok(());
+        }
+        let params = Params {
+            units: prepared.metadata.address(&self.gpu, units.start),
+            ..params
+        };
+        let config = LaunchConfig {
+            grid_dim: (grid_size(count, "attention units")?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.gpu.stream.launch_builder(kernel);
+        launch.arg(&params);
+        // SAFETY: `params` matches the kernel's one parameter (`Params`, by value). Every
+        // index the kernel computes stays inside the buffer it reads or writes, because the
+        // gate validated the metadata against the call and the plan derived every record
+        // from it: units and sequences name tokens inside the query and output `[T, H, D]`
+        // (query_start_loc) and heads below H; keys are read only at positions below the
+        // sequence's key count, either through the compacted block-table entries (each a
+        // block inside the cache, checked by the metadata's validation) at kv heads below
+        // Hkv, or as rows of the key/value tensors (whose shape the gate checked against the
+        // sequences' lengths); slot lookups index the write's slot mapping within the new
+        // tokens' range; partial slots lie below the plan's partial count, which the
+        // workspace holds (the gate checked its size). The memory outlives the kernel: the
+        // tensors and cache are borrowed for this call and freed in stream order, and the
+        // plan's buffer is freed in stream order too.
+        unsafe { launch.launch(config) }
+            .map_err(|e| driver_error(&format!("cuLaunchKernel({what})"), e))?;
+        Ok(())
+    }
+}
+
+impl AttentionImpl for CudaAttention {
+    fn config(&self) -> &AttentionConfig {
+        &self.config
+    }
+
+    fn plan(&self, metadata: &AttentionMetadata, cache: Option<&KvCacheSpec>) -> Result<Plan> {
+        self.gate().plan(metadata, cache, |md, has_new_kv| {
+            let work: Work = plan::build(
+                &self.config,
+                md,
+                cache.map(|c| c.block_size),
+                has_new_kv,
+                self.gpu.sm_count,
+            );
+            for (records, what) in [
+                (&work.decode, "decode units"),
+                (&work.prefill, "prefill units"),
+            ] {
+                grid_size(records.len() / UNIT_FIELDS, what)?;
+            }
+            grid_size(work.merges.len() / plan::MERGE_FIELDS, "split-K merges")?;
+            let workspace_bytes = work
+                .num_partials
+                .checked_mul(plan::partial_floats(self.config.head_size()) * 4)
+                .ok_or_else(|| {
+                    Error::unsupported("cuda", format!("{} split-K partials", work.num_partials))
+                })?;
+            let (packed, [slot_mapping, seqs, tables, decode, prefill, merges]) = Packed::upload(
+                &self.gpu,
+                [
+                    write_slots(&self.config, md),
+                    &work.seqs,
+                    &work.tables,
+                    &work.decode,
+                    &work.prefill,
+                    &work.merges,
+                ],
+            )?;
+            let prepared = Prepared {
+                ordinal: self.gpu.ordinal,
+                metadata: packed,
+                slot_mapping,
+                seqs,
+                tables,
+                decode,
+                prefill,
+                merges,
+                paged: cache.is_some(),
+            };
+            Ok((prepared, workspace_bytes))
+        })
+    }
+
+    fn write_kv(
+        &self,
+        plan: &Plan,
+        key: &Tensor,
+        value: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<()> {
+        self.gate().write(plan, KvPair { key, value }, cache)?;
+        let prepared = self.prepared(plan)?;
+        self.queue_write(prepared, key, value, cache)
+    }
+
     fn forward_into(
         &self,
         plan: &Plan,
@@ -135,7 +294,105 @@ impl AttentionImpl for CudaAttention {
         output: &mut Tensor,
     ) -> Result<()> {
         self.gate().call(plan, &inputs, output, workspace)?;
-        Err(Error::unsupported("cuda", "attention kernels"))
+        let prepared = self.prepared(plan)?;
+        let dtype = inputs.query().dtype();
+        let (query, new_kv, mut cache) = inputs.into_parts();
+        // Everything that can refuse the call comes before the first write: an unsupported
+        // head size, a variant that does not compile.
+        let variant = Variant::for_call(&self.config, dtype, cache.is_some())?;
+        let kernels = variant::kernels(&self.gpu, variant)?;
+        if !prepared.merges.is_empty() {
+            self.gpu.kernels()?;
+        }
+
+        // 1. The new keys and values into the cache.
+        if let (Some(cache), Some(kv)) = (cache.as_deref_mut(), new_kv) {
+            self.queue_write(prepared, kv.key, kv.value, cache)?;
+        }
+
+        // 2. Attention over the cache (after the write, in stream order) or the inputs.
+        let (key, value) = match (cache.as_deref(), new_kv) {
+            (Some(c), _) => (
+                address(c.key(), "kv_cache.key")?,
+                address(c.value(), "kv_cache.value")?,
+            ),
+            (None, Some(kv)) => (
+                address(kv.key.storage(), "key")?,
+                address(kv.value.storage(), "value")?,
+            ),
+            (None, None) => unreachable!("validated: without a cache, key and value are given"),
+        };
+        let partials = match workspace.storage_mut() {
+            Some(storage) => address_mut(storage, "workspace")?,
+            None => 0,
+        };
+        let cfg = &self.config;
+        let scales = cfg.kv_scales();
+        // The fp8 scales apply to what is read from an fp8 cache only.
+        let fp8 = cache.is_some() && cfg.kv_cache_dtype().fp8_format().is_some();
+        let (k_scale, v_scale) = if fp8 {
+            (scales.k_scale, scales.v_scale)
+        } else {
+            (1.0, 1.0)
+        };
+        let metadata = &prepared.metadata;
+        let block_size = plan.cache_spec().map_or(1, |s| s.block_size);
+        let params = Params {
+            query: address(query.storage(), "query")?,
+            key,
+            value,
+            output: address_mut(output.storage_mut(), "output")?,
+            partials,
+            seqs: metadata.address(&self.gpu, prepared.seqs.start),
+            tables: metadata.address(&self.gpu, prepared.tables.start),
+            slots: metadata.address(&self.gpu, prepared.slot_mapping.start),
+            units: 0,
+            slopes: match &self.slopes {
+                Some(s) => s.kernel_address("alibi slopes")?.unwrap_or(0),
+                None => 0,
+            },
+            // Sizes the validation bounded by the cache's size in bytes (isize).
+            block_size: block_size as i64,
+            window: cfg
+                .sliding_window()
+                .map_or(i64::MAX, |w| w.min(i64::MAX as usize) as i64),
+            num_heads: cfg.num_heads() as i64,
+            num_kv_heads: cfg.num_kv_heads() as i64,
+            group: cfg.num_queries_per_kv() as i64,
+            paged: prepared.paged as i64,
+            // One f32 factor, as the contract allows (|scale| * k_scale is a normal f32).
+            score_scale: cfg.scale() * k_scale,
+            out_scale: v_scale,
+            soft_cap: cfg.logits_soft_cap().unwrap_or(1.0),
+            unused: 0.0,
+        };
+        self.launch(
+            &kernels.prefill,
+            params,
+            prepared,
+            &prepared.prefill,
+            "attention prefill",
+        )?;
+        self.launch(
+            &kernels.decode,
+            params,
+            prepared,
+            &prepared.decode,
+            "attention decode",
+        )?;
+        kernels::merge(
+            &self.gpu,
+            &Merge {
+                partials,
+                merges: metadata.address(&self.gpu, prepared.merges.start),
+                count: prepared.merges.len() / plan::MERGE_FIELDS,
+                output: params.output,
+                dtype,
+                num_heads: cfg.num_heads(),
+                head_size: cfg.head_size(),
+                v_scale,
+            },
+        )
     }
 }
 

@@ -9,12 +9,14 @@
 use std::collections::HashMap;
 use std::ffi::{CString, OsString};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::nvrtc::result::{self as nvrtc, NvrtcError};
 use cudarc::nvrtc::sys;
 
-use super::kernels::{KernelSource, SOURCES};
+use super::kernels::{fixed_sources, KernelSource};
+use super::variant::Variant;
 use crate::error::{Error, Result};
 
 /// Environment variable naming the directory of compiled kernels (see [`DiskCache::from_env`]).
@@ -39,7 +41,8 @@ fn options(arch: &str) -> Vec<String> {
         "--prec-div=true".to_string(),
         "-lineinfo".to_string(),
     ];
-    // The kernels of today include no CUDA header; later ones will need cuda_bf16.h.
+    // The kernels include no CUDA header (conversions are bit operations and PTX); a CUDA
+    // include directory, when there is one, costs nothing.
     if let Some(dir) = cuda_include_dir() {
         options.push(format!("--include-path={}", dir.display()));
     }
@@ -59,7 +62,7 @@ fn cuda_include_dir() -> Option<PathBuf> {
 }
 
 /// The NVRTC version (major, minor), or why libnvrtc cannot be used.
-pub(crate) fn nvrtc_version() -> Result<(u32, u32)> {
+pub fn nvrtc_version() -> Result<(u32, u32)> {
     static VERSION: OnceLock<Result<(u32, u32)>> = OnceLock::new();
     VERSION
         .get_or_init(|| {
@@ -85,18 +88,71 @@ pub(crate) fn nvrtc_version() -> Result<(u32, u32)> {
 
 /// Compiles every kernel source for `arch` (e.g. `sm_80`, `sm_90a`) with NVRTC alone, no
 /// GPU and no cache, and returns the names of the kernels: a check for CI. Any warning fails.
+/// Every attention variant is one program, exactly as a GPU compiles it at its first use;
+/// the programs are compiled in parallel, one thread per CPU.
 pub fn compile_check(arch: &str) -> Result<Vec<String>> {
-    let mut names = Vec::new();
-    for source in SOURCES {
-        compile(source, arch)?;
-        names.extend(source.kernels.iter().map(|k| k.to_string()));
+    check_arch(arch)?;
+    let sources = every_source();
+    in_parallel(&sources, |source| compile(source, arch))?;
+    Ok(sources.into_iter().flat_map(|s| s.kernels).collect())
+}
+
+/// The fixed sources, then one program per attention variant.
+fn every_source() -> Vec<KernelSource> {
+    fixed_sources()
+        .iter()
+        .cloned()
+        .chain(Variant::all().map(|v| v.source()))
+        .collect()
+}
+
+/// `f` of every source, in order, run on one thread per CPU. Once one fails no further source
+/// is started, and the first error (in source order) among those that ran is returned.
+fn in_parallel<T: Send>(
+    sources: &[KernelSource],
+    f: impl Fn(&KernelSource) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(sources.len())
+        .max(1);
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let results: Vec<Mutex<Option<Result<T>>>> = sources.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                while !failed.load(Ordering::Relaxed) {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(source) = sources.get(i) else {
+                        break;
+                    };
+                    let result = f(source);
+                    failed.fetch_or(result.is_err(), Ordering::Relaxed);
+                    *results[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(result);
+                }
+            });
+        }
+    });
+    // A source is left unstarted only after another failed, so without an error every
+    // result is here, in order.
+    let mut out = Vec::with_capacity(sources.len());
+    let mut first_error = None;
+    for result in results {
+        match result.into_inner().unwrap_or_else(PoisonError::into_inner) {
+            Some(Ok(value)) => out.push(value),
+            Some(Err(e)) => {
+                first_error.get_or_insert(e);
+            }
+            None => {}
+        }
     }
-    Ok(names)
+    first_error.map_or(Ok(out), Err)
 }
 
 /// The CUBIN of `source` for `arch`: from the process's map, else the disk cache (when there
 /// is a cache directory), else compiled.
-pub(crate) fn image(source: &'static KernelSource, arch: &str) -> Result<Arc<[u8]>> {
+pub(crate) fn image(source: &KernelSource, arch: &str) -> Result<Arc<[u8]>> {
     static IMAGES: OnceLock<Mutex<HashMap<u64, Arc<[u8]>>>> = OnceLock::new();
     let key = key(source, arch)?;
     // Held while compiling, so that two threads never compile the same image. Nothing panics
@@ -123,7 +179,7 @@ fn key(source: &KernelSource, arch: &str) -> Result<u64> {
     let options = options(arch).join("\0");
     let nvrtc = format!("{major}.{minor}");
     let mut hash = Fnv::new();
-    for part in [source.name, source.code, &options, arch, &nvrtc] {
+    for part in [&source.name, &source.code, &options, arch, &nvrtc] {
         hash.write(&(part.len() as u64).to_le_bytes());
         hash.write(part.as_bytes());
     }
@@ -142,8 +198,8 @@ pub enum ImageOrigin {
 /// One kernel source's image, as [`DiskCache::load_all`] found it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CachedImage {
-    /// The kernel source (file name without `.cu`).
-    pub source: &'static str,
+    /// The kernel source (file name without `.cu`, or an attention variant's name).
+    pub source: String,
     /// Where the image came from.
     pub origin: ImageOrigin,
     /// Its size in bytes.
@@ -181,23 +237,35 @@ impl DiskCache {
         &self.dir
     }
 
-    /// The image of every kernel source for `arch`, each read from this cache if it holds a
-    /// valid entry, else compiled and stored. The process's in-memory map is neither read nor
-    /// filled: this is what a process's first use of a GPU does, for tools and tests that
-    /// watch the cache.
+    /// The image of every fixed kernel source for `arch` (the ones a GPU loads at its first
+    /// use: the cache write, the block copy, the split-K merge), each read from this cache if
+    /// it holds a valid entry, else compiled and stored. The process's in-memory map is
+    /// neither read nor filled: this is what a process's first use of a GPU does, for tools
+    /// and tests that watch the cache.
     pub fn load_all(&self, arch: &str) -> Result<Vec<CachedImage>> {
-        SOURCES
+        fixed_sources()
             .iter()
-            .map(|&source| {
-                let (image, origin) = self.fetch(source, arch, key(source, arch)?)?;
-                Ok(CachedImage {
-                    source: source.name,
-                    origin,
-                    bytes: image.len(),
-                    checksum: fnv(&image),
-                })
-            })
+            .map(|source| self.cached(source, arch))
             .collect()
+    }
+
+    /// [`load_all`](Self::load_all) for every kernel source, every attention variant
+    /// included, in parallel (one thread per CPU): fills the cache ahead, so that no call
+    /// waits for NVRTC (`pagedattn compile-kernels --cache`).
+    pub fn fill(&self, arch: &str) -> Result<Vec<CachedImage>> {
+        check_arch(arch)?;
+        in_parallel(&every_source(), |source| self.cached(source, arch))
+    }
+
+    /// `source`'s image for `arch` from this cache, or compiled and stored.
+    fn cached(&self, source: &KernelSource, arch: &str) -> Result<CachedImage> {
+        let (image, origin) = self.fetch(source, arch, key(source, arch)?)?;
+        Ok(CachedImage {
+            source: source.name.clone(),
+            origin,
+            bytes: image.len(),
+            checksum: fnv(&image),
+        })
     }
 
     /// The entry `key` of `source` if valid, else a fresh compilation (written back; a write
@@ -268,7 +336,8 @@ fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
     let file = format!("{}.cu", source.name);
     let fail = |what: &str, e: NvrtcError| nvrtc_error(&format!("{what} of {file} for {arch}"), e);
     // The sources and names are this crate's own: no NUL byte.
-    let code = CString::new(source.code).map_err(|_| Error::Driver(format!("{file}: NUL byte")))?;
+    let code = CString::new(source.code.as_str())
+        .map_err(|_| Error::Driver(format!("{file}: NUL byte")))?;
     let name =
         CString::new(file.as_str()).map_err(|_| Error::Driver(format!("{file}: NUL byte")))?;
     let program = Program(
@@ -290,7 +359,7 @@ fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
     }
     let cubin = program.cubin().map_err(|e| fail("nvrtcGetCUBIN", e))?;
     // A kernel's name sits NUL-delimited in the CUBIN's symbol string table.
-    for kernel in source.kernels {
+    for kernel in &source.kernels {
         let symbol = [b"\0", kernel.as_bytes(), b"\0"].concat();
         if !cubin.windows(symbol.len()).any(|w| w == symbol) {
             return Err(Error::Driver(format!(

@@ -9,6 +9,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::compile;
 use super::kernels::Kernels;
+use super::variant;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -23,7 +24,11 @@ pub(crate) struct Gpu {
     pub(crate) capability: (u32, u32),
     /// The architecture its kernels are compiled for, e.g. `sm_90a`.
     pub(crate) arch: String,
+    /// Streaming multiprocessors (how many thread blocks keep it busy).
+    pub(crate) sm_count: usize,
     kernels: OnceLock<Kernels>,
+    /// The attention variants loaded so far.
+    pub(crate) variants: variant::Loaded,
 }
 
 impl Gpu {
@@ -54,13 +59,23 @@ impl Gpu {
             )
         })?;
         let capability = (major.max(0) as u32, minor.max(0) as u32);
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| {
+                driver_error(
+                    &format!("reading the multiprocessor count of cuda:{ordinal}"),
+                    e,
+                )
+            })?;
         Ok(Gpu {
             ordinal,
             ctx,
             stream,
             capability,
             arch: compile::arch_for(capability.0, capability.1),
+            sm_count: sm_count.max(1) as usize,
             kernels: OnceLock::new(),
+            variants: Default::default(),
         })
     }
 

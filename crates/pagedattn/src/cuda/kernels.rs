@@ -1,5 +1,8 @@
 //! The kernel sources (`crates/pagedattn/kernels/*.cu`, embedded in the library), their
-//! loading on a GPU, and their launches.
+//! loading on a GPU, and the launches of the cache write, the block copy and the split-K merge
+//! (the attention kernels' variants are in `variant.rs`, their launches in `attention.rs`).
+
+use std::sync::OnceLock;
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
@@ -12,53 +15,77 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCacheSpec, KvScales};
 
-/// A `.cu` file and the kernels (`extern "C"` names) it defines.
+/// One program for NVRTC: a `.cu` file (with what it is compiled after) and the kernels
+/// (`extern "C"` names) it defines.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct KernelSource {
-    /// The file name without `.cu`.
-    pub(crate) name: &'static str,
-    /// The CUDA C++ source.
-    pub(crate) code: &'static str,
-    /// The kernels, in the order [`Kernels`] keeps them.
-    pub(crate) kernels: &'static [&'static str],
+    /// The file name without `.cu`, or the variant's name for a generated program.
+    pub(crate) name: String,
+    /// The CUDA C++ source, as NVRTC compiles it.
+    pub(crate) code: String,
+    /// The kernels, in the order their users index them.
+    pub(crate) kernels: Vec<String>,
 }
+
+/// The shared element types of the attention kernels, compiled before their files.
+pub(crate) const ELEMENTS: &str = include_str!("../../kernels/elements.cuh");
 
 /// The cache write: one kernel per (activation dtype, cache format), indexed by
 /// [`write_index`].
-const CACHE_WRITE: KernelSource = KernelSource {
-    name: "cache_write",
-    code: include_str!("../../kernels/cache_write.cu"),
-    kernels: &[
-        "write_kv_f32_auto",
-        "write_kv_f32_e4m3",
-        "write_kv_f32_e5m2",
-        "write_kv_f16_auto",
-        "write_kv_f16_e4m3",
-        "write_kv_f16_e5m2",
-        "write_kv_bf16_auto",
-        "write_kv_bf16_e4m3",
-        "write_kv_bf16_e5m2",
-    ],
-};
+fn cache_write() -> KernelSource {
+    let formats = ["auto", "e4m3", "e5m2"];
+    KernelSource {
+        name: "cache_write".into(),
+        code: include_str!("../../kernels/cache_write.cu").into(),
+        kernels: ["f32", "f16", "bf16"]
+            .iter()
+            .flat_map(|d| formats.iter().map(move |f| format!("write_kv_{d}_{f}")))
+            .collect(),
+    }
+}
 
 /// Block copies of every layer in one launch.
-const COPY_BLOCKS: KernelSource = KernelSource {
-    name: "copy_blocks",
-    code: include_str!("../../kernels/copy_blocks.cu"),
-    kernels: &["copy_blocks"],
-};
+fn copy_blocks_source() -> KernelSource {
+    KernelSource {
+        name: "copy_blocks".into(),
+        code: include_str!("../../kernels/copy_blocks.cu").into(),
+        kernels: vec!["copy_blocks".into()],
+    }
+}
 
-/// Every kernel source.
-pub(crate) const SOURCES: [&KernelSource; 2] = [&CACHE_WRITE, &COPY_BLOCKS];
+/// The split-K merge, one kernel per output dtype, indexed by [`dtype_index`].
+fn attention_merge() -> KernelSource {
+    KernelSource {
+        name: "attention_merge".into(),
+        code: [ELEMENTS, include_str!("../../kernels/attention_merge.cu")].concat(),
+        kernels: ["f32", "f16", "bf16"]
+            .iter()
+            .map(|d| format!("attention_merge_{d}"))
+            .collect(),
+    }
+}
+
+/// The sources every GPU loads at its first use (the attention variants are compiled one by
+/// one, at the first call that needs each: `variant.rs`).
+pub(crate) fn fixed_sources() -> &'static [KernelSource; 3] {
+    static SOURCES: OnceLock<[KernelSource; 3]> = OnceLock::new();
+    SOURCES.get_or_init(|| [cache_write(), copy_blocks_source(), attention_merge()])
+}
+
+/// The row of an activation dtype in the per-dtype kernel lists.
+fn dtype_index(dtype: DType, what: &str) -> Result<usize> {
+    match dtype {
+        DType::F32 => Ok(0),
+        DType::F16 => Ok(1),
+        DType::BF16 => Ok(2),
+        DType::U8 => Err(Error::invalid(what, dtype, "f32, f16 or bf16")),
+    }
+}
 
 /// The position of the cache-write kernel for `dtype` and `kv_cache_dtype` in
-/// [`CACHE_WRITE`]'s list.
+/// [`cache_write`]'s list.
 fn write_index(dtype: DType, kv_cache_dtype: KvCacheDtype) -> Result<usize> {
-    let row = match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-        DType::U8 => return Err(Error::invalid("kv_cache.dtype", dtype, "f32, f16 or bf16")),
-    };
+    let row = dtype_index(dtype, "kv_cache.dtype")?;
     let column = match kv_cache_dtype {
         KvCacheDtype::Auto => 0,
         KvCacheDtype::Fp8E4m3 => 1,
@@ -67,23 +94,28 @@ fn write_index(dtype: DType, kv_cache_dtype: KvCacheDtype) -> Result<usize> {
     Ok(row * 3 + column)
 }
 
-/// The kernels of one GPU, loaded once.
+/// The kernels of one GPU that are loaded once, at its first use.
 pub(crate) struct Kernels {
     write: Vec<CudaFunction>,
     copy_blocks: CudaFunction,
+    merge: Vec<CudaFunction>,
 }
 
 impl Kernels {
-    /// Compiles (or finds in the caches) every source for `gpu`'s architecture and loads it.
+    /// Compiles (or finds in the caches) every fixed source for `gpu`'s architecture and loads
+    /// it.
     pub(crate) fn load(gpu: &Gpu) -> Result<Self> {
-        let write = load(gpu, &CACHE_WRITE)?;
-        let copy_blocks = load(gpu, &COPY_BLOCKS)?.swap_remove(0);
-        Ok(Kernels { write, copy_blocks })
+        let [write, copy, merge] = fixed_sources();
+        Ok(Kernels {
+            write: load(gpu, write)?,
+            copy_blocks: load(gpu, copy)?.swap_remove(0),
+            merge: load(gpu, merge)?,
+        })
     }
 }
 
-/// Loads `source`'s image on `gpu` and looks up its kernels.
-fn load(gpu: &Gpu, source: &'static KernelSource) -> Result<Vec<CudaFunction>> {
+/// Loads `source`'s image on `gpu` and looks up its kernels, in order.
+pub(crate) fn load(gpu: &Gpu, source: &KernelSource) -> Result<Vec<CudaFunction>> {
     let image = compile::image(source, &gpu.arch)?;
     let module = gpu
         .ctx
@@ -122,7 +154,7 @@ pub(crate) struct WriteKv {
     pub(crate) scales: KvScales,
 }
 
-/// Threads per block of the kernels.
+/// Threads per block of the cache write and the block copy.
 const THREADS: u32 = 256;
 
 /// Queues the cache write on `gpu`'s stream.
@@ -230,4 +262,59 @@ pub(crate) fn copy_blocks(gpu: &Gpu, layers: &[CopyLayer], pairs: &[(usize, usiz
     // the kernel.
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(copy_blocks)", e))?;
     Ok(())
+}
+
+/// One split-K merge launch: the device addresses of the workspace's partials, of the plan's
+/// merge records and of the `[T, H, D]` output, and what the records index.
+pub(crate) struct Merge {
+    pub(crate) partials: u64,
+    pub(crate) merges: u64,
+    pub(crate) count: usize,
+    pub(crate) output: u64,
+    pub(crate) dtype: DType,
+    pub(crate) num_heads: usize,
+    pub(crate) head_size: usize,
+    pub(crate) v_scale: f32,
+}
+
+/// Threads per block of the merge: they stride over the head's dimensions.
+const MERGE_THREADS: u32 = 128;
+
+/// Queues the merge of `m.count` output rows from their partitions' partials.
+pub(crate) fn merge(gpu: &Gpu, m: &Merge) -> Result<()> {
+    if m.count == 0 {
+        return Ok(());
+    }
+    let blocks = grid_size(m.count, "split-K merges")?;
+    let kernel = &gpu.kernels()?.merge[dtype_index(m.dtype, "output.dtype")?];
+    let (num_heads, head_size) = (m.num_heads as i64, m.head_size as i64);
+    let config = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (MERGE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream.launch_builder(kernel);
+    launch
+        .arg(&m.partials)
+        .arg(&m.merges)
+        .arg(&m.output)
+        .arg(&num_heads)
+        .arg(&head_size)
+        .arg(&m.v_scale);
+    // SAFETY: the arguments match the kernel's parameters in order and type. The plan wrote
+    // `count` merge records whose partial slots lie inside the workspace (checked to hold the
+    // plan's workspace bytes) and were all written by the attention kernels queued before
+    // this launch on the same stream; each record's (token, head) row lies inside the output,
+    // whose shape the forward gate checked.
+    unsafe { launch.launch(config) }
+        .map_err(|e| driver_error("cuLaunchKernel(attention_merge)", e))?;
+    Ok(())
+}
+
+/// A launch's block count, or `Unsupported` past the grid's limit (2^31 - 1 blocks).
+pub(crate) fn grid_size(count: usize, what: &str) -> Result<u32> {
+    u32::try_from(count)
+        .ok()
+        .filter(|&n| n <= i32::MAX as u32)
+        .ok_or_else(|| Error::unsupported("cuda", format!("{count} {what} in one launch")))
 }

@@ -7,8 +7,10 @@
 //! (which waits for the copies that use it) wait.
 //!
 //! Cache layout: `[NB, Hkv, B, D]` (head-major), the `cpu` backend's, so that caches compare
-//! byte for byte. The attention kernels are not written yet: a forward answers
-//! [`Error::Unsupported`](crate::Error::Unsupported) after checking its inputs.
+//! byte for byte. Attention runs for the head sizes in [`ATTENTION_HEAD_SIZES`] (a forward
+//! with another head size answers [`Error::Unsupported`](crate::Error::Unsupported) having
+//! written nothing; the cache write takes any): one kernel variant per activation dtype,
+//! key/value storage, head size and score modifiers, compiled at the first call that needs it.
 //!
 //! Without a usable GPU (no driver, no device) every entry point answers
 //! [`Error::Driver`](crate::Error::Driver) with one line starting `no usable CUDA GPU:`;
@@ -20,14 +22,19 @@ mod device;
 mod kernels;
 mod memory;
 mod packed;
+mod plan;
 mod storage;
+mod variant;
 
 use std::sync::Arc;
 
 pub use attention::CudaAttention;
-pub use compile::{arch_for, compile_check, CachedImage, DiskCache, ImageOrigin, CACHE_DIR_ENV};
+pub use compile::{
+    arch_for, compile_check, nvrtc_version, CachedImage, DiskCache, ImageOrigin, CACHE_DIR_ENV,
+};
 pub use device::{info, DeviceInfo};
 pub use storage::CudaStorage;
+pub use variant::ATTENTION_HEAD_SIZES;
 
 use crate::backend::{check_sides, AttentionImpl, Backend, Capabilities};
 use crate::config::AttentionConfig;
@@ -99,7 +106,7 @@ impl Backend for Cuda {
             config,
             self.gpu.clone(),
             capabilities,
-        )))
+        )?))
     }
 
     fn details(&self) -> Vec<(&'static str, String)> {
@@ -126,6 +133,11 @@ impl Backend for Cuda {
                 format!("CUDA {}.{}", i.driver_version.0, i.driver_version.1),
             ),
             ("nvrtc", nvrtc),
+            ("attention head sizes", {
+                let sizes: Vec<String> =
+                    ATTENTION_HEAD_SIZES.iter().map(|d| d.to_string()).collect();
+                format!("{} (the cache write takes any)", sizes.join(", "))
+            }),
         ]
     }
 

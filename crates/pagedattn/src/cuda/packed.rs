@@ -1,7 +1,6 @@
 //! A step's metadata on a GPU: sections of i64 packed one after another into one device
-//! buffer, uploaded by one asynchronous copy from pinned memory. Today it holds the slot
-//! mapping the cache write reads; the attention kernels will add their sections (block
-//! tables, sequence lengths, ...).
+//! buffer, uploaded by one asynchronous copy from pinned memory: the slot mapping the cache
+//! write reads, and the attention kernels' sequences, block-table entries and work list.
 
 use std::ops::Range;
 
@@ -23,13 +22,15 @@ pub(crate) struct Packed {
 impl Packed {
     /// Packs `sections` and queues their upload on `gpu`'s stream; returns the buffer and the
     /// element range of each section in it.
-    pub(crate) fn upload(gpu: &Gpu, sections: &[&[i64]]) -> Result<(Packed, Vec<Range<usize>>)> {
-        let mut ranges = Vec::with_capacity(sections.len());
+    pub(crate) fn upload<const N: usize>(
+        gpu: &Gpu,
+        sections: [&[i64]; N],
+    ) -> Result<(Packed, [Range<usize>; N])> {
         let mut end = 0;
-        for section in sections {
-            ranges.push(end..end + section.len());
+        let ranges = sections.map(|section| {
             end += section.len();
-        }
+            end - section.len()..end
+        });
         let bytes = end * std::mem::size_of::<i64>();
         if bytes == 0 {
             let empty = Packed {

@@ -1,0 +1,88 @@
+// Element types of the attention kernels, shared by attention.cu and attention_merge.cu (the
+// library prepends this file to theirs before NVRTC sees them).
+//
+// No CUDA header is included: conversions are bit operations and PTX, so NVRTC needs no
+// include path. Every conversion is exact or rounds once to nearest even, as the host does.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+// IEEE specials without <math.h>.
+__device__ __forceinline__ float f32_inf() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ float f32_nan() { return __int_as_float(0x7fc00000); }
+
+// Activation element types: how an element is stored, read as f32 (exact) and written from
+// f32 (rounded to nearest even; overflow to infinity, NaN stays NaN).
+struct F32 {
+    typedef float Bits;
+    static __device__ __forceinline__ float to_f32(float x) { return x; }
+    static __device__ __forceinline__ float from_f32(float x) { return x; }
+};
+
+struct F16 {
+    typedef u16 Bits;
+    static __device__ __forceinline__ float to_f32(u16 bits) {
+        float x;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
+        return x;
+    }
+    static __device__ __forceinline__ u16 from_f32(float x) {
+        u16 bits;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(x));
+        return bits;
+    }
+};
+
+struct BF16 {
+    typedef u16 Bits;
+    static __device__ __forceinline__ float to_f32(u16 bits) {
+        return __uint_as_float((u32)bits << 16);
+    }
+    static __device__ __forceinline__ u16 from_f32(float x) {
+        u16 bits;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(x));
+        return bits;
+    }
+};
+
+// How a key or value element is stored: as the activation's element (`Plain<E>`), or as an
+// fp8 code (`E4M3`, `E5M2`), read as the code's exact value (the scales are applied after
+// the dot product and the weighted sum, as on the host). Decoding is Fp8Format::decode of
+// crates/pagedattn/src/fp8.rs, bit for bit.
+template <class E>
+struct Plain {
+    typedef typename E::Bits Type;
+    static __device__ __forceinline__ float read(Type x) { return E::to_f32(x); }
+};
+
+// e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is NaN, no infinities.
+struct E4M3 {
+    typedef u8 Type;
+    static __device__ __forceinline__ float read(u8 code) {
+        const u32 e = (code >> 3) & 0xF;
+        const u32 m = code & 0x7;
+        float magnitude;
+        if (e == 0xF && m == 0x7) {
+            magnitude = f32_nan();
+        } else if (e == 0) {
+            // Subnormal: m * 2^-9, exact.
+            magnitude = (float)m * 0.001953125f;
+        } else {
+            // (1 + m/8) * 2^(e - 7): the f32 with biased exponent e - 7 + 127 and the three
+            // mantissa bits on top.
+            magnitude = __uint_as_float(((e + 120) << 23) | (m << 20));
+        }
+        return (code & 0x80) ? -magnitude : magnitude;
+    }
+};
+
+// e5m2 is the upper byte of an IEEE half (same exponent field and bias): exact through f16,
+// infinities and NaN included.
+struct E5M2 {
+    typedef u8 Type;
+    static __device__ __forceinline__ float read(u8 code) {
+        return F16::to_f32((u16)((u32)code << 8));
+    }
+};

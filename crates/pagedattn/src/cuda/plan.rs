@@ -1,0 +1,360 @@
+//! The work of one step on a GPU, made once on the host when the step is planned: what the
+//! attention kernels need to know about each sequence, the block-table entries they read, and
+//! the work list, one record per thread block (a *unit*) plus the split-K merges. Every
+//! record is a run of i64 in the layout `kernels/attention.cu` and `attention_merge.cu`
+//! declare (the `SEQ_*`, `UNIT_*` and `MERGE_*` enums).
+//!
+//! A unit is one sequence, one kv head, some query rows of it and a range of key positions:
+//! * decode units (sequences with one query token, run by the decode kernel): the query heads
+//!   of the kv head, [`DECODE_ROWS`] at a time, over the token's allowed keys;
+//! * prefill units (several query tokens, run by the prefill kernel): [`PREFILL_ROWS`] rows of
+//!   (token, query head), the kv head's heads first, over the union of their allowed keys.
+//!
+//! Split-K: when the units would leave the GPU underused (fewer than two thread blocks per
+//! multiprocessor), a decode unit with more than [`MIN_PARTITION_KEYS`] keys is split into
+//! partitions of at least that many keys (multiples of [`PARTITION_ALIGN`]), enough to bring
+//! the grid to that size; each partition leaves a partial result per row in the workspace,
+//! and a merge per row combines them.
+
+use std::ops::Range;
+
+use crate::config::{AttentionConfig, AttnType};
+use crate::metadata::AttentionMetadata;
+use crate::semantics::{allowed_keys, query_position, KeyMap};
+
+/// i64 fields of a sequence record (`SEQ_FIELDS` in attention.cu).
+pub(crate) const SEQ_FIELDS: usize = 6;
+/// i64 fields of a unit record (`UNIT_FIELDS` in attention.cu).
+pub(crate) const UNIT_FIELDS: usize = 11;
+/// i64 fields of a merge record (`MERGE_FIELDS` in attention_merge.cu).
+pub(crate) const MERGE_FIELDS: usize = 4;
+/// Query rows of a decode unit (`DECODE_ROWS` in attention.cu).
+pub(crate) const DECODE_ROWS: usize = 8;
+/// Query rows of a prefill unit (`PREFILL_ROWS` in attention.cu).
+pub(crate) const PREFILL_ROWS: usize = 16;
+/// The fewest keys a split-K partition gets.
+pub(crate) const MIN_PARTITION_KEYS: usize = 256;
+/// Partitions are multiples of the largest key tile, so that only a partition's last tile is
+/// partial.
+pub(crate) const PARTITION_ALIGN: usize = 32;
+/// Thread blocks per multiprocessor below which long decodes are split.
+const BLOCKS_PER_SM: usize = 2;
+
+/// f32 elements of one partial record: m, l, attended, padding, then the D accumulators.
+pub(crate) fn partial_floats(head_size: usize) -> usize {
+    head_size + 4
+}
+
+/// The records of one step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Work {
+    /// [`SEQ_FIELDS`] per sequence.
+    pub(crate) seqs: Vec<i64>,
+    /// For a paged call, the block-table entries of each sequence's key positions (exactly
+    /// `ceil(n / B)` per sequence, the ones the metadata's validation checked).
+    pub(crate) tables: Vec<i64>,
+    /// Decode units, [`UNIT_FIELDS`] each.
+    pub(crate) decode: Vec<i64>,
+    /// Prefill units.
+    pub(crate) prefill: Vec<i64>,
+    /// [`MERGE_FIELDS`] per output row computed by split-K.
+    pub(crate) merges: Vec<i64>,
+    /// Partial records the split-K units write.
+    pub(crate) num_partials: usize,
+}
+
+/// One unit before it becomes a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Unit {
+    seq: usize,
+    kv_head: usize,
+    /// First query token, from the sequence's first, and the count.
+    token: usize,
+    tokens: usize,
+    /// First query head inside the kv head's group, and the count.
+    head: usize,
+    heads: usize,
+    keys: Range<usize>,
+    /// (first partial slot, partitions, this partition) of a split unit.
+    split: Option<(usize, usize, usize)>,
+}
+
+impl Unit {
+    fn record(&self) -> [i64; UNIT_FIELDS] {
+        let (base, parts, part) = match self.split {
+            Some((base, parts, part)) => (base as i64, parts as i64, part as i64),
+            None => (-1, 1, 0),
+        };
+        [
+            self.seq as i64,
+            self.kv_head as i64,
+            self.token as i64,
+            self.tokens as i64,
+            self.head as i64,
+            self.heads as i64,
+            self.keys.start as i64,
+            self.keys.end as i64,
+            base,
+            parts,
+            part,
+        ]
+    }
+}
+
+/// The work of a call of `config` over `md` (validated): `block_size` is the cache's when the
+/// keys are read from one, `has_new_kv` whether calls carry key/value tensors, `sm_count` the
+/// GPU's multiprocessors.
+pub(crate) fn build(
+    config: &AttentionConfig,
+    md: &AttentionMetadata,
+    block_size: Option<usize>,
+    has_new_kv: bool,
+    sm_count: usize,
+) -> Work {
+    let attn_type = config.attn_type();
+    let key_map = KeyMap::new(md, attn_type, block_size, has_new_kv);
+    let cross = attn_type == AttnType::EncoderDecoder;
+    let group = config.num_queries_per_kv();
+    let mut work = Work::default();
+    let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+    // Where sequence s's encoder tokens start among the call's key/value rows.
+    let mut encoder_start = 0;
+    for s in 0..md.num_seqs() {
+        let tokens = md.query_range(s);
+        let n = key_map.num_positions(s);
+        let first_pos = query_position(attn_type, md.seq_lens[s] as usize, tokens.len(), 0);
+        let key_base = match block_size {
+            Some(b) => {
+                let table = match &md.encoder {
+                    Some(enc) if cross => enc.cross_block_tables.row(s),
+                    _ => md.block_tables.row(s),
+                };
+                let start = work.tables.len();
+                work.tables
+                    .extend(table[..n.div_ceil(b)].iter().map(|&x| x as i64));
+                start
+            }
+            None if cross => encoder_start,
+            None => tokens.start,
+        };
+        // The positions that are new tokens, whose slot -1 makes them no key (as
+        // `KeyMap::absent_positions` says), and where their slots start.
+        let (new_start, slot_base) = match (attn_type, block_size) {
+            (AttnType::Decoder, Some(_)) => (md.context_lens[s] as usize, tokens.start),
+            (AttnType::EncoderDecoder, Some(_)) if has_new_kv => (0, encoder_start),
+            _ => (n, 0),
+        };
+        let record: [usize; SEQ_FIELDS] =
+            [tokens.start, n, first_pos, key_base, new_start, slot_base];
+        work.seqs.extend(record.map(|x| x as i64));
+        if cross {
+            encoder_start += n;
+        }
+        let keys_of = |m: usize| allowed_keys(attn_type, config.sliding_window(), first_pos + m, n);
+        for kv_head in 0..config.num_kv_heads() {
+            if tokens.len() == 1 {
+                for head in (0..group).step_by(DECODE_ROWS) {
+                    decode.push(Unit {
+                        seq: s,
+                        kv_head,
+                        token: 0,
+                        tokens: 1,
+                        head,
+                        heads: DECODE_ROWS.min(group - head),
+                        keys: keys_of(0),
+                        split: None,
+                    });
+                }
+                continue;
+            }
+            let heads = group.min(PREFILL_ROWS);
+            let per_unit = PREFILL_ROWS / heads;
+            for head in (0..group).step_by(heads) {
+                for token in (0..tokens.len()).step_by(per_unit) {
+                    let last = (token + per_unit).min(tokens.len()) - 1;
+                    let (a, b) = (keys_of(token), keys_of(last));
+                    prefill.push(Unit {
+                        seq: s,
+                        kv_head,
+                        token,
+                        tokens: last + 1 - token,
+                        head,
+                        heads: heads.min(group - head),
+                        keys: a.start.min(b.start)..a.end.max(b.end),
+                        split: None,
+                    });
+                }
+            }
+        }
+    }
+    let target = BLOCKS_PER_SM * sm_count.max(1);
+    let blocks = decode.len() + prefill.len();
+    let max_parts = if blocks >= target {
+        1
+    } else {
+        target.div_ceil(blocks.max(1))
+    };
+    for unit in decode {
+        let len = unit.keys.len();
+        let parts = len.div_ceil(MIN_PARTITION_KEYS).min(max_parts);
+        if parts <= 1 {
+            work.decode.extend(unit.record());
+            continue;
+        }
+        let step = len.div_ceil(parts).next_multiple_of(PARTITION_ALIGN);
+        let parts = len.div_ceil(step);
+        let base = work.num_partials;
+        work.num_partials += unit.heads * parts;
+        for part in 0..parts {
+            let start = unit.keys.start + part * step;
+            let split = Unit {
+                keys: start..(start + step).min(unit.keys.end),
+                split: Some((base, parts, part)),
+                ..unit.clone()
+            };
+            work.decode.extend(split.record());
+        }
+        let token = md.query_range(unit.seq).start;
+        for r in 0..unit.heads {
+            let head = unit.kv_head * group + unit.head + r;
+            work.merges
+                .extend([token, head, base + r * parts, parts].map(|x| x as i64));
+        }
+    }
+    for unit in prefill {
+        work.prefill.extend(unit.record());
+    }
+    work
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::KvCacheDtype;
+    use crate::metadata::{MetadataBuilder, SequenceDesc};
+
+    fn config(heads: usize, kv_heads: usize, window: Option<usize>) -> AttentionConfig {
+        AttentionConfig::builder(heads, 64)
+            .num_kv_heads(kv_heads)
+            .sliding_window(window)
+            .kv_cache_dtype(KvCacheDtype::Auto)
+            .build()
+            .unwrap()
+    }
+
+    fn units(records: &[i64]) -> Vec<&[i64]> {
+        records.chunks(UNIT_FIELDS).collect()
+    }
+
+    /// Every (token, head) row of the call is written exactly once: by an unsplit unit, or by
+    /// the merge of its partitions, whose key ranges tile the row's keys.
+    fn check_cover(work: &Work, md: &AttentionMetadata, cfg: &AttentionConfig) {
+        let (h, group) = (cfg.num_heads(), cfg.num_queries_per_kv());
+        let mut written = vec![0; md.num_tokens() * h];
+        let mut parts: std::collections::HashMap<usize, Vec<Range<i64>>> = Default::default();
+        for u in units(&work.decode).into_iter().chain(units(&work.prefill)) {
+            let start = md.query_start_loc[u[0] as usize] as usize + u[2] as usize;
+            for r in 0..(u[3] * u[5]) as usize {
+                let token = start + r / u[5] as usize;
+                let head = u[1] as usize * group + u[4] as usize + r % u[5] as usize;
+                if u[8] < 0 {
+                    written[token * h + head] += 1;
+                } else {
+                    let slot = (u[8] + r as i64 * u[9] + u[10]) as usize;
+                    parts.entry(slot).or_default().push(u[6]..u[7]);
+                }
+            }
+        }
+        for m in work.merges.chunks(MERGE_FIELDS) {
+            written[(m[0] * h as i64 + m[1]) as usize] += 1;
+            let mut ranges: Vec<Range<i64>> = (m[2]..m[2] + m[3])
+                .flat_map(|slot| parts.remove(&(slot as usize)).unwrap())
+                .collect();
+            ranges.sort_by_key(|r| r.start);
+            assert!(
+                ranges.windows(2).all(|w| w[0].end == w[1].start),
+                "{ranges:?}"
+            );
+        }
+        assert!(parts.is_empty(), "partials nobody merges: {parts:?}");
+        assert!(written.iter().all(|&w| w == 1), "{written:?}");
+    }
+
+    #[test]
+    fn long_decodes_are_split_and_merged() {
+        let cfg = config(8, 2, None);
+        let md = MetadataBuilder::new(16)
+            .push(SequenceDesc::prompt(5, 20, (0..2).collect()))
+            .push(SequenceDesc::decode(3000, (2..190).collect()))
+            .push(SequenceDesc::decode(100, (190..197).collect()))
+            .build()
+            .unwrap();
+        let work = build(&cfg, &md, Some(16), true, 132);
+        check_cover(&work, &md, &cfg);
+        let decode = units(&work.decode);
+        // The long decode: split for both kv heads, partitions of >= 256 keys, 32-aligned.
+        let split: Vec<_> = decode.iter().filter(|u| u[8] >= 0).collect();
+        assert!(split.len() >= 4, "{split:?}");
+        assert!(split
+            .iter()
+            .all(|u| u[0] == 1 && u[7] - u[6] >= 32 && u[6] % 32 == 0));
+        // The short decode is not split.
+        assert!(decode.iter().any(|u| u[0] == 2 && u[8] < 0));
+        assert_eq!(work.num_partials, split.len() * 4);
+        // Compact tables: ceil(25/16) + ceil(3000/16) + ceil(100/16) entries.
+        assert_eq!(work.tables.len(), 2 + 188 + 7);
+        // A full GPU gets no split.
+        let busy = build(&cfg, &md, Some(16), true, 1);
+        assert!(busy.merges.is_empty() && busy.num_partials == 0);
+        check_cover(&busy, &md, &cfg);
+    }
+
+    #[test]
+    fn prefill_units_cover_their_rows_keys() {
+        // Groups of 3 (5 tokens per unit), 20 of them (16 heads, then 4), one window.
+        for (heads, kv_heads) in [(6, 2), (20, 1), (32, 2)] {
+            let cfg = config(heads, kv_heads, Some(7));
+            let md = MetadataBuilder::new(4)
+                .push(SequenceDesc::prompt(9, 23, (0..8).collect()))
+                .push(SequenceDesc::prompt(0, 2, vec![8]))
+                .push(SequenceDesc::decode(1, vec![9]))
+                .build()
+                .unwrap();
+            let work = build(&cfg, &md, Some(4), true, 1);
+            check_cover(&work, &md, &cfg);
+            for u in units(&work.prefill) {
+                assert!((u[3] * u[5]) as usize <= PREFILL_ROWS);
+                // The union of the tokens' windows: [first - 6, last + 1) in positions.
+                let ctx = md.context_lens[u[0] as usize] as i64;
+                let (first, last) = (ctx + u[2], ctx + u[2] + u[3] - 1);
+                assert_eq!(u[6]..u[7], (first - 6).max(0)..last + 1);
+            }
+            assert!(units(&work.decode)
+                .iter()
+                .all(|u| u[5] as usize <= DECODE_ROWS));
+        }
+    }
+
+    #[test]
+    fn sequences_say_where_their_keys_are() {
+        let cfg = config(4, 2, None);
+        let mut md = MetadataBuilder::new(4)
+            .push(SequenceDesc::prompt(6, 3, vec![3, 1, 0]))
+            .push(SequenceDesc::decode(2, vec![2]))
+            .build()
+            .unwrap();
+        md.slot_mapping[1] = -1;
+        let work = build(&cfg, &md, Some(4), true, 1);
+        assert_eq!(work.seqs, [0, 9, 6, 0, 6, 0, 3, 2, 1, 3, 1, 3]);
+        assert_eq!(work.tables, [3, 1, 0, 2]);
+        // Without a cache, the keys are the inputs' rows of each sequence.
+        let md = MetadataBuilder::new(4)
+            .push(SequenceDesc::prompt(0, 3, vec![]))
+            .push(SequenceDesc::prompt(0, 2, vec![]))
+            .build()
+            .unwrap();
+        let work = build(&cfg, &md, None, true, 1);
+        assert_eq!(work.seqs, [0, 3, 0, 0, 3, 0, 3, 2, 0, 3, 2, 0]);
+        assert!(work.tables.is_empty());
+    }
+}

@@ -1,0 +1,1238 @@
+//! The `cuda` backend's attention against the `reference` backend (the oracle, itself checked
+//! against a dense attention in `reference_vs_dense`).
+//!
+//! Every property builds a random call with the generators of `common` (those of
+//! `reference_vs_dense` and `cpu_vs_reference`, restricted to the head sizes the cuda kernels
+//! are compiled for), runs it on `reference` and on the GPU, each with its own cache built from
+//! the same canonical contents (NaN and infinities in every slot no sequence covers, context
+//! written with `KvCache::write`), outputs poisoned with NaN beforehand. After the call the
+//! outputs must agree within [`allowed`] and the contract's NaN / Inf agreement, and the caches
+//! must hold the same bytes. A quarter of the cases put NaN / ±Inf into queries, keys and
+//! values (`Settings::specials`).
+//!
+//! What the shapes reach in the kernels (`kernels/attention.cu`, `src/cuda/plan.rs`): every
+//! head size and dtype, fp8 caches; decode units (one token, up to 8 query heads: GQA groups
+//! above 8 take several units) and prefill units (16 rows of tokens x heads: groups above 16
+//! take several); key tiles of 4 to 32 keys with sequences longer than several tiles; split-K
+//! partitions and their merge (long decodes in small batches); paged caches with block sizes
+//! 1..=128, shuffled blocks, table entries past the end, padding slots; all four attention
+//! types, with and without a cache; windows, ALiBi, soft caps; queries without keys. Fixed
+//! cases then hold the GPU to the contract's edges as `hardening.rs` holds `cpu`: positions
+//! past 2^24 and at i32::MAX, huge soft caps and scales, overflowing scores, and exactly where
+//! NaN and Inf may reach.
+//!
+//! Without a usable GPU every test prints `SKIPPED (no usable CUDA GPU: <reason>)` and passes.
+//! Seeds are fresh every run; a failing case prints its `settings.seed`. Cases per property:
+//! `PAGEDATTN_TEST_CASES` (the GPU suite lowers it under the sanitizers), else the default
+//! below, which `PROPTEST_CASES` overrides. `CUDA_ATTENTION_STATS=1` prints the largest error
+//! seen, as a fraction of the kernel's part of the allowance, after each property (per
+//! property with `--test-threads=1`).
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use common::*;
+use pagedattn::cuda::{self, Cuda, ATTENTION_HEAD_SIZES};
+use pagedattn::{
+    registry, AttentionConfig, AttnType, Backend, CacheLayout, DType, Device, Error, Inputs,
+    KvCache, KvCacheDtype, MetadataBuilder, SequenceDesc, Tensor,
+};
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+// ---------------------------------------------------------------------------------------------
+// The backends.
+// ---------------------------------------------------------------------------------------------
+
+/// Prints one line that `cargo test` does not capture (it captures `eprintln!`).
+fn skip(test: &str, reason: &str) {
+    let line = format!("{test}: SKIPPED ({reason})\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
+/// The backend on GPU 0, or `None` after printing why no GPU is usable. A GPU that is usable
+/// but whose backend does not start (no NVRTC, a driver error) fails the test.
+fn gpu(test: &str) -> Option<Cuda> {
+    match cuda::info() {
+        Ok(_) => {
+            Some(Cuda::new_default().unwrap_or_else(|e| {
+                panic!("the GPU is usable but the backend does not start: {e}")
+            }))
+        }
+        Err(Error::Driver(reason)) if reason.starts_with("no usable CUDA GPU") => {
+            skip(test, &reason);
+            None
+        }
+        Err(e) => panic!("cuda::info failed on a machine with a driver: {e}"),
+    }
+}
+
+fn reference() -> Box<dyn Backend> {
+    registry::backend("reference").unwrap()
+}
+
+/// Cases per property: `PAGEDATTN_TEST_CASES`, else `default` (`PROPTEST_CASES` overrides
+/// either, through `common::config`).
+fn cases(default: u32) -> ProptestConfig {
+    let n = std::env::var("PAGEDATTN_TEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default);
+    config(n)
+}
+
+/// Runs `call` on the GPU: its tensors and `cache` (already on the GPU) in, a NaN-poisoned
+/// output on the GPU out.
+fn run_on_gpu(
+    cuda: &Cuda,
+    call: &Call,
+    cache: Option<&mut KvCache>,
+    what: &str,
+) -> Result<Tensor, TestCaseError> {
+    let device = cuda.device();
+    let attention = ok(cuda.attention(&call.config), "attention")?;
+    let plan = ok(
+        attention.plan(&call.metadata, cache.as_deref().map(KvCache::spec)),
+        what,
+    )?;
+    let mut workspace = ok(cuda.workspace(&plan), "workspace")?;
+    let query = ok(call.query.to_device(device), "query to the GPU")?;
+    let kv = match &call.kv {
+        Some((k, v)) => Some((
+            ok(k.to_device(device), "key to the GPU")?,
+            ok(v.to_device(device), "value to the GPU")?,
+        )),
+        None => None,
+    };
+    let mut out = ok(
+        Tensor::zeros_on(device, query.dtype(), query.shape()),
+        "output",
+    )?;
+    ok(out.fill_nan(), "poisoning the output")?;
+    let mut inputs = Inputs::new(&query).with_cache_opt(cache);
+    if let Some((k, v)) = &kv {
+        inputs = inputs.with_kv(k, v);
+    }
+    ok(
+        attention.forward_into(&plan, &mut workspace, inputs, &mut out),
+        what,
+    )?;
+    Ok(out)
+}
+
+/// A host cache loaded on the GPU.
+fn on_gpu(cuda: &Cuda, cache: &KvCache) -> Result<KvCache, TestCaseError> {
+    ok(cuda.load_kv_cache(cache), "load_kv_cache")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tolerance.
+// ---------------------------------------------------------------------------------------------
+
+/// f32 unit roundoff.
+const U: f64 = f32::EPSILON as f64 / 2.0;
+
+/// The allowance's constants: `C0` for the roundings of quantities bounded by the largest
+/// value, `C1` for those bounded by the score terms (see [`allowed`]).
+const C0: f64 = 16.0;
+const C1: f64 = 3.0;
+
+/// The largest `|got - want|` allowed for one output element of a call with settings `st`,
+/// layer `config` and largest query or key position `max_pos`:
+///
+/// `ulp * max(|got|, |want|) + tiny + vmax * U * (C0 + C1 * smag)`.
+///
+/// * Both backends round their result to the output dtype once, so near a rounding boundary
+///   they may differ by one unit in the last place of the value (2^-23, 2^-10, 2^-7 of it for
+///   f32, f16, bf16), plus f16's subnormal step for values that small.
+/// * The kernels compute in f32 what `reference` computes in f64. The output is a convex
+///   combination of values, so its error is measured against `vmax`, the largest value
+///   magnitude the call can read (the amplitude, grown by fp8 rounding — 3 or 2 mantissa bits,
+///   up to 1.125x / 1.25x — or an fp8 cache's largest code times its scale where injected
+///   infinities were saturated). An error `ds` in a score scales its weight by `e^ds`, moving
+///   the output by at most about `2 * vmax * ds`; f32 scores err by a few roundings of their
+///   largest terms, bounded by `smag = |scale| * D * qmax * kmax + max|slope| * max_pos + cap`
+///   (the dot product's terms, the ALiBi bias, the soft cap): hence `C1`. The exponentials
+///   (CUDA's `expf` and `tanhf` are within 2 ulps), the running sums over key tiles, the
+///   split-K merge, the P.V sums and the normalisation are a few dozen roundings of
+///   quantities bounded by `vmax`: hence `C0`. Both constants are those the `cpu` suite
+///   calibrated for the same f32 computation (the kernels keep probabilities in f32: no
+///   bf16 rounding of P here).
+fn allowed(
+    st: &Settings,
+    config: &AttentionConfig,
+    max_pos: usize,
+    got: f64,
+    want: f64,
+) -> (f64, f64) {
+    let (ulp, tiny) = match st.dtype {
+        DType::F32 => (2f64.powi(-23), 0.0),
+        DType::F16 => (2f64.powi(-10), 2f64.powi(-24)),
+        DType::BF16 => (2f64.powi(-7), 0.0),
+        DType::U8 => unreachable!(),
+    };
+    let amplitude = st.amplitude as f64;
+    let growth = match st.kv_cache_dtype {
+        KvCacheDtype::Auto => 1.0,
+        KvCacheDtype::Fp8E4m3 => 1.125,
+        KvCacheDtype::Fp8E5m2 => 1.25,
+    };
+    let (mut kmax, mut vmax) = (amplitude * growth, amplitude * growth);
+    if let (Some(format), true) = (st.kv_cache_dtype.fp8_format(), st.specials > 0.0) {
+        let largest = format.max_finite() as f64;
+        kmax = kmax.max(largest * st.k_scale as f64);
+        vmax = vmax.max(largest * st.v_scale as f64);
+    }
+    let slope = st.slopes().map_or(0.0, |s| {
+        s.iter().fold(0.0f64, |m, &x| m.max(x.abs() as f64))
+    });
+    let smag = (config.scale() as f64).abs() * st.head_size as f64 * amplitude * kmax
+        + slope * max_pos as f64
+        + st.soft_cap.map_or(0.0, f64::from);
+    let kernel = vmax * U * (C0 + C1 * smag);
+    (ulp * got.abs().max(want.abs()) + tiny + kernel, kernel)
+}
+
+/// The largest error seen as a fraction of the allowance (bits of an f64), for
+/// `CUDA_ATTENTION_STATS`.
+static WORST: AtomicU64 = AtomicU64::new(0);
+
+/// Prints and resets [`WORST`] when `CUDA_ATTENTION_STATS` is set.
+fn report(property: &str) {
+    let worst = f64::from_bits(WORST.swap(0, Ordering::Relaxed));
+    if std::env::var_os("CUDA_ATTENTION_STATS").is_some() {
+        let line = format!("STATS {property}: largest error {worst:.3} of the allowance\n");
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }
+}
+
+/// Checks the GPU output of `call` elementwise against the reference output.
+fn compare(
+    got: &Tensor,
+    want: &Tensor,
+    st: &Settings,
+    call: &Call,
+    max_pos: usize,
+    what: &str,
+) -> TestResult {
+    prop_assert_eq!(got.shape(), want.shape());
+    let (h, d) = (want.shape()[1], want.shape()[2]);
+    let (got, want) = (got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
+    let at = |i: usize| format!("output[{}][{}][{}]", i / (h * d), i / d % h, i % d);
+    let mut worst: Option<(usize, f64)> = None;
+    let mut bad = 0;
+    for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+        let (g, w) = (g as f64, w as f64);
+        if !(g.is_finite() && w.is_finite()) {
+            if !same_class(g, w) {
+                return Err(TestCaseError::fail(format!(
+                    "{what}: {} = {g}, reference = {w} (the contract's NaN / Inf agreement)",
+                    at(i)
+                )));
+            }
+            continue;
+        }
+        let (bound, kernel) = allowed(st, &call.config, max_pos, g, w);
+        let excess = (g - w).abs() / bound;
+        let used = ((g - w).abs() - (bound - kernel)).max(0.0) / kernel;
+        WORST.fetch_max(used.to_bits(), Ordering::Relaxed);
+        if excess > 1.0 {
+            bad += 1;
+            if worst.is_none_or(|(_, e)| excess > e) {
+                worst = Some((i, excess));
+            }
+        }
+    }
+    if let Some((i, _)) = worst {
+        let (g, w) = (got[i] as f64, want[i] as f64);
+        return Err(TestCaseError::fail(format!(
+            "{what}: {} = {g:e}, reference = {w:e} (difference {:e}, allowed {:e}); {bad} of {} \
+             elements out of tolerance",
+            at(i),
+            (g - w).abs(),
+            allowed(st, &call.config, max_pos, g, w).0,
+            got.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The contract's agreement for outputs that are not both finite: NaN exactly where the
+/// reference has NaN; where it has ±Inf, the same infinity or NaN (an f32 weight that
+/// underflowed to 0 meeting an infinite value, where the reference's f64 weight did not).
+fn same_class(got: f64, want: f64) -> bool {
+    if want.is_nan() {
+        got.is_nan()
+    } else if want.is_infinite() {
+        got == want || got.is_nan()
+    } else {
+        got.is_finite()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running one case on both backends.
+// ---------------------------------------------------------------------------------------------
+
+fn run_decoder_paged(cuda: &Cuda, case: &DecoderCase) -> TestResult {
+    let st = &case.settings;
+    let built = DecoderPaged::build(case)?;
+    let reference = reference();
+    let mut ref_cache = built.cache(reference.kv_cache_layout())?;
+    let want = built
+        .call
+        .run(&*reference, Some(&mut ref_cache), "reference forward")?;
+    let mut cache = on_gpu(cuda, &built.cache(cuda.kv_cache_layout())?)?;
+    let got = run_on_gpu(cuda, &built.call, Some(&mut cache), "cuda forward")?;
+    // The cache first: a write bug reads better as a byte mismatch.
+    same_cache(&cache, &ref_cache, "cache after forward")?;
+    let max_pos = built.lens.iter().copied().max().unwrap_or(0);
+    compare(&got, &want, st, &built.call, max_pos, "decoder")
+}
+
+fn run_uncached_self(
+    cuda: &Cuda,
+    st: &Settings,
+    attn_type: AttnType,
+    lens: &[usize],
+    decodes: usize,
+) -> TestResult {
+    let built = UncachedSelf::build(st, attn_type, lens, decodes)?;
+    let max_pos = built.lens.iter().copied().max().unwrap_or(0);
+    let want = built.call.run(&*reference(), None, "reference forward")?;
+    let got = run_on_gpu(cuda, &built.call, None, "cuda forward")?;
+    compare(&got, &want, st, &built.call, max_pos, attn_type.name())
+}
+
+/// The largest query or key position of a cross-attention call.
+fn cross_max_pos(enc_lens: &[usize], steps: &[CrossStep]) -> usize {
+    let enc = enc_lens.iter().copied().max().unwrap_or(0);
+    let dec = steps.iter().map(|s| s.context + s.new).max().unwrap_or(0);
+    enc.max(dec)
+}
+
+fn run_cross_paged(cuda: &Cuda, case: &CrossCase) -> TestResult {
+    let st = &case.settings;
+    let built = CrossPaged::build(case)?;
+    let reference = reference();
+    let mut ref_cache = built.poisoned.build(reference.kv_cache_layout());
+    let want1 = built
+        .call1
+        .run(&*reference, Some(&mut ref_cache), "reference call 1")?;
+    let want2 = built
+        .call2
+        .run(&*reference, Some(&mut ref_cache), "reference call 2")?;
+    let max_pos = cross_max_pos(&built.enc_lens, &built.steps1)
+        .max(cross_max_pos(&built.enc_lens, &built.steps2));
+    let mut cache = on_gpu(cuda, &built.poisoned.build(cuda.kv_cache_layout()))?;
+    let got = run_on_gpu(
+        cuda,
+        &built.call1,
+        Some(&mut cache),
+        "cuda call 1 (writes the cross cache)",
+    )?;
+    built.after.check(&cache, "cache after call 1")?;
+    compare(&got, &want1, st, &built.call1, max_pos, "cross call 1")?;
+    let got = run_on_gpu(
+        cuda,
+        &built.call2,
+        Some(&mut cache),
+        "cuda call 2 (reads the cross cache)",
+    )?;
+    compare(&got, &want2, st, &built.call2, max_pos, "cross call 2")?;
+    same_cache(&cache, &ref_cache, "cache after both calls")
+}
+
+fn run_cross_no_cache(cuda: &Cuda, case: &CrossNoCacheCase) -> TestResult {
+    let st = &case.settings;
+    let built = CrossNoCache::build(case)?;
+    let max_pos = cross_max_pos(&built.enc_lens, &built.steps);
+    let want = built.call.run(&*reference(), None, "reference forward")?;
+    let got = run_on_gpu(cuda, &built.call, None, "cuda forward")?;
+    compare(&got, &want, st, &built.call, max_pos, "cross without cache")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes.
+// ---------------------------------------------------------------------------------------------
+
+/// The layer shapes of this suite: the cuda head sizes, GQA groups that fit one unit and
+/// groups that take several (decode units hold 8 query heads, prefill units 16 rows).
+fn gpu_space() -> Space {
+    Space {
+        heads: prop_oneof![
+            4 => (1..=3usize, 1..=4usize),
+            2 => (1..=2usize, 5..=12usize),
+            1 => (Just(1usize), 16..=40usize),
+        ]
+        .boxed(),
+        head_size: prop::sample::select(ATTENTION_HEAD_SIZES.to_vec()).boxed(),
+        block_size: prop_oneof![
+            3 => 1..=64usize,
+            2 => prop::sample::select(vec![8usize, 16, 32, 64, 128]),
+        ]
+        .boxed(),
+        window: prop::option::weighted(
+            0.3,
+            prop_oneof![3 => 1..=12usize, 2 => 13..=200usize, 1 => 201..=3000usize],
+        )
+        .boxed(),
+    }
+}
+
+/// How large a case's sequences are.
+#[derive(Debug, Clone, Copy)]
+enum Size {
+    /// A few tokens and keys.
+    Small,
+    /// Several prefill units per sequence and several key tiles per unit.
+    Tiled,
+    /// Decodes over hundreds to thousands of keys (split-K in small batches), and a chunk.
+    Long,
+}
+
+fn size() -> impl Strategy<Value = Size> {
+    prop_oneof![5 => Just(Size::Small), 3 => Just(Size::Tiled), 1 => Just(Size::Long)]
+}
+
+/// Query tokens per prefill unit (`PREFILL_ROWS` = 16 rows of tokens x heads).
+fn query_tile(st: &Settings) -> usize {
+    (16 / st.group.min(16)).max(1)
+}
+
+/// Multiply-adds (per query-key pair: H * D) the reference may spend on one sequence of a
+/// case, so that cases stay fast whatever the head count and size.
+const WORK: usize = 12_000_000;
+
+/// The longest key count a sequence of `queries` queries may have within [`WORK`].
+fn max_keys(st: &Settings, queries: usize) -> usize {
+    WORK / (queries.max(1) * st.num_heads() * st.head_size)
+}
+
+fn decoder_case_gpu() -> impl Strategy<Value = DecoderCase> {
+    (settings_in(&gpu_space(), true), size(), 0..=3usize)
+        .prop_flat_map(|(st, size, spare_blocks)| {
+            let tile = query_tile(&st);
+            let (prefills, decodes) = match size {
+                Size::Small => (
+                    prop::collection::vec(
+                        prefill_seq_in(prop_oneof![Just(0usize), 1..=40usize].boxed(), 1..=12),
+                        0..=3,
+                    )
+                    .boxed(),
+                    prop::collection::vec(decode_seq_in(1..=80), 0..=3).boxed(),
+                ),
+                Size::Tiled => {
+                    let new = (2 * tile + 1)..=(3 * tile + 8);
+                    let context = max_keys(&st, 3 * tile + 8).clamp(1, 150);
+                    (
+                        prop::collection::vec(
+                            prefill_seq_in(prop_oneof![Just(0usize), 1..=context].boxed(), new),
+                            1..=2,
+                        )
+                        .boxed(),
+                        prop::collection::vec(decode_seq_in(33..=300), 0..=3).boxed(),
+                    )
+                }
+                Size::Long => {
+                    let long = max_keys(&st, 1).clamp(300, 4000);
+                    let chunk = max_keys(&st, 8).clamp(1, long);
+                    (
+                        prop::collection::vec(prefill_seq_in((0..=chunk).boxed(), 1..=8), 0..=1)
+                            .boxed(),
+                        prop::collection::vec(decode_seq_in(257..=long), 1..=2).boxed(),
+                    )
+                }
+            };
+            (Just(st), prefills, decodes, Just(spare_blocks))
+        })
+        .prop_map(|(settings, mut seqs, decodes, spare_blocks)| {
+            seqs.extend(decodes);
+            DecoderCase {
+                settings,
+                seqs,
+                spare_blocks,
+            }
+        })
+}
+
+/// Sequence lengths of a self-attention call without a cache: small, or longer than a
+/// prefill unit's tokens and a key tile (zero-length ones where `zeros`).
+fn uncached_lens(st: &Settings, size: Size, zeros: bool) -> BoxedStrategy<Vec<usize>> {
+    let zero = if zeros { 1 } else { 0 };
+    match size {
+        Size::Small => {
+            prop::collection::vec(prop_oneof![zero => Just(0usize), 4 => 1..=12usize], 1..=4)
+                .boxed()
+        }
+        Size::Tiled | Size::Long => {
+            let cap = ((WORK / (st.num_heads() * st.head_size)) as f64).sqrt() as usize;
+            let longest = (3 * query_tile(st)).max(80).min(cap.max(2));
+            prop::collection::vec(
+                prop_oneof![zero => Just(0usize), 1 => 1..=8usize, 3 => 1..=longest],
+                1..=3,
+            )
+            .boxed()
+        }
+    }
+}
+
+fn decoder_no_cache_case_gpu() -> impl Strategy<Value = DecoderNoCacheCase> {
+    (settings_in(&gpu_space(), true), size()).prop_flat_map(|(st, size)| {
+        let prompts = uncached_lens(&st, size, false)
+            .prop_map(|mut l| {
+                l.retain(|&n| n > 0);
+                l
+            })
+            .boxed();
+        decoder_no_cache_case_in(Just(st), prompts)
+    })
+}
+
+fn encoder_case_gpu() -> impl Strategy<Value = EncoderCase> {
+    (settings_in(&gpu_space(), false), size()).prop_flat_map(|(st, size)| {
+        let lens = uncached_lens(&st, size, true);
+        encoder_case_in(Just(st), lens)
+    })
+}
+
+/// Encoder lengths and (lowest, highest) decoder query counts of a cross-attention case.
+fn cross_sizes(st: &Settings, size: Size) -> (BoxedStrategy<usize>, (usize, usize)) {
+    let tile = query_tile(st);
+    match size {
+        Size::Small => (
+            prop_oneof![1 => Just(0usize), 5 => 1..=12usize].boxed(),
+            (1, 5),
+        ),
+        Size::Tiled => {
+            let queries = 3 * tile + 8;
+            let enc = max_keys(st, queries).clamp(65, 200);
+            (
+                prop_oneof![1 => Just(0usize), 1 => 1..=12usize, 4 => 65..=enc].boxed(),
+                (2 * tile + 1, queries),
+            )
+        }
+        Size::Long => {
+            let enc = max_keys(st, 4).clamp(300, 2000);
+            (
+                prop_oneof![1 => Just(0usize), 4 => 257..=enc].boxed(),
+                (1, 4),
+            )
+        }
+    }
+}
+
+fn cross_case_gpu() -> impl Strategy<Value = CrossCase> {
+    (settings_in(&gpu_space(), false), size()).prop_flat_map(|(st, size)| {
+        let (enc, (lo, hi)) = cross_sizes(&st, size);
+        let seqs = prop::collection::vec(
+            cross_seq_in(
+                enc,
+                prop_oneof![Just(0usize), 1..=70usize].boxed(),
+                lo..=hi,
+                lo..=hi,
+            ),
+            1..=3,
+        );
+        cross_case_in(Just(st), seqs)
+    })
+}
+
+fn cross_no_cache_case_gpu() -> impl Strategy<Value = CrossNoCacheCase> {
+    (settings_in(&gpu_space(), false), size()).prop_flat_map(|(st, size)| {
+        let (enc, (lo, hi)) = cross_sizes(&st, size);
+        cross_no_cache_case_in(
+            Just(st),
+            prop::collection::vec((enc.clone(), 0..=70usize, lo..=hi), 0..=3),
+            prop::collection::vec((enc, 0..=70usize), 0..=3),
+        )
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The properties.
+// ---------------------------------------------------------------------------------------------
+
+/// Decoder over a paged cache: chunked prefill / prefix-cached prompts, fresh prompts and
+/// decodes in one batch (long ones split along the keys), padding slots, GQA / MQA, ALiBi,
+/// windows, soft cap, fp8.
+#[test]
+fn decoder_paged_matches_reference() {
+    let Some(cuda) = gpu("decoder_paged_matches_reference") else {
+        return;
+    };
+    proptest!(cases(96), |(case in decoder_case_gpu())| {
+        run_decoder_paged(&cuda, &case)?;
+    });
+    report("decoder_paged_matches_reference");
+}
+
+/// Cross attention with a cross cache: a prefill call that writes the encoder K/V, then a
+/// call without key/value that reads them back.
+#[test]
+fn cross_attention_paged_matches_reference() {
+    let Some(cuda) = gpu("cross_attention_paged_matches_reference") else {
+        return;
+    };
+    proptest!(cases(64), |(case in cross_case_gpu())| {
+        run_cross_paged(&cuda, &case)?;
+    });
+    report("cross_attention_paged_matches_reference");
+}
+
+/// Decoder without a cache: fresh prompts (and 1-token decodes), keys from the inputs.
+#[test]
+fn decoder_without_cache_matches_reference() {
+    let Some(cuda) = gpu("decoder_without_cache_matches_reference") else {
+        return;
+    };
+    proptest!(cases(48), |(case in decoder_no_cache_case_gpu())| {
+        run_uncached_self(&cuda, &case.settings, AttnType::Decoder, &case.prompts, case.decodes)?;
+    });
+    report("decoder_without_cache_matches_reference");
+}
+
+/// Encoder and encoder-only: bidirectional over each sequence's own tokens, no cache.
+#[test]
+fn encoder_types_match_reference() {
+    let Some(cuda) = gpu("encoder_types_match_reference") else {
+        return;
+    };
+    proptest!(cases(48), |(case in encoder_case_gpu())| {
+        run_uncached_self(&cuda, &case.settings, case.attn_type, &case.lens, 0)?;
+    });
+    report("encoder_types_match_reference");
+}
+
+/// Cross attention without a cache: encoder K/V from the inputs.
+#[test]
+fn cross_attention_without_cache_matches_reference() {
+    let Some(cuda) = gpu("cross_attention_without_cache_matches_reference") else {
+        return;
+    };
+    proptest!(cases(48), |(case in cross_no_cache_case_gpu())| {
+        run_cross_no_cache(&cuda, &case)?;
+    });
+    report("cross_attention_without_cache_matches_reference");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fixed cases.
+// ---------------------------------------------------------------------------------------------
+
+/// The smallest and largest head sizes, and one that is no multiple of 32 (80).
+const FIXED_HEAD_SIZES: [usize; 3] = [32, 80, 256];
+
+/// Unwraps a property's result in a plain test.
+fn must(result: TestResult, what: &str) {
+    if let Err(e) = result {
+        panic!("{what}: {e}");
+    }
+}
+
+/// Runs `call` on the GPU and requires exact zeros everywhere.
+fn all_zeros(cuda: &Cuda, call: &Call, cache: Option<&mut KvCache>, what: &str) {
+    let out = run_on_gpu(cuda, call, cache, what).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let values = out.to_f32_vec().unwrap();
+    assert!(values.iter().all(|&x| x == 0.0), "{what}: {values:?}");
+}
+
+#[test]
+fn zero_length_encoder_sequences() {
+    let Some(cuda) = gpu("zero_length_encoder_sequences") else {
+        return;
+    };
+    for dtype in DType::FLOATS {
+        for d in FIXED_HEAD_SIZES {
+            let what = format!("{dtype} D={d}");
+            // Cross attention: the queries of a sequence with no encoder tokens get exact
+            // zeros, with and without a cross cache, at prefill and at decode.
+            let st = fixed_settings(dtype, KvCacheDtype::Fp8E4m3, d);
+            let (paged, no_cache) = empty_encoder_cases(&st);
+            must(run_cross_paged(&cuda, &paged), &what);
+            must(run_cross_no_cache(&cuda, &no_cache), &what);
+
+            // Every output of an all-empty encoder side is exactly zero.
+            let call = Call {
+                config: st.config(AttnType::EncoderDecoder),
+                query: Tensor::from_f32(dtype, &[4, 4, d], &vec![0.5; 16 * d]).unwrap(),
+                kv: Some((
+                    Tensor::zeros(dtype, &[0, 2, d]),
+                    Tensor::zeros(dtype, &[0, 2, d]),
+                )),
+                metadata: all_empty_encoder_metadata(),
+                scales: st.kv_scales(),
+            };
+            all_zeros(&cuda, &call, None, &what);
+
+            // Encoder / encoder-only batches with empty sequences, and with nothing at all.
+            for t in [AttnType::Encoder, AttnType::EncoderOnly] {
+                must(run_uncached_self(&cuda, &st, t, &[0, 3, 0, 0, 2], 0), &what);
+                must(run_uncached_self(&cuda, &st, t, &[0, 0], 0), &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn decoder_queries_without_keys_give_zeros() {
+    let Some(cuda) = gpu("decoder_queries_without_keys_give_zeros") else {
+        return;
+    };
+    for dtype in DType::FLOATS {
+        for kv_cache_dtype in [
+            KvCacheDtype::Auto,
+            KvCacheDtype::Fp8E4m3,
+            KvCacheDtype::Fp8E5m2,
+        ] {
+            for d in FIXED_HEAD_SIZES {
+                let what = format!("{dtype} {kv_cache_dtype} D={d}");
+                let st = fixed_settings(dtype, kv_cache_dtype, d);
+                must(run_decoder_paged(&cuda, &keyless_decoder_case(&st)), &what);
+
+                // Exact zeros for every row of a batch whose keys are all padding.
+                let spec = st.spec(3);
+                let model = CacheModel::poisoned(spec, st.kv_scales(), &mut st.rng());
+                let mut cache = cuda.load_kv_cache(&model.build(CacheLayout::Nhd)).unwrap();
+                let call = Call {
+                    config: st.config(AttnType::Decoder),
+                    query: Tensor::from_f32(dtype, &[4, 4, d], &vec![0.5; 16 * d]).unwrap(),
+                    kv: Some((
+                        Tensor::from_f32(dtype, &[4, 2, d], &vec![0.25; 8 * d]).unwrap(),
+                        Tensor::from_f32(dtype, &[4, 2, d], &vec![0.25; 8 * d]).unwrap(),
+                    )),
+                    metadata: all_padding_metadata(),
+                    scales: st.kv_scales(),
+                };
+                all_zeros(&cuda, &call, Some(&mut cache), &what);
+            }
+        }
+    }
+}
+
+/// Long decodes split along the keys (split-K) and merged: 3000 keys, one kv head with a
+/// group of 8, with and without a window spanning several partitions, with the decode's own
+/// token as padding, and a window of 3 (one partition).
+#[test]
+fn long_decodes_split_along_the_keys() {
+    let Some(cuda) = gpu("long_decodes_split_along_the_keys") else {
+        return;
+    };
+    for dtype in DType::FLOATS {
+        for d in FIXED_HEAD_SIZES {
+            for (window, pad) in [(None, false), (Some(700), true), (Some(3), false)] {
+                let mut st = fixed_settings(dtype, KvCacheDtype::Auto, d);
+                st.sliding_window = window;
+                st.num_kv_heads = 1;
+                st.group = 8;
+                st.block_size = 16;
+                let case = DecoderCase {
+                    settings: st,
+                    seqs: vec![DecoderSeq {
+                        context: 2999,
+                        new: 1,
+                        decode: true,
+                        pad: vec![pad],
+                        extra_blocks: 1,
+                    }],
+                    spare_blocks: 2,
+                };
+                must(
+                    run_decoder_paged(&cuda, &case),
+                    &format!("{dtype} D={d} window {window:?} pad {pad}"),
+                );
+            }
+        }
+    }
+}
+
+/// One plan serves layers that differ in scale, ALiBi, soft cap and fp8 scales; a forward
+/// repeated on the same inputs gives the same bits (the kernels are deterministic).
+#[test]
+fn one_plan_serves_every_layer() {
+    let Some(cuda) = gpu("one_plan_serves_every_layer") else {
+        return;
+    };
+    let reference = reference();
+    let spec = pagedattn::KvCacheSpec {
+        num_blocks: 12,
+        block_size: 4,
+        num_kv_heads: 2,
+        head_size: 64,
+        dtype: DType::BF16,
+        kv_cache_dtype: KvCacheDtype::Fp8E5m2,
+    };
+    let metadata = MetadataBuilder::for_cache(&spec)
+        .push(SequenceDesc::prompt(3, 6, vec![7, 2, 9]))
+        .push(SequenceDesc::decode(11, vec![0, 5, 11]))
+        .build()
+        .unwrap();
+    let layer = |scale: f32, alibi: bool, cap: Option<f32>, k_scale: f32| {
+        AttentionConfig::builder(6, 64)
+            .num_kv_heads(2)
+            .scale(scale)
+            .alibi_slopes(alibi.then(|| pagedattn::alibi_slopes_bloom(6)))
+            .logits_soft_cap(cap)
+            .kv_cache_dtype(KvCacheDtype::Fp8E5m2)
+            .kv_scales(k_scale, 0.5)
+            .build()
+            .unwrap()
+    };
+    let layers = [
+        layer(0.125, false, None, 1.0),
+        layer(-0.3, true, None, 0.25),
+        layer(0.2, true, Some(5.0), 2.0),
+    ];
+    let tensor = |shape: &[usize], seed: f32| {
+        let n = shape.iter().product();
+        let values: Vec<f32> = (0..n).map(|i| (i as f32 * seed).sin() * 2.0).collect();
+        Tensor::from_f32(DType::BF16, shape, &values).unwrap()
+    };
+    let (q, k, v) = (
+        tensor(&[7, 6, 64], 0.37),
+        tensor(&[7, 2, 64], 0.11),
+        tensor(&[7, 2, 64], 0.23),
+    );
+    let dev = |t: &Tensor| t.to_device(cuda.device()).unwrap();
+    let (gq, gk, gv) = (dev(&q), dev(&k), dev(&v));
+    let plan = cuda
+        .attention(&layers[0])
+        .unwrap()
+        .plan(&metadata, Some(&spec))
+        .unwrap();
+    let mut workspace = cuda.workspace(&plan).unwrap();
+    for (i, config) in layers.iter().enumerate() {
+        let attention = cuda.attention(config).unwrap();
+        let mut cache = cuda.allocate_kv_cache(&spec).unwrap();
+        let mut outputs = Vec::new();
+        for _ in 0..2 {
+            let inputs = Inputs::new(&gq).with_kv(&gk, &gv).with_cache(&mut cache);
+            let out = attention.forward(&plan, &mut workspace, inputs).unwrap();
+            outputs.push(out.to_f32_vec().unwrap());
+        }
+        assert_eq!(
+            outputs[0].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            outputs[1].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "layer {i}: a repeated forward differs"
+        );
+        let reference_attention = reference.attention(config).unwrap();
+        let mut ref_cache = reference.allocate_kv_cache(&spec).unwrap();
+        let mut want = Tensor::zeros(DType::BF16, &[7, 6, 64]);
+        forward_once(
+            &*reference,
+            &*reference_attention,
+            &q,
+            Some(pagedattn::KvPair { key: &k, value: &v }),
+            Some(&mut ref_cache),
+            &metadata,
+            &mut want,
+        )
+        .unwrap();
+        let want = want.to_f32_vec().unwrap();
+        let worst = outputs[0]
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs() / w.abs().max(1.0))
+            .fold(0.0f32, f32::max);
+        // bf16 outputs: a few units of 2^-8 relative.
+        assert!(worst < 0.02, "layer {i}: worst difference {worst}");
+    }
+}
+
+/// Head sizes without kernels answer `Unsupported` from the forward, before writing the
+/// cache; the cache write alone works for them.
+#[test]
+fn unsupported_head_sizes_answer_unsupported() {
+    let Some(cuda) = gpu("unsupported_head_sizes_answer_unsupported") else {
+        return;
+    };
+    for d in [8, 48, 72, 100, 160, 512] {
+        let config = AttentionConfig::builder(4, d)
+            .num_kv_heads(2)
+            .build()
+            .unwrap();
+        let spec = config.kv_cache_spec(DType::F16, 4, 2);
+        let mut cache = cuda.allocate_kv_cache(&spec).unwrap();
+        let metadata = MetadataBuilder::for_cache(&spec)
+            .push(SequenceDesc::prompt(0, 3, vec![2, 0]))
+            .build()
+            .unwrap();
+        let attention = cuda.attention(&config).unwrap();
+        let plan = attention.plan(&metadata, Some(&spec)).unwrap();
+        let mut workspace = cuda.workspace(&plan).unwrap();
+        let ones = |shape: &[usize]| {
+            Tensor::from_f32(DType::F16, shape, &vec![1.0; shape.iter().product()])
+                .unwrap()
+                .to_device(Device::Cuda(0))
+                .unwrap()
+        };
+        let (q, k, v) = (ones(&[3, 4, d]), ones(&[3, 2, d]), ones(&[3, 2, d]));
+        let inputs = Inputs::new(&q).with_kv(&k, &v).with_cache(&mut cache);
+        match attention.forward(&plan, &mut workspace, inputs) {
+            Err(Error::Unsupported { backend, feature }) => {
+                assert_eq!(backend, "cuda");
+                assert!(feature.contains(&format!("head size {d}")), "{feature}");
+            }
+            other => panic!("head size {d}: expected Unsupported, got {other:?}"),
+        }
+        let (key, _) = cache.to_canonical().unwrap();
+        assert!(
+            key.as_bytes().iter().all(|&b| b == 0),
+            "head size {d}: the forward wrote the cache"
+        );
+        attention.write_kv(&plan, &k, &v, &mut cache).unwrap();
+        let (key, _) = cache.to_canonical().unwrap();
+        assert!(key.as_bytes().iter().any(|&b| b != 0), "head size {d}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The contract's edges (the cases `hardening.rs` holds `cpu` to): exact positions, soft caps,
+// scales, overflow, NaN and Inf, on the GPU against `reference`.
+// ---------------------------------------------------------------------------------------------
+
+/// One call with a hand-made cache: zeros plus the rows written before the call.
+struct Edge {
+    config: AttentionConfig,
+    metadata: pagedattn::AttentionMetadata,
+    query: Tensor,
+    kv: Option<(Tensor, Tensor)>,
+    /// The cache's dtype and block count, and the rows written before the call
+    /// (`[rows, Hkv, D]` keys and values, their slots).
+    cache: Option<(DType, usize, Tensor, Tensor, Vec<i64>)>,
+}
+
+impl Edge {
+    /// The output on `backend`, which starts poisoned with NaN.
+    fn run(&self, backend: &dyn Backend) -> Vec<f32> {
+        let device = backend.device();
+        let attention = backend.attention(&self.config).unwrap();
+        let mut cache = self.cache.as_ref().map(|(dtype, blocks, k, v, slots)| {
+            let block_size = self.metadata.block_size.unwrap();
+            let spec = self.config.kv_cache_spec(*dtype, *blocks, block_size);
+            let mut host = KvCache::zeros(spec, backend.kv_cache_layout()).unwrap();
+            host.write(k, v, slots, self.config.kv_scales()).unwrap();
+            backend.load_kv_cache(&host).unwrap()
+        });
+        let plan = attention
+            .plan(&self.metadata, cache.as_ref().map(KvCache::spec))
+            .unwrap();
+        let mut workspace = backend.workspace(&plan).unwrap();
+        let query = self.query.to_device(device).unwrap();
+        let kv = self
+            .kv
+            .as_ref()
+            .map(|(k, v)| (k.to_device(device).unwrap(), v.to_device(device).unwrap()));
+        let mut out = Tensor::zeros_on(device, query.dtype(), query.shape()).unwrap();
+        out.fill_nan().unwrap();
+        let mut inputs = Inputs::new(&query).with_cache_opt(cache.as_mut());
+        if let Some((k, v)) = &kv {
+            inputs = inputs.with_kv(k, v);
+        }
+        attention
+            .forward_into(&plan, &mut workspace, inputs, &mut out)
+            .unwrap();
+        out.to_f32_vec().unwrap()
+    }
+
+    /// The reference output, after checking that the GPU agrees with it: the contract's NaN /
+    /// Inf classes, and finite elements within `rel` of the largest finite reference
+    /// magnitude.
+    fn agreed(&self, cuda: &Cuda, rel: f32) -> Vec<f32> {
+        let want = self.run(&*reference());
+        let got = self.run(cuda);
+        let largest = want
+            .iter()
+            .filter(|x| x.is_finite())
+            .fold(0.0f32, |m, x| m.max(x.abs()));
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let agrees = if w.is_finite() {
+                g.is_finite() && (g - w).abs() <= rel * largest
+            } else {
+                same_class(g as f64, w as f64)
+            };
+            assert!(agrees, "output element {i} = {g}, reference {w}");
+        }
+        want
+    }
+}
+
+/// `n` distinct values of modest size (a fixed pseudo-random pattern).
+fn wave(n: usize, phase: f32) -> Vec<f32> {
+    (0..n).map(|i| (i as f32 * 0.731 + phase).sin()).collect()
+}
+
+fn f32_tensor(shape: &[usize], values: &[f32]) -> Tensor {
+    Tensor::from_f32(DType::F32, shape, values).unwrap()
+}
+
+/// A decode at position 2^24 + 999 with a soft cap: the mask compares positions past f32's
+/// integers. The block table reuses one zero block up to the last block, whose keys (the
+/// newest one above all) dominate. (Sixteen million keys: split-K over every partition the
+/// GPU takes.)
+#[test]
+fn decode_positions_are_exact_past_2_pow_24() {
+    let Some(cuda) = gpu("decode_positions_are_exact_past_2_pow_24") else {
+        return;
+    };
+    let (bs, d) = (1024usize, 32usize);
+    let seq_len: usize = (1 << 24) + 1000;
+    let blocks = seq_len.div_ceil(bs);
+    let mut table = vec![0i32; blocks];
+    table[blocks - 1] = 1;
+    let config = AttentionConfig::builder(1, d)
+        .scale(1.0)
+        .logits_soft_cap(Some(50.0))
+        .build()
+        .unwrap();
+    let last = (blocks - 1) * bs;
+    let context = seq_len - 1 - last;
+    // Keys of the last block score 8..=20 against q = (4, 0, ...); the new key scores 30.
+    let mut k = vec![0.0f32; context * d];
+    for (o, row) in k.chunks_exact_mut(d).enumerate() {
+        row[0] = 2.0 + 0.5 * (o % 7) as f32;
+    }
+    let mut new_k = vec![0.0f32; d];
+    new_k[0] = 7.5;
+    let mut q = vec![0.0f32; d];
+    q[0] = 4.0;
+    Edge {
+        config,
+        metadata: MetadataBuilder::new(bs)
+            .push(SequenceDesc::decode(seq_len, table))
+            .build()
+            .unwrap(),
+        query: f32_tensor(&[1, 1, d], &q),
+        kv: Some((
+            f32_tensor(&[1, 1, d], &new_k),
+            f32_tensor(&[1, 1, d], &wave(d, 3.0)),
+        )),
+        cache: Some((
+            DType::F32,
+            2,
+            f32_tensor(&[context, 1, d], &k),
+            f32_tensor(&[context, 1, d], &wave(context * d, 1.0)),
+            (0..context as i64).map(|o| bs as i64 + o).collect(),
+        )),
+    }
+    .agreed(&cuda, 1e-5);
+}
+
+/// Cross attention with ALiBi far into the decoder, at decoder positions 2^24 + 1 and
+/// i32::MAX - 1: the distances must be exact.
+#[test]
+fn cross_alibi_is_exact_at_any_decoder_position() {
+    let Some(cuda) = gpu("cross_alibi_is_exact_at_any_decoder_position") else {
+        return;
+    };
+    let (h, d, enc) = (4usize, 32usize, 6usize);
+    for seq_len in [(1usize << 24) + 2, i32::MAX as usize] {
+        let config = AttentionConfig::builder(h, d)
+            .num_kv_heads(1)
+            .attn_type(AttnType::EncoderDecoder)
+            .alibi_slopes(Some(vec![0.5, 0.25, 0.0625, 0.015625]))
+            .build()
+            .unwrap();
+        Edge {
+            config,
+            metadata: MetadataBuilder::new(8)
+                .push(SequenceDesc::decode(seq_len, vec![]).with_encoder(enc, vec![0]))
+                .build()
+                .unwrap(),
+            query: f32_tensor(&[1, h, d], &wave(h * d, 0.5)),
+            kv: None,
+            cache: Some((
+                DType::F32,
+                1,
+                f32_tensor(&[enc, 1, d], &wave(enc * d, 1.5)),
+                f32_tensor(&[enc, 1, d], &wave(enc * d, 2.5)),
+                (0..enc as i64).collect(),
+            )),
+        }
+        .agreed(&cuda, 1e-5);
+    }
+}
+
+/// A prefill of `n` tokens (one sequence, no cache) with `config` and `dtype` queries, keys
+/// and values from `q`, `k`, `v`.
+fn prefill_edge(config: AttentionConfig, dtype: DType, q: &[f32], k: &[f32], v: &[f32]) -> Edge {
+    let (h, hkv, d) = (
+        config.num_heads(),
+        config.num_kv_heads(),
+        config.head_size(),
+    );
+    let n = q.len() / (h * d);
+    let tensor = |shape: &[usize], x: &[f32]| Tensor::from_f32(dtype, shape, x).unwrap();
+    Edge {
+        metadata: MetadataBuilder::new(16)
+            .push(SequenceDesc::prompt(0, n, vec![]))
+            .build()
+            .unwrap(),
+        query: tensor(&[n, h, d], q),
+        kv: Some((tensor(&[n, hkv, d], k), tensor(&[n, hkv, d], v))),
+        cache: None,
+        config,
+    }
+}
+
+/// Soft caps far above the scores stay accurate (no cancellation in tanh).
+#[test]
+fn huge_soft_caps_are_accurate() {
+    let Some(cuda) = gpu("huge_soft_caps_are_accurate") else {
+        return;
+    };
+    let (n, d) = (40usize, 64usize);
+    for cap in [1e5f32, 1e8, 3e38] {
+        let config = AttentionConfig::builder(2, d)
+            .logits_soft_cap(Some(cap))
+            .build()
+            .unwrap();
+        let x = |phase| wave(n * 2 * d, phase);
+        let q: Vec<f32> = x(0.0).iter().map(|v| v * 4.0).collect();
+        prefill_edge(config, DType::F32, &q, &x(1.0), &x(2.0)).agreed(&cuda, 1e-5);
+    }
+}
+
+/// `scale = 3e38` multiplies the dot product (small scores stay finite); the same through an
+/// fp8 `k_scale` of 3e38.
+#[test]
+fn scales_apply_to_the_dot_product() {
+    let Some(cuda) = gpu("scales_apply_to_the_dot_product") else {
+        return;
+    };
+    let (n, d) = (20usize, 64usize);
+    let config = AttentionConfig::builder(1, d).scale(3e38).build().unwrap();
+    let k: Vec<f32> = wave(n * d, 1.0).iter().map(|v| v * 3e-38).collect();
+    let q: Vec<f32> = wave(n * d, 0.0).iter().map(|v| v * 2.0).collect();
+    prefill_edge(config, DType::F32, &q, &k, &wave(n * d, 2.0)).agreed(&cuda, 1e-5);
+
+    // fp8: keys of order 1e38 stored with k_scale 3e38, queries of order 1e-37.
+    let config = AttentionConfig::builder(1, d)
+        .kv_cache_dtype(KvCacheDtype::Fp8E4m3)
+        .kv_scales(3e38, 1.0)
+        .build()
+        .unwrap();
+    let k: Vec<f32> = wave(n * d, 1.0).iter().map(|v| v * 1e38).collect();
+    let q: Vec<f32> = wave(n * d, 0.0).iter().map(|v| v * 1e-37).collect();
+    let out = Edge {
+        config,
+        metadata: MetadataBuilder::new(16)
+            .push(SequenceDesc::prompt(0, n, vec![0, 1]))
+            .build()
+            .unwrap(),
+        query: f32_tensor(&[n, 1, d], &q),
+        kv: Some((
+            f32_tensor(&[n, 1, d], &k),
+            f32_tensor(&[n, 1, d], &wave(n * d, 2.0)),
+        )),
+        cache: Some((
+            DType::F32,
+            2,
+            f32_tensor(&[0, 1, d], &[]),
+            f32_tensor(&[0, 1, d], &[]),
+            vec![],
+        )),
+    }
+    .agreed(&cuda, 1e-5);
+    assert!(out.iter().all(|x| x.is_finite()));
+}
+
+/// A score beyond f32's range is infinite: +Inf makes its query's output NaN; a soft cap maps
+/// it to the cap and the output stays finite.
+#[test]
+fn overflowing_scores_follow_the_contract() {
+    let Some(cuda) = gpu("overflowing_scores_follow_the_contract") else {
+        return;
+    };
+    let (n, d) = (6usize, 64usize);
+    let (q, k, v) = (wave(n * d, 0.0), wave(n * d, 0.0), wave(n * d, 2.0));
+    let config = AttentionConfig::builder(1, d).scale(1e38).build().unwrap();
+    let out = prefill_edge(config, DType::F32, &q, &k, &v).agreed(&cuda, 1e-5);
+    assert!(out.iter().all(|x| x.is_nan()));
+    let config = AttentionConfig::builder(1, d)
+        .scale(1e38)
+        .logits_soft_cap(Some(30.0))
+        .build()
+        .unwrap();
+    let out = prefill_edge(config, DType::F32, &q, &k, &v).agreed(&cuda, 1e-5);
+    assert!(out.iter().all(|x| x.is_finite()));
+}
+
+/// NaN and Inf reach exactly the outputs IEEE arithmetic sends them to: a NaN query makes its
+/// row NaN, +Inf in a query makes it NaN (Inf - Inf), a NaN key makes the rows that attend it
+/// NaN, a NaN value reaches the rows that attend it in its dimension only (never a row for
+/// which that key is masked: 0 * NaN).
+#[test]
+fn nan_and_inf_reach_exactly_the_outputs_they_should() {
+    let Some(cuda) = gpu("nan_and_inf_reach_exactly_the_outputs_they_should") else {
+        return;
+    };
+    let (n, h, d) = (70usize, 2usize, 64usize);
+    let row = |t: usize, head: usize| (t * h + head) * d;
+    for dtype in [DType::F32, DType::BF16] {
+        let config = AttentionConfig::builder(h, d).build().unwrap();
+        let rel = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+        let run = |q: &[f32], k: &[f32], v: &[f32]| {
+            prefill_edge(config.clone(), dtype, q, k, v).agreed(&cuda, rel)
+        };
+        let base = |phase| wave(n * h * d, phase);
+        let (q, k, v) = (base(0.0), base(1.0), base(2.0));
+
+        let mut q1 = q.clone();
+        q1[row(3, 1) + 5] = f32::NAN;
+        let out = run(&q1, &k, &v);
+        for (i, x) in out.iter().enumerate() {
+            assert_eq!(x.is_nan(), i / d == 3 * h + 1, "element {i} = {x}");
+        }
+
+        let mut q2 = q.clone();
+        q2[row(10, 0) + 7] = f32::INFINITY;
+        let out = run(&q2, &k, &v);
+        assert!(out[row(10, 0)..row(10, 0) + d].iter().all(|x| x.is_nan()));
+
+        let mut k3 = k.clone();
+        k3[row(20, 0) + 2] = f32::NAN;
+        let out = run(&q, &k3, &v);
+        for t in 0..n {
+            let r = &out[row(t, 0)..row(t, 0) + d];
+            assert!(
+                r.iter().all(|x| x.is_nan() == (t >= 20)),
+                "token {t}: {r:?}"
+            );
+        }
+
+        for later in [21, 40] {
+            let mut v4 = v.clone();
+            v4[row(later, 0) + 9] = f32::NAN;
+            let out = run(&q, &k, &v4);
+            for t in 0..n {
+                let x = out[row(t, 0) + 9];
+                assert_eq!(x.is_nan(), t >= later, "token {t}: {x}");
+                assert!(out[row(t, 0) + 8].is_finite());
+            }
+        }
+    }
+    // Three query heads per kv head: prefill units of 5 tokens, whose key ranges end at
+    // every position.
+    for dtype in [DType::F32, DType::BF16] {
+        let config = AttentionConfig::builder(3, d)
+            .num_kv_heads(1)
+            .build()
+            .unwrap();
+        let q = wave(n * 3 * d, 0.0);
+        let k = wave(n * d, 1.0);
+        for later in [21, 42, 43] {
+            let mut v = wave(n * d, 2.0);
+            v[later * d + 9] = f32::NAN;
+            let out = prefill_edge(config.clone(), dtype, &q, &k, &v).agreed(&cuda, 2e-2);
+            for t in 0..n {
+                let x = out[t * 3 * d + 9];
+                assert_eq!(x.is_nan(), t >= later, "{dtype} token {t}: {x}");
+            }
+        }
+    }
+}
