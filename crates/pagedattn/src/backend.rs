@@ -153,6 +153,14 @@ impl Capabilities {
     }
 }
 
+/// What a plan made for CUDA-graph capture holds ([`AttentionImpl::plan_for_graph`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphCapacity {
+    /// The most key positions a sequence of any later step has: its `seq_len` for
+    /// self-attention, its encoder length for cross-attention.
+    pub max_seq_len: usize,
+}
+
 /// One layer's attention, built by a backend from an [`AttentionConfig`].
 ///
 /// A step runs as: [`plan`](Self::plan) once (validates the metadata and prepares it on the
@@ -166,6 +174,35 @@ pub trait AttentionImpl: Send + Sync {
     /// Validates a step's metadata (with the cache geometry, when the layers use a cache) and
     /// turns it into this backend's prepared plan, uploaded to the device once.
     fn plan(&self, metadata: &AttentionMetadata, cache: Option<&KvCacheSpec>) -> Result<Plan>;
+
+    /// A plan whose forward calls can be captured in a CUDA graph and replayed for later
+    /// steps: [`replan`](Self::replan) refreshes it in place for every later step of the same
+    /// batch shape (the same sequences and query tokens per sequence) whose sequences have at
+    /// most `capacity.max_seq_len` key positions, keeping every device address and launch
+    /// shape the graph holds. Host backends have no graphs: their default is [`plan`](Self::plan).
+    fn plan_for_graph(
+        &self,
+        metadata: &AttentionMetadata,
+        cache: Option<&KvCacheSpec>,
+        capacity: GraphCapacity,
+    ) -> Result<Plan> {
+        let _ = capacity;
+        self.plan(metadata, cache)
+    }
+
+    /// Re-plans `plan` for a new step's metadata. A plan from
+    /// [`plan_for_graph`](Self::plan_for_graph) is refreshed in place (a graph captured on it
+    /// then runs the new step), or refused with an error naming what does not fit its
+    /// capacity, leaving it as it was; any other plan is replaced by a new one.
+    fn replan(
+        &self,
+        plan: &mut Plan,
+        metadata: &AttentionMetadata,
+        cache: Option<&KvCacheSpec>,
+    ) -> Result<()> {
+        *plan = self.plan(metadata, cache)?;
+        Ok(())
+    }
 
     /// Writes new keys and values into `cache` through the plan's slot mapping (the cross
     /// slot mapping for encoder-decoder), as the first half of [`forward`](Self::forward)

@@ -112,10 +112,21 @@ impl KvCacheSpec {
             self.dtype,
             || "f32, f16 or bf16".into(),
         )?;
-        let bytes = [self.block_size, self.num_kv_heads, self.head_size]
+        // The block first: with no blocks the cache is empty, but a block's size must still
+        // be a number (`block_elems` and every offset inside a block are computed from it).
+        let block_bytes = [self.num_kv_heads, self.head_size]
             .iter()
-            .try_fold(self.num_blocks, |n, &f| n.checked_mul(f))
+            .try_fold(self.block_size, |n, &f| n.checked_mul(f))
             .and_then(|n| n.checked_mul(self.storage_dtype().size_bytes()))
+            .filter(|&n| n <= isize::MAX as usize);
+        ensure(
+            block_bytes.is_some(),
+            || "kv_cache.block_size".into(),
+            self.block_size,
+            || "a block whose size in bytes (B * Hkv * D * element size) fits in isize".into(),
+        )?;
+        let bytes = block_bytes
+            .and_then(|b| b.checked_mul(self.num_blocks))
             .filter(|&n| n <= isize::MAX as usize);
         ensure(
             bytes.is_some(),

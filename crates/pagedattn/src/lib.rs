@@ -49,7 +49,7 @@ mod shared;
 pub mod step;
 pub mod tensor;
 
-pub use backend::{AttentionImpl, Backend, Capabilities, Sizes};
+pub use backend::{AttentionImpl, Backend, Capabilities, GraphCapacity, Sizes};
 pub use config::{alibi_slopes_bloom, alibi_slopes_mpt, AttentionConfig, AttnType, KvCacheDtype};
 pub use device::Device;
 pub use dtype::{DType, Element};

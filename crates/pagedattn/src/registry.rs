@@ -8,16 +8,14 @@ use crate::reference::Reference;
 /// The names of the backends of this library.
 pub const BACKEND_NAMES: [&str; 3] = ["cpu", "cuda", "reference"];
 
-/// What `auto` picks: the first of these that starts here. `cuda` joins once its attention
-/// kernels exist (until then its `forward` answers `Unsupported`).
-const AUTO_ORDER: [&str; 2] = ["cpu", "reference"];
-
-/// The backend called `name` (one of [`BACKEND_NAMES`]), or the best one for `auto`. A
-/// backend that cannot start here says why (e.g. `PAGEDATTN_ISA` naming an instruction set
-/// this CPU lacks, or no usable GPU) instead of being skipped.
+/// The backend called `name` (one of [`BACKEND_NAMES`]), or for `auto` the best one here:
+/// `cuda` on GPU 0 where the driver sees a GPU, else `cpu`. A backend that cannot start says
+/// why (e.g. `PAGEDATTN_ISA` naming an instruction set this CPU lacks, or a GPU without
+/// NVRTC) instead of being skipped, under `auto` too.
 pub fn backend(name: &str) -> Result<Box<dyn Backend>> {
     match name {
-        "auto" => backend(AUTO_ORDER[0]),
+        "auto" if gpu_present() => cuda(),
+        "auto" => backend("cpu"),
         "cpu" => Ok(Box::new(Cpu::new()?)),
         "cuda" => cuda(),
         "reference" => Ok(Box::new(Reference)),
@@ -27,6 +25,18 @@ pub fn backend(name: &str) -> Result<Box<dyn Backend>> {
             format!("one of auto, {}", BACKEND_NAMES.join(", ")),
         )),
     }
+}
+
+/// Whether the driver sees a GPU.
+#[cfg(feature = "cuda")]
+fn gpu_present() -> bool {
+    crate::cuda::gpu_present()
+}
+
+/// No GPU in a build without the `cuda` backend.
+#[cfg(not(feature = "cuda"))]
+fn gpu_present() -> bool {
+    false
 }
 
 /// The `cuda` backend on GPU 0.

@@ -534,7 +534,8 @@ pub fn write_case(case: &ReplayCase) -> Result<Vec<u8>> {
 
 /// Runs a case on `backend`: the tensors and the cache move to the backend's device (the
 /// cache in the backend's layout), the call is planned and run, and the output and the cache
-/// come back to the host, the cache in the canonical layout.
+/// come back to the host, the cache in the canonical layout. The output starts as NaN, so
+/// that an element the backend never writes cannot pass for a result.
 pub fn run_case(case: &ReplayCase, backend: &dyn Backend) -> Result<ReplayOutput> {
     let device = backend.device();
     let attention = backend.attention(&case.config)?;
@@ -555,9 +556,10 @@ pub fn run_case(case: &ReplayCase, backend: &dyn Backend) -> Result<ReplayOutput
     if let Some((k, v)) = &key_value {
         inputs = inputs.with_kv(k, v);
     }
-    let output = attention
-        .forward(&plan, &mut workspace, inputs)?
-        .to_host()?;
+    let mut output = Tensor::zeros_on(device, query.dtype(), query.shape())?;
+    output.fill_nan()?;
+    attention.forward_into(&plan, &mut workspace, inputs, &mut output)?;
+    let output = output.to_host()?;
     let kv_cache = match cache {
         Some(c) => {
             let spec = *c.spec();

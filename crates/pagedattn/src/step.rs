@@ -159,14 +159,28 @@ impl Plan {
 
     /// The backend's prepared data, or an error if another backend made the plan.
     pub fn prepared<P: Any>(&self, backend: &str) -> Result<&P> {
-        self.prepared.downcast_ref().ok_or_else(|| {
-            Error::invalid(
-                "plan",
-                format!("a plan of backend {}", self.backend),
-                format!("a plan made by backend {backend}"),
-            )
-        })
+        let made_by = self.backend;
+        self.prepared
+            .downcast_ref()
+            .ok_or_else(|| other_backend(made_by, backend))
     }
+
+    /// [`prepared`](Self::prepared), mutably (a backend re-planning in place).
+    pub fn prepared_mut<P: Any>(&mut self, backend: &str) -> Result<&mut P> {
+        let made_by = self.backend;
+        self.prepared
+            .downcast_mut()
+            .ok_or_else(|| other_backend(made_by, backend))
+    }
+}
+
+/// The error for a plan `made_by` one backend used by `backend`.
+fn other_backend(made_by: &str, backend: &str) -> Error {
+    Error::invalid(
+        "plan",
+        format!("a plan of backend {made_by}"),
+        format!("a plan made by backend {backend}"),
+    )
 }
 
 /// Scratch memory on a device for forward calls (split-K partial results and the like),

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use crate::device::Device;
 use crate::dtype::{DType, Element};
-use crate::error::{Error, Result};
+use crate::error::{ensure, Error, Result};
 
 /// Typed, contiguous element storage in host memory.
 #[derive(Debug, Clone, PartialEq)]
@@ -242,6 +242,36 @@ impl Storage {
         }
     }
 
+    /// Overwrites the contents with `src`'s (the same dtype and length, on any device),
+    /// keeping this storage's memory. A copy into a GPU's memory is queued on its stream
+    /// (`src` may be dropped when this returns); a copy out of one waits for it.
+    pub fn copy_from(&mut self, src: &Storage) -> Result<()> {
+        ensure(
+            (self.dtype(), self.len()) == (src.dtype(), src.len()),
+            || "copy source".into(),
+            format!("{} elements of {}", src.len(), src.dtype()),
+            || format!("{} elements of {}", self.len(), self.dtype()),
+        )?;
+        match (self, src) {
+            (Storage::Host(dst), Storage::Host(src)) => {
+                dst.as_bytes_mut().copy_from_slice(src.as_bytes());
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(dst), Storage::Host(src)) => dst.write_from_host(src),
+            #[cfg(feature = "cuda")]
+            (Storage::Host(dst), Storage::Cuda(src)) => {
+                *dst = src.download()?;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(dst), Storage::Cuda(src)) => {
+                let bytes = src.len() * src.dtype().size_bytes();
+                dst.copy_ranges_from(src, std::iter::once((0, 0, bytes)))
+            }
+        }
+    }
+
     /// `len` zeros of `dtype` on `device` (a device other than the host).
     fn to_device_empty(&self, device: Device, dtype: DType, len: usize) -> Result<Storage> {
         #[cfg(feature = "cuda")]
@@ -394,6 +424,18 @@ impl Tensor {
             .into_iter()
             .map(|x| x as f32)
             .collect())
+    }
+
+    /// Overwrites the contents with `src`'s (the same dtype and shape, on any device), keeping
+    /// this tensor's memory: how an engine refills the inputs a captured CUDA graph reads.
+    pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
+        ensure(
+            self.shape == src.shape,
+            || "copy source shape".into(),
+            format!("{:?}", src.shape),
+            || format!("{:?}", self.shape),
+        )?;
+        self.storage.copy_from(&src.storage)
     }
 
     /// Fills every element with NaN (float tensors) or 0xFF (bytes), on whatever device the

@@ -504,7 +504,13 @@ fn forward_errors() {
         .unwrap();
     assert_invalid(c.run(), "metadata.encoder");
     assert_invalid(registry::backend("fastest").map(|b| b.name()), "backend");
-    assert_eq!(registry::backend("auto").unwrap().name(), "cpu");
+    // `auto`: cuda where the driver sees a GPU, else cpu.
+    #[cfg(feature = "cuda")]
+    let gpu = pagedattn::cuda::gpu_present();
+    #[cfg(not(feature = "cuda"))]
+    let gpu = false;
+    let auto = registry::backend("auto").unwrap();
+    assert_eq!(auto.name(), if gpu { "cuda" } else { "cpu" });
 }
 
 #[test]

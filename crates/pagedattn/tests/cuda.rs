@@ -8,7 +8,9 @@
 
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
+mod common;
+
+use common::{gpu, skip};
 
 use pagedattn::cpu::Cpu;
 use pagedattn::cuda::{self, CachedImage, Cuda, CudaStorage, DiskCache, ImageOrigin};
@@ -20,29 +22,6 @@ use rand::{Rng, SeedableRng};
 // ---------------------------------------------------------------------------------------------
 // Fixtures
 // ---------------------------------------------------------------------------------------------
-
-/// Prints one line that `cargo test` does not capture (it captures `eprintln!`).
-fn skip(test: &str, reason: &str) {
-    let line = format!("{test}: SKIPPED ({reason})\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
-}
-
-/// The backend on GPU 0, or `None` after printing why no GPU is usable. A GPU that is usable
-/// but whose backend does not start (no NVRTC, a driver error) fails the test.
-fn gpu(test: &str) -> Option<Cuda> {
-    match cuda::info() {
-        Ok(_) => {
-            Some(Cuda::new_default().unwrap_or_else(|e| {
-                panic!("the GPU is usable but the backend does not start: {e}")
-            }))
-        }
-        Err(Error::Driver(reason)) if reason.starts_with("no usable CUDA GPU") => {
-            skip(test, &reason);
-            None
-        }
-        Err(e) => panic!("cuda::info failed on a machine with a driver: {e}"),
-    }
-}
 
 /// Whether NVRTC can be loaded; prints the skip line when it cannot.
 fn nvrtc(test: &str) -> bool {

@@ -36,7 +36,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::*;
-use pagedattn::cuda::{self, Cuda, ATTENTION_HEAD_SIZES};
+use pagedattn::cuda::{Cuda, ATTENTION_HEAD_SIZES};
 use pagedattn::{
     registry, AttentionConfig, AttnType, Backend, CacheLayout, DType, Device, Error, Inputs,
     KvCache, KvCacheDtype, MetadataBuilder, SequenceDesc, Tensor,
@@ -47,29 +47,6 @@ use proptest::test_runner::TestCaseError;
 // ---------------------------------------------------------------------------------------------
 // The backends.
 // ---------------------------------------------------------------------------------------------
-
-/// Prints one line that `cargo test` does not capture (it captures `eprintln!`).
-fn skip(test: &str, reason: &str) {
-    let line = format!("{test}: SKIPPED ({reason})\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
-}
-
-/// The backend on GPU 0, or `None` after printing why no GPU is usable. A GPU that is usable
-/// but whose backend does not start (no NVRTC, a driver error) fails the test.
-fn gpu(test: &str) -> Option<Cuda> {
-    match cuda::info() {
-        Ok(_) => {
-            Some(Cuda::new_default().unwrap_or_else(|e| {
-                panic!("the GPU is usable but the backend does not start: {e}")
-            }))
-        }
-        Err(Error::Driver(reason)) if reason.starts_with("no usable CUDA GPU") => {
-            skip(test, &reason);
-            None
-        }
-        Err(e) => panic!("cuda::info failed on a machine with a driver: {e}"),
-    }
-}
 
 fn reference() -> Box<dyn Backend> {
     registry::backend("reference").unwrap()

@@ -85,6 +85,21 @@ fn element_counts_that_overflow_are_errors() {
         BlockTables::new(2, 1 << 63, vec![]),
         "block_tables element count",
     );
+    // Found by the `constructors` fuzz target: a cache of no blocks whose one block's size
+    // overflows passed validation, and `KvCache::from_canonical` then overflowed computing
+    // its element count (a panic with overflow checks, a wrapped count without).
+    let spec = KvCacheSpec {
+        num_blocks: 0,
+        block_size: 1 << 40,
+        num_kv_heads: 1 << 20,
+        head_size: 1 << 10,
+        dtype: DType::F32,
+        kv_cache_dtype: KvCacheDtype::Auto,
+    };
+    assert_invalid(spec.validate(), "kv_cache.block_size");
+    let empty = || HostStorage::F32(vec![]);
+    let cache = KvCache::from_canonical(spec, CacheLayout::Nhd, empty(), empty());
+    assert_invalid(cache, "kv_cache.block_size");
 }
 
 #[test]

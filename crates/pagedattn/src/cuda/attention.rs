@@ -16,10 +16,10 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use super::device::{driver_error, Gpu};
 use super::kernels::{self, grid_size, Merge, WriteKv};
 use super::packed::Packed;
-use super::plan::{self, Work, UNIT_FIELDS};
+use super::plan::{self, Split, Work, UNIT_FIELDS};
 use super::storage::{cuda_storage, cuda_storage_mut, CudaStorage};
 use super::variant::{self, Variant};
-use crate::backend::{AttentionImpl, Capabilities};
+use crate::backend::{AttentionImpl, Capabilities, GraphCapacity};
 use crate::config::AttentionConfig;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -62,6 +62,40 @@ struct Prepared {
     merges: Range<usize>,
     /// Whether the kernels read keys through block tables (a cache) or from the inputs.
     paged: bool,
+    /// For a plan made for CUDA graphs, what stays fixed from step to step.
+    graph: Option<GraphShape>,
+}
+
+impl Prepared {
+    /// The sections' ranges, in the order of [`CudaAttention::sections`].
+    fn ranges(&self) -> [Range<usize>; 6] {
+        [
+            self.slot_mapping.clone(),
+            self.seqs.clone(),
+            self.tables.clone(),
+            self.decode.clone(),
+            self.prefill.clone(),
+            self.merges.clone(),
+        ]
+    }
+}
+
+/// The names of the sections, for errors.
+const SECTION_NAMES: [&str; 6] = [
+    "write slots",
+    "sequences",
+    "block-table entries",
+    "decode units",
+    "prefill units",
+    "split-K merges",
+];
+
+/// What a plan for CUDA graphs keeps from step to step: every decode unit's partitions, and
+/// room for the block-table entries of its longest sequences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct GraphShape {
+    parts: usize,
+    tables: usize,
 }
 
 /// The arguments of the attention kernels: `struct Params` of `kernels/attention.cu`, field
@@ -126,6 +160,101 @@ impl CudaAttention {
             layout: CacheLayout::Hnd,
             config: &self.config,
         }
+    }
+
+    /// The work of a step over validated metadata (split automatically, or in a graph
+    /// plan's fixed shape), checked against the GPU's launch limits, and the workspace bytes
+    /// its split-K partials need.
+    fn work(
+        &self,
+        md: &AttentionMetadata,
+        cache: Option<&KvCacheSpec>,
+        has_new_kv: bool,
+        graph: Option<GraphShape>,
+    ) -> Result<(Work, usize)> {
+        let split = graph.map_or(
+            Split::Auto {
+                sm_count: self.gpu.sm_count,
+            },
+            |g| Split::Fixed(g.parts),
+        );
+        let mut work = plan::build(
+            &self.config,
+            md,
+            cache.map(|c| c.block_size),
+            has_new_kv,
+            split,
+        );
+        if let Some(g) = graph {
+            if work.tables.len() > g.tables {
+                let longest = md.seq_lens.iter().max().copied().unwrap_or(0);
+                return Err(Error::invalid(
+                    "metadata",
+                    format!(
+                        "a step needing {} block-table entries (longest seq_len {longest})",
+                        work.tables.len()
+                    ),
+                    format!(
+                        "at most {} (the graph plan's capacity.max_seq_len for every sequence)",
+                        g.tables
+                    ),
+                ));
+            }
+            // Entries past a sequence's keys are never read.
+            work.tables.resize(g.tables, 0);
+        }
+        for (records, what) in [
+            (&work.decode, "decode units"),
+            (&work.prefill, "prefill units"),
+        ] {
+            grid_size(records.len() / UNIT_FIELDS, what)?;
+        }
+        grid_size(work.merges.len() / plan::MERGE_FIELDS, "split-K merges")?;
+        let workspace_bytes = work
+            .num_partials
+            .checked_mul(plan::partial_floats(self.config.head_size()) * 4)
+            .ok_or_else(|| {
+                Error::unsupported("cuda", format!("{} split-K partials", work.num_partials))
+            })?;
+        Ok((work, workspace_bytes))
+    }
+
+    /// The sections of a step's packed metadata: the write's slots, then the work's records.
+    fn sections<'a>(&self, md: &'a AttentionMetadata, work: &'a Work) -> [&'a [i64]; 6] {
+        [
+            write_slots(&self.config, md),
+            &work.seqs,
+            &work.tables,
+            &work.decode,
+            &work.prefill,
+            &work.merges,
+        ]
+    }
+
+    /// A new plan's data: its work, uploaded.
+    fn prepare(
+        &self,
+        md: &AttentionMetadata,
+        cache: Option<&KvCacheSpec>,
+        has_new_kv: bool,
+        graph: Option<GraphShape>,
+    ) -> Result<(Prepared, usize)> {
+        let (work, workspace_bytes) = self.work(md, cache, has_new_kv, graph)?;
+        let (metadata, [slot_mapping, seqs, tables, decode, prefill, merges]) =
+            Packed::upload(&self.gpu, self.sections(md, &work))?;
+        let prepared = Prepared {
+            ordinal: self.gpu.ordinal,
+            metadata,
+            slot_mapping,
+            seqs,
+            tables,
+            decode,
+            prefill,
+            merges,
+            paged: cache.is_some(),
+            graph,
+        };
+        Ok((prepared, workspace_bytes))
     }
 
     /// The plan's data, if it was uploaded to this layer's GPU.
@@ -228,50 +357,102 @@ impl AttentionImpl for CudaAttention {
 
     fn plan(&self, metadata: &AttentionMetadata, cache: Option<&KvCacheSpec>) -> Result<Plan> {
         self.gate().plan(metadata, cache, |md, has_new_kv| {
-            let work: Work = plan::build(
-                &self.config,
-                md,
-                cache.map(|c| c.block_size),
-                has_new_kv,
-                self.gpu.sm_count,
-            );
-            for (records, what) in [
-                (&work.decode, "decode units"),
-                (&work.prefill, "prefill units"),
-            ] {
-                grid_size(records.len() / UNIT_FIELDS, what)?;
-            }
-            grid_size(work.merges.len() / plan::MERGE_FIELDS, "split-K merges")?;
-            let workspace_bytes = work
-                .num_partials
-                .checked_mul(plan::partial_floats(self.config.head_size()) * 4)
-                .ok_or_else(|| {
-                    Error::unsupported("cuda", format!("{} split-K partials", work.num_partials))
-                })?;
-            let (packed, [slot_mapping, seqs, tables, decode, prefill, merges]) = Packed::upload(
-                &self.gpu,
-                [
-                    write_slots(&self.config, md),
-                    &work.seqs,
-                    &work.tables,
-                    &work.decode,
-                    &work.prefill,
-                    &work.merges,
-                ],
-            )?;
-            let prepared = Prepared {
-                ordinal: self.gpu.ordinal,
-                metadata: packed,
-                slot_mapping,
-                seqs,
+            self.prepare(md, cache, has_new_kv, None)
+        })
+    }
+
+    fn plan_for_graph(
+        &self,
+        metadata: &AttentionMetadata,
+        cache: Option<&KvCacheSpec>,
+        capacity: GraphCapacity,
+    ) -> Result<Plan> {
+        self.gate().plan(metadata, cache, |md, has_new_kv| {
+            let block_size = cache.map(|c| c.block_size);
+            // The units before any split size the fixed split, as the automatic split
+            // would for sequences of the capacity's length.
+            let unsplit = plan::build(&self.config, md, block_size, has_new_kv, Split::Fixed(1));
+            let units = (unsplit.decode.len() + unsplit.prefill.len()) / UNIT_FIELDS;
+            let max_keys = capacity.max_seq_len;
+            let tables = match block_size {
+                Some(b) => md
+                    .num_seqs()
+                    .checked_mul(max_keys.div_ceil(b))
+                    .ok_or_else(|| {
+                        Error::invalid(
+                            "capacity.max_seq_len",
+                            max_keys,
+                            "a length whose block-table entries for every sequence fit in memory",
+                        )
+                    })?,
+                None => 0,
+            };
+            let shape = GraphShape {
+                parts: plan::graph_parts(units, max_keys, self.gpu.sm_count),
                 tables,
-                decode,
-                prefill,
-                merges,
-                paged: cache.is_some(),
+            };
+            self.prepare(md, cache, has_new_kv, Some(shape))
+        })
+    }
+
+    fn replan(
+        &self,
+        plan: &mut Plan,
+        metadata: &AttentionMetadata,
+        cache: Option<&KvCacheSpec>,
+    ) -> Result<()> {
+        let shape = plan.prepared::<Prepared>("cuda").ok().and_then(|p| p.graph);
+        let Some(shape) = shape else {
+            *plan = self.plan(metadata, cache)?;
+            return Ok(());
+        };
+        // What the captured calls' checks relied on stays as it was.
+        let captured = (
+            plan.cache_spec().copied(),
+            plan.num_tokens(),
+            plan.num_kv_tokens(),
+        );
+        let old: &mut Prepared = plan.prepared_mut("cuda")?;
+        let new = self.gate().plan(metadata, cache, |md, has_new_kv| {
+            let now = (cache.copied(), md.num_tokens(), has_new_kv);
+            if (now.0, now.1) != (captured.0, captured.1) || now.2 != captured.2.is_some() {
+                return Err(Error::invalid(
+                    "metadata",
+                    format!("a step of {} query tokens over cache {:?}", now.1, now.0),
+                    format!(
+                        "{} query tokens over cache {:?} (what the graph plan was made for)",
+                        captured.1, captured.0
+                    ),
+                ));
+            }
+            let (work, workspace_bytes) = self.work(md, cache, has_new_kv, Some(shape))?;
+            let sections = self.sections(md, &work);
+            let ranges = old.ranges();
+            if let Some(i) = (0..sections.len()).find(|&i| sections[i].len() != ranges[i].len()) {
+                return Err(Error::invalid(
+                    "metadata",
+                    format!("a step of {} {}", sections[i].len(), SECTION_NAMES[i]),
+                    format!(
+                        "{} (the batch shape the graph plan was made for: plan anew for another)",
+                        ranges[i].len()
+                    ),
+                ));
+            }
+            old.metadata.rewrite(&self.gpu, sections, &ranges)?;
+            let prepared = Prepared {
+                metadata: std::mem::take(&mut old.metadata),
+                slot_mapping: old.slot_mapping.clone(),
+                seqs: old.seqs.clone(),
+                tables: old.tables.clone(),
+                decode: old.decode.clone(),
+                prefill: old.prefill.clone(),
+                merges: old.merges.clone(),
+                ..*old
             };
             Ok((prepared, workspace_bytes))
-        })
+        })?;
+        *plan = new;
+        Ok(())
     }
 
     fn write_kv(

@@ -233,6 +233,11 @@ pub(crate) fn info_of(gpu: &Gpu) -> Result<DeviceInfo> {
     })
 }
 
+/// Whether the driver is installed and sees at least one GPU.
+pub fn gpu_present() -> bool {
+    device_count().is_ok()
+}
+
 /// The error saying no GPU is usable, and why.
 fn no_gpu(reason: &str) -> Error {
     Error::Driver(format!("no usable CUDA GPU: {reason}"))

@@ -19,6 +19,7 @@
 mod attention;
 mod compile;
 mod device;
+mod graph;
 mod kernels;
 mod memory;
 mod packed;
@@ -32,7 +33,8 @@ pub use attention::CudaAttention;
 pub use compile::{
     arch_for, compile_check, nvrtc_version, CachedImage, DiskCache, ImageOrigin, CACHE_DIR_ENV,
 };
-pub use device::{info, DeviceInfo};
+pub use device::{gpu_present, info, DeviceInfo};
+pub use graph::Graph;
 pub use storage::CudaStorage;
 pub use variant::ATTENTION_HEAD_SIZES;
 
@@ -75,6 +77,15 @@ impl Cuda {
     /// What its GPU is.
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// Captures the work `work` queues on this backend's stream (forward calls, cache
+    /// writes) as a [`Graph`] instead of running it. Run each call once before capturing it:
+    /// a kernel variant is compiled and loaded at its first use, which a capture refuses.
+    /// Plans for captured calls come from `plan_for_graph`, so that `replan` can refresh
+    /// them for the steps the graph is replayed for.
+    pub fn capture(&self, work: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        graph::capture(&self.gpu, work)
     }
 }
 

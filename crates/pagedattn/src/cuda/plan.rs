@@ -14,7 +14,9 @@
 //! multiprocessor), a decode unit with more than [`MIN_PARTITION_KEYS`] keys is split into
 //! partitions of at least that many keys (multiples of [`PARTITION_ALIGN`]), enough to bring
 //! the grid to that size; each partition leaves a partial result per row in the workspace,
-//! and a merge per row combines them.
+//! and a merge per row combines them. A plan for CUDA graphs splits every decode unit into
+//! the same number of partitions whatever its length ([`Split::Fixed`], some of them empty
+//! when the unit is short), so that the records keep their count from step to step.
 
 use std::ops::Range;
 
@@ -43,6 +45,34 @@ const BLOCKS_PER_SM: usize = 2;
 /// f32 elements of one partial record: m, l, attended, padding, then the D accumulators.
 pub(crate) fn partial_floats(head_size: usize) -> usize {
     head_size + 4
+}
+
+/// How decode units are split into partitions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Split {
+    /// As many as bring the grid to [`BLOCKS_PER_SM`] thread blocks per multiprocessor of a
+    /// GPU with this many, in partitions of at least [`MIN_PARTITION_KEYS`] keys.
+    Auto { sm_count: usize },
+    /// Exactly this many per decode unit (1: none).
+    Fixed(usize),
+}
+
+/// The partitions a graph plan gives each decode unit: what [`Split::Auto`] would choose for
+/// `units` thread blocks whose keys number `max_keys`.
+pub(crate) fn graph_parts(units: usize, max_keys: usize, sm_count: usize) -> usize {
+    max_keys
+        .div_ceil(MIN_PARTITION_KEYS)
+        .clamp(1, max_parts(units, sm_count))
+}
+
+/// The most partitions [`Split::Auto`] gives a unit when the grid has `blocks` thread blocks.
+fn max_parts(blocks: usize, sm_count: usize) -> usize {
+    let target = BLOCKS_PER_SM * sm_count.max(1);
+    if blocks >= target {
+        1
+    } else {
+        target.div_ceil(blocks.max(1))
+    }
 }
 
 /// The records of one step.
@@ -102,14 +132,14 @@ impl Unit {
 }
 
 /// The work of a call of `config` over `md` (validated): `block_size` is the cache's when the
-/// keys are read from one, `has_new_kv` whether calls carry key/value tensors, `sm_count` the
-/// GPU's multiprocessors.
+/// keys are read from one, `has_new_kv` whether calls carry key/value tensors, `split` how
+/// decode units are split.
 pub(crate) fn build(
     config: &AttentionConfig,
     md: &AttentionMetadata,
     block_size: Option<usize>,
     has_new_kv: bool,
-    sm_count: usize,
+    split: Split,
 ) -> Work {
     let attn_type = config.attn_type();
     let key_map = KeyMap::new(md, attn_type, block_size, has_new_kv);
@@ -187,26 +217,33 @@ pub(crate) fn build(
             }
         }
     }
-    let target = BLOCKS_PER_SM * sm_count.max(1);
     let blocks = decode.len() + prefill.len();
-    let max_parts = if blocks >= target {
-        1
-    } else {
-        target.div_ceil(blocks.max(1))
-    };
     for unit in decode {
         let len = unit.keys.len();
-        let parts = len.div_ceil(MIN_PARTITION_KEYS).min(max_parts);
+        let parts = match split {
+            Split::Auto { sm_count } => {
+                let parts = len
+                    .div_ceil(MIN_PARTITION_KEYS)
+                    .min(max_parts(blocks, sm_count));
+                if parts > 1 {
+                    // Rounding the partitions up to the alignment may leave fewer.
+                    len.div_ceil(len.div_ceil(parts).next_multiple_of(PARTITION_ALIGN))
+                } else {
+                    parts
+                }
+            }
+            Split::Fixed(parts) => parts,
+        };
         if parts <= 1 {
             work.decode.extend(unit.record());
             continue;
         }
         let step = len.div_ceil(parts).next_multiple_of(PARTITION_ALIGN);
-        let parts = len.div_ceil(step);
         let base = work.num_partials;
         work.num_partials += unit.heads * parts;
         for part in 0..parts {
-            let start = unit.keys.start + part * step;
+            // (A fixed split of a short unit leaves its last partitions empty.)
+            let start = (unit.keys.start + part * step).min(unit.keys.end);
             let split = Unit {
                 keys: start..(start + step).min(unit.keys.end),
                 split: Some((base, parts, part)),
@@ -289,7 +326,7 @@ mod tests {
             .push(SequenceDesc::decode(100, (190..197).collect()))
             .build()
             .unwrap();
-        let work = build(&cfg, &md, Some(16), true, 132);
+        let work = build(&cfg, &md, Some(16), true, Split::Auto { sm_count: 132 });
         check_cover(&work, &md, &cfg);
         let decode = units(&work.decode);
         // The long decode: split for both kv heads, partitions of >= 256 keys, 32-aligned.
@@ -304,9 +341,41 @@ mod tests {
         // Compact tables: ceil(25/16) + ceil(3000/16) + ceil(100/16) entries.
         assert_eq!(work.tables.len(), 2 + 188 + 7);
         // A full GPU gets no split.
-        let busy = build(&cfg, &md, Some(16), true, 1);
+        let busy = build(&cfg, &md, Some(16), true, Split::Auto { sm_count: 1 });
         assert!(busy.merges.is_empty() && busy.num_partials == 0);
         check_cover(&busy, &md, &cfg);
+    }
+
+    #[test]
+    fn fixed_splits_keep_the_record_counts() {
+        // A graph plan's steps: the same batch, sequences of other lengths (one empty of
+        // keys but its new token, one shorter than a partition per part).
+        let cfg = config(8, 2, None);
+        let step = |lens: [usize; 3]| {
+            let mut b = MetadataBuilder::new(16);
+            for (i, n) in lens.into_iter().enumerate() {
+                let blocks = (i * 200..i * 200 + n.div_ceil(16))
+                    .map(|x| x as i32)
+                    .collect();
+                b.push(SequenceDesc::decode(n, blocks));
+            }
+            b.build().unwrap()
+        };
+        let mut shapes = Vec::new();
+        for lens in [[1, 40, 1000], [2000, 3, 700], [1, 1, 1]] {
+            let md = step(lens);
+            let work = build(&cfg, &md, Some(16), true, Split::Fixed(4));
+            check_cover(&work, &md, &cfg);
+            shapes.push((work.decode.len(), work.merges.len(), work.num_partials));
+        }
+        assert!(shapes.iter().all(|&s| s == shapes[0]), "{shapes:?}");
+        assert_eq!(
+            shapes[0],
+            (3 * 2 * 4 * UNIT_FIELDS, 3 * 8 * MERGE_FIELDS, 3 * 8 * 4)
+        );
+        assert_eq!(graph_parts(6, 4096, 132), 16);
+        assert_eq!(graph_parts(6, 100, 132), 1);
+        assert_eq!(graph_parts(1000, 4096, 132), 1);
     }
 
     #[test]
@@ -320,7 +389,7 @@ mod tests {
                 .push(SequenceDesc::decode(1, vec![9]))
                 .build()
                 .unwrap();
-            let work = build(&cfg, &md, Some(4), true, 1);
+            let work = build(&cfg, &md, Some(4), true, Split::Auto { sm_count: 1 });
             check_cover(&work, &md, &cfg);
             for u in units(&work.prefill) {
                 assert!((u[3] * u[5]) as usize <= PREFILL_ROWS);
@@ -344,7 +413,7 @@ mod tests {
             .build()
             .unwrap();
         md.slot_mapping[1] = -1;
-        let work = build(&cfg, &md, Some(4), true, 1);
+        let work = build(&cfg, &md, Some(4), true, Split::Auto { sm_count: 1 });
         assert_eq!(work.seqs, [0, 9, 6, 0, 6, 0, 3, 2, 1, 3, 1, 3]);
         assert_eq!(work.tables, [3, 1, 0, 2]);
         // Without a cache, the keys are the inputs' rows of each sequence.
@@ -353,7 +422,7 @@ mod tests {
             .push(SequenceDesc::prompt(0, 2, vec![]))
             .build()
             .unwrap();
-        let work = build(&cfg, &md, None, true, 1);
+        let work = build(&cfg, &md, None, true, Split::Auto { sm_count: 1 });
         assert_eq!(work.seqs, [0, 3, 0, 0, 3, 0, 3, 2, 0, 3, 2, 0]);
         assert!(work.tables.is_empty());
     }

@@ -102,20 +102,29 @@ impl CudaStorage {
     /// A copy of `host` on `device` (a GPU or its pinned host memory). Returns once `host` may
     /// be dropped; the upload to a GPU may still be running.
     pub fn upload(host: &HostStorage, device: Device) -> Result<Self> {
-        let src = host.as_bytes();
         // SAFETY: device memory is overwritten by the copy below.
         let mut storage = unsafe { Self::allocate(device, host.dtype(), host.len(), false)? };
-        match &mut storage.memory {
+        storage.write_from_host(host)?;
+        Ok(storage)
+    }
+
+    /// Overwrites every byte with `host`'s, which has this storage's dtype and length (the
+    /// caller checks): queued on the stream for device memory (`host` may be dropped when
+    /// this returns), written at once for pinned memory.
+    pub(crate) fn write_from_host(&mut self, host: &HostStorage) -> Result<()> {
+        let src = host.as_bytes();
+        match &mut self.memory {
             Memory::Empty { .. } => {}
             Memory::Pinned(pinned) => pinned.bytes_mut()?.copy_from_slice(src),
             Memory::Device(slice) => {
-                let dst = memory::device_address(&storage.gpu, slice);
-                // SAFETY: the destination is the whole new buffer; the source is borrowed for
-                // this call, which is all a copy from pageable memory needs.
-                unsafe { memory::copy_async(&storage.gpu, dst, src.as_ptr() as u64, src.len())? };
+                let dst = memory::device_address(&self.gpu, slice);
+                // SAFETY: the destination is this whole buffer (as long as `host`, the
+                // caller checks), freed in stream order; the source is borrowed for this
+                // call, which is all a copy from pageable memory needs.
+                unsafe { memory::copy_async(&self.gpu, dst, src.as_ptr() as u64, src.len())? };
             }
         }
-        Ok(storage)
+        Ok(())
     }
 
     /// A copy in host memory. Synchronizes: waits for the work queued on the GPU before it.

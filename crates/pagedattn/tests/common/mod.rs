@@ -1408,3 +1408,32 @@ pub fn all_padding_metadata() -> AttentionMetadata {
     md.slot_mapping.fill(-1);
     md
 }
+
+// ---------------------------------------------------------------------------------------------
+// The GPU.
+// ---------------------------------------------------------------------------------------------
+
+/// Prints one line that `cargo test` does not capture (it captures `eprintln!`).
+pub fn skip(test: &str, reason: &str) {
+    use std::io::Write;
+    let line = format!("{test}: SKIPPED ({reason})\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
+/// The backend on GPU 0, or `None` after printing why no GPU is usable. A GPU that is usable
+/// but whose backend does not start (no NVRTC, a driver error) fails the test.
+#[cfg(feature = "cuda")]
+pub fn gpu(test: &str) -> Option<pagedattn::cuda::Cuda> {
+    match pagedattn::cuda::info() {
+        Ok(_) => {
+            Some(pagedattn::cuda::Cuda::new_default().unwrap_or_else(|e| {
+                panic!("the GPU is usable but the backend does not start: {e}")
+            }))
+        }
+        Err(pagedattn::Error::Driver(reason)) if reason.starts_with("no usable CUDA GPU") => {
+            skip(test, &reason);
+            None
+        }
+        Err(e) => panic!("cuda::info failed on a machine with a driver: {e}"),
+    }
+}
