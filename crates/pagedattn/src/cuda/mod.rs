@@ -24,6 +24,7 @@ mod memory;
 mod packed;
 mod plan;
 mod storage;
+mod timing;
 mod variant;
 
 use std::sync::Arc;
@@ -34,6 +35,7 @@ pub use compile::{
 };
 pub use device::{info, DeviceInfo};
 pub use storage::CudaStorage;
+pub use timing::{CopyProbe, GpuEvent, PeakProbe};
 pub use variant::ATTENTION_HEAD_SIZES;
 
 use crate::backend::{check_sides, AttentionImpl, Backend, Capabilities};
