@@ -1,5 +1,10 @@
 #!/usr/bin/env python3
-"""pagedattn versus PyTorch on the CPU, side by side, in one run.
+"""pagedattn versus PyTorch on the CPU or (--backend cuda) on a GPU, side by side, in one run.
+
+With --backend cuda: SDPA with the flash and with the cuDNN backend (each forced through
+`sdpa_kernel`) on K/V gathered from the paged cache (the cache write and the gather timed with
+it; SDPA alone too), FlexAttention's paged decode, PyTorch's bf16 matmul and device copy as
+ceilings, all timed with CUDA events (bench/README.md, "On a GPU"). What follows is the CPU mode.
 
 Runs `pagedattn bench --json` (building it with cargo unless --pagedattn is given), then runs the
 same workloads -- same shapes, same paged cache geometry, same number of rotated layers, same

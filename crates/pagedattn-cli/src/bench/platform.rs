@@ -16,6 +16,7 @@ pub enum Target {
     Cpu,
     /// A GPU's shapes (issue 12's targets: larger batches and prompts, the mixed batch's
     /// parts).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Gpu,
 }
 
