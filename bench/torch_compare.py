@@ -1,5 +1,10 @@
 #!/usr/bin/env python3
-"""pagedattn versus PyTorch on the CPU, side by side, in one run.
+"""pagedattn versus PyTorch on the CPU or (--backend cuda) on a GPU, side by side, in one run.
+
+With --backend cuda: SDPA with the flash and with the cuDNN backend (each forced through
+`sdpa_kernel`) on K/V gathered from the paged cache (the cache write and the gather timed with
+it; SDPA alone too), FlexAttention's paged decode, PyTorch's bf16 matmul and device copy as
+ceilings, all timed with CUDA events (bench/README.md, "On a GPU"). What follows is the CPU mode.
 
 Runs `pagedattn bench --json` (building it with cargo unless --pagedattn is given), then runs the
 same workloads -- same shapes, same paged cache geometry, same number of rotated layers, same
@@ -118,8 +123,9 @@ FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 class Workload:
     """One row's batch: paged caches (L layers), block tables, slots, new Q/K/V."""
 
-    def __init__(self, row, max_layers=None):
+    def __init__(self, row, max_layers=None, device="cpu"):
         p = row["params"]
+        self.device = device
         self.row, self.p = row, p
         self.H, self.Hkv, self.D, self.B = p["num_heads"], p["num_kv_heads"], p["head_size"], p["block_size"]
         self.group = self.H // self.Hkv
@@ -140,12 +146,14 @@ class Workload:
             self.tables.append(order[at:at + m])
             at += m
         self.num_blocks = nb
-        # Caches: [NB, Hkv, B, D] per layer, random.
+        # Caches: [NB, Hkv, B, D] per layer, random (drawn on the device itself).
+        gc = g if device == "cpu" else torch.Generator(device=device).manual_seed(0)
         self.k_cache, self.v_cache = [], []
         for _ in range(self.layers):
             for caches in (self.k_cache, self.v_cache):
-                x = torch.rand(nb, self.Hkv, self.B, self.D, generator=g) * 2 - 1
+                x = torch.rand(nb, self.Hkv, self.B, self.D, generator=gc, device=device) * 2 - 1
                 caches.append((x / self.k_scale).to(self.cache_dtype) if self.fp8 else x.to(self.dtype))
+                del x
         # New tokens (prefills first, then decodes) and their slots.
         t = sum(s["query_len"] for s in self.seqs)
         self.q = (torch.rand(t, self.H, self.D, generator=g) * 2 - 1).to(self.dtype)
@@ -157,6 +165,10 @@ class Workload:
                 blk.append(int(table[pos // self.B]))
                 off.append(pos % self.B)
         self.slot_blk, self.slot_off = torch.tensor(blk), torch.tensor(off)
+        if device != "cpu":
+            self.q, self.k, self.v = (x.to(device) for x in (self.q, self.k, self.v))
+            self.slot_blk, self.slot_off = self.slot_blk.to(device), self.slot_off.to(device)
+            self.tables = [t.to(device) for t in self.tables]
         self.qsl = [0]
         for s in self.seqs:
             self.qsl.append(self.qsl[-1] + s["query_len"])
@@ -177,6 +189,11 @@ class Workload:
         if self.fp8:
             k = (k.float() / self.k_scale).to(self.cache_dtype)
             v = (v.float() / self.v_scale).to(self.cache_dtype)
+            if self.device != "cpu":  # no index_put for float8 on CUDA: write the codes
+                kc, vc = self.k_cache[layer].view(torch.uint8), self.v_cache[layer].view(torch.uint8)
+                kc[self.slot_blk, :, self.slot_off, :] = k.view(torch.uint8)
+                vc[self.slot_blk, :, self.slot_off, :] = v.view(torch.uint8)
+                return
         self.k_cache[layer][self.slot_blk, :, self.slot_off, :] = k
         self.v_cache[layer][self.slot_blk, :, self.slot_off, :] = v
 
@@ -234,8 +251,12 @@ class Workload:
         for i in self.chunks:
             s = self.seqs[i]
             k, v = self.gather(layer, [i])
-            qi = torch.arange(s["query_len"]).unsqueeze(1) + s["context_len"]
-            mask = torch.arange(self.seq_lens[i]).unsqueeze(0) <= qi  # bottom-right causal
+            if self.device == "cpu":
+                qi = torch.arange(s["query_len"]).unsqueeze(1) + s["context_len"]
+                mask = torch.arange(self.seq_lens[i]).unsqueeze(0) <= qi  # bottom-right causal
+            else:  # the flash and cuDNN kernels take no boolean mask, but this bias
+                from torch.nn.attention.bias import causal_lower_right
+                mask = causal_lower_right(s["query_len"], self.seq_lens[i])
             calls.append((self.queries([i]), k, v, {"attn_mask": mask}))
         for n, idx in self.decodes.items():
             k, v = self.gather(layer, idx)
@@ -332,6 +353,326 @@ def run_flex(row, timing):
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
+
+
+# ---------------------------------------------------------------------------------------------
+# --backend cuda: the same rows on the GPU, timed with CUDA events.
+
+
+def measure_cuda(fn, timing):
+    """Runs fn(i) for warm-up, then queues the measured iterations back to back with a CUDA event
+    between each two (the host runs ahead; the events are read at the end, as pagedattn bench
+    does). Returns (median s, min s, iters)."""
+    warm, start, i = [], time.perf_counter(), 0
+    while len(warm) < 3 or time.perf_counter() - start < timing["warmup_seconds"]:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i)
+        b.record()
+        b.synchronize()
+        i += 1
+        warm.append(a.elapsed_time(b) / 1e3)
+    per = max(statistics.median(warm[1:]), 1e-9)
+    iters = timing["iters"] or min(max(round(timing["target_seconds"] / per), timing["min_iters"]), 100_000)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for k in range(iters):
+        fn(i)
+        i += 1
+        events[k + 1].record()
+    events[-1].synchronize()
+    times = [events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(iters)]
+    return statistics.median(times), min(times), iters
+
+
+def cuda_ceilings(timing):
+    """PyTorch's own ceilings on this GPU: a bf16 matmul (8192^3) and a device copy (2 GiB)."""
+    out = {}
+    try:
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        c = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        med, mn, it = measure_cuda(lambda i: torch.matmul(a, b, out=c), timing)
+        out["matmul_bf16_tflops"] = 2 * 8192 ** 3 / med / 1e12
+        out["matmul_bf16_tflops_at_min"] = 2 * 8192 ** 3 / mn / 1e12
+        del a, b, c
+    except Exception as e:  # noqa: BLE001
+        out["matmul_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+    try:
+        n = 1 << 30
+        src = torch.randint(0, 255, (2 * n,), device="cuda", dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        med, mn, it = measure_cuda(lambda i: dst.copy_(src), timing)
+        out["copy_gbs"] = 2 * 2 * n / med / 1e9
+        del src, dst
+    except Exception as e:  # noqa: BLE001
+        out["copy_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+    torch.cuda.empty_cache()
+    return out
+
+
+CUDA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+
+
+def cuda_sdpa(w, backend, gqa):
+    """An SDPA call of `w` on one backend (no fallback to another: the context allows only it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call(q, k, v, **kw):
+        with sdpa_kernel(getattr(SDPBackend, CUDA_BACKENDS[backend])):
+            if w.group > 1 and gqa == "repeat_interleave":
+                k, v = k.repeat_interleave(w.group, dim=1), v.repeat_interleave(w.group, dim=1)
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+            if w.group > 1:
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+    return call
+
+
+def err(e):
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200].replace("|", "/")
+
+
+def run_torch_cuda(row, timing):
+    """SDPA (flash, cuDNN) on K/V gathered from the paged cache, with the cache write and the
+    gather, and alone on K/V gathered beforehand; each checked against the math backend in f32."""
+    w = Workload(row, device="cuda")
+    res = {}
+    # A reference for one step: f32 math on the same gathered inputs.
+    w.write(0)
+    calls = w.inputs(0)
+    ref = [F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=w.group > 1, **kw)
+           for q, k, v, kw in calls]
+    for name in CUDA_BACKENDS:
+        chosen, why = None, []
+        for gqa in (["enable_gqa", "repeat_interleave"] if w.group > 1 else ["none"]):
+            try:
+                f = cuda_sdpa(w, name, gqa)
+                outs = [f(q, k, v, **kw) for q, k, v, kw in calls]
+                torch.cuda.synchronize()
+                diff = max(float((o.float() - r).abs().max()) for o, r in zip(outs, ref))
+                if not diff < 0.05:
+                    raise RuntimeError(f"differs from the f32 math reference by {diff}")
+                chosen = (gqa, f)
+                break
+            except Exception as e:  # noqa: BLE001
+                why.append(f"{gqa}: {err(e)}")
+        if chosen is None:
+            res[name] = {"error": "; ".join(why)}
+            res[name + "_only"] = {"error": "; ".join(why)}
+            continue
+        gqa, f = chosen
+
+        def step(i, f=f):
+            layer = i % w.layers
+            w.write(layer)
+            return [f(q, k, v, **kw) for q, k, v, kw in w.inputs(layer)]
+        try:
+            med, mn, it = measure_cuda(step, timing)
+            res[name] = {"median_ms": med * 1e3, "min_ms": mn * 1e3, "iters": it, "gqa": gqa}
+        except Exception as e:  # noqa: BLE001
+            res[name] = {"error": err(e)}
+        try:
+            pre = [w.inputs(l) for l in range(w.layers)]
+            med, mn, it = measure_cuda(lambda i: [f(q, k, v, **kw) for q, k, v, kw in pre[i % w.layers]], timing)
+            res[name + "_only"] = {"median_ms": med * 1e3, "min_ms": mn * 1e3, "iters": it, "gqa": gqa}
+            del pre
+        except Exception as e:  # noqa: BLE001
+            res[name + "_only"] = {"error": err(e)}
+    del w, calls, ref
+    torch.cuda.empty_cache()
+    return res
+
+
+def run_flex_cuda(row, timing):
+    """FlexAttention's paged decode on the GPU (compiled): page table = pagedattn's block tables,
+    pages of B tokens in FlexAttention's [1, Hkv, NB * B, D] layout, the cache write included
+    (PagedAttention.assign)."""
+    try:
+        from torch.nn.attention.experimental._paged_attention import PagedAttention
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"import failed: {err(e)}"}
+    try:
+        w = Workload(row, device="cuda")
+        if w.fp8:
+            return {"error": "no fp8 KV cache in FlexAttention"}
+        if w.chunks or w.fresh:
+            return {"error": "decode rows only"}
+        dev = "cuda"
+        S, nb, B = len(w.seqs), w.num_blocks, w.B
+        M = max(len(t) for t in w.tables)
+        pa = PagedAttention(nb, B, S, device=dev)
+        for s, table in enumerate(w.tables):
+            pa.page_table[s, :len(table)] = table
+            pa.physical_to_logical[s, table] = torch.arange(len(table), device=dev)
+            pa.capacity[s] = len(table) * B
+        seq_lens = torch.tensor(w.seq_lens, device=dev)
+        # The reference: the new tokens written, K/V gathered, f32 SDPA (flex writes the same
+        # tokens to the same slots again in its first step).
+        w.write(0)
+        ref = {n: (idx, F.scaled_dot_product_attention(*(x.float() for x in (w.queries(idx), *w.gather(0, idx))),
+                                                       enable_gqa=w.group > 1))
+               for n, idx in w.decodes.items()}
+        caches = [[c.permute(1, 0, 2, 3).reshape(1, w.Hkv, nb * B, w.D).contiguous() for c in cs]
+                  for cs in (w.k_cache, w.v_cache)]
+        del w.k_cache, w.v_cache
+        logical = create_block_mask(lambda b, h, q, kv: kv < seq_lens[b], S, None, 1, M * B, device=dev,
+                                    BLOCK_SIZE=(128, B))
+        mask = pa.convert_logical_block_mask(logical, kv_len=seq_lens)
+        score_mod = pa.get_score_mod(None, kv_len=seq_lens)
+        q = w.q.view(S, 1, w.H, w.D).transpose(1, 2)
+        knew = w.k.view(S, 1, w.Hkv, w.D).transpose(1, 2)
+        vnew = w.v.view(S, 1, w.Hkv, w.D).transpose(1, 2)
+        batch_idx = torch.arange(S, device=dev)
+        input_pos = (seq_lens - 1).view(S, 1)
+        flex = torch.compile(flex_attention)
+
+        def step(i):
+            k, v = caches[0][i % w.layers], caches[1][i % w.layers]
+            pa.assign(batch_idx, input_pos, knew, vnew, k, v)
+            return flex(q, k, v, block_mask=mask, score_mod=score_mod, enable_gqa=w.group > 1)
+
+        t = time.perf_counter()
+        out = step(0)  # compiles
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t
+        diff = max(float((out[idx].float() - r).abs().max()) for idx, r in ref.values())
+        if not diff < 0.05:
+            return {"error": f"differs from the f32 SDPA reference by {diff}", "compile_s": compile_s}
+        del out, ref
+        med, mn, it = measure_cuda(step, timing)
+        return {"median_ms": med * 1e3, "min_ms": mn * 1e3, "iters": it, "compile_s": compile_s,
+                "page_size": B, "max_abs_diff": diff}
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc(file=sys.stderr)
+        return {"error": err(e)}
+
+
+def table_cuda(doc, results, torch_ceil):
+    g, c = doc["gpu"], doc["ceilings"]
+    copy, peak = c["copy_gbs"], c["mma_bf16_gflops"]
+    lines = []
+    lines.append(f"Device: {g['name']} ({g['sm_count']} SMs, L2 {g['l2_bytes'] >> 20} MiB, "
+                 f"{g['total_memory'] / 2**30:.0f} GiB, compute capability {g['compute_capability'][0]}."
+                 f"{g['compute_capability'][1]}, kernels for {g['arch']}, driver for CUDA "
+                 f"{g['driver_cuda_version'][0]}.{g['driver_cuda_version'][1]}); host {doc['machine']['cpu_model']}. "
+                 f"pagedattn backend `{doc['backend']}`, {doc['scale']} sizes; PyTorch {torch.__version__} "
+                 f"(cuDNN {torch.backends.cudnn.version()}).")
+    lines.append("")
+    mm = torch_ceil.get("matmul_bf16_tflops")
+    lines.append(f"Ceilings measured in the same run: device copy {copy / 1e3:.2f} TB/s counting read + write bytes "
+                 f"({c['copy_bytes'] >> 20} MiB, `cuMemcpyDtoDAsync`, CUDA events; {copy / 2e3:.2f} TB/s of reads); "
+                 f"`mma.sync` bf16 peak (m16n8k16, f32 accumulate) {peak / 1e3:.0f} TFLOP/s; PyTorch bf16 matmul "
+                 f"8192³ {f'{mm:.0f} TFLOP/s' if mm else 'failed: ' + torch_ceil.get('matmul_error', '?')}; "
+                 f"PyTorch device copy {torch_ceil.get('copy_gbs', float('nan')) / 1e3:.2f} TB/s (read + write).")
+    lines.append("")
+    lines.append("| workload | pagedattn ms (min) | pagedattn rate | % of ceiling (during the row) | SDPA flash ms (alone) "
+                 "| SDPA cuDNN ms (alone) | FlexAttention paged ms | pagedattn / best peer | speed-up |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def peer(r):
+        if r is None:
+            return "not run"
+        if "median_ms" in r:
+            return f"{r['median_ms']:.3f}"
+        return "n/a: " + r["error"]
+
+    for row in doc["rows"]:
+        name = row["name"] + (" **(headline)**" if row.get("headline") else "")
+        if "error" in row:
+            lines.append(f"| {name} | skipped: {row['error']} | | | | | | | |")
+            continue
+        if row["bound"] == "memory":
+            rate = f"{row['gbs'] / 1e3:.2f} TB/s"
+            pct = f"{row['pct_mem_bw']:.0f}% of {row['mem_read_gbs_during'] / 1e3:.2f} TB/s copy"
+        elif row["bound"] == "compute":
+            rate = f"{row['gflops'] / 1e3:.1f} TFLOP/s"
+            pct = f"{row['pct_compute_peak']:.0f}% of {row['compute_peak_gflops_during'] / 1e3:.0f} TFLOP/s mma"
+            if mm:
+                pct += f", {100 * row['gflops'] / 1e3 / mm:.0f}% of matmul"
+        else:
+            rate = f"{row['gbs'] / 1e3:.2f} TB/s, {row['gflops'] / 1e3:.1f} TFLOP/s"
+            pct = f"{row['pct_mem_bw']:.0f}% copy, {row['pct_compute_peak']:.0f}% mma"
+        pa = f"{row['median_ms']:.3f} ({row['min_ms']:.3f})"
+        res = results.get(row["name"])
+        if res is None:
+            lines.append(f"| {name} | {pa} | {rate} | {pct} | (pagedattn only) | | | | |")
+            continue
+        cells = []
+        for k in CUDA_BACKENDS:
+            a, o = res.get(k), res.get(k + "_only")
+            cell = peer(a)
+            if o and "median_ms" in o:
+                cell += f" ({o['median_ms']:.3f})"
+            cells.append(cell)
+        flex = res.get("flex")
+        ok = {k: v["median_ms"] for k, v in res.items() if k in list(CUDA_BACKENDS) + ["flex"] and v and "median_ms" in v}
+        if ok:
+            how = min(ok, key=ok.get)
+            ratio = f"{row['median_ms'] / ok[how]:.2f} ({how})"
+            speed = f"**{ok[how] / row['median_ms']:.2f}×**"
+        else:
+            ratio = speed = "—"
+        lines.append(f"| {name} | {pa} | {rate} | {pct} | {cells[0]} | {cells[1]} | {peer(flex)} | {ratio} | {speed} |")
+    if doc.get("paging"):
+        p = doc["paging"]
+        lines.append("")
+        lines.append(f"Paging overhead (pagedattn, headline decode, shuffled vs contiguous block tables, interleaved): "
+                     f"{p['ratio_paged_over_contiguous']:.3f} (medians), {p['ratio_paged_over_contiguous_min']:.3f} (minimums).")
+    if doc.get("mixed"):
+        m = doc["mixed"]
+        lines.append("")
+        lines.append(f"Mixed batch / (its prefill part + its decode part, interleaved): {m['ratio_whole_over_parts']:.3f} "
+                     f"(medians), {m['ratio_whole_over_parts_min']:.3f} (minimums).")
+    lines.append("")
+    lines.append("Times are medians over CUDA events (pagedattn: events on its stream, iterations queued back to back; "
+                 "PyTorch: torch.cuda.Event the same way). Decode rate = KV bytes read / time, against the device copy "
+                 "bandwidth counted as (read + write) bytes / time; prefill rate = 4 × causal pairs × D × H / time, "
+                 "against the `mma.sync` bf16 peak (and PyTorch's bf16 matmul). SDPA columns: cache write + gather of K/V "
+                 "from the pages + SDPA restricted to that backend (`sdpa_kernel`), GQA by `enable_gqa=True` where the "
+                 "backend takes it, else `repeat_interleave`; in parentheses SDPA alone on K/V gathered beforehand. "
+                 "Chunks over cached context use `causal_lower_right`. FlexAttention: "
+                 "`torch.nn.attention.experimental._paged_attention` + compiled `flex_attention`, cache write "
+                 "(`assign`) included, headline decode only unless `--flex all`. pagedattn / best peer compares with the "
+                 "fastest full step (write + gather + attention) of the peers. "
+                 f"Command: `{' '.join(sys.argv)}` -> `{doc['command']}`.")
+    return "\n".join(lines)
+
+
+def main_cuda(args):
+    doc = run_pagedattn(args)
+    timing = dict(doc["timing"])
+    torch_ceil = cuda_ceilings(timing)
+    print(f"torch ceilings: {torch_ceil}", file=sys.stderr, flush=True)
+    results, flex_rows = {}, []
+    for row in doc["rows"]:
+        if "error" in row or row["suite"] == "paging":
+            continue
+        print(f"torch: {row['name']} ...", file=sys.stderr, flush=True)
+        try:
+            res = run_torch_cuda(row, timing)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc(file=sys.stderr)
+            res = {k: {"error": err(e)} for k in CUDA_BACKENDS}
+        results[row["name"]] = res
+        summary = ", ".join(f"{k} {fmt_ms(v)} ms" if "median_ms" in v else f"{k} failed ({v.get('error', '')[:80]})"
+                            for k, v in res.items())
+        print(f"torch: {row['name']}: {summary} (pagedattn {row['median_ms']:.3f} ms)", file=sys.stderr, flush=True)
+        is_bf16_decode = row["suite"] == "decode" and row["params"]["kv_cache_dtype"] == "auto"
+        if is_bf16_decode and (args.flex == "all" or (args.flex == "headline" and row.get("headline"))):
+            flex_rows.append(row)
+    for row in flex_rows:
+        print(f"torch: {row['name']} FlexAttention paged (torch.compile first) ...", file=sys.stderr, flush=True)
+        flex = run_flex_cuda(row, timing)
+        results[row["name"]]["flex"] = flex
+        print(f"torch: {row['name']}: flex {fmt_ms(flex)} ms {flex.get('error', '')}", file=sys.stderr, flush=True)
+    text = table_cuda(doc, results, torch_ceil)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"pagedattn": doc, "torch": results, "torch_version": torch.__version__,
+                       "torch_ceilings": torch_ceil}, f, indent=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,6 +808,8 @@ def table(doc, results, torch_load):
 
 def main():
     args = parse_args()
+    if args.backend == "cuda":
+        return main_cuda(args)
     threads = os.cpu_count()
     torch.set_num_threads(threads)
     doc = run_pagedattn(args)

@@ -1,16 +1,20 @@
 //! `pagedattn bench`: kernel benchmarks against this machine's own ceilings.
 //!
-//! The ceilings (memory read bandwidth, f32 FMA and bf16 dot peaks) are measured first by the same
-//! command; then each workload is timed (warm-up, then N iterations, median and min) with the
-//! cache write included in every forward call, rotating over enough layers' caches that the
-//! working set is several times the last-level cache. Decode rows report KV GB/s against the
-//! memory bandwidth, prefill rows GFLOP/s against the compute peak (`bench/README.md`).
-//! `--json` prints every number, the workloads' parameters, the ceilings and the machine, for
-//! `bench/torch_compare.py`.
+//! The ceilings are measured first by the same command (on the CPU: memory read bandwidth,
+//! f32 FMA and bf16 dot peaks; on a GPU: device copy bandwidth and the `mma.sync` bf16 peak);
+//! then each workload is timed (warm-up, then N iterations, median and min; on a GPU with CUDA
+//! events) with the cache write included in every forward call, rotating over enough layers'
+//! caches that the working set is several times the last-level cache (a GPU's L2). Decode rows
+//! report KV GB/s against the memory ceiling, prefill rows GFLOP/s against the compute peak
+//! (`bench/README.md`). `--json` prints every number, the workloads' parameters, the ceilings
+//! and the machine, for `bench/torch_compare.py`.
 
 mod ceilings;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod load;
 mod machine;
+mod platform;
 mod report;
 mod timing;
 mod workloads;
@@ -18,12 +22,13 @@ mod workloads;
 use std::io::Write;
 
 use clap::ValueEnum;
-use pagedattn::{registry, Backend, Result};
+use pagedattn::{registry, Backend, Device, Result};
 use serde_json::{json, Value};
 
-use ceilings::{CeilingPlan, Ceilings, Probes};
+use ceilings::CeilingPlan;
 use machine::Machine;
-use report::{Bound, During, PagingOverhead, Row};
+use platform::{CpuPlatform, Platform};
+use report::{Bound, During, MixedParts, PagingOverhead, Row};
 use timing::TimingPlan;
 use workloads::{Prepared, Scale, Suite, Workload};
 
@@ -124,6 +129,49 @@ impl BenchArgs {
         }
     }
 
+    #[cfg(feature = "cuda")]
+    fn gpu_ceiling_plan(&self) -> gpu::GpuCeilingPlan {
+        let (copy_bytes, copy_passes, peak_seconds, peak_repeats) = match self.scale() {
+            Scale::Full => (2 << 30, 20, 0.01, 5),
+            Scale::Quick => (2 << 30, 10, 0.005, 3),
+            Scale::Tiny => (64 << 20, 3, 0.001, 2),
+        };
+        gpu::GpuCeilingPlan {
+            copy_bytes,
+            copy_passes,
+            peak_seconds,
+            peak_repeats,
+        }
+    }
+
+    /// The device-specific part of the run, its ceilings measured.
+    fn platform(&self, device: Device, machine: &Machine) -> Result<Box<dyn Platform>> {
+        match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => Ok(Box::new(gpu::GpuPlatform::measure(
+                ordinal,
+                &self.gpu_ceiling_plan(),
+            )?)),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(pagedattn::Error::unsupported(
+                "bench",
+                "GPU benchmarks (this build has no `cuda` feature)",
+            )),
+            Device::Cpu | Device::CudaHost(_) => {
+                // Working sets several times the last-level cache (tiny shapes: no such care).
+                let working_set = match self.scale() {
+                    Scale::Tiny => 1 << 20,
+                    _ => 8 * machine.llc_bytes,
+                };
+                Ok(Box::new(CpuPlatform::measure(
+                    &self.ceiling_plan(),
+                    machine.threads,
+                    working_set,
+                )))
+            }
+        }
+    }
+
     fn suites(&self) -> Vec<Suite> {
         match self.suite {
             SuiteArg::All => Suite::ALL.to_vec(),
@@ -182,80 +230,64 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         out.line(&format!("load before: {}", l.describe()));
     }
     let run_start = load::CpuTimes::now();
-    let (ceilings, probes) = Ceilings::measure(&args.ceiling_plan(), machine.threads);
-    for l in ceilings.summary() {
+    let platform = args.platform(backend.device(), &machine)?;
+    for l in platform.summary() {
         out.line(&format!("ceiling: {l}"));
     }
-    // Working sets several times the last-level cache (tiny shapes: no such care).
-    let working_set = match scale {
-        Scale::Tiny => 1 << 20,
-        _ => 8 * machine.llc_bytes,
+    let working_set = match (scale, platform.target()) {
+        (Scale::Tiny, _) => 1 << 20,
+        _ => platform.working_set(),
     };
     let cx = Context {
         backend: backend.as_ref(),
         working_set,
         plan: args.timing_plan(),
-        ceilings: &ceilings,
-        probes: &probes,
+        platform: platform.as_ref(),
     };
     let plan = cx.plan;
+    let bounds = platform.bounds();
     let mut rows: Vec<Value> = Vec::new();
     let mut paging = None;
+    let mut mixed = None;
     let suites = args.suites();
     if !suites.is_empty() {
         out.line("");
         out.line(&Row::header());
     }
     for (si, &suite) in suites.iter().enumerate() {
-        let all = workloads::suite(suite, scale);
-        let seed = 1000 * si as u64 + 1;
-        if suite == Suite::Paging {
+        let mut seed = 1000 * si as u64 + 1;
+        for group in workloads::groups(suite, scale, platform.target()) {
             if args.wait_quiet > 0.0 {
                 wait_quiet(args.wait_quiet, &out);
             }
-            match cx.run(&all, seed) {
+            match cx.run(&group, seed) {
                 Ok(measured) => {
                     for r in &measured {
                         out.line(&r.line());
                         rows.push(r.to_json());
                     }
-                    let p = PagingOverhead::new(
-                        &measured[0].stats,
-                        &measured[1].stats,
-                        ceilings.memory_paging_ratio(),
-                    );
-                    out.line(&p.line());
-                    paging = Some(p);
+                    let stats: Vec<_> = measured.iter().map(|r| &r.stats).collect();
+                    if suite == Suite::Paging {
+                        let p = PagingOverhead::new(stats[0], stats[1], bounds.memory_paging_ratio);
+                        out.line(&p.line());
+                        paging = Some(p);
+                    } else if suite == Suite::Mixed && stats.len() == 3 {
+                        let m = MixedParts::new(stats[0], stats[1], stats[2]);
+                        out.line(&m.line());
+                        mixed = Some(m);
+                    }
                 }
-                Err(e) => skipped(&out, &mut rows, &all[0], &e),
-            }
-            continue;
-        }
-        for (i, w) in all.iter().enumerate() {
-            let one = std::slice::from_ref(w);
-            let seed = seed + i as u64;
-            if args.wait_quiet > 0.0 {
-                wait_quiet(args.wait_quiet, &out);
-            }
-            match cx.run(one, seed) {
-                Ok(measured) => {
-                    out.line(&measured[0].line());
-                    rows.push(measured[0].to_json());
+                Err(e) => {
+                    for w in &group {
+                        skipped(&out, &mut rows, w, &e);
+                    }
                 }
-                Err(e) => skipped(&out, &mut rows, w, &e),
             }
+            seed += group.len() as u64;
         }
     }
     if !suites.is_empty() {
-        let (g, name) = ceilings.compute_ceiling();
-        out.line(&format!(
-            "(* headline rows. GB/s = KV bytes read / median time; GFLOP/s = 4 x causal pairs x D x H / median time. \
-             % bw, % pg and % pk are of the sequential memory read bandwidth, the read rate of the headline \
-             decode's access pattern and the {name}, re-measured between the row's own iterations (bw now, \
-             pg now, pk now); at the start they were {:.1} GB/s, {:.1} GB/s and {g:.0} GFLOP/s. \
-             `!` marks rows during which other processes used over 5% of the CPUs)",
-            ceilings.mem_read_gbs, ceilings.paged_read_gbs()
-        ));
+        out.line(&footnote(&bounds));
     }
     let load_during = run_start
         .zip(load::CpuTimes::now())
@@ -279,17 +311,46 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "working_set_bytes": working_set,
             },
             "machine": machine.to_json(),
+            "gpu": platform.device_json(),
+            "timer": match platform.target() {
+                platform::Target::Cpu => "host wall clock",
+                platform::Target::Gpu => "CUDA events on the backend's stream",
+            },
             "rayon_num_threads": std::env::var("RAYON_NUM_THREADS").ok(),
             "load_before": load_before.map(load::Load::to_json),
             "load_during": load_during.map(load::Load::to_json),
-            "ceilings": ceilings.to_json(),
+            "ceilings": platform.to_json(),
             "rows": rows,
             "paging": paging.map(|p| p.to_json()),
+            "mixed": mixed.map(|m| m.to_json()),
         });
         let text = serde_json::to_string_pretty(&doc).expect("JSON values serialize");
         println!("{text}");
     }
     Ok(())
+}
+
+/// The line under the table: what the columns are, and the ceilings at the start.
+fn footnote(bounds: &platform::Bounds) -> String {
+    let (g, name) = (bounds.compute_gflops, bounds.compute_name);
+    match bounds.paged_gbs {
+        Some(paged) => format!(
+            "(* headline rows. GB/s = KV bytes read / median time; GFLOP/s = 4 x causal pairs x D x H / median time. \
+             % bw, % pg and % pk are of the sequential memory read bandwidth, the read rate of the headline \
+             decode's access pattern and the {name}, re-measured between the row's own iterations (bw now, \
+             pg now, pk now); at the start they were {:.1} GB/s, {paged:.1} GB/s and {g:.0} GFLOP/s. \
+             `!` marks rows during which other processes used over 5% of the CPUs)",
+            bounds.mem_gbs
+        ),
+        None => format!(
+            "(* headline rows. Times from CUDA events on the backend's stream. GB/s = KV bytes read / median \
+             time; GFLOP/s = 4 x causal pairs x D x H / median time. % bw is of the {}, % pk of the {name}, \
+             both re-measured between the row's own iterations (bw now, pk now); at the start they were \
+             {:.1} GB/s and {g:.0} GFLOP/s. `!` marks rows during which other processes used over 5% of \
+             the host's CPUs)",
+            bounds.mem_name, bounds.mem_gbs
+        ),
+    }
 }
 
 /// What every row is measured with.
@@ -298,13 +359,12 @@ struct Context<'a> {
     /// Bytes of cache to rotate over, at least.
     working_set: usize,
     plan: TimingPlan,
-    ceilings: &'a Ceilings,
-    probes: &'a Probes,
+    platform: &'a dyn Platform,
 }
 
 impl Context<'_> {
-    /// Prepares `variants` (one workload, or the paging pair) and times them interleaved,
-    /// re-measuring the ceilings that bound them between iterations.
+    /// Prepares `variants` (one workload, or a group timed together) and times them
+    /// interleaved, re-measuring the ceilings that bound them between iterations.
     fn run(&self, variants: &[Workload], seed: u64) -> Result<Vec<Row>> {
         let mut prepared = variants
             .iter()
@@ -315,18 +375,22 @@ impl Context<'_> {
         let probe_compute = matches!(bound, Bound::Compute | Bound::Both);
         let (mut mem, mut paged, mut compute) = (Vec::new(), Vec::new(), Vec::new());
         let before = load::CpuTimes::now();
+        let mut clock = self.platform.clock()?;
         let stats = timing::measure(
             &self.plan,
             prepared.len(),
+            clock.as_mut(),
             |v, i| prepared[v].run(i),
             || {
                 if probe_mem {
-                    mem.push(self.probes.mem_pass());
-                    paged.push(self.probes.paged_pass());
+                    let now = self.platform.probe_memory()?;
+                    mem.push(now.mem_gbs);
+                    paged.extend(now.paged_gbs);
                 }
                 if probe_compute {
-                    compute.push(self.probes.compute_pass());
+                    compute.push(self.platform.probe_compute()?);
                 }
+                Ok(())
             },
         )?;
         let load = before
@@ -334,15 +398,16 @@ impl Context<'_> {
             .and_then(|(a, b)| a.load_until(&b));
         let during = During {
             mem_bw: probe_mem.then(|| timing::median(&mem)),
-            paged_read: probe_mem.then(|| timing::median(&paged)),
+            paged_read: (probe_mem && !paged.is_empty()).then(|| timing::median(&paged)),
             compute: probe_compute.then(|| timing::median(&compute)),
         };
+        let bounds = self.platform.bounds();
         Ok(variants
             .iter()
             .zip(&prepared)
             .zip(stats)
             .map(|((w, p), s)| {
-                let mut row = Row::new(w, p.layers(), s, self.ceilings, during);
+                let mut row = Row::new(w, p.layers(), s, &bounds, during);
                 row.load = load;
                 row
             })
@@ -401,7 +466,7 @@ mod tests {
             wait_quiet: 0.0,
         };
         let machine_threads = 1;
-        let (ceilings, probes) = Ceilings::measure(
+        let platform = CpuPlatform::measure(
             &CeilingPlan {
                 mem_bytes: 1 << 20,
                 mem_passes: 1,
@@ -409,31 +474,28 @@ mod tests {
                 compute_repeats: 1,
             },
             machine_threads,
+            1 << 16,
         );
+        let ceilings = platform.ceilings();
         assert!(ceilings.mem_read_gbs > 0.0 && ceilings.f32_gflops_core > 0.0);
         let backend = registry::backend(&args.backend).unwrap();
         let cx = Context {
             backend: backend.as_ref(),
-            working_set: 1 << 16,
+            working_set: platform.working_set(),
             plan: args.timing_plan(),
-            ceilings: &ceilings,
-            probes: &probes,
+            platform: &platform,
         };
         for suite in Suite::ALL {
-            let all = workloads::suite(suite, Scale::Tiny);
-            let groups: Vec<&[Workload]> = if suite == Suite::Paging {
-                vec![&all[..]]
-            } else {
-                all.chunks(1).collect()
-            };
-            for g in groups {
-                let rows = cx.run(g, 3).unwrap();
-                assert_eq!(rows.len(), g.len());
-                for r in rows {
-                    assert_eq!(r.stats.iters, 1);
-                    assert!(r.gbs > 0.0 && r.gflops > 0.0, "{}", r.line());
-                    let j = r.to_json();
-                    assert_eq!(j["params"]["num_seqs"], r.workload.seqs.len());
+            for target in [platform::Target::Cpu, platform::Target::Gpu] {
+                for g in workloads::groups(suite, Scale::Tiny, target) {
+                    let rows = cx.run(&g, 3).unwrap();
+                    assert_eq!(rows.len(), g.len());
+                    for r in rows {
+                        assert_eq!(r.stats.iters, 1);
+                        assert!(r.gbs > 0.0 && r.gflops > 0.0, "{}", r.line());
+                        let j = r.to_json();
+                        assert_eq!(j["params"]["num_seqs"], r.workload.seqs.len());
+                    }
                 }
             }
         }

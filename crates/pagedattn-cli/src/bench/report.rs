@@ -2,8 +2,8 @@
 
 use serde_json::{json, Value};
 
-use super::ceilings::Ceilings;
 use super::load::Load;
+use super::platform::Bounds;
 use super::timing::Stats;
 use super::workloads::{Suite, Workload};
 
@@ -57,8 +57,9 @@ pub struct Row {
     pub compute_during: Option<f64>,
     /// `gbs` as % of the memory read bandwidth measured during the row (or at the start).
     pub pct_mem_bw: f64,
-    /// `gbs` as % of the paged read rate measured during the row (or at the start).
-    pub pct_paged_read: f64,
+    /// `gbs` as % of the paged read rate measured during the row (or at the start), where
+    /// the platform measures one.
+    pub pct_paged_read: Option<f64>,
     /// `gflops` as % of the compute ceiling measured during the row (or at the start).
     pub pct_compute: f64,
     /// What other processes used while the row was timed.
@@ -81,7 +82,7 @@ impl Row {
         workload: &Workload,
         layers: usize,
         stats: Stats,
-        ceilings: &Ceilings,
+        bounds: &Bounds,
         during: During,
     ) -> Row {
         let bound = Row::bound_of(workload);
@@ -100,9 +101,12 @@ impl Row {
             mem_bw_during: during.mem_bw,
             paged_read_during: during.paged_read,
             compute_during: during.compute,
-            pct_mem_bw: 100.0 * gbs / during.mem_bw.unwrap_or(ceilings.mem_read_gbs),
-            pct_paged_read: 100.0 * gbs / during.paged_read.unwrap_or(ceilings.paged_read_gbs()),
-            pct_compute: 100.0 * gflops / during.compute.unwrap_or(ceilings.compute_ceiling().0),
+            pct_mem_bw: 100.0 * gbs / during.mem_bw.unwrap_or(bounds.mem_gbs),
+            pct_paged_read: during
+                .paged_read
+                .or(bounds.paged_gbs)
+                .map(|paged| 100.0 * gbs / paged),
+            pct_compute: 100.0 * gflops / during.compute.unwrap_or(bounds.compute_gflops),
             load: None,
         }
     }
@@ -134,7 +138,7 @@ impl Row {
         let mem = matches!(self.bound, Bound::Memory | Bound::Both);
         let comp = matches!(self.bound, Bound::Compute | Bound::Both);
         let show = |yes: bool, x: f64, prec: usize| {
-            if yes {
+            if yes && !x.is_nan() {
                 format!("{x:.prec$}")
             } else {
                 "-".into()
@@ -158,7 +162,7 @@ impl Row {
             show(mem, self.gbs, 1),
             show(mem, self.pct_mem_bw, 1),
             show(mem, self.mem_bw_during.unwrap_or(f64::NAN), 1),
-            show(mem, self.pct_paged_read, 1),
+            show(mem, self.pct_paged_read.unwrap_or(f64::NAN), 1),
             show(mem, self.paged_read_during.unwrap_or(f64::NAN), 1),
             show(comp, self.gflops, 1),
             show(comp, self.pct_compute, 1),
@@ -212,13 +216,13 @@ pub struct PagingOverhead {
     /// Fastest shuffled / fastest contiguous.
     pub ratio_min: f64,
     /// The same ratio for the memory alone: the decode's read order without the kernel
-    /// ([`super::ceilings::Ceilings::memory_paging_ratio`]).
-    pub memory_ratio: f64,
+    /// ([`super::ceilings::Ceilings::memory_paging_ratio`]), where the platform measures it.
+    pub memory_ratio: Option<f64>,
 }
 
 impl PagingOverhead {
     /// From the contiguous and the shuffled timings, and the memory's own ratio.
-    pub fn new(contiguous: &Stats, shuffled: &Stats, memory_ratio: f64) -> PagingOverhead {
+    pub fn new(contiguous: &Stats, shuffled: &Stats, memory_ratio: Option<f64>) -> PagingOverhead {
         PagingOverhead {
             ratio_median: shuffled.median / contiguous.median,
             ratio_min: shuffled.min / contiguous.min,
@@ -228,10 +232,15 @@ impl PagingOverhead {
 
     /// One line for the table.
     pub fn line(&self) -> String {
+        let memory = match self.memory_ratio {
+            Some(r) => {
+                format!("; the memory's alone (the decode's read order, loads only): {r:.3}")
+            }
+            None => String::new(),
+        };
         format!(
-            "paging overhead: shuffled / contiguous = {:.3} (medians), {:.3} (minimums); \
-             the memory's alone (the decode's read order, loads only): {:.3}",
-            self.ratio_median, self.ratio_min, self.memory_ratio
+            "paging overhead: shuffled / contiguous = {:.3} (medians), {:.3} (minimums){memory}",
+            self.ratio_median, self.ratio_min
         )
     }
 
@@ -241,6 +250,42 @@ impl PagingOverhead {
             "ratio_paged_over_contiguous": self.ratio_median,
             "ratio_paged_over_contiguous_min": self.ratio_min,
             "memory_ratio_paged_over_contiguous": self.memory_ratio,
+        })
+    }
+}
+
+/// A mixed batch against its prefill part and its decode part, measured interleaved.
+#[derive(Debug, Clone, Copy)]
+pub struct MixedParts {
+    /// Median of the whole batch / (median of the prefill part + median of the decode part).
+    pub ratio_median: f64,
+    /// The same with the fastest iterations.
+    pub ratio_min: f64,
+}
+
+impl MixedParts {
+    /// From the whole batch's, the prefill part's and the decode part's timings.
+    pub fn new(whole: &Stats, prefill: &Stats, decode: &Stats) -> MixedParts {
+        MixedParts {
+            ratio_median: whole.median / (prefill.median + decode.median),
+            ratio_min: whole.min / (prefill.min + decode.min),
+        }
+    }
+
+    /// One line for the table.
+    pub fn line(&self) -> String {
+        format!(
+            "mixed batch / (its prefill part + its decode part, run one after the other) = {:.3} (medians), \
+             {:.3} (minimums); at most 1 is the target",
+            self.ratio_median, self.ratio_min
+        )
+    }
+
+    /// The JSON object.
+    pub fn to_json(self) -> Value {
+        json!({
+            "ratio_whole_over_parts": self.ratio_median,
+            "ratio_whole_over_parts_min": self.ratio_min,
         })
     }
 }

@@ -62,56 +62,111 @@ pub fn median(xs: &[f64]) -> f64 {
     }
 }
 
+/// How iterations are timed: marks in the order of the work, read back as the time between
+/// consecutive marks. On the host a mark is the wall clock (the work is done when the call
+/// returns); on a GPU it is an event queued on the stream, so the host can run ahead and the
+/// marks are read (waiting for the GPU) only when [`Clock::laps`] is called.
+pub trait Clock {
+    /// Marks the current point of the work.
+    fn mark(&mut self) -> Result<()>;
+    /// Seconds between each mark and the next since the last call, in order (one fewer than
+    /// the marks); forgets them.
+    fn laps(&mut self) -> Result<Vec<f64>>;
+}
+
+/// The host's wall clock: for backends whose calls return when their work is done.
+#[derive(Debug, Default)]
+pub struct HostClock {
+    marks: Vec<Instant>,
+}
+
+impl Clock for HostClock {
+    fn mark(&mut self) -> Result<()> {
+        self.marks.push(Instant::now());
+        Ok(())
+    }
+
+    fn laps(&mut self) -> Result<Vec<f64>> {
+        let laps = self
+            .marks
+            .windows(2)
+            .map(|w| (w[1] - w[0]).as_secs_f64())
+            .collect();
+        self.marks.clear();
+        Ok(laps)
+    }
+}
+
 /// Times `variants` alternatives of one workload. `run(variant, i)` runs iteration `i` of a
 /// variant (`i` counts that variant's calls, warm-up included, so the caller can rotate over
 /// layers with `i % layers`). `probe` is called before the first measured round, then between
-/// rounds every `probe_every` seconds, and after the last one. Returns one [`Stats`] per variant.
+/// rounds every `probe_every` seconds (counted in rounds of the warm-up's median length), and
+/// after the last one. Iterations follow one another with no wait in between; the clock's
+/// marks are read at each probe. Returns one [`Stats`] per variant.
 pub fn measure(
     plan: &TimingPlan,
     variants: usize,
+    clock: &mut dyn Clock,
     mut run: impl FnMut(usize, usize) -> Result<()>,
-    mut probe: impl FnMut(),
+    mut probe: impl FnMut() -> Result<()>,
 ) -> Result<Vec<Stats>> {
     let mut calls = vec![0usize; variants];
-    let mut timed = |v: usize, run: &mut dyn FnMut(usize, usize) -> Result<()>| {
-        let start = Instant::now();
-        run(v, calls[v])?;
-        calls[v] += 1;
-        Ok::<f64, pagedattn::Error>(start.elapsed().as_secs_f64())
+    // One round: every variant once (in `order`), a mark before each and after the last.
+    let mut round = |order: &mut dyn Iterator<Item = usize>, clock: &mut dyn Clock| {
+        let mut ran = Vec::with_capacity(variants);
+        clock.mark()?;
+        for v in order {
+            run(v, calls[v])?;
+            calls[v] += 1;
+            clock.mark()?;
+            ran.push(v);
+        }
+        Ok::<Vec<usize>, pagedattn::Error>(ran)
     };
-    // Warm-up: every variant at least twice, and for at least `warmup_seconds` overall.
+    // Warm-up: every variant at least three times, and for at least `warmup_seconds` overall.
+    // The first round is left out of the estimate of a round's length: it includes one-time
+    // costs (a GPU kernel's compilation at its first use, first touches of memory).
     let warm_start = Instant::now();
     let mut warm = Vec::new();
-    let mut rounds = 0;
-    while rounds < 2 || warm_start.elapsed().as_secs_f64() < plan.warmup_seconds {
-        let mut round = 0.0;
-        for v in 0..variants {
-            round += timed(v, &mut run)?;
-        }
-        warm.push(round);
-        rounds += 1;
+    while warm.len() < 3 || warm_start.elapsed().as_secs_f64() < plan.warmup_seconds {
+        round(&mut (0..variants), clock)?;
+        warm.push(clock.laps()?.iter().sum::<f64>());
     }
-    let per_round = median(&warm).max(1e-9);
+    let per_round = median(&warm[1..]).max(1e-9);
     let iters = plan.iters.unwrap_or_else(|| {
         ((plan.target_seconds / per_round).round() as usize).clamp(plan.min_iters, 100_000)
     });
+    let probe_rounds = (plan.probe_every / per_round).round().max(1.0);
+    let probe_rounds = if probe_rounds.is_finite() && probe_rounds < usize::MAX as f64 {
+        probe_rounds as usize
+    } else {
+        usize::MAX
+    };
     let mut times = vec![Vec::with_capacity(iters); variants];
-    probe();
-    let mut since_probe = 0.0;
+    // What each lap since the last probe timed: a variant's iteration, or (None) the step
+    // from one round's last mark to the next round's first.
+    let mut pending: Vec<Option<usize>> = Vec::new();
+    let mut collect = |pending: &mut Vec<Option<usize>>, clock: &mut dyn Clock| {
+        for (v, t) in pending.drain(..).zip(clock.laps()?) {
+            if let Some(v) = v {
+                times[v].push(t);
+            }
+        }
+        Ok::<(), pagedattn::Error>(())
+    };
+    probe()?;
     for i in 0..iters {
-        if since_probe >= plan.probe_every {
-            probe();
-            since_probe = 0.0;
+        if i > 0 && i % probe_rounds == 0 {
+            collect(&mut pending, clock)?;
+            probe()?;
         }
         // Alternate the order too, so no variant always follows the same one.
-        for k in 0..variants {
-            let v = if i % 2 == 0 { k } else { variants - 1 - k };
-            let t = timed(v, &mut run)?;
-            since_probe += t;
-            times[v].push(t);
-        }
+        let mut order = (0..variants).map(|k| if i % 2 == 0 { k } else { variants - 1 - k });
+        pending.extend(round(&mut order, clock)?.into_iter().map(Some));
+        pending.push(None);
     }
-    probe();
+    collect(&mut pending, clock)?;
+    probe()?;
     Ok(times.iter().map(|t| Stats::of(t)).collect())
 }
 
@@ -140,20 +195,79 @@ mod tests {
         let stats = measure(
             &plan,
             2,
+            &mut HostClock::default(),
             |v, i| {
                 seen.push((v, i));
                 Ok(())
             },
-            || probes += 1,
+            || {
+                probes += 1;
+                Ok(())
+            },
         )
         .unwrap();
         assert_eq!(probes, 2);
         assert_eq!(stats.len(), 2);
         assert!(stats.iter().all(|s| s.iters == 5));
-        // Two warm-up rounds, then 5 measured rounds: each variant counts 0..7.
+        // Three warm-up rounds, then 5 measured rounds: each variant counts 0..8.
         for v in 0..2 {
             let idx: Vec<usize> = seen.iter().filter(|s| s.0 == v).map(|s| s.1).collect();
-            assert_eq!(idx, (0..7).collect::<Vec<_>>());
+            assert_eq!(idx, (0..8).collect::<Vec<_>>());
+        }
+    }
+
+    /// A clock that reads a counter the work advances: each variant's iterations must get
+    /// exactly their own time, with probes (and the clock's reads) in the middle of the run.
+    #[test]
+    fn laps_go_to_their_variants() {
+        use std::cell::Cell;
+        struct Counter<'a> {
+            now: &'a Cell<f64>,
+            marks: Vec<f64>,
+        }
+        impl Clock for Counter<'_> {
+            fn mark(&mut self) -> Result<()> {
+                self.marks.push(self.now.get());
+                Ok(())
+            }
+            fn laps(&mut self) -> Result<Vec<f64>> {
+                let laps = self.marks.windows(2).map(|w| w[1] - w[0]).collect();
+                self.marks.clear();
+                Ok(laps)
+            }
+        }
+        let now = Cell::new(0.0);
+        let plan = TimingPlan {
+            warmup_seconds: 0.0,
+            target_seconds: 0.0,
+            iters: Some(9),
+            min_iters: 1,
+            probe_every: 12.0,
+        };
+        let mut probes = 0;
+        let stats = measure(
+            &plan,
+            3,
+            &mut Counter {
+                now: &now,
+                marks: Vec::new(),
+            },
+            |v, _| {
+                now.set(now.get() + (v + 1) as f64);
+                Ok(())
+            },
+            || {
+                // Time passing during a probe belongs to no iteration.
+                now.set(now.get() + 100.0);
+                probes += 1;
+                Ok(())
+            },
+        )
+        .unwrap();
+        // Rounds of 6 units: a probe every 2 rounds, plus the first and the last.
+        assert_eq!(probes, 2 + 4);
+        for (v, s) in stats.iter().enumerate() {
+            assert_eq!((s.iters, s.min, s.max), (9, (v + 1) as f64, (v + 1) as f64));
         }
     }
 }

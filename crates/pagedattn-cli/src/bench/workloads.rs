@@ -11,6 +11,8 @@ use pagedattn::{
 };
 use serde_json::{json, Value};
 
+use super::platform::Target;
+
 /// A group of workloads, selected by `--suite`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Suite {
@@ -277,18 +279,129 @@ impl Workload {
     }
 }
 
-/// The workloads of `suite` at `scale`.
-pub fn suite(suite: Suite, scale: Scale) -> Vec<Workload> {
-    let tiny = scale == Scale::Tiny;
-    let decode = |batch: usize, ctx: usize| {
-        Workload::new(
-            Suite::Decode,
-            format!("decode b{batch} ctx{ctx}"),
-            scale,
-            vec![SeqShape::decode(ctx); batch],
-        )
+/// The workloads of `suite` at `scale`, in the shapes of `target`.
+pub fn suite(suite: Suite, scale: Scale, target: Target) -> Vec<Workload> {
+    match target {
+        Target::Gpu => gpu_suite(suite, scale),
+        Target::Cpu => cpu_suite(suite, scale),
+    }
+}
+
+/// The workloads of `suite` in groups timed together, interleaved: the paging pair, a mixed
+/// batch with its parts; every other workload alone.
+pub fn groups(suite_: Suite, scale: Scale, target: Target) -> Vec<Vec<Workload>> {
+    let all = suite(suite_, scale, target);
+    if suite_ == Suite::Paging || (suite_ == Suite::Mixed && all.len() > 1) {
+        vec![all]
+    } else {
+        all.into_iter().map(|w| vec![w]).collect()
+    }
+}
+
+/// A mixed batch, then its prefill part and its decode part alone (the same sequences).
+fn with_parts(whole: Workload) -> Vec<Workload> {
+    let part = |decode: bool, what: &str| {
+        let mut w = whole.clone();
+        w.headline = false;
+        w.seqs.retain(|s| s.is_decode == decode);
+        w.name = format!("{} ({what} part)", whole.name);
+        w
     };
-    let (head_b, head_ctx) = if tiny { (4, 200) } else { (32, 4096) };
+    let parts = [part(false, "prefill"), part(true, "decode")];
+    std::iter::once(whole).chain(parts).collect()
+}
+
+/// A decode workload: `batch` sequences of `ctx` tokens.
+fn decode(scale: Scale, batch: usize, ctx: usize) -> Workload {
+    Workload::new(
+        Suite::Decode,
+        format!("decode b{batch} ctx{ctx}"),
+        scale,
+        vec![SeqShape::decode(ctx); batch],
+    )
+}
+
+/// A prefill workload: `n` causal prompts of `len` tokens, `hkv` kv heads.
+fn prefill(scale: Scale, n: usize, len: usize, hkv: usize) -> Workload {
+    let (h, _, _, _) = shape(scale);
+    Workload::new(
+        Suite::Prefill,
+        format!("prefill {n}x{len} H{h}/{hkv}"),
+        scale,
+        vec![SeqShape::prompt(0, len); n],
+    )
+    .kv_heads(hkv)
+}
+
+/// A mixed batch: two prompt chunks over cached context, a fresh prompt, decodes.
+fn mixed(
+    scale: Scale,
+    chunk: usize,
+    ctx: usize,
+    fresh: usize,
+    decodes: usize,
+    dctx: usize,
+) -> Workload {
+    let mut seqs = vec![SeqShape::prompt(ctx, chunk); 2];
+    seqs.push(SeqShape::prompt(0, fresh));
+    seqs.extend(vec![SeqShape::decode(dctx); decodes]);
+    Workload::new(
+        Suite::Mixed,
+        format!("mixed 2x{chunk}@{ctx} + {fresh} + {decodes} dec@{dctx}"),
+        scale,
+        seqs,
+    )
+    .headline()
+}
+
+/// The headline decode on contiguous and on shuffled block tables.
+fn paging_pair(scale: Scale, batch: usize, ctx: usize) -> Vec<Workload> {
+    [Mapping::Contiguous, Mapping::Shuffled]
+        .into_iter()
+        .map(|m| {
+            let mut w = decode(scale, batch, ctx).headline();
+            w.suite = Suite::Paging;
+            w.mapping = m;
+            w.name = format!("paging b{batch} ctx{ctx} {}", m.name());
+            w
+        })
+        .collect()
+}
+
+/// The fp8 (e4m3) version of the headline decode.
+fn fp8_decode(scale: Scale, batch: usize, ctx: usize) -> Workload {
+    let mut fp8 = decode(scale, batch, ctx).fp8();
+    fp8.name = format!("decode b{batch} ctx{ctx} fp8_e4m3");
+    fp8
+}
+
+/// A decode sweep over `batches` x `contexts`; `keep` filters the pairs, `(hb, hc)` is the
+/// headline.
+fn decode_sweep(
+    scale: Scale,
+    batches: &[usize],
+    contexts: &[usize],
+    keep: impl Fn(usize, usize) -> bool,
+    (hb, hc): (usize, usize),
+) -> Vec<Workload> {
+    let mut rows = Vec::new();
+    for &b in batches {
+        for &c in contexts {
+            if !keep(b, c) {
+                continue;
+            }
+            let w = decode(scale, b, c);
+            rows.push(if (b, c) == (hb, hc) { w.headline() } else { w });
+        }
+    }
+    rows.push(fp8_decode(scale, hb, hc));
+    rows
+}
+
+/// The CPU's workloads (issue 3's targets).
+fn cpu_suite(suite: Suite, scale: Scale) -> Vec<Workload> {
+    let tiny = scale == Scale::Tiny;
+    let head = if tiny { (4, 200) } else { (32, 4096) };
     match suite {
         Suite::Decode => {
             let (batches, contexts): (&[usize], &[usize]) = match scale {
@@ -296,74 +409,76 @@ pub fn suite(suite: Suite, scale: Scale) -> Vec<Workload> {
                 Scale::Quick => (&[8, 32], &[1024, 4096]),
                 Scale::Tiny => (&[1, 4], &[64, 200]),
             };
-            let mut rows = Vec::new();
-            for &b in batches {
-                for &c in contexts {
-                    if scale == Scale::Quick && (b, c) != (8, 1024) && (b, c) != (32, 4096) {
-                        continue;
-                    }
-                    let w = decode(b, c);
-                    rows.push(if (b, c) == (head_b, head_ctx) {
-                        w.headline()
-                    } else {
-                        w
-                    });
-                }
-            }
-            let mut fp8 = decode(head_b, head_ctx).fp8();
-            fp8.name = format!("decode b{head_b} ctx{head_ctx} fp8_e4m3");
-            rows.push(fp8);
-            rows
+            let keep = |b, c| scale != Scale::Quick || (b, c) == (8, 1024) || (b, c) == (32, 4096);
+            decode_sweep(scale, batches, contexts, keep, head)
         }
         Suite::Prefill => {
             let (h, _, _, _) = shape(scale);
-            let prefill = |n: usize, len: usize, hkv: usize| {
-                Workload::new(
-                    Suite::Prefill,
-                    format!("prefill {n}x{len} H{h}/{hkv}"),
-                    scale,
-                    vec![SeqShape::prompt(0, len); n],
-                )
-                .kv_heads(hkv)
-            };
             match scale {
                 Scale::Full => vec![
-                    prefill(1, 512, h),
-                    prefill(8, 1024, h),
-                    prefill(4, 2048, h).headline(),
-                    prefill(4, 2048, 8),
+                    prefill(scale, 1, 512, h),
+                    prefill(scale, 8, 1024, h),
+                    prefill(scale, 4, 2048, h).headline(),
+                    prefill(scale, 4, 2048, 8),
                 ],
-                Scale::Quick => vec![prefill(1, 512, h), prefill(4, 2048, h).headline()],
-                Scale::Tiny => vec![prefill(2, 64, h).headline(), prefill(2, 64, 2)],
+                Scale::Quick => vec![
+                    prefill(scale, 1, 512, h),
+                    prefill(scale, 4, 2048, h).headline(),
+                ],
+                Scale::Tiny => vec![
+                    prefill(scale, 2, 64, h).headline(),
+                    prefill(scale, 2, 64, 2),
+                ],
             }
         }
-        Suite::Mixed => {
-            let (chunk, ctx, fresh, decodes, dctx) = if tiny {
-                (32, 64, 16, 6, 100)
-            } else {
-                (512, 1536, 256, 30, 2048)
+        Suite::Mixed => vec![if tiny {
+            mixed(scale, 32, 64, 16, 6, 100)
+        } else {
+            mixed(scale, 512, 1536, 256, 30, 2048)
+        }],
+        Suite::Paging => paging_pair(scale, head.0, head.1),
+    }
+}
+
+/// A GPU's workloads (issue 12's targets): decode 64 x 4096 (32 query / 8 kv heads, D = 128,
+/// block 16, shuffled, bf16), prefill 1 x 8192 causal with 32 heads over the paged cache, a
+/// mixed batch timed with its prefill and decode parts, the paging pair at the headline decode.
+/// Tiny shapes: the CPU's, the mixed batch with its parts.
+fn gpu_suite(suite: Suite, scale: Scale) -> Vec<Workload> {
+    if scale == Scale::Tiny {
+        return match suite {
+            Suite::Mixed => with_parts(cpu_suite(suite, scale).remove(0)),
+            _ => cpu_suite(suite, scale),
+        };
+    }
+    let head = (64, 4096);
+    let (h, _, _, _) = shape(scale);
+    match suite {
+        Suite::Decode => {
+            let (batches, contexts): (&[usize], &[usize]) = match scale {
+                Scale::Quick => (&[8, 64], &[4096]),
+                Scale::Full | Scale::Tiny => (&[1, 8, 64, 128], &[1024, 4096, 16384]),
             };
-            let mut seqs = vec![SeqShape::prompt(ctx, chunk); 2];
-            seqs.push(SeqShape::prompt(0, fresh));
-            seqs.extend(vec![SeqShape::decode(dctx); decodes]);
-            vec![Workload::new(
-                Suite::Mixed,
-                format!("mixed 2x{chunk}@{ctx} + {fresh} + {decodes} dec@{dctx}"),
-                scale,
-                seqs,
-            )
-            .headline()]
+            // The full sweep leaves out 128 x 16384 (8 GiB per layer).
+            let keep = |b, c| (b, c) != (128, 16384);
+            decode_sweep(scale, batches, contexts, keep, head)
         }
-        Suite::Paging => [Mapping::Contiguous, Mapping::Shuffled]
-            .into_iter()
-            .map(|m| {
-                let mut w = decode(head_b, head_ctx).headline();
-                w.suite = Suite::Paging;
-                w.mapping = m;
-                w.name = format!("paging b{head_b} ctx{head_ctx} {}", m.name());
-                w
-            })
-            .collect(),
+        Suite::Prefill => match scale {
+            Scale::Quick => vec![
+                prefill(scale, 1, 2048, h),
+                prefill(scale, 1, 8192, h).headline(),
+            ],
+            Scale::Full | Scale::Tiny => vec![
+                prefill(scale, 1, 1024, h),
+                prefill(scale, 1, 2048, h),
+                prefill(scale, 1, 4096, h),
+                prefill(scale, 1, 8192, h).headline(),
+                prefill(scale, 4, 2048, h),
+                prefill(scale, 1, 8192, 8),
+            ],
+        },
+        Suite::Mixed => with_parts(mixed(scale, 1024, 3072, 2048, 64, 4096)),
+        Suite::Paging => paging_pair(scale, head.0, head.1),
     }
 }
 
@@ -543,14 +658,14 @@ mod tests {
 
     #[test]
     fn costs_follow_design_md() {
-        let w = &suite(Suite::Decode, Scale::Full)
+        let w = &suite(Suite::Decode, Scale::Full, Target::Cpu)
             .into_iter()
             .find(|w| w.headline)
             .unwrap();
         assert_eq!((w.seqs.len(), w.seqs[0].seq_len()), (32, 4096));
         // 32 seqs x 4096 tokens x 8 kv heads x 128 x (K and V) x 2 bytes.
         assert_eq!(w.kv_bytes(), (32 * 4096 * 8 * 128 * 2 * 2) as f64);
-        let p = &suite(Suite::Prefill, Scale::Full)
+        let p = &suite(Suite::Prefill, Scale::Full, Target::Cpu)
             .into_iter()
             .find(|w| w.headline)
             .unwrap();
@@ -562,9 +677,43 @@ mod tests {
     }
 
     #[test]
+    fn gpu_headline_shapes() {
+        for scale in [Scale::Full, Scale::Quick] {
+            let decode = suite(Suite::Decode, scale, Target::Gpu);
+            let w = decode.iter().find(|w| w.headline).unwrap();
+            assert_eq!((w.seqs.len(), w.seqs[0].seq_len()), (64, 4096));
+            assert_eq!(
+                (w.num_heads, w.num_kv_heads, w.head_size, w.block_size),
+                (32, 8, 128, 16)
+            );
+            assert_eq!((w.dtype, w.mapping), (DType::BF16, Mapping::Shuffled));
+            assert!(decode
+                .iter()
+                .any(|w| w.kv_cache_dtype == KvCacheDtype::Fp8E4m3));
+            let p = suite(Suite::Prefill, scale, Target::Gpu);
+            let p = p.iter().find(|w| w.headline).unwrap();
+            assert_eq!(
+                (p.seqs.len(), p.seqs[0].query_len, p.seqs[0].context_len),
+                (1, 8192, 0)
+            );
+            assert_eq!((p.num_heads, p.num_kv_heads), (32, 32));
+            let mixed = groups(Suite::Mixed, scale, Target::Gpu);
+            assert_eq!(mixed.len(), 1);
+            let [whole, pre, dec] = &mixed[0][..] else {
+                panic!("the mixed batch and its two parts")
+            };
+            assert_eq!(pre.seqs.len() + dec.seqs.len(), whole.seqs.len());
+            assert!(pre.seqs.iter().all(|s| !s.is_decode) && dec.seqs.iter().all(|s| s.is_decode));
+            let paging = groups(Suite::Paging, scale, Target::Gpu);
+            assert_eq!(paging[0].len(), 2);
+            assert_eq!(paging[0][1].seqs, w.seqs);
+        }
+    }
+
+    #[test]
     fn block_tables_cover_every_block_once() {
         for mapping in [Mapping::Contiguous, Mapping::Shuffled] {
-            let mut w = suite(Suite::Mixed, Scale::Tiny).remove(0);
+            let mut w = suite(Suite::Mixed, Scale::Tiny, Target::Cpu).remove(0);
             w.mapping = mapping;
             let tables = block_tables(&w, 7);
             let mut all: Vec<i32> = tables.concat();

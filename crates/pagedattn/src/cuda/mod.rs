@@ -25,6 +25,7 @@ mod memory;
 mod packed;
 mod plan;
 mod storage;
+mod timing;
 mod variant;
 
 use std::sync::Arc;
@@ -36,6 +37,7 @@ pub use compile::{
 pub use device::{gpu_present, info, DeviceInfo};
 pub use graph::Graph;
 pub use storage::CudaStorage;
+pub use timing::{CopyProbe, GpuEvent, PeakProbe};
 pub use variant::ATTENTION_HEAD_SIZES;
 
 use crate::backend::{check_sides, AttentionImpl, Backend, Capabilities};
