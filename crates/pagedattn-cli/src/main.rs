@@ -66,6 +66,10 @@ enum Command {
         /// valid entries there: a GPU's calls then never wait for NVRTC.
         #[arg(long)]
         cache: bool,
+        /// Only the programs whose name contains this (e.g. `bf16_bf16_d128_causal`): a
+        /// quick check of a kernel edit. Not with `--cache`.
+        #[arg(long, conflicts_with = "cache")]
+        only: Option<String>,
     },
     /// Writes an example replay case: a mixed batch of chunked prefills with cached context,
     /// a fresh prompt and decodes, GQA, bf16.
@@ -290,7 +294,7 @@ fn simd_features() -> Vec<&'static str> {
 /// `pagedattn compile-kernels`: every kernel for every architecture, one line each: how many
 /// compiled, in how long, per family (the attention variants counted, not listed).
 #[cfg(feature = "cuda")]
-fn compile_kernels(archs: &[String], cache: bool) -> Result<()> {
+fn compile_kernels(archs: &[String], cache: bool, only: Option<&str>) -> Result<()> {
     use pagedattn::cuda::{compile_check, DiskCache, ImageOrigin};
     let disk = if cache {
         Some(DiskCache::from_env().ok_or_else(|| {
@@ -307,7 +311,7 @@ fn compile_kernels(archs: &[String], cache: bool) -> Result<()> {
         let start = std::time::Instant::now();
         let line = match &disk {
             None => {
-                let kernels = compile_check(arch)?;
+                let kernels = compile_check(arch, only)?;
                 format!(
                     "{arch}: {} kernels compiled without warnings in {:.1} s: {}",
                     kernels.len(),
@@ -336,7 +340,7 @@ fn compile_kernels(archs: &[String], cache: bool) -> Result<()> {
 }
 
 /// Kernel names grouped by family with their counts: `write_kv_* (9)`, `copy_blocks`,
-/// `attention_merge_* (3)`, `attention_*_decode (N)`, `attention_*_prefill (N)`.
+/// `attention_merge_* (3)`, `attention_*_prefill (N)`, `attention_*_decode1 (N)`, ...
 #[cfg(feature = "cuda")]
 fn kernel_families(kernels: &[String]) -> String {
     let mut families: Vec<(String, usize)> = Vec::new();
@@ -398,7 +402,9 @@ fn main() -> ExitCode {
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Command::CompileKernels { archs, cache } => compile_kernels(&archs, cache),
+        Command::CompileKernels { archs, cache, only } => {
+            compile_kernels(&archs, cache, only.as_deref())
+        }
         Command::Example { output, seed } => {
             replay::write_case(&example::mixed_batch(seed)).and_then(|bytes| write(&output, &bytes))
         }

@@ -3,29 +3,40 @@
 //
 // A thread block (CTA) runs one work unit of the plan (crates/pagedattn/src/cuda/plan.rs):
 // one sequence, one kv head, some of its query rows (tokens x query heads of that kv head,
-// which share every key and value load: GQA), over a range of key positions. It walks the
-// keys in tiles: decodes the tile's keys and values into shared memory as f32 (the query
-// rows too, once), scores every (row, key) pair, folds each row's scores into its online
-// softmax state (running max m, running sum l) and adds the weighted values into the rows'
-// accumulators (in shared memory: every loop but the dot product and P.V stays a plain loop,
-// which keeps each variant's code, and NVRTC's time per variant, small). A unit that covers
-// all of its rows' keys writes the output; a split-K unit (one partition of a long decode)
-// writes its (m, l, attended, acc) partial to the workspace, which attention_merge.cu
-// combines.
+// which share every key and value load: GQA), over a range of key positions. Three kernels:
+// * `decode` (units of one query token, up to 8 query heads): keys and values straight from
+//   global memory in 16-byte loads, several keys in flight per thread, a group of lanes per
+//   key (8 dimensions each) reducing the dot products with warp shuffles, the kv head's
+//   query heads sharing every load; the four warps walk interleaved key chunks with their own
+//   online softmax and are merged exactly at the end. A split-K unit (one partition of a long
+//   decode) writes its (m, l, attended, acc) partial to the workspace, which
+//   attention_merge.cu combines.
+// * `prefill_mma` (bf16 and f16 activations with keys and values stored as such): 64 rows,
+//   16 per warp, FlashAttention-2 style on the tensor cores (mma.sync m16n8k16, f32
+//   accumulators): key/value tiles gathered through the block table with cp.async into a
+//   two-stage shared-memory pipeline, query fragments in registers, the online softmax on
+//   the score fragments in registers, probabilities rounded to the activation type for P.V.
+// * `prefill_scalar` (f32 activations and fp8 caches): 16 of the unit's rows per CTA
+//   (blockIdx.y picks which), tiles converted to f32 in shared memory, scalar dot products.
 //
 // Variants are template parameters: the activation type E, the key/value storage C, the head
 // size D and the score modifiers (mask, ALiBi, soft cap), so that no inner loop branches on a
 // setting; the library instantiates each variant it needs through a generated
 // ATTENTION_KERNELS line (src/cuda/variant.rs) and compiles it with NVRTC at first use.
 //
-// The contract's edges, and where they are met:
-// * positions are exact integers (i64): masks compare integers; ALiBi's distance j - i is an
+// The contract's edges, and where they are met (every kernel):
+// * positions are exact integers: masks compare integers; ALiBi's distance j - i is an
 //   integer difference rounded once to f32 (cross attention measures it from the last
-//   encoder key, which only drops a constant of the row; see the rows' setup);
+//   encoder key, which only drops a constant of the row; see `row_of`);
 // * a key a row does not attend (masked, outside the window, outside the unit, a padding
-//   token) is never multiplied into that row's P.V: 0 * NaN would be NaN. Keys that are not
-//   keys at all (positions past the sequence, padding tokens, unused cache slots, table
-//   entries past the sequence) are never read;
+//   token) never reaches that row's output: 0 * NaN would be NaN. Keys that are not keys at
+//   all (positions past the unit, padding tokens, unused cache slots, table entries past
+//   the sequence) are never read: the scalar kernels skip them, the tensor-core kernel
+//   zero-fills their tile rows (and then 0 * 0 enters). A masked score is replaced by -Inf
+//   (a select, not arithmetic), and a masked key's value is never multiplied into the row:
+//   the scalar kernels select, the tensor-core kernel runs the P.V of a tile where some row
+//   masks some key (the diagonal, a window's edge) through selects whenever that tile holds
+//   a non-finite value;
 // * scores follow IEEE arithmetic in f32: the scale multiplies the dot product (one f32
 //   factor, scale * k_scale), overflow gives infinities; the max ignores NaN scores (as the
 //   reference's fold does) while their exp poisons the row's sum; +Inf makes the row NaN
@@ -55,7 +66,7 @@ enum {
     UNIT_HEAD,       // first query head inside the kv head's group
     UNIT_HEADS,      // query heads: rows = tokens * heads, row r is (token r / heads,
                      // head r % heads)
-    UNIT_KEY_START,  // key positions visited: [start, end)
+    UNIT_KEY_START,  // key positions visited: [start, end), the union of the rows' keys
     UNIT_KEY_END,
     UNIT_PART_BASE,  // split-K: row r writes partial slot base + r * parts + part; -1: output
     UNIT_PARTS,
@@ -92,14 +103,108 @@ struct Params {
 
 constexpr int THREADS = 128;
 constexpr int WARPS = THREADS / 32;
-// Query rows of a decode unit (the query heads of one kv head, one token) and of a prefill
-// unit (tokens x heads).
+constexpr u32 FULL = 0xffffffffu;
+// Query rows of a decode unit (the query heads of one kv head, one token), of a prefill unit
+// (tokens x heads; plan.rs's PREFILL_ROWS), and of the scalar prefill's CTAs (a unit's rows
+// take PREFILL_ROWS / SCALAR_ROWS of them, blockIdx.y).
 constexpr int DECODE_ROWS = 8;
-constexpr int PREFILL_ROWS = 16;
+constexpr int PREFILL_ROWS = 64;
+constexpr int SCALAR_ROWS = 16;
+static_assert(PREFILL_ROWS == 16 * WARPS && PREFILL_ROWS % SCALAR_ROWS == 0 && DECODE_ROWS == 8,
+              "16 rows per warp in the tensor-core prefill; decode8 covers a decode unit");
 
-// Static shared memory of a unit's tiles, in floats: queries and accumulators, keys (rows
-// padded by one float, so that threads scoring different keys hit different banks), values,
-// probabilities.
+// Where the unit's sequence stores key position j (< 2^31 - 1): the element offset of its
+// row in the key and value buffers, or -1 if j is no key (at or past `key_end`, or a new
+// token whose slot is -1; the slot is looked up only for a new token inside the unit).
+template <int D>
+__device__ __forceinline__ i64 key_offset(const Params& p, const i64* seq, i64 kv_head,
+                                          i64 key_end, u32 block_div, i64 j) {
+    const i64 new_start = seq[SEQ_NEW_START];
+    const bool is_key = j < key_end &&
+                        (j < new_start || p.slots[seq[SEQ_SLOT_BASE] + j - new_start] >= 0);
+    if (!is_key) {
+        return -1;
+    }
+    if (p.paged) {
+        const u32 jj = (u32)j;
+        const i64 block = p.tables[seq[SEQ_KEY_BASE] + jj / block_div];
+        return ((block * p.num_kv_heads + kv_head) * p.block_size + jj % block_div) * D;
+    }
+    return ((seq[SEQ_KEY_BASE] + j) * p.num_kv_heads + kv_head) * D;
+}
+
+// Key positions are below 2^31 - 1 (the metadata's lengths are i32): a block size clamped to
+// that divides them as the real one does, in 32 bits.
+__device__ __forceinline__ u32 block_divisor(const Params& p) {
+    return p.block_size < 0x7fffffff ? (u32)p.block_size : 0x7fffffffu;
+}
+
+// One query row of a prefill unit: its position, the keys it attends ([lo, hi), inside the
+// unit's range) and its ALiBi slope.
+struct Row {
+    i64 pos, lo, hi;
+    float slope;
+};
+
+// Row r (< the unit's rows) of `unit`: token r / heads, query head r % heads of the unit.
+template <int MASK, bool ALIBI>
+__device__ __forceinline__ Row row_of(const Params& p, const i64* seq, const i64* unit, int r) {
+    const int heads = (int)unit[UNIT_HEADS];
+    Row row;
+    row.pos = seq[SEQ_FIRST_POS] + unit[UNIT_TOKEN] + r / heads;
+    if (MASK == MASK_NONE && ALIBI) {
+        // A cross-attention query past every encoder key: its bias -slope * (i - j) is
+        // -slope * (n - 1 - j) plus a constant of the row, which the softmax ignores (as the
+        // cpu backend does). Position n - 1 keeps the distances small, exact, and the scores
+        // free of a huge constant that f32 would round them into. (Encoder types' queries
+        // are keys' positions already; non-causal positions serve nothing else.)
+        row.pos = min(row.pos, seq[SEQ_KEYS] - 1);
+    }
+    row.lo = unit[UNIT_KEY_START];
+    row.hi = unit[UNIT_KEY_END];
+    if (MASK != MASK_NONE) {
+        row.hi = min(row.hi, row.pos + 1);
+    }
+    if (MASK == MASK_WINDOW) {
+        // i - W < j: no overflow, pos >= 0 and W <= i64 max.
+        row.lo = max(row.lo, row.pos + 1 - p.window);
+    }
+    row.slope = 0.0f;
+    if (ALIBI) {
+        row.slope = p.slopes[unit[UNIT_KV_HEAD] * p.group + unit[UNIT_HEAD] + r % heads];
+    }
+    return row;
+}
+
+// Step 2 and 3 of the contract after the scaled dot product `s` (already rounded to f32's
+// range): the soft cap, then ALiBi with the integer distance j - pos rounded once.
+template <int MASK, bool ALIBI, bool CAP>
+__device__ __forceinline__ float modify_score(const Params& p, float s, i64 distance,
+                                              float slope) {
+    if (CAP) {
+        s = p.soft_cap * tanhf(s / p.soft_cap);
+    }
+    if (ALIBI) {
+        const float d = (float)distance;
+        s = MASK == MASK_NONE ? fmaf(-slope, fabsf(d), s) : fmaf(slope, d, s);
+    }
+    return s;
+}
+
+// The finished row: normalized with v_scale applied, NaN for a row that attended only -Inf
+// (or NaN) scores, exactly 0 for a row that attended no key.
+__device__ __forceinline__ float finish(float acc, float m, float l, bool attended,
+                                        float out_scale) {
+    return m == -f32_inf() ? (attended ? f32_nan() : 0.0f) : acc * (out_scale / l);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scalar prefill: f32 activations and fp8 caches.
+// ---------------------------------------------------------------------------------------------
+
+// Static shared memory of the scalar prefill's tiles, in floats: queries and accumulators,
+// keys (rows padded by one float, so that threads scoring different keys hit different
+// banks), values, probabilities.
 constexpr int tile_floats(int rows, int d, int keys) {
     return 2 * rows * d + keys * (d + 1) + keys * d + rows * keys;
 }
@@ -112,11 +217,17 @@ constexpr int key_tile(int rows, int d) {
     return fits(rows, d, 32) ? 32 : fits(rows, d, 16) ? 16 : fits(rows, d, 8) ? 8 : 4;
 }
 
-template <class E, class C, int D, int MASK, bool ALIBI, bool CAP, int ROWS>
-__device__ __forceinline__ void attend(const Params& p) {
+// SCALAR_ROWS rows of a prefill unit (from row blockIdx.y * SCALAR_ROWS): it walks the keys
+// in tiles, decodes each tile's keys and values into shared memory as f32 (the query rows
+// too, once), scores every (row, key) pair, folds each row's scores into its online softmax
+// state (running max m, running sum l) and adds the weighted values into the rows'
+// accumulators (in shared memory: every loop but the dot product and P.V stays a plain loop,
+// which keeps each variant's code, and NVRTC's time per variant, small).
+template <class E, class C, int D, int MASK, bool ALIBI, bool CAP>
+__device__ __forceinline__ void prefill_scalar(const Params& p) {
+    constexpr int ROWS = SCALAR_ROWS;
     constexpr int KT = key_tile(ROWS, D);
     static_assert(KT <= 32 && fits(ROWS, D, KT), "one lane per key in the softmax step");
-
     __shared__ float q_s[ROWS][D];
     __shared__ float o_s[ROWS][D];  // the rows' weighted sums of values
     __shared__ float k_s[KT][D + 1];
@@ -141,51 +252,32 @@ __device__ __forceinline__ void attend(const Params& p) {
     const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
     const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
     const i64 kv_head = unit[UNIT_KV_HEAD];
+    const int heads = (int)unit[UNIT_HEADS];
+    const int row_base = (int)blockIdx.y * ROWS;
+    const int rows = min((int)(unit[UNIT_TOKENS] * heads) - row_base, ROWS);
+    if (rows <= 0) {
+        return;  // (uniform: the unit has fewer rows than this grid row starts at)
+    }
     const i64 first_token = seq[SEQ_QUERY_START] + unit[UNIT_TOKEN];
-    const int heads = (int)unit[UNIT_HEADS];  // <= ROWS
     const i64 first_head = kv_head * p.group + unit[UNIT_HEAD];
-    const int rows = (int)(unit[UNIT_TOKENS] * heads);
-    const i64 key_start = unit[UNIT_KEY_START];
-    const i64 key_end = unit[UNIT_KEY_END];
-    const i64 new_start = seq[SEQ_NEW_START];
-    // Key positions are below 2^31 - 1 (the metadata's lengths are i32): a block size clamped
-    // to that divides them as the real one does, in 32 bits.
-    const u32 block_div = p.block_size < 0x7fffffff ? (u32)p.block_size : 0x7fffffffu;
+    // The keys of these rows: the first row's lo and the last row's hi (both grow with the
+    // token), inside the unit's union.
+    const i64 key_start = row_of<MASK, ALIBI>(p, seq, unit, row_base).lo;
+    const i64 key_end = row_of<MASK, ALIBI>(p, seq, unit, row_base + rows - 1).hi;
+    const u32 block_div = block_divisor(p);
     const int tid = threadIdx.x;
 
     // Each row's position, attended key range and slope; rows past `rows` attend nothing.
 #pragma unroll 1
     for (int r = tid; r < ROWS; r += THREADS) {
-        i64 lo = 0, hi = 0, pos = 0;
-        float slope = 0.0f;
+        Row row = {0, 0, 0, 0.0f};
         if (r < rows) {
-            pos = seq[SEQ_FIRST_POS] + unit[UNIT_TOKEN] + r / heads;
-            if (MASK == MASK_NONE && ALIBI) {
-                // A cross-attention query past every encoder key: its bias -slope * (i - j)
-                // is -slope * (n - 1 - j) plus a constant of the row, which the softmax
-                // ignores (as the cpu backend does). Position n - 1 keeps the distances small,
-                // exact, and the scores free of a huge constant that f32 would round them
-                // into. (Encoder types' queries are keys' positions already; non-causal
-                // positions serve nothing else.)
-                pos = min(pos, seq[SEQ_KEYS] - 1);
-            }
-            lo = key_start;
-            hi = key_end;
-            if (MASK != MASK_NONE) {
-                hi = min(hi, pos + 1);
-            }
-            if (MASK == MASK_WINDOW) {
-                // i - W < j: no overflow, pos >= 0 and W <= i64 max.
-                lo = max(lo, pos + 1 - p.window);
-            }
-            if (ALIBI) {
-                slope = p.slopes[first_head + r % heads];
-            }
+            row = row_of<MASK, ALIBI>(p, seq, unit, row_base + r);
         }
-        lo_s[r] = lo;
-        hi_s[r] = hi;
-        pos_s[r] = pos;
-        slope_s[r] = slope;
+        lo_s[r] = row.lo;
+        hi_s[r] = row.hi;
+        pos_s[r] = row.pos;
+        slope_s[r] = row.slope;
         m_s[r] = -f32_inf();
         l_s[r] = 0.0f;
         attended_s[r] = 0;
@@ -195,8 +287,8 @@ __device__ __forceinline__ void attend(const Params& p) {
         const int r = x / D, d = x % D;
         float q = 0.0f;
         if (r < rows) {
-            const i64 token = first_token + r / heads;
-            const i64 head = first_head + r % heads;
+            const i64 token = first_token + (row_base + r) / heads;
+            const i64 head = first_head + (row_base + r) % heads;
             q = E::to_f32(query[(token * p.num_heads + head) * D + d]);
         }
         q_s[r][d] = q;
@@ -205,26 +297,11 @@ __device__ __forceinline__ void attend(const Params& p) {
     // The rows' state is read by other threads from here on (also when there is no tile).
     __syncthreads();
     for (i64 tile = key_start; tile < key_end; tile += KT) {
-        // Where each key of the tile is stored, if it is a key (inside the unit, and not a
-        // new token with slot -1). The previous tile's readers are past the barrier at the
-        // end of the loop.
+        // Where each key of the tile is stored, if it is a key. The previous tile's readers
+        // are past the barrier at the end of the loop.
 #pragma unroll 1
         for (int t = tid; t < KT; t += THREADS) {
-            const i64 j = tile + t;
-            i64 row = -1;
-            // (Short-circuit: a slot is looked up only for a new token inside the unit.)
-            const bool is_key = j < key_end && (j < new_start ||
-                                                p.slots[seq[SEQ_SLOT_BASE] + j - new_start] >= 0);
-            if (is_key) {
-                if (p.paged) {
-                    const u32 jj = (u32)j;
-                    const i64 block = p.tables[seq[SEQ_KEY_BASE] + jj / block_div];
-                    row = ((block * p.num_kv_heads + kv_head) * p.block_size + jj % block_div) * D;
-                } else {
-                    row = ((seq[SEQ_KEY_BASE] + j) * p.num_kv_heads + kv_head) * D;
-                }
-            }
-            key_row[t] = row;
+            key_row[t] = key_offset<D>(p, seq, kv_head, key_end, block_div, tile + t);
         }
         __syncthreads();
 #pragma unroll 1
@@ -253,16 +330,8 @@ __device__ __forceinline__ void attend(const Params& p) {
                 for (int d = 0; d < D; ++d) {
                     dot = fmaf(q_s[r][d], k_s[t][d], dot);
                 }
-                s = dot * p.score_scale;
-                if (CAP) {
-                    s = p.soft_cap * tanhf(s / p.soft_cap);
-                }
-                if (ALIBI) {
-                    // The distance as an integer, rounded to f32 once.
-                    const float distance = (float)(j - pos_s[r]);
-                    s = MASK == MASK_NONE ? fmaf(-slope_s[r], fabsf(distance), s)
-                                          : fmaf(slope_s[r], distance, s);
-                }
+                s = modify_score<MASK, ALIBI, CAP>(p, dot * p.score_scale, j - pos_s[r],
+                                                   slope_s[r]);
             }
             p_s[r][t] = s;
         }
@@ -279,7 +348,7 @@ __device__ __forceinline__ void attend(const Params& p) {
             float tile_max = s;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) {
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, o));
             }
             const float m_old = m_s[r];
             const float m_new = fmaxf(m_old, tile_max);
@@ -295,9 +364,9 @@ __device__ __forceinline__ void attend(const Params& p) {
             float sum = prob;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) {
-                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                sum += __shfl_xor_sync(FULL, sum, o);
             }
-            const u32 mask = __ballot_sync(0xffffffffu, attends);
+            const u32 mask = __ballot_sync(FULL, attends);
             if (lane == 0) {
                 // An unchanged max rescales by exactly 1 (also -Inf to -Inf and +Inf to +Inf).
                 const float alpha = m_old == m_new ? 1.0f : expf(m_old - m_new);
@@ -325,37 +394,786 @@ __device__ __forceinline__ void attend(const Params& p) {
         __syncthreads();
     }
 
-    // The output (normalized, v_scale applied), or this partition's partial.
-    const i64 part_base = unit[UNIT_PART_BASE];
 #pragma unroll 1
     for (int x = tid; x < rows * D; x += THREADS) {
         const int r = x / D, d = x % D;
-        const float acc = o_s[r][d];
-        if (part_base < 0) {
-            const float o = m_s[r] == -f32_inf() ? (attended_s[r] ? f32_nan() : 0.0f)
-                                                 : acc * (p.out_scale / l_s[r]);
-            const i64 token = first_token + r / heads;
-            const i64 head = first_head + r % heads;
-            output[(token * p.num_heads + head) * D + d] = E::from_f32(o);
-        } else {
-            float* record =
-                p.partials + (part_base + r * unit[UNIT_PARTS] + unit[UNIT_PART]) * (D + 4);
-            if (d == 0) {
-                record[0] = m_s[r];
-                record[1] = l_s[r];
-                record[2] = attended_s[r] ? 1.0f : 0.0f;
+        const i64 token = first_token + (row_base + r) / heads;
+        const i64 head = first_head + (row_base + r) % heads;
+        output[(token * p.num_heads + head) * D + d] =
+            E::from_f32(finish(o_s[r][d], m_s[r], l_s[r], attended_s[r] != 0, p.out_scale));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared by the fast kernels.
+// ---------------------------------------------------------------------------------------------
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// The weight e^(s - m) of a score s under the running max m, as exp2 of (s - m) * log2(e)
+// (one rounding more than e^(s - m), far inside the tolerance of f32 scores). With the max
+// still -Inf every score so far is -Inf or NaN: -Inf weighs 0 (e^(-Inf - -Inf) would be
+// NaN), NaN stays NaN.
+__device__ __forceinline__ float weight(float s, float m) {
+    return m == -f32_inf() ? (s != s ? s : 0.0f) : exp2f((s - m) * LOG2E);
+}
+
+// The factor rescaling a state of max m_old to the max m_new: an unchanged max rescales by
+// exactly 1 (also -Inf to -Inf and +Inf to +Inf).
+__device__ __forceinline__ float rescale(float m_old, float m_new) {
+    return m_old == m_new ? 1.0f : exp2f((m_old - m_new) * LOG2E);
+}
+
+// 16 bytes, for vector loads and stores.
+struct alignas(16) U128 {
+    u32 x, y, z, w;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core prefill: bf16 and f16.
+// ---------------------------------------------------------------------------------------------
+
+extern __shared__ U128 dynamic_smem[];
+
+// The shared-memory address (state space .shared) of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_address(const void* ptr) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(ptr));
+    return a;
+}
+
+// 16 bytes from global to shared memory, asynchronously, bypassing L1; `bytes` 0 fills the
+// 16 bytes with zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Waits until at most N of this thread's committed groups are in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory; lane l gives the address of row
+// l % 8 of matrix l / 8, and register i receives matrix i's (row lane / 4, columns
+// 2 (lane % 4) and 2 (lane % 4) + 1); `.trans` delivers the transposed matrices.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// The tensor-core prefill's tiles. Rows of keys, values and queries are D elements padded
+// with zero columns to DP, a multiple of the mma's k = 16, and stored DP + 8 elements apart:
+// the 16 bytes of padding put the 8 rows an ldmatrix reads in 8 different 4-bank groups for
+// every head size (row strides of 4, 12, 20 or 28 banks modulo 32). Dynamic shared memory:
+// two stages of key tiles, two of value tiles, then the query tile (read into registers
+// once, when Q_REGS) and the scratch of the P.V by selects. src/cuda/variant.rs computes
+// BYTES the same way (`mma_shared_bytes`), and the kernel checks what the launch gave.
+template <int D>
+struct MmaShape {
+    static constexpr int DP = (D + 15) / 16 * 16;
+    static constexpr int KT = D <= 128 ? 64 : 32;  // keys per tile
+    static constexpr int ROW_BYTES = (DP + 8) * 2;
+    static constexpr int TILE_BYTES = KT * ROW_BYTES;
+    // Query fragments in registers (DP / 4 of them per thread), else read from shared
+    // memory at every tile (large head sizes, whose accumulators already take 2 DP / 4).
+    static constexpr bool Q_REGS = DP <= 128;
+    static constexpr int Q_BYTES = PREFILL_ROWS * ROW_BYTES;
+    static constexpr int P_BYTES = WARPS * 16 * KT * 4;
+    // With Q_REGS the scratch reuses the query tile's bytes.
+    static constexpr int SCRATCH = Q_REGS ? (Q_BYTES > P_BYTES ? Q_BYTES : P_BYTES) : Q_BYTES;
+    static constexpr int BYTES = 4 * TILE_BYTES + SCRATCH + (Q_REGS ? 0 : P_BYTES);
+};
+
+// 64 rows of a prefill unit (16 per warp: rows warp * 16 + lane / 4 and + 8 are this
+// thread's) over the unit's keys, in tiles of KT keys.
+//
+// Pipeline: tile i lands in stage i % 2 while tile i - 1 is computed; the key offsets of
+// tile i (one lookup per key, by threads 0..KT-1) are made two tiles ahead into off_s[i % 3],
+// with a bit mask of the tile's non-keys (past the unit, slot -1), whose rows cp.async fills
+// with zeros instead of reading. Per tile: S = Q K^T on the tensor cores; the scale, soft cap
+// and ALiBi on the fragments; where the tile is `masked` (a non-key in it, or a row that does
+// not attend all of it) a select puts -Inf on the scores rows do not attend; the online
+// softmax per row (a quad of lanes holds a row); P rounded to E, then O += P V on the tensor
+// cores. A masked tile where some row does not attend some key of it (`rows_full` false: the
+// diagonal, a window's edge) is scanned for non-finite values first; if it holds one, its
+// P.V runs through selects instead (`P_BYTES` of scratch), so that 0 * NaN never reaches a
+// row that does not attend that key. (Non-keys are zeros: 0 * 0 enters.)
+template <class E, int D, int MASK, bool ALIBI, bool CAP>
+__device__ __forceinline__ void prefill_mma(const Params& p) {
+    typedef MmaShape<D> S;
+    constexpr int DP = S::DP, KT = S::KT, ROW_BYTES = S::ROW_BYTES;
+    constexpr int CH = D / 8;   // 16-byte chunks of a stored row
+    constexpr int NT = KT / 8;  // n-tiles of the scores
+    constexpr int DT = DP / 8;  // n-tiles of the output
+    static_assert(KT <= 64 && THREADS >= 64, "threads 0..63 look up a tile's keys");
+    __shared__ i64 off_s[3][KT];     // element offset of each key's row; -1: not a key
+    __shared__ u32 invalid_s[3][2];  // bit t: key t of the tile is not a key
+    __shared__ int range_s[2];       // the largest lo and the smallest hi of the real rows
+
+    u32 dynamic_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+    if (dynamic_bytes < (u32)S::BYTES) {
+        __trap();  // the launch must give the tiles' bytes (variant.rs mirrors MmaShape)
+    }
+    u8* const smem = (u8*)dynamic_smem;
+    const u32 base = smem_address(smem);
+    const u32 q_base = base + 4 * S::TILE_BYTES;
+    float* const scratch = (float*)(smem + 4 * S::TILE_BYTES + (S::Q_REGS ? 0 : S::Q_BYTES));
+
+    typedef typename E::Bits Bits;
+    const Bits* query = (const Bits*)p.query;
+    const Bits* keys = (const Bits*)p.key;
+    const Bits* values = (const Bits*)p.value;
+    Bits* output = (Bits*)p.output;
+
+    const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
+    const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
+    const i64 kv_head = unit[UNIT_KV_HEAD];
+    const int heads = (int)unit[UNIT_HEADS];
+    const int rows = (int)(unit[UNIT_TOKENS] * heads);  // <= PREFILL_ROWS
+    const i64 first_token = seq[SEQ_QUERY_START] + unit[UNIT_TOKEN];
+    const i64 first_head = kv_head * p.group + unit[UNIT_HEAD];
+    // Key positions fit in an int (below 2^31 - 1).
+    const int key_start = (int)unit[UNIT_KEY_START];
+    const int key_end = (int)unit[UNIT_KEY_END];
+    const int tiles = (key_end - key_start + KT - 1) / KT;
+    const u32 block_div = block_divisor(p);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+
+    // This thread's two rows; rows past `rows` attend nothing (and are never written).
+    int lo[2], hi[2], pos[2];
+    float slope[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = warp * 16 + g + 8 * i;
+        lo[i] = hi[i] = pos[i] = 0;
+        slope[i] = 0.0f;
+        if (r < rows) {
+            const Row row = row_of<MASK, ALIBI>(p, seq, unit, r);
+            // An empty range stays empty when clamped into the unit's keys.
+            lo[i] = (int)row.lo;
+            hi[i] = (int)max(row.hi, row.lo);
+            pos[i] = (int)row.pos;
+            slope[i] = row.slope;
+        }
+    }
+
+    // Where tile i's keys are stored (threads 0..63; both warps vote on the non-key mask).
+    auto lookup = [&](int i) {
+        if (tid < 64) {
+            const int t = tid;
+            i64 off = -1;
+            if (t < KT) {
+                off = key_offset<D>(p, seq, kv_head, key_end, block_div,
+                                    (i64)key_start + (i64)i * KT + t);
+                off_s[i % 3][t] = off;
             }
-            record[4 + d] = acc;
+            const u32 absent = __ballot_sync(FULL, t < KT && off < 0);
+            if (lane == 0) {
+                invalid_s[i % 3][warp] = absent;
+            }
+        }
+    };
+    // Tile i's keys and values into stage i % 2 (zeros for non-keys), one commit group.
+    auto fetch = [&](int i) {
+        const u32 k_dst = base + (i % 2) * S::TILE_BYTES;
+        const u32 v_dst = k_dst + 2 * S::TILE_BYTES;
+#pragma unroll 4
+        for (int c = tid; c < KT * CH; c += THREADS) {
+            const int t = c / CH, col = c % CH;
+            const i64 off = off_s[i % 3][t];
+            const u32 at = t * ROW_BYTES + col * 16;
+            const i64 src = off >= 0 ? off + col * 8 : 0;
+            const u32 bytes = off >= 0 ? 16 : 0;
+            cp_async16(k_dst + at, keys + src, bytes);
+            cp_async16(v_dst + at, values + src, bytes);
+        }
+        cp_async_commit();
+    };
+
+    // Prologue: the padding columns of every stage (never written by cp.async), the query
+    // tile, the first two tiles' key lookups.
+    if (tid == 0) {
+        range_s[0] = -0x7fffffff - 1;
+        range_s[1] = 0x7fffffff;
+    }
+    if constexpr (DP > D) {
+        constexpr int PAD = (DP - D) / 8;
+        for (int c = tid; c < 4 * KT * PAD; c += THREADS) {
+            const int row = c / PAD, col = CH + c % PAD;
+            *(U128*)(smem + row * ROW_BYTES + col * 16) = U128{0, 0, 0, 0};
+        }
+    }
+    for (int c = tid; c < PREFILL_ROWS * (DP / 8); c += THREADS) {
+        const int r = c / (DP / 8), col = c % (DP / 8);
+        U128 v = {0, 0, 0, 0};
+        if (r < rows && col < CH) {
+            const i64 token = first_token + r / heads, head = first_head + r % heads;
+            v = *(const U128*)(query + (token * p.num_heads + head) * D + col * 8);
+        }
+        *(U128*)(smem + 4 * S::TILE_BYTES + r * ROW_BYTES + col * 16) = v;
+    }
+    lookup(0);
+    lookup(1);
+    __syncthreads();
+    if (tiles > 0) {
+        fetch(0);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (warp * 16 + g + 8 * i < rows && t4 == 0) {
+            atomicMax(&range_s[0], lo[i]);
+            atomicMin(&range_s[1], hi[i]);
+        }
+    }
+    // Query fragments (A operands, row-major 16 x 16 per k-step).
+    const u32 q_lane = q_base + (warp * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES +
+                       8 * (lane / 16) * 2;
+    u32 qf[S::Q_REGS ? DP / 16 : 1][4];
+    if (S::Q_REGS) {
+#pragma unroll
+        for (int kk = 0; kk < (S::Q_REGS ? DP / 16 : 1); ++kk) {
+            ldmatrix_x4(qf[kk], q_lane + kk * 32);
+        }
+    }
+
+    float o[DT][4];
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+        o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    }
+    float m[2] = {-f32_inf(), -f32_inf()}, l[2] = {0.0f, 0.0f};
+    bool attended[2] = {false, false};
+    // Lane offsets of the ldmatrix addresses: keys (B of S = Q K^T, rows = keys) and values
+    // (B of O = P V, transposed).
+    const u32 k_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + 8 * ((lane / 8) % 2) * 2;
+    const u32 v_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES + 8 * (lane / 16) * 2;
+
+#pragma unroll 1
+    for (int i = 0; i < tiles; ++i) {
+        // (A) Everyone is past tile i - 1, whose stage tile i + 1 now overwrites, and sees
+        // tile i + 1's lookups (and, at i = 0, the rows' range).
+        __syncthreads();
+        if (i + 1 < tiles) {
+            fetch(i + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        // (B) Tile i has landed, for every thread's copies.
+        __syncthreads();
+        if (i + 2 < tiles) {
+            lookup(i + 2);
+        }
+        const int j0 = key_start + i * KT;
+        const u64 absent = (u64)invalid_s[i % 3][1] << 32 | invalid_s[i % 3][0];
+        const bool rows_full = range_s[0] <= j0 && range_s[1] >= min(j0 + KT, key_end);
+        const bool masked = !rows_full || absent != 0;
+        const u32 k_tile = base + (i % 2) * S::TILE_BYTES;
+        const u32 v_tile = k_tile + 2 * S::TILE_BYTES;
+
+        // S = Q K^T.
+        float s[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk) {
+            u32 a[4];
+            if (S::Q_REGS) {
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    a[x] = qf[S::Q_REGS ? kk : 0][x];
+                }
+            } else {
+                ldmatrix_x4(a, q_lane + kk * 32);
+            }
+#pragma unroll
+            for (int nn = 0; nn < KT / 16; ++nn) {
+                u32 b[4];
+                ldmatrix_x4(b, k_tile + nn * 16 * ROW_BYTES + k_lane + kk * 32);
+                E::mma(s[2 * nn], a, b[0], b[1]);
+                E::mma(s[2 * nn + 1], a, b[2], b[3]);
+            }
+        }
+
+        // Scores (element e of n-tile n: row e / 2, key 8 n + 2 t4 + e % 2), masks, and the
+        // online softmax of this thread's two rows (a quad of lanes shares each row).
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = 8 * n + 2 * t4 + e % 2, ri = e / 2;
+                float x = modify_score<MASK, ALIBI, CAP>(p, s[n][e] * p.score_scale,
+                                                         j0 + t - pos[ri], slope[ri]);
+                if (masked) {
+                    const bool a =
+                        !((absent >> t) & 1) && j0 + t >= lo[ri] && j0 + t < hi[ri];
+                    x = a ? x : -f32_inf();
+                    attended[ri] |= a;
+                }
+                s[n][e] = x;
+            }
+        }
+        if (!masked) {
+            attended[0] = attended[1] = true;
+        }
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+            float tile_max = -f32_inf();
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                tile_max = fmaxf(tile_max, fmaxf(s[n][2 * ri], s[n][2 * ri + 1]));
+            }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 2));
+            const float m_new = fmaxf(m[ri], tile_max);
+            const float alpha = rescale(m[ri], m_new);
+            m[ri] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int e = 2 * ri; e < 2 * ri + 2; ++e) {
+                    s[n][e] = weight(s[n][e], m_new);
+                    sum += s[n][e];
+                }
+            }
+            l[ri] = l[ri] * alpha + sum;
+#pragma unroll
+            for (int n = 0; n < DT; ++n) {
+                o[n][2 * ri] *= alpha;
+                o[n][2 * ri + 1] *= alpha;
+            }
+        }
+
+        // A tile where some row does not attend some key: any non-finite value in it?
+        bool by_selects = false;
+        if (!rows_full) {
+            bool bad = false;
+            for (int c = tid; c < KT * CH; c += THREADS) {
+                const int t = c / CH, col = c % CH;
+                const U128 v = *(const U128*)(smem + (v_tile - base) + t * ROW_BYTES + col * 16);
+                const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    bad |= (w[x] & E::EXPONENT) == E::EXPONENT ||
+                           ((w[x] >> 16) & E::EXPONENT) == E::EXPONENT;
+                }
+            }
+            by_selects = __syncthreads_or(bad) != 0;
+        }
+
+        if (!by_selects) {
+            // O += P V: P's A fragments are the score fragments of two n-tiles.
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; ++kk) {
+                const u32 a[4] = {E::pack2(s[2 * kk][0], s[2 * kk][1]),
+                                  E::pack2(s[2 * kk][2], s[2 * kk][3]),
+                                  E::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  E::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int nd = 0; nd < DP / 16; ++nd) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, v_tile + kk * 16 * ROW_BYTES + v_lane + nd * 32);
+                    E::mma(o[2 * nd], a, b[0], b[1]);
+                    E::mma(o[2 * nd + 1], a, b[2], b[3]);
+                }
+            }
+        } else {
+            // The rare tile: each row's probabilities through the warp's scratch, and each
+            // key's value added only to the rows that attend it.
+            float* const ps = scratch + warp * 16 * KT;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    ps[(g + 8 * (e / 2)) * KT + 8 * n + 2 * t4 + e % 2] = s[n][e];
+                }
+            }
+            __syncwarp();
+            const Bits* v_rows = (const Bits*)(smem + (v_tile - base));
+#pragma unroll 1
+            for (int t = 0; t < KT; ++t) {
+                const int j = j0 + t;
+                const bool key = !((absent >> t) & 1);
+                const bool a0 = key && j >= lo[0] && j < hi[0];
+                const bool a1 = key && j >= lo[1] && j < hi[1];
+                const float p0 = ps[g * KT + t], p1 = ps[(g + 8) * KT + t];
+                const Bits* v = v_rows + t * (ROW_BYTES / 2);
+#pragma unroll
+                for (int n = 0; n < DT; ++n) {
+                    const int d = 8 * n + 2 * t4;
+                    const float v0 = E::to_f32(v[d]), v1 = E::to_f32(v[d + 1]);
+                    o[n][0] = a0 ? fmaf(p0, v0, o[n][0]) : o[n][0];
+                    o[n][1] = a0 ? fmaf(p0, v1, o[n][1]) : o[n][1];
+                    o[n][2] = a1 ? fmaf(p1, v0, o[n][2]) : o[n][2];
+                    o[n][3] = a1 ? fmaf(p1, v1, o[n][3]) : o[n][3];
+                }
+            }
+            __syncwarp();
+        }
+    }
+
+    // The rows' sums and flags over their quads, then the output (pairs of elements).
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+        l[ri] += __shfl_xor_sync(FULL, l[ri], 1);
+        l[ri] += __shfl_xor_sync(FULL, l[ri], 2);
+        int any = attended[ri] ? 1 : 0;
+        any |= __shfl_xor_sync(FULL, any, 1);
+        any |= __shfl_xor_sync(FULL, any, 2);
+        const int r = warp * 16 + g + 8 * ri;
+        if (r < rows) {
+            const i64 token = first_token + r / heads, head = first_head + r % heads;
+            Bits* out = output + (token * p.num_heads + head) * D;
+#pragma unroll
+            for (int n = 0; n < DT; ++n) {
+                const int d = 8 * n + 2 * t4;
+                if (d < D) {
+                    *(u32*)(out + d) =
+                        E::pack2(finish(o[n][2 * ri], m[ri], l[ri], any != 0, p.out_scale),
+                                 finish(o[n][2 * ri + 1], m[ri], l[ri], any != 0, p.out_scale));
+                }
+            }
         }
     }
 }
 
-// One variant: its decode kernel (units of one query token) and prefill kernel (units of
-// several), NAME_decode and NAME_prefill.
+// ---------------------------------------------------------------------------------------------
+// The decode: keys and values straight from global memory.
+// ---------------------------------------------------------------------------------------------
+
+constexpr int pow2_at_least(int x) {
+    int p = 1;
+    while (p < x) {
+        p *= 2;
+    }
+    return p;
+}
+constexpr int min_of(int a, int b) { return a < b ? a : b; }
+
+// W words (8 stored elements: W = 2, 4 or 8) from global memory that no kernel writes while
+// the attention runs (read-only path, no L1 allocation: each is read once).
+template <int W>
+__device__ __forceinline__ void load_words(u32 (&w)[W], const void* ptr) {
+    if (W == 2) {
+        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
+                     : "=r"(w[0]), "=r"(w[1 % W])
+                     : "l"(ptr));
+    } else {
+#pragma unroll
+        for (int h = 0; h < W / 4; ++h) {
+            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(w[4 * h % W]), "=r"(w[(4 * h + 1) % W]),
+                           "=r"(w[(4 * h + 2) % W]), "=r"(w[(4 * h + 3) % W])
+                         : "l"((const u8*)ptr + 16 * h));
+        }
+    }
+}
+
+// Element i (a constant) of 8 stored elements of type T held in W words, as f32.
+template <class C>
+__device__ __forceinline__ float element(const u32* w, int i) {
+    typedef typename C::Type T;
+    if constexpr (sizeof(T) == 1) {
+        return C::read((u8)(w[i / 4] >> (8 * (i % 4))));
+    } else if constexpr (sizeof(T) == 2) {
+        return C::read((u16)(w[i / 2] >> (16 * (i % 2))));
+    } else {
+        return C::read(__uint_as_float(w[i]));
+    }
+}
+
+// A decode unit: one token, ROWS >= its query heads (the kv head's, up to DECODE_ROWS), a
+// range of keys that every row attends (decode rows share their token's position, and the
+// plan gives each unit exactly its token's allowed keys, or a split-K partition of them).
+//
+// LANES lanes hold one key (8 dimensions each, one 8- or 16-byte load; lanes past D / 8 idle
+// where D / 8 is no power of two), so a warp loads KPW keys per instruction, coalesced, and
+// each lane has U keys' loads in flight (keys and values issued together before the first
+// use). Dot products over the lanes of a key by xor shuffles; the kv head's query heads
+// (rows) share every load. Warps take interleaved chunks of CHUNK keys, each with its own
+// online softmax (one max per chunk and row); one lane per key of the chunk looks its
+// storage up and shuffles it to the lanes that load it. Non-keys (past the unit, slot -1)
+// are never loaded: their values stay 0 and their scores -Inf, so they weigh 0 * 0. At the
+// end the warps' states merge exactly (as attention_merge.cu merges partitions) into the
+// output or this partition's partial.
+template <class E, class C, int D, int MASK, bool ALIBI, bool CAP, int ROWS>
+__device__ __forceinline__ void decode(const Params& p) {
+    typedef typename C::Type T;
+    constexpr int CH = D / 8;
+    constexpr int LANES = pow2_at_least(CH);
+    constexpr int KPW = 32 / LANES;
+    constexpr int W = 2 * (int)sizeof(T);
+    constexpr int QW = 2 * (int)sizeof(typename E::Bits);
+    constexpr int U = min_of(min_of(8, 32 / W), min_of(32 / ROWS, 32 / KPW));
+    constexpr int CHUNK = KPW * U;
+    static_assert(LANES <= 32 && CHUNK <= 32, "one lane per key of a chunk");
+    __shared__ float m_w[WARPS][ROWS];
+    __shared__ float l_w[WARPS][ROWS];
+    __shared__ float acc_w[WARPS][ROWS][D];
+    __shared__ int attended_w[WARPS];
+
+    const T* keys = (const T*)p.key;
+    const T* values = (const T*)p.value;
+    typedef typename E::Bits Bits;
+
+    const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
+    const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
+    const i64 kv_head = unit[UNIT_KV_HEAD];
+    const int heads = (int)unit[UNIT_HEADS];  // <= ROWS
+    const i64 token = seq[SEQ_QUERY_START] + unit[UNIT_TOKEN];
+    const i64 first_head = kv_head * p.group + unit[UNIT_HEAD];
+    const i64 key_start = unit[UNIT_KEY_START];
+    const i64 key_end = unit[UNIT_KEY_END];
+    const u32 block_div = block_divisor(p);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int group = lane / LANES, li = lane % LANES;
+    const bool dims = li < CH;  // this lane holds dimensions 8 li .. 8 li + 7
+
+    i64 pos = seq[SEQ_FIRST_POS] + unit[UNIT_TOKEN];
+    if (MASK == MASK_NONE && ALIBI) {
+        pos = min(pos, seq[SEQ_KEYS] - 1);  // as row_of: distances from the last key
+    }
+    float q[ROWS][8], slope[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        u32 w[QW];
+#pragma unroll
+        for (int x = 0; x < QW; ++x) {
+            w[x] = 0;
+        }
+        slope[r] = 0.0f;
+        if (r < heads) {
+            if (dims) {
+                load_words(w, (const Bits*)p.query + (token * p.num_heads + first_head + r) * D +
+                                  li * 8);
+            }
+            if (ALIBI) {
+                slope[r] = p.slopes[first_head + r];
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            q[r][e] = element<Plain<E>>(w, e);
+        }
+    }
+
+    float m[ROWS], l[ROWS], acc[ROWS][8];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        m[r] = -f32_inf();
+        l[r] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            acc[r][e] = 0.0f;
+        }
+    }
+    bool attended = false;
+    const int chunks = (int)((key_end - key_start + CHUNK - 1) / CHUNK);
+#pragma unroll 1
+    for (int c = warp; c < chunks; c += WARPS) {
+        const i64 j0 = key_start + (i64)c * CHUNK;
+        const i64 mine =
+            lane < CHUNK ? key_offset<D>(p, seq, kv_head, key_end, block_div, j0 + lane) : -1;
+        const u32 present = __ballot_sync(FULL, mine >= 0);
+        attended |= present != 0;
+        u32 kw[U][W], vw[U][W];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const i64 off = __shfl_sync(FULL, mine, u * KPW + group);
+#pragma unroll
+            for (int x = 0; x < W; ++x) {
+                kw[u][x] = vw[u][x] = 0;
+            }
+            if (off >= 0 && dims) {
+                load_words(kw[u], keys + off + li * 8);
+                load_words(vw[u], values + off + li * 8);
+            }
+        }
+        // Scores of the chunk: key u * KPW + group of this lane's group, every row.
+        float s[U][ROWS];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float k[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                k[e] = element<C>(kw[u], e);
+            }
+            const int t = u * KPW + group;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    dot = fmaf(q[r][e], k[e], dot);
+                }
+#pragma unroll
+                for (int o = LANES / 2; o > 0; o /= 2) {
+                    dot += __shfl_xor_sync(FULL, dot, o);
+                }
+                s[u][r] = (present >> t) & 1 ? modify_score<MASK, ALIBI, CAP>(
+                                                   p, dot * p.score_scale, j0 + t - pos, slope[r])
+                                             : -f32_inf();
+            }
+        }
+        // The online softmax: one new max per row and chunk, then P.V.
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            float chunk_max = -f32_inf();
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                chunk_max = fmaxf(chunk_max, s[u][r]);
+            }
+#pragma unroll
+            for (int o = LANES; o < 32; o *= 2) {
+                chunk_max = fmaxf(chunk_max, __shfl_xor_sync(FULL, chunk_max, o));
+            }
+            const float m_new = fmaxf(m[r], chunk_max);
+            const float alpha = rescale(m[r], m_new);
+            m[r] = m_new;
+            l[r] *= alpha;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                acc[r][e] *= alpha;
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                s[u][r] = weight(s[u][r], m_new);
+                l[r] += s[u][r];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float v = element<C>(vw[u], e);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    acc[r][e] = fmaf(s[u][r], v, acc[r][e]);
+                }
+            }
+        }
+    }
+
+    // The warp's state: sums over its key groups, into shared memory.
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int o = LANES; o < 32; o *= 2) {
+            l[r] += __shfl_xor_sync(FULL, l[r], o);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                acc[r][e] += __shfl_xor_sync(FULL, acc[r][e], o);
+            }
+        }
+        if (group == 0 && dims) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                acc_w[warp][r][li * 8 + e] = acc[r][e];
+            }
+        }
+        if (lane == 0) {
+            m_w[warp][r] = m[r];
+            l_w[warp][r] = l[r];
+        }
+    }
+    if (lane == 0) {
+        attended_w[warp] = attended ? 1 : 0;
+    }
+    __syncthreads();
+
+    // The warps merged: M = max m_w, L = sum l_w e^(m_w - M), acc likewise (with M = -Inf
+    // every weight is 0 and NaN survives, as in attention_merge.cu).
+    const i64 part_base = unit[UNIT_PART_BASE];
+    const bool any = (attended_w[0] | attended_w[1] | attended_w[2] | attended_w[3]) != 0;
+#pragma unroll 1
+    for (int x = tid; x < heads * D; x += THREADS) {
+        const int r = x / D, d = x % D;
+        float big = -f32_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            big = fmaxf(big, m_w[w][r]);
+        }
+        float sum = 0.0f, a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = big == -f32_inf() ? 0.0f : exp2f((m_w[w][r] - big) * LOG2E);
+            sum = fmaf(l_w[w][r], f, sum);
+            a = fmaf(acc_w[w][r][d], f, a);
+        }
+        if (part_base < 0) {
+            Bits* out = (Bits*)p.output + (token * p.num_heads + first_head + r) * D;
+            out[d] = E::from_f32(finish(a, big, sum, any, p.out_scale));
+        } else {
+            float* record =
+                p.partials + (part_base + r * unit[UNIT_PARTS] + unit[UNIT_PART]) * (D + 4);
+            if (d == 0) {
+                record[0] = big;
+                record[1] = sum;
+                record[2] = any ? 1.0f : 0.0f;
+            }
+            record[4 + d] = a;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernels of one variant.
+// ---------------------------------------------------------------------------------------------
+
+// Which prefill a variant runs: the tensor cores for bf16 and f16 activations with keys and
+// values stored as such; the scalar kernel otherwise.
+template <class E, class C>
+struct TensorCores {
+    static constexpr bool value = false;
+};
+template <>
+struct TensorCores<BF16, Plain<BF16>> {
+    static constexpr bool value = true;
+};
+template <>
+struct TensorCores<F16, Plain<F16>> {
+    static constexpr bool value = true;
+};
+
+template <class E, class C, int D, int MASK, bool ALIBI, bool CAP>
+__device__ __forceinline__ void prefill(const Params& p) {
+    if constexpr (TensorCores<E, C>::value) {
+        prefill_mma<E, D, MASK, ALIBI, CAP>(p);
+    } else {
+        prefill_scalar<E, C, D, MASK, ALIBI, CAP>(p);
+    }
+}
+
+// One variant: NAME_prefill (units of several query tokens; the tensor-core kernel takes
+// MmaShape<D>::BYTES of dynamic shared memory, the scalar one a grid of PREFILL_ROWS /
+// SCALAR_ROWS rows of CTAs) and NAME_decode1, _decode4, _decode8 (units of one token, for
+// kv-head groups of 1, up to 4 and up to 8 query heads: a row without a head still costs its
+// FMAs, shuffles and registers).
 #define ATTENTION_KERNELS(NAME, E, C, D, MASK, ALIBI, CAP)                                    \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_decode(const Params p) {    \
-        attend<E, C, D, MASK, ALIBI, CAP, DECODE_ROWS>(p);                                    \
-    }                                                                                         \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME##_prefill(const Params p) {   \
-        attend<E, C, D, MASK, ALIBI, CAP, PREFILL_ROWS>(p);                                   \
+        prefill<E, C, D, MASK, ALIBI, CAP>(p);                                                \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_decode1(const Params p) {   \
+        decode<E, C, D, MASK, ALIBI, CAP, 1>(p);                                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_decode4(const Params p) {   \
+        decode<E, C, D, MASK, ALIBI, CAP, 4>(p);                                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_decode8(const Params p) {   \
+        decode<E, C, D, MASK, ALIBI, CAP, 8>(p);                                              \
     }

@@ -8,6 +8,7 @@ typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 // IEEE specials without <math.h>.
 __device__ __forceinline__ float f32_inf() { return __int_as_float(0x7f800000); }
@@ -33,6 +34,21 @@ struct F16 {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(x));
         return bits;
     }
+    // Tensor-core support (attention.cu's prefill): two f32 rounded into one register (lo in
+    // the low half), the exponent field that marks an element non-finite, and
+    // D += A * B on m16n8k16 fragments with f32 accumulators.
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static constexpr u32 EXPONENT = 0x7c00;
+    static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
 };
 
 struct BF16 {
@@ -44,6 +60,19 @@ struct BF16 {
         u16 bits;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(x));
         return bits;
+    }
+    // Tensor-core support, as F16's.
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static constexpr u32 EXPONENT = 0x7f80;
+    static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 };
 

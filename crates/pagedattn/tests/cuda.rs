@@ -182,7 +182,7 @@ fn kernels_compile_for_sm80_and_sm90a() {
         return;
     }
     for arch in ["sm_80", "sm_90a"] {
-        let names = cuda::compile_check(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let names = cuda::compile_check(arch, None).unwrap_or_else(|e| panic!("{arch}: {e}"));
         for kernel in [
             "write_kv_f32_auto",
             "write_kv_f16_e4m3",
@@ -196,11 +196,11 @@ fn kernels_compile_for_sm80_and_sm90a() {
         }
     }
     assert!(matches!(
-        cuda::compile_check("sm_80; rm"),
+        cuda::compile_check("sm_80; rm", None),
         Err(Error::Invalid { .. })
     ));
     assert!(
-        matches!(cuda::compile_check("sm_1"), Err(Error::Driver(_))),
+        matches!(cuda::compile_check("sm_1", None), Err(Error::Driver(_))),
         "an architecture NVRTC does not know"
     );
 }

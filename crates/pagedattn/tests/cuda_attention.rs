@@ -12,9 +12,11 @@
 //!
 //! What the shapes reach in the kernels (`kernels/attention.cu`, `src/cuda/plan.rs`): every
 //! head size and dtype, fp8 caches; decode units (one token, up to 8 query heads: GQA groups
-//! above 8 take several units) and prefill units (16 rows of tokens x heads: groups above 16
-//! take several); key tiles of 4 to 32 keys with sequences longer than several tiles; split-K
-//! partitions and their merge (long decodes in small batches); paged caches with block sizes
+//! above 8 take several units; the decode1 / decode4 / decode8 kernels by group size) and prefill units (64
+//! rows of tokens x heads: the tensor-core prefill for bf16 / f16 with tiles of 64 or 32 keys,
+//! the scalar one for f32 and fp8 caches with tiles of 4 to 32 keys) with sequences longer
+//! than several tiles; split-K partitions and their merge (long decodes in small batches);
+//! paged caches with block sizes
 //! 1..=128, shuffled blocks, table entries past the end, padding slots; all four attention
 //! types, with and without a cache; windows, ALiBi, soft caps; queries without keys. Fixed
 //! cases then hold the GPU to the contract's edges as `hardening.rs` holds `cpu`: positions
@@ -137,8 +139,10 @@ const C1: f64 = 3.0;
 ///   (CUDA's `expf` and `tanhf` are within 2 ulps), the running sums over key tiles, the
 ///   split-K merge, the P.V sums and the normalisation are a few dozen roundings of
 ///   quantities bounded by `vmax`: hence `C0`. Both constants are those the `cpu` suite
-///   calibrated for the same f32 computation (the kernels keep probabilities in f32: no
-///   bf16 rounding of P here).
+///   calibrated for the same f32 computation.
+///
+/// Plus [`pv_allowance`] for the rows of the tensor-core prefill, which rounds each
+/// probability to the activation type for its P.V.
 fn allowed(
     st: &Settings,
     config: &AttentionConfig,
@@ -174,6 +178,28 @@ fn allowed(
     (ulp * got.abs().max(want.abs()) + tiny + kernel, kernel)
 }
 
+/// The tensor-core prefill (bf16 and f16 activations with keys and values stored as such:
+/// `Variant::tensor_cores`) rounds each probability `p_j <= 1` to the activation type for its
+/// P.V, while the softmax denominator `l >= 1` sums the f32 probabilities (as the `cpu`
+/// suite's AVX512-BF16 kernels). Rounding to nearest changes `p_j` by at most `2^-9 p_j`
+/// (bf16, 8 significant bits) or `2^-11 p_j` (f16) plus, for f16, half its smallest
+/// subnormal step (`2^-25`) below `2^-14`; the output moves by at most that over `l`, times
+/// `vmax`: `2^-8 vmax` (bf16) and `(2^-10 + keys 2^-25) vmax` (f16), twice the bound, as in
+/// the `cpu` suite. `keys`: the most keys a row of the call attends (bounded by the largest
+/// position + 1). Zero where the prefill is scalar (f32 activations, fp8 caches read).
+fn pv_allowance(st: &Settings, cached: bool, max_pos: usize) -> f64 {
+    let stored_as_activations = !cached || st.kv_cache_dtype == KvCacheDtype::Auto;
+    if !stored_as_activations {
+        return 0.0;
+    }
+    let amplitude = st.amplitude as f64;
+    match st.dtype {
+        DType::BF16 => 2f64.powi(-8) * amplitude,
+        DType::F16 => (2f64.powi(-10) + (max_pos + 1) as f64 * 2f64.powi(-25)) * amplitude,
+        _ => 0.0,
+    }
+}
+
 /// The largest error seen as a fraction of the allowance (bits of an f64), for
 /// `CUDA_ATTENTION_STATS`.
 static WORST: AtomicU64 = AtomicU64::new(0);
@@ -187,18 +213,28 @@ fn report(property: &str) {
     }
 }
 
-/// Checks the GPU output of `call` elementwise against the reference output.
+/// Checks the GPU output of `call` elementwise against the reference output; `cached`: the
+/// call reads its keys and values from a cache (the fp8 storage then applies).
 fn compare(
     got: &Tensor,
     want: &Tensor,
     st: &Settings,
     call: &Call,
-    max_pos: usize,
+    (max_pos, cached): (usize, bool),
     what: &str,
 ) -> TestResult {
     prop_assert_eq!(got.shape(), want.shape());
     let (h, d) = (want.shape()[1], want.shape()[2]);
     let (got, want) = (got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
+    // Rows of sequences with several query tokens run the prefill kernel.
+    let md = &call.metadata;
+    let mut prefill_token = vec![false; md.num_tokens()];
+    for s in 0..md.num_seqs() {
+        let tokens = md.query_range(s);
+        let several = tokens.len() > 1;
+        prefill_token[tokens].fill(several);
+    }
+    let pv = pv_allowance(st, cached, max_pos);
     let at = |i: usize| format!("output[{}][{}][{}]", i / (h * d), i / d % h, i % d);
     let mut worst: Option<(usize, f64)> = None;
     let mut bad = 0;
@@ -214,6 +250,11 @@ fn compare(
             continue;
         }
         let (bound, kernel) = allowed(st, &call.config, max_pos, g, w);
+        let (bound, kernel) = if prefill_token[i / (h * d)] {
+            (bound + pv, kernel + pv)
+        } else {
+            (bound, kernel)
+        };
         let excess = (g - w).abs() / bound;
         let used = ((g - w).abs() - (bound - kernel)).max(0.0) / kernel;
         WORST.fetch_max(used.to_bits(), Ordering::Relaxed);
@@ -231,7 +272,8 @@ fn compare(
              elements out of tolerance",
             at(i),
             (g - w).abs(),
-            allowed(st, &call.config, max_pos, g, w).0,
+            allowed(st, &call.config, max_pos, g, w).0
+                + if prefill_token[i / (h * d)] { pv } else { 0.0 },
             got.len()
         )));
     }
@@ -268,7 +310,7 @@ fn run_decoder_paged(cuda: &Cuda, case: &DecoderCase) -> TestResult {
     // The cache first: a write bug reads better as a byte mismatch.
     same_cache(&cache, &ref_cache, "cache after forward")?;
     let max_pos = built.lens.iter().copied().max().unwrap_or(0);
-    compare(&got, &want, st, &built.call, max_pos, "decoder")
+    compare(&got, &want, st, &built.call, (max_pos, true), "decoder")
 }
 
 fn run_uncached_self(
@@ -282,7 +324,14 @@ fn run_uncached_self(
     let max_pos = built.lens.iter().copied().max().unwrap_or(0);
     let want = built.call.run(&*reference(), None, "reference forward")?;
     let got = run_on_gpu(cuda, &built.call, None, "cuda forward")?;
-    compare(&got, &want, st, &built.call, max_pos, attn_type.name())
+    compare(
+        &got,
+        &want,
+        st,
+        &built.call,
+        (max_pos, false),
+        attn_type.name(),
+    )
 }
 
 /// The largest query or key position of a cross-attention call.
@@ -313,14 +362,28 @@ fn run_cross_paged(cuda: &Cuda, case: &CrossCase) -> TestResult {
         "cuda call 1 (writes the cross cache)",
     )?;
     built.after.check(&cache, "cache after call 1")?;
-    compare(&got, &want1, st, &built.call1, max_pos, "cross call 1")?;
+    compare(
+        &got,
+        &want1,
+        st,
+        &built.call1,
+        (max_pos, true),
+        "cross call 1",
+    )?;
     let got = run_on_gpu(
         cuda,
         &built.call2,
         Some(&mut cache),
         "cuda call 2 (reads the cross cache)",
     )?;
-    compare(&got, &want2, st, &built.call2, max_pos, "cross call 2")?;
+    compare(
+        &got,
+        &want2,
+        st,
+        &built.call2,
+        (max_pos, true),
+        "cross call 2",
+    )?;
     same_cache(&cache, &ref_cache, "cache after both calls")
 }
 
@@ -330,7 +393,14 @@ fn run_cross_no_cache(cuda: &Cuda, case: &CrossNoCacheCase) -> TestResult {
     let max_pos = cross_max_pos(&built.enc_lens, &built.steps);
     let want = built.call.run(&*reference(), None, "reference forward")?;
     let got = run_on_gpu(cuda, &built.call, None, "cuda forward")?;
-    compare(&got, &want, st, &built.call, max_pos, "cross without cache")
+    compare(
+        &got,
+        &want,
+        st,
+        &built.call,
+        (max_pos, false),
+        "cross without cache",
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -376,9 +446,9 @@ fn size() -> impl Strategy<Value = Size> {
     prop_oneof![5 => Just(Size::Small), 3 => Just(Size::Tiled), 1 => Just(Size::Long)]
 }
 
-/// Query tokens per prefill unit (`PREFILL_ROWS` = 16 rows of tokens x heads).
+/// Query tokens per prefill unit (`PREFILL_ROWS` = 64 rows of tokens x heads).
 fn query_tile(st: &Settings) -> usize {
-    (16 / st.group.min(16)).max(1)
+    (64 / st.group.min(64)).max(1)
 }
 
 /// Multiply-adds (per query-key pair: H * D) the reference may spend on one sequence of a
@@ -1148,9 +1218,11 @@ fn nan_and_inf_reach_exactly_the_outputs_they_should() {
     let Some(cuda) = gpu("nan_and_inf_reach_exactly_the_outputs_they_should") else {
         return;
     };
-    let (n, h, d) = (70usize, 2usize, 64usize);
+    // 200 tokens: units of 32 tokens x 2 heads, and tiles of 64 keys in the tensor-core
+    // prefill (bf16, f16), whose diagonal tiles hold the masked NaN values below.
+    let (n, h, d) = (200usize, 2usize, 64usize);
     let row = |t: usize, head: usize| (t * h + head) * d;
-    for dtype in [DType::F32, DType::BF16] {
+    for dtype in DType::FLOATS {
         let config = AttentionConfig::builder(h, d).build().unwrap();
         let rel = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
         let run = |q: &[f32], k: &[f32], v: &[f32]| {
@@ -1182,7 +1254,7 @@ fn nan_and_inf_reach_exactly_the_outputs_they_should() {
             );
         }
 
-        for later in [21, 40] {
+        for later in [21, 40, 130, 191] {
             let mut v4 = v.clone();
             v4[row(later, 0) + 9] = f32::NAN;
             let out = run(&q, &k, &v4);
@@ -1193,16 +1265,16 @@ fn nan_and_inf_reach_exactly_the_outputs_they_should() {
             }
         }
     }
-    // Three query heads per kv head: prefill units of 5 tokens, whose key ranges end at
+    // Three query heads per kv head: prefill units of 21 tokens, whose key ranges end at
     // every position.
-    for dtype in [DType::F32, DType::BF16] {
+    for dtype in DType::FLOATS {
         let config = AttentionConfig::builder(3, d)
             .num_kv_heads(1)
             .build()
             .unwrap();
         let q = wave(n * 3 * d, 0.0);
         let k = wave(n * d, 1.0);
-        for later in [21, 42, 43] {
+        for later in [21, 42, 43, 150] {
             let mut v = wave(n * d, 2.0);
             v[later * d + 9] = f32::NAN;
             let out = prefill_edge(config.clone(), dtype, &q, &k, &v).agreed(&cuda, 2e-2);
@@ -1211,5 +1283,219 @@ fn nan_and_inf_reach_exactly_the_outputs_they_should() {
                 assert_eq!(x.is_nan(), t >= later, "{dtype} token {t}: {x}");
             }
         }
+    }
+}
+
+/// The tensor-core prefill's tiles (64 keys, 32 above D = 128) against the reference: every
+/// head size (80, 96, 112 and 120 padded to multiples of 16), bf16 and f16, block sizes 8 to
+/// 128 (a 64-key tile gathers several blocks, or part of one), prefills of 150 tokens over 70
+/// tokens of prefix context (the causal diagonal spans two tiles) and of 65 fresh tokens (a
+/// last tile of one key), padding slots, windows, ALiBi, soft caps; the cache's unused slots
+/// hold NaN and infinities.
+#[test]
+fn tensor_core_prefill_tiles_and_blocks() {
+    let Some(cuda) = gpu("tensor_core_prefill_tiles_and_blocks") else {
+        return;
+    };
+    let block_sizes = [8, 16, 32, 64, 128];
+    for dtype in [DType::BF16, DType::F16] {
+        for (i, &d) in ATTENTION_HEAD_SIZES.iter().enumerate() {
+            let mut st = fixed_settings(dtype, KvCacheDtype::Auto, d);
+            st.block_size = block_sizes[i % block_sizes.len()];
+            st.num_kv_heads = 1;
+            st.alibi = if i % 3 == 0 { Alibi::Bloom } else { Alibi::Off };
+            st.sliding_window = (i % 4 == 1).then_some(90);
+            st.soft_cap = (i % 4 == 2).then_some(20.0);
+            st.seed = 11 + i as u64;
+            let seqs = vec![
+                DecoderSeq {
+                    context: 70,
+                    new: 150,
+                    decode: false,
+                    pad: (0..150).map(|t| t % 37 == 5).collect(),
+                    extra_blocks: 1,
+                },
+                DecoderSeq {
+                    context: 0,
+                    new: 65,
+                    decode: false,
+                    pad: vec![false; 65],
+                    extra_blocks: 0,
+                },
+            ];
+            let what = format!("{dtype} D={d} B={}", st.block_size);
+            let case = DecoderCase {
+                settings: st,
+                seqs,
+                spare_blocks: 2,
+            };
+            must(run_decoder_paged(&cuda, &case), &what);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing (ignored: `test-cuda_attention --ignored time_`, on a GPU).
+// ---------------------------------------------------------------------------------------------
+
+/// A cache of `blocks` blocks holding random bf16 values in [-1, 1) (never zeros: they can
+/// time faster than real data), on the GPU.
+fn random_bf16_cache(cuda: &Cuda, config: &AttentionConfig, blocks: usize, bs: usize) -> KvCache {
+    let spec = config.kv_cache_spec(DType::BF16, blocks, bs);
+    let mut host = KvCache::zeros(spec, cuda.kv_cache_layout()).unwrap();
+    let (k, v) = host.host_buffers_mut().unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for buffer in [k, v] {
+        for pair in buffer.as_bytes_mut().chunks_exact_mut(2) {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Sign, exponent 119..=126 (2^-8 ..= 2^-1 scale), random mantissa.
+            let bits = ((state >> 48) as u16 & 0x807f) | ((119 + (state & 7) as u16) << 7);
+            pair.copy_from_slice(&bits.to_le_bytes());
+        }
+    }
+    cuda.load_kv_cache(&host).unwrap()
+}
+
+/// Seconds per forward of `call` (plan made once), from `iters` queued forwards closed by a
+/// device-to-host copy of one element (which waits for them), after two warm-up forwards.
+fn seconds_per_forward(
+    cuda: &Cuda,
+    config: &AttentionConfig,
+    metadata: &pagedattn::AttentionMetadata,
+    query: &Tensor,
+    kv: &(Tensor, Tensor),
+    cache: &mut KvCache,
+    iters: usize,
+) -> f64 {
+    let attention = cuda.attention(config).unwrap();
+    let plan = attention.plan(metadata, Some(cache.spec())).unwrap();
+    let mut workspace = cuda.workspace(&plan).unwrap();
+    let mut out = Tensor::zeros_on(cuda.device(), query.dtype(), query.shape()).unwrap();
+    let fence = Tensor::zeros_on(cuda.device(), DType::F32, &[1]).unwrap();
+    let mut forward = |cache: &mut KvCache| {
+        let inputs = Inputs::new(query)
+            .with_cache_opt(Some(cache))
+            .with_kv(&kv.0, &kv.1);
+        attention
+            .forward_into(&plan, &mut workspace, inputs, &mut out)
+            .unwrap();
+    };
+    for _ in 0..2 {
+        forward(cache);
+    }
+    fence.to_host().unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..iters {
+        forward(cache);
+    }
+    fence.to_host().unwrap();
+    start.elapsed().as_secs_f64() / iters as f64
+}
+
+/// A random bf16 tensor of `shape` (values in [-1, 1)).
+fn random_bf16(shape: &[usize], seed: u32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_f32(DType::BF16, shape, &values).unwrap()
+}
+
+/// The headline shapes, timed: decode (64 sequences x 4096 keys, 32 query / 8 kv heads,
+/// D = 128, block size 16, shuffled blocks; KV bytes read = 2 x 64 x 4096 x 8 x 128 x 2) and
+/// a causal prefill of 8192 tokens (32 query heads, 32 or 8 kv heads, D = 128; FLOPs =
+/// 4 D x T (T + 1) / 2 x heads), bf16, each through the paged cache with the write of the new
+/// tokens included. Prints one line per shape.
+#[test]
+#[ignore]
+fn time_headline_shapes() {
+    let Some(cuda) = gpu("time_headline_shapes") else {
+        return;
+    };
+    let (d, bs) = (128usize, 16usize);
+    // Decode.
+    let (seqs, context, heads, kv_heads) = (64usize, 4096usize, 32usize, 8usize);
+    let config = AttentionConfig::builder(heads, d)
+        .num_kv_heads(kv_heads)
+        .build()
+        .unwrap();
+    let per_seq = (context + 1).div_ceil(bs);
+    let blocks = seqs * per_seq;
+    let mut order: Vec<i32> = (0..blocks as i32).collect();
+    let mut state = 12345u64;
+    for i in (1..order.len()).rev() {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        order.swap(i, (state >> 33) as usize % (i + 1));
+    }
+    let mut builder = MetadataBuilder::new(bs);
+    for s in 0..seqs {
+        builder.push(SequenceDesc::decode(
+            context + 1,
+            order[s * per_seq..(s + 1) * per_seq].to_vec(),
+        ));
+    }
+    let metadata = builder.build().unwrap();
+    let mut cache = random_bf16_cache(&cuda, &config, blocks, bs);
+    let query = random_bf16(&[seqs, heads, d], 1)
+        .to_device(cuda.device())
+        .unwrap();
+    let kv = (
+        random_bf16(&[seqs, kv_heads, d], 2)
+            .to_device(cuda.device())
+            .unwrap(),
+        random_bf16(&[seqs, kv_heads, d], 3)
+            .to_device(cuda.device())
+            .unwrap(),
+    );
+    let t = seconds_per_forward(&cuda, &config, &metadata, &query, &kv, &mut cache, 50);
+    let bytes = 2.0 * (seqs * (context + 1) * kv_heads * d * 2) as f64;
+    println!(
+        "TIMING decode bf16 {seqs}x{context} H={heads} Hkv={kv_heads} D={d} B={bs}: {:.3} ms, {:.2} TB/s of KV",
+        t * 1e3,
+        bytes / t / 1e12
+    );
+    drop(cache);
+
+    // Prefill.
+    let tokens = 8192usize;
+    for kv_heads in [32usize, 8] {
+        let config = AttentionConfig::builder(heads, d)
+            .num_kv_heads(kv_heads)
+            .build()
+            .unwrap();
+        let blocks = tokens.div_ceil(bs);
+        let metadata = MetadataBuilder::new(bs)
+            .push(SequenceDesc::prompt(
+                0,
+                tokens,
+                (0..blocks as i32).rev().collect(),
+            ))
+            .build()
+            .unwrap();
+        let mut cache = random_bf16_cache(&cuda, &config, blocks, bs);
+        let query = random_bf16(&[tokens, heads, d], 4)
+            .to_device(cuda.device())
+            .unwrap();
+        let kv = (
+            random_bf16(&[tokens, kv_heads, d], 5)
+                .to_device(cuda.device())
+                .unwrap(),
+            random_bf16(&[tokens, kv_heads, d], 6)
+                .to_device(cuda.device())
+                .unwrap(),
+        );
+        let t = seconds_per_forward(&cuda, &config, &metadata, &query, &kv, &mut cache, 20);
+        let flops = 4.0 * d as f64 * (tokens * (tokens + 1) / 2) as f64 * heads as f64;
+        println!(
+            "TIMING prefill bf16 causal T={tokens} H={heads} Hkv={kv_heads} D={d} B={bs}: {:.3} ms, {:.1} TFLOP/s",
+            t * 1e3,
+            flops / t / 1e12
+        );
     }
 }

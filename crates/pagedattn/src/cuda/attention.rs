@@ -307,13 +307,15 @@ impl CudaAttention {
         kernels::write_kv(&self.gpu, &write)
     }
 
-    /// Queues one attention kernel over the `units` section (nothing when it is empty).
+    /// Queues one attention kernel over the `units` section (nothing when it is empty):
+    /// `shape` is (CTAs per unit, dynamic shared memory in bytes).
     fn launch(
         &self,
         kernel: &cudarc::driver::CudaFunction,
         params: Params,
         prepared: &Prepared,
         units: &Range<usize>,
+        shape: (u32, u32),
         what: &str,
     ) -> Result<()> {
         let count = units.len() / UNIT_FIELDS;
@@ -325,13 +327,16 @@ impl CudaAttention {
             ..params
         };
         let config = LaunchConfig {
-            grid_dim: (grid_size(count, "attention units")?, 1, 1),
+            grid_dim: (grid_size(count, "attention units")?, shape.0, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shape.1,
         };
         let mut launch = self.gpu.stream.launch_builder(kernel);
         launch.arg(&params);
-        // SAFETY: `params` matches the kernel's one parameter (`Params`, by value). Every
+        // SAFETY: `params` matches the kernel's one parameter (`Params`, by value); the
+        // dynamic shared memory is what the kernel's tiles take (the variant's prefill shape,
+        // allowed on the function when it was loaded), and a kernel given less traps instead
+        // of overrunning it. Every
         // index the kernel computes stays inside the buffer it reads or writes, because the
         // gate validated the metadata against the call and the plan derived every record
         // from it: units and sequences name tokens inside the query and output `[T, H, D]`
@@ -552,13 +557,15 @@ impl AttentionImpl for CudaAttention {
             params,
             prepared,
             &prepared.prefill,
+            variant.prefill_shape(),
             "attention prefill",
         )?;
         self.launch(
-            &kernels.decode,
+            kernels.decode(cfg.num_queries_per_kv().min(plan::DECODE_ROWS)),
             params,
             prepared,
             &prepared.decode,
+            (1, 0),
             "attention decode",
         )?;
         kernels::merge(

@@ -89,10 +89,15 @@ pub fn nvrtc_version() -> Result<(u32, u32)> {
 /// Compiles every kernel source for `arch` (e.g. `sm_80`, `sm_90a`) with NVRTC alone, no
 /// GPU and no cache, and returns the names of the kernels: a check for CI. Any warning fails.
 /// Every attention variant is one program, exactly as a GPU compiles it at its first use;
-/// the programs are compiled in parallel, one thread per CPU.
-pub fn compile_check(arch: &str) -> Result<Vec<String>> {
+/// the programs are compiled in parallel, one thread per CPU. `only`: just the programs whose
+/// name contains it (e.g. `bf16_bf16_d128_causal` for a few attention variants), a quick
+/// check while editing a kernel.
+pub fn compile_check(arch: &str, only: Option<&str>) -> Result<Vec<String>> {
     check_arch(arch)?;
-    let sources = every_source();
+    let mut sources = every_source();
+    if let Some(only) = only {
+        sources.retain(|s| s.name.contains(only));
+    }
     in_parallel(&sources, |source| compile(source, arch))?;
     Ok(sources.into_iter().flat_map(|s| s.kernels).collect())
 }

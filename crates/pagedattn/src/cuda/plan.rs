@@ -32,8 +32,9 @@ pub(crate) const UNIT_FIELDS: usize = 11;
 pub(crate) const MERGE_FIELDS: usize = 4;
 /// Query rows of a decode unit (`DECODE_ROWS` in attention.cu).
 pub(crate) const DECODE_ROWS: usize = 8;
-/// Query rows of a prefill unit (`PREFILL_ROWS` in attention.cu).
-pub(crate) const PREFILL_ROWS: usize = 16;
+/// Query rows of a prefill unit (`PREFILL_ROWS` in attention.cu): the tensor-core kernel's
+/// 4 warps x 16 rows.
+pub(crate) const PREFILL_ROWS: usize = 64;
 /// The fewest keys a split-K partition gets.
 pub(crate) const MIN_PARTITION_KEYS: usize = 256;
 /// Partitions are multiples of the largest key tile, so that only a partition's last tile is

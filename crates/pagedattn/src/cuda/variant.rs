@@ -1,14 +1,16 @@
 //! The attention kernels' variants: one NVRTC program per (activation dtype, key/value
-//! storage, head size, mask, ALiBi, soft cap), each holding a decode and a prefill kernel
-//! instantiated from `kernels/attention.cu`, compiled at the first call that needs it (then
-//! cached in the process and on disk like every kernel).
+//! storage, head size, mask, ALiBi, soft cap), each holding a prefill kernel and three decode
+//! kernels (for kv-head groups of 1, up to 4 and up to 8 query heads) instantiated from
+//! `kernels/attention.cu`, compiled at the first call that needs it (then cached in the
+//! process and on disk like every kernel).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::CudaFunction;
 
-use super::device::Gpu;
+use super::device::{driver_error, Gpu};
 use super::kernels::{self, KernelSource, ELEMENTS};
 use crate::config::{AttentionConfig, KvCacheDtype};
 use crate::dtype::DType;
@@ -110,8 +112,27 @@ impl Variant {
         })
     }
 
+    /// Whether the prefill runs on the tensor cores (`prefill_mma` in attention.cu): bf16 and
+    /// f16 activations whose keys and values are stored as such. Other variants run the
+    /// scalar prefill.
+    pub(crate) fn tensor_cores(&self) -> bool {
+        matches!(self.dtype, DType::BF16 | DType::F16) && self.storage == KvCacheDtype::Auto
+    }
+
+    /// The prefill kernel's launch shape: (CTAs per unit, dynamic shared memory in bytes).
+    /// The tensor-core kernel runs a unit's [`PREFILL_ROWS`](super::plan::PREFILL_ROWS) rows
+    /// in one CTA on `MmaShape<D>::BYTES` (attention.cu); the scalar kernel takes
+    /// [`SCALAR_ROWS`] of them per CTA, in static shared memory.
+    pub(crate) fn prefill_shape(&self) -> (u32, u32) {
+        if self.tensor_cores() {
+            (1, mma_shared_bytes(self.head_size))
+        } else {
+            ((super::plan::PREFILL_ROWS / SCALAR_ROWS) as u32, 0)
+        }
+    }
+
     /// The program's name, e.g. `attention_bf16_e4m3_d128_causal_alibi`; its kernels are
-    /// `<name>_decode` and `<name>_prefill`.
+    /// `<name>_prefill` and `<name>_decode1`, `_decode4`, `_decode8`.
     pub(crate) fn name(&self) -> String {
         let storage = match self.storage {
             KvCacheDtype::Auto => self.dtype.to_string(),
@@ -156,18 +177,54 @@ impl Variant {
         );
         KernelSource {
             code: [ELEMENTS, ATTENTION, &line].concat(),
-            kernels: vec![format!("{name}_decode"), format!("{name}_prefill")],
+            kernels: ["prefill", "decode1", "decode4", "decode8"]
+                .iter()
+                .map(|k| format!("{name}_{k}"))
+                .collect(),
             name,
         }
     }
 }
 
+/// Query rows of the scalar prefill's CTAs (`SCALAR_ROWS` in attention.cu).
+const SCALAR_ROWS: usize = 16;
+
+/// Dynamic shared memory of the tensor-core prefill for head size `d`: `MmaShape<D>::BYTES`
+/// of attention.cu, computed the same way (the kernel traps if a launch gives less). Two
+/// stages of key tiles and two of value tiles (64 keys, or 32 above D = 128; rows of D
+/// padded to a multiple of 16, plus 16 bytes), then the query tile and the scratch of the
+/// P.V by selects (sharing bytes when the query fragments live in registers, D <= 128).
+pub(crate) fn mma_shared_bytes(d: usize) -> u32 {
+    let dp = d.div_ceil(16) * 16;
+    let keys = if d <= 128 { 64 } else { 32 };
+    let row_bytes = (dp + 8) * 2;
+    let tile = keys * row_bytes;
+    let q_regs = dp <= 128;
+    let q = super::plan::PREFILL_ROWS * row_bytes;
+    let p = 4 * 16 * keys * 4;
+    let scratch = if q_regs { q.max(p) } else { q + p };
+    (4 * tile + scratch) as u32
+}
+
 /// A variant's kernels, loaded on one GPU.
 pub(crate) struct AttentionKernels {
-    /// Units of one query token.
-    pub(crate) decode: CudaFunction,
     /// Units of several query tokens.
     pub(crate) prefill: CudaFunction,
+    /// Units of one query token, for kv-head groups of 1, up to 4 and up to 8 query heads.
+    decode: [CudaFunction; 3],
+}
+
+impl AttentionKernels {
+    /// The decode kernel for units of up to `heads` query heads (at most
+    /// [`DECODE_ROWS`](super::plan::DECODE_ROWS)): the one with the fewest rows that hold
+    /// them, since every row costs the same whether a head fills it or not.
+    pub(crate) fn decode(&self, heads: usize) -> &CudaFunction {
+        match heads {
+            0 | 1 => &self.decode[0],
+            2..=4 => &self.decode[1],
+            _ => &self.decode[2],
+        }
+    }
 }
 
 /// The variants loaded on one GPU so far.
@@ -182,10 +239,24 @@ pub(crate) fn kernels(gpu: &Gpu, variant: Variant) -> Result<Arc<AttentionKernel
     if let Some(k) = loaded.get(&variant) {
         return Ok(k.clone());
     }
-    let mut functions = kernels::load(gpu, &variant.source())?;
-    let prefill = functions.pop().expect("two kernels");
-    let decode = functions.pop().expect("two kernels");
-    let k = Arc::new(AttentionKernels { decode, prefill });
+    let functions = kernels::load(gpu, &variant.source())?;
+    let Ok([prefill, decode1, decode4, decode8]) = <[CudaFunction; 4]>::try_from(functions) else {
+        unreachable!("a variant's source names four kernels");
+    };
+    let (_, shared) = variant.prefill_shape();
+    if shared > 0 {
+        // Above 48 KiB a kernel's dynamic shared memory must be allowed explicitly.
+        prefill
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+    }
+    let k = Arc::new(AttentionKernels {
+        prefill,
+        decode: [decode1, decode4, decode8],
+    });
     loaded.insert(variant, k.clone());
     Ok(k)
 }
@@ -244,9 +315,36 @@ mod tests {
         assert_eq!(
             source.kernels,
             [
-                "attention_f32_f32_d32_full_decode",
-                "attention_f32_f32_d32_full_prefill"
+                "attention_f32_f32_d32_full_prefill",
+                "attention_f32_f32_d32_full_decode1",
+                "attention_f32_f32_d32_full_decode4",
+                "attention_f32_f32_d32_full_decode8"
             ]
         );
+    }
+
+    #[test]
+    fn tensor_cores_for_16_bit_activations_stored_as_such() {
+        let bf16 = AttentionConfig::builder(8, 120).build().unwrap();
+        let v = Variant::for_call(&bf16, DType::BF16, true).unwrap();
+        assert!(v.tensor_cores());
+        // D = 120 pads to 128: 4 tiles of 64 x 136 elements, then the query tile (64 rows).
+        assert_eq!(v.prefill_shape(), (1, 4 * 64 * 272 + 64 * 272));
+        assert!(!Variant::for_call(&bf16, DType::F32, true)
+            .unwrap()
+            .tensor_cores());
+        let fp8 = AttentionConfig::builder(8, 64)
+            .kv_cache_dtype(KvCacheDtype::Fp8E5m2)
+            .build()
+            .unwrap();
+        let v = Variant::for_call(&fp8, DType::F16, true).unwrap();
+        assert_eq!(v.prefill_shape(), (4, 0));
+        // D = 256: tiles of 32 keys; the query tile and the scratch side by side.
+        assert_eq!(
+            mma_shared_bytes(256),
+            4 * 32 * 528 + 64 * 528 + 4 * 16 * 32 * 4
+        );
+        // D = 32: the scratch (4 warps x 16 rows x 64 f32) is larger than the query tile.
+        assert_eq!(mma_shared_bytes(32), 4 * 64 * 80 + 16384);
     }
 }
