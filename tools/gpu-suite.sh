@@ -12,17 +12,18 @@
 #                                  --cache`: every attention variant, in parallel, so that no
 #                                  test waits for NVRTC), the cuda tests (test-cuda), the cuda
 #                                  attention tests against the reference (test-cuda_attention),
-#                                  both binaries under compute-sanitizer (memcheck, initcheck,
-#                                  racecheck); with `all`, every other test executable too.
+#                                  the CUDA-graph test (test-cuda_graph), the three binaries
+#                                  under compute-sanitizer (memcheck, initcheck, racecheck); with
+#                                  `all`, every other test executable too.
 #
-# `run` writes each part's full log to $OUT/ (else /tmp/pagedattn-gpu-suite/): at most 7
-# files (each sanitizer's log holds both binaries' runs; the other test executables share
+# `run` writes each part's full log to $OUT/ (else /tmp/pagedattn-gpu-suite/): at most 8
+# files (each sanitizer's log holds the three binaries' runs; the other test executables share
 # other-tests.log). It prints one summary line per part last and exits non-zero if any part
 # failed. A cuda test that skips (no usable GPU) fails the suite: this half exists to exercise
 # the GPU.
 #
 # Settings of `run`: GPU_SUITE_TIMEOUT (seconds per part, default 240; a sanitizer part runs
-# both binaries, each within it), GPU_SUITE_SANITIZERS (default "memcheck initcheck racecheck";
+# the three binaries, each within it), GPU_SUITE_SANITIZERS (default "memcheck initcheck racecheck";
 # empty for none), GPU_SUITE_SANITIZER_CASES (random cases per setting or property under a
 # sanitizer, default 6; the plain runs use the tests' defaults).
 
@@ -121,7 +122,7 @@ run() {
     TIMEOUT=${GPU_SUITE_TIMEOUT:-240}
     mkdir -p "$out"
     local exe
-    for exe in test-cuda test-cuda_attention pagedattn; do
+    for exe in test-cuda test-cuda_attention test-cuda_graph pagedattn; do
         [ -x "$BIN/$exe" ] || {
             echo "gpu-suite run: $BIN/$exe not found: run 'tools/gpu-suite.sh build' first and carry $BIN" >&2
             exit 2
@@ -176,6 +177,12 @@ run() {
     verdict=$(test_verdict "$log" "$status")
     record "cuda attention tests" "${verdict%%|*}" "${verdict#*|}"
 
+    log="$out/cuda-graph-test.log"
+    timeout "$TIMEOUT" "$BIN/test-cuda_graph" --test-threads=1 >"$log" 2>&1
+    status=$?
+    verdict=$(test_verdict "$log" "$status")
+    record "cuda graph test" "${verdict%%|*}" "${verdict#*|}"
+
     local sanitizer tool part part_log summary found problems
     sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for tool in ${GPU_SUITE_SANITIZERS-memcheck initcheck racecheck}; do
@@ -189,7 +196,7 @@ run() {
         # Fewer random cases under the sanitizer; without the test whose failing allocations
         # the sanitizer would count as API errors, the host-only NVRTC tests, and the decode of
         # 2^24 keys (minutes under instrumentation; its accesses are the long decodes').
-        for part in test-cuda test-cuda_attention; do
+        for part in test-cuda test-cuda_attention test-cuda_graph; do
             part_log=$(mktemp)
             PAGEDATTN_TEST_CASES=${GPU_SUITE_SANITIZER_CASES:-6} timeout "$TIMEOUT" \
                 "$sanitizer" --tool "$tool" --error-exitcode 99 \
@@ -212,7 +219,7 @@ run() {
             fi
         done
         if [ -z "$problems" ]; then
-            record "$tool" PASS "0 errors in test-cuda and test-cuda_attention"
+            record "$tool" PASS "0 errors in test-cuda, test-cuda_attention and test-cuda_graph"
         else
             record "$tool" FAIL "${problems%; }"
         fi
@@ -225,7 +232,7 @@ run() {
         : >"$out/other-tests.log"
         for exe in "$BIN"/test-*; do
             name=${exe#"$BIN"/}
-            case "$name" in test-cuda | test-cuda_attention) continue ;; esac
+            case "$name" in test-cuda | test-cuda_attention | test-cuda_graph) continue ;; esac
             timeout "$TIMEOUT" "$exe" >"$log" 2>&1
             status=$?
             verdict=$(test_verdict "$log" "$status")

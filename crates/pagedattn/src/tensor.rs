@@ -438,8 +438,8 @@ impl Tensor {
         self.storage.copy_from(&src.storage)
     }
 
-    /// Fills every element with NaN (float tensors) or 0xFF (bytes), on whatever device the
-    /// tensor lives: for poisoning outputs in tests.
+    /// Fills every element with NaN (float tensors) or 0xFF (bytes), in place on whatever
+    /// device the tensor lives: for poisoning outputs in tests.
     pub fn fill_nan(&mut self) -> Result<()> {
         let mut poison = HostStorage::zeros(self.dtype(), self.numel());
         match &mut poison {
@@ -448,8 +448,8 @@ impl Tensor {
             HostStorage::BF16(v) => v.fill(bf16::NAN),
             HostStorage::U8(v) => v.fill(0xFF),
         }
-        self.storage = Storage::Host(poison).to_device(self.device())?;
-        Ok(())
+        // In place: the tensor keeps its memory (a captured CUDA graph may hold its address).
+        self.storage.copy_from(&Storage::Host(poison))
     }
 }
 
