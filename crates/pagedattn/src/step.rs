@@ -174,6 +174,24 @@ impl Plan {
     }
 }
 
+/// The workspace bytes of `partials` split-K records of `floats` f32 each (`None`: a record's
+/// size overflowed), or `Unsupported` naming `backend` where the size overflows.
+pub(crate) fn partials_bytes(
+    backend: &'static str,
+    partials: usize,
+    floats: Option<usize>,
+) -> Result<usize> {
+    floats
+        .and_then(|f| f.checked_mul(partials))
+        .and_then(|f| f.checked_mul(4))
+        .ok_or_else(|| {
+            Error::unsupported(
+                backend,
+                format!("a split-K workspace of {partials} partial records that large"),
+            )
+        })
+}
+
 /// The error for a plan `made_by` one backend used by `backend`.
 fn other_backend(made_by: &str, backend: &str) -> Error {
     Error::invalid(

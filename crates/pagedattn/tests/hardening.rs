@@ -605,3 +605,18 @@ fn nan_and_inf_reach_exactly_the_outputs_they_should() {
         }
     }
 }
+
+#[test]
+fn workspace_sizes_that_overflow_are_errors() {
+    // Found by the `constructors` fuzz target: the cpu plan sized a split-K record as
+    // `head_size + 2` floats unchecked (an overflow panic with overflow checks, a wrapped
+    // workspace size without). Such a layer is refused when planned, whatever the batch.
+    let config = AttentionConfig::builder(1, usize::MAX).build().unwrap();
+    let empty = MetadataBuilder::new(1).build().unwrap();
+    let cpu = registry::backend("cpu").unwrap();
+    let planned = cpu.attention(&config).unwrap().plan(&empty, None);
+    assert!(
+        matches!(planned, Err(Error::Unsupported { .. })),
+        "{planned:?}"
+    );
+}

@@ -33,7 +33,7 @@ use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
 use crate::reference::write_kv_checked;
 use crate::semantics::{allowed_keys, query_position, KeyMap};
-use crate::step::{ForwardCheck, Inputs, KvPair, Plan as StepPlan, Workspace};
+use crate::step::{partials_bytes, ForwardCheck, Inputs, KvPair, Plan as StepPlan, Workspace};
 use crate::tensor::{HostStorage, Tensor};
 
 use crate::shared::SharedMut;
@@ -170,9 +170,13 @@ impl AttentionImpl for CpuAttention {
         self.gate().plan(metadata, cache, |md, has_new_kv| {
             let key_map = KeyMap::new(md, cfg.attn_type(), cache.map(|c| c.block_size), has_new_kv);
             let plan = plan::plan(cfg, md, &key_map, rayon::current_num_threads());
-            let partial_floats =
-                plan.num_partials * cfg.num_queries_per_kv() * (cfg.head_size() + 2);
-            Ok((plan, partial_floats * 4))
+            // Per partial: the kv head's query rows, each m, l and D accumulators.
+            let floats = cfg
+                .head_size()
+                .checked_add(2)
+                .and_then(|f| f.checked_mul(cfg.num_queries_per_kv()));
+            let bytes = partials_bytes("cpu", plan.num_partials, floats)?;
+            Ok((plan, bytes))
         })
     }
 

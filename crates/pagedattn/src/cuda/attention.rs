@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec};
 use crate::metadata::AttentionMetadata;
 use crate::reference::write_slots;
-use crate::step::{ForwardCheck, Inputs, KvPair, Plan, Workspace};
+use crate::step::{partials_bytes, ForwardCheck, Inputs, KvPair, Plan, Workspace};
 use crate::tensor::{HostStorage, Storage, Tensor};
 
 /// One layer's attention on the `cuda` backend.
@@ -210,12 +210,8 @@ impl CudaAttention {
             grid_size(records.len() / UNIT_FIELDS, what)?;
         }
         grid_size(work.merges.len() / plan::MERGE_FIELDS, "split-K merges")?;
-        let workspace_bytes = work
-            .num_partials
-            .checked_mul(plan::partial_floats(self.config.head_size()) * 4)
-            .ok_or_else(|| {
-                Error::unsupported("cuda", format!("{} split-K partials", work.num_partials))
-            })?;
+        let floats = plan::partial_floats(self.config.head_size());
+        let workspace_bytes = partials_bytes("cuda", work.num_partials, floats)?;
         Ok((work, workspace_bytes))
     }
 

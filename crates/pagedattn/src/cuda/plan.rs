@@ -43,9 +43,10 @@ pub(crate) const PARTITION_ALIGN: usize = 32;
 /// Thread blocks per multiprocessor below which long decodes are split.
 const BLOCKS_PER_SM: usize = 2;
 
-/// f32 elements of one partial record: m, l, attended, padding, then the D accumulators.
-pub(crate) fn partial_floats(head_size: usize) -> usize {
-    head_size + 4
+/// f32 elements of one partial record: m, l, attended, padding, then the D accumulators
+/// (`None` where that overflows).
+pub(crate) fn partial_floats(head_size: usize) -> Option<usize> {
+    head_size.checked_add(4)
 }
 
 /// How decode units are split into partitions.
