@@ -20,6 +20,16 @@ struct Cli {
     command: Command,
 }
 
+/// How far `compile-kernels` compiles (`pagedattn::cuda::CheckDepth`).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Depth {
+    /// Every program to machine code.
+    Full,
+    /// Every program to PTX; the fixed kernels and the heaviest variants to machine code.
+    Representative,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Runs one forward call, of the built-in workload (the example mixed batch: chunked
@@ -70,6 +80,12 @@ enum Command {
         /// quick check of a kernel edit. Not with `--cache`.
         #[arg(long, conflicts_with = "cache")]
         only: Option<String>,
+        /// Every program to machine code (`full`, as a GPU compiles it), or every program to
+        /// PTX and to machine code only the fixed kernels and each dtype / storage / head
+        /// size's variant with every score modifier on (`representative`: a third of the
+        /// time, what CI runs). Not with `--cache`.
+        #[arg(long, value_enum, default_value_t = Depth::Full, conflicts_with = "cache")]
+        depth: Depth,
     },
     /// Writes an example replay case: a mixed batch of chunked prefills with cached context,
     /// a fresh prompt and decodes, GQA, bf16.
@@ -294,7 +310,12 @@ fn simd_features() -> Vec<&'static str> {
 /// `pagedattn compile-kernels`: every kernel for every architecture, one line each: how many
 /// compiled, in how long, per family (the attention variants counted, not listed).
 #[cfg(feature = "cuda")]
-fn compile_kernels(archs: &[String], cache: bool, only: Option<&str>) -> Result<()> {
+fn compile_kernels(
+    archs: &[String],
+    cache: bool,
+    only: Option<&str>,
+    depth: pagedattn::cuda::CheckDepth,
+) -> Result<()> {
     use pagedattn::cuda::{compile_check, DiskCache, ImageOrigin};
     let disk = if cache {
         Some(DiskCache::from_env().ok_or_else(|| {
@@ -311,7 +332,7 @@ fn compile_kernels(archs: &[String], cache: bool, only: Option<&str>) -> Result<
         let start = std::time::Instant::now();
         let line = match &disk {
             None => {
-                let kernels = compile_check(arch, only)?;
+                let kernels = compile_check(arch, only, depth)?;
                 format!(
                     "{arch}: {} kernels compiled without warnings in {:.1} s: {}",
                     kernels.len(),
@@ -402,8 +423,17 @@ fn main() -> ExitCode {
             Ok(())
         }
         #[cfg(feature = "cuda")]
-        Command::CompileKernels { archs, cache, only } => {
-            compile_kernels(&archs, cache, only.as_deref())
+        Command::CompileKernels {
+            archs,
+            cache,
+            only,
+            depth,
+        } => {
+            let depth = match depth {
+                Depth::Full => pagedattn::cuda::CheckDepth::Full,
+                Depth::Representative => pagedattn::cuda::CheckDepth::Representative,
+            };
+            compile_kernels(&archs, cache, only.as_deref(), depth)
         }
         Command::Example { output, seed } => {
             replay::write_case(&example::mixed_batch(seed)).and_then(|bytes| write(&output, &bytes))

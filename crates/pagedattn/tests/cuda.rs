@@ -182,7 +182,8 @@ fn kernels_compile_for_sm80_and_sm90a() {
         return;
     }
     for arch in ["sm_80", "sm_90a"] {
-        let names = cuda::compile_check(arch, None).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let names = cuda::compile_check(arch, None, cuda::CheckDepth::Representative)
+            .unwrap_or_else(|e| panic!("{arch}: {e}"));
         for kernel in [
             "write_kv_f32_auto",
             "write_kv_f16_e4m3",
@@ -196,11 +197,14 @@ fn kernels_compile_for_sm80_and_sm90a() {
         }
     }
     assert!(matches!(
-        cuda::compile_check("sm_80; rm", None),
+        cuda::compile_check("sm_80; rm", None, cuda::CheckDepth::Full),
         Err(Error::Invalid { .. })
     ));
     assert!(
-        matches!(cuda::compile_check("sm_1", None), Err(Error::Driver(_))),
+        matches!(
+            cuda::compile_check("sm_1", None, cuda::CheckDepth::Full),
+            Err(Error::Driver(_))
+        ),
         "an architecture NVRTC does not know"
     );
 }

@@ -86,20 +86,54 @@ pub fn nvrtc_version() -> Result<(u32, u32)> {
         .clone()
 }
 
+/// How far [`compile_check`] compiles each program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckDepth {
+    /// Every program to machine code (CUBIN), exactly as a GPU compiles it at its first use.
+    Full,
+    /// Every program through NVRTC's front end to PTX for the architecture (`compute_XY`:
+    /// every C++ error and warning of every variant), and to machine code the fixed kernels
+    /// and, for each dtype, storage and head size, the variant with every score modifier on
+    /// (window mask, ALiBi, soft cap: the most code and registers, so the assembler's limits
+    /// and the inline PTX are checked where they bind): about a third of the time, for CI.
+    Representative,
+}
+
 /// Compiles every kernel source for `arch` (e.g. `sm_80`, `sm_90a`) with NVRTC alone, no
-/// GPU and no cache, and returns the names of the kernels: a check for CI. Any warning fails.
-/// Every attention variant is one program, exactly as a GPU compiles it at its first use;
-/// the programs are compiled in parallel, one thread per CPU. `only`: just the programs whose
-/// name contains it (e.g. `bf16_bf16_d128_causal` for a few attention variants), a quick
-/// check while editing a kernel.
-pub fn compile_check(arch: &str, only: Option<&str>) -> Result<Vec<String>> {
+/// GPU and no cache, to `depth`, and returns the names of the kernels: a check for CI. Any
+/// warning fails. Every attention variant is one program, as a GPU compiles it at its first
+/// use; the programs are compiled in parallel, one thread per CPU. `only`: just the programs
+/// whose name contains it (e.g. `bf16_bf16_d128_causal` for a few attention variants), a
+/// quick check while editing a kernel.
+pub fn compile_check(arch: &str, only: Option<&str>, depth: CheckDepth) -> Result<Vec<String>> {
     check_arch(arch)?;
-    let mut sources = every_source();
+    let fixed = fixed_sources().iter().map(|s| (s.clone(), Output::Cubin));
+    let variants = Variant::all().map(|v| {
+        let machine_code = depth == CheckDepth::Full || v.has_every_modifier();
+        let output = if machine_code {
+            Output::Cubin
+        } else {
+            Output::Ptx
+        };
+        (v.source(), output)
+    });
+    let mut sources: Vec<(KernelSource, Output)> = fixed.chain(variants).collect();
     if let Some(only) = only {
-        sources.retain(|s| s.name.contains(only));
+        sources.retain(|(s, _)| s.name.contains(only));
     }
-    in_parallel(&sources, |source| compile(source, arch))?;
-    Ok(sources.into_iter().flat_map(|s| s.kernels).collect())
+    in_parallel(&sources, |(source, output)| {
+        compile_to(source, arch, *output)
+    })?;
+    Ok(sources.into_iter().flat_map(|(s, _)| s.kernels).collect())
+}
+
+/// What NVRTC is asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Output {
+    /// Machine code for the real architecture (`sm_XY`).
+    Cubin,
+    /// PTX for its virtual architecture (`compute_XY`): the front end only.
+    Ptx,
 }
 
 /// The fixed sources, then one program per attention variant.
@@ -113,9 +147,9 @@ fn every_source() -> Vec<KernelSource> {
 
 /// `f` of every source, in order, run on one thread per CPU. Once one fails no further source
 /// is started, and the first error (in source order) among those that ran is returned.
-fn in_parallel<T: Send>(
-    sources: &[KernelSource],
-    f: impl Fn(&KernelSource) -> Result<T> + Sync,
+fn in_parallel<S: Sync, T: Send>(
+    sources: &[S],
+    f: impl Fn(&S) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -336,6 +370,11 @@ fn write_entry(dir: &Path, path: &Path, key: u64, image: &[u8]) -> std::io::Resu
 
 /// Compiles `source` for `arch` to CUBIN and checks that it defines every kernel it names.
 fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
+    compile_to(source, arch, Output::Cubin)
+}
+
+/// [`compile`], or only NVRTC's front end to PTX for `arch`'s virtual architecture.
+fn compile_to(source: &KernelSource, arch: &str, output: Output) -> Result<Vec<u8>> {
     check_arch(arch)?;
     nvrtc_version()?;
     let file = format!("{}.cu", source.name);
@@ -348,8 +387,12 @@ fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
     let program = Program(
         nvrtc::create_program(&code, Some(&name)).map_err(|e| fail("nvrtcCreateProgram", e))?,
     );
+    let target = match output {
+        Output::Cubin => arch.to_string(),
+        Output::Ptx => arch.replacen("sm_", "compute_", 1),
+    };
     // SAFETY: `program` was created above and is destroyed only when it drops.
-    let compiled = unsafe { nvrtc::compile_program(program.0, &options(arch)) };
+    let compiled = unsafe { nvrtc::compile_program(program.0, &options(&target)) };
     let log = program.log().map_err(|e| fail("nvrtcGetProgramLog", e))?;
     if compiled.is_err() || !log.is_empty() {
         let verdict = match compiled {
@@ -362,17 +405,26 @@ fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
             first.join("\n")
         )));
     }
-    let cubin = program.cubin().map_err(|e| fail("nvrtcGetCUBIN", e))?;
-    // A kernel's name sits NUL-delimited in the CUBIN's symbol string table.
+    let (image, delimiters) = match output {
+        Output::Cubin => (
+            program.cubin().map_err(|e| fail("nvrtcGetCUBIN", e))?,
+            // A kernel's name sits NUL-delimited in the CUBIN's symbol string table.
+            (&b"\0"[..], &b"\0"[..]),
+        ),
+        Output::Ptx => (
+            program.ptx().map_err(|e| fail("nvrtcGetPTX", e))?,
+            (&b".entry "[..], &b"("[..]),
+        ),
+    };
     for kernel in &source.kernels {
-        let symbol = [b"\0", kernel.as_bytes(), b"\0"].concat();
-        if !cubin.windows(symbol.len()).any(|w| w == symbol) {
+        let symbol = [delimiters.0, kernel.as_bytes(), delimiters.1].concat();
+        if !image.windows(symbol.len()).any(|w| w == symbol) {
             return Err(Error::Driver(format!(
                 "{file} compiled for {arch} defines no kernel `{kernel}`"
             )));
         }
     }
-    Ok(cubin)
+    Ok(image)
 }
 
 /// Checks that `arch` is `sm_<digits>`, optionally with the `a` suffix, before it becomes
@@ -408,6 +460,17 @@ impl Program {
             .map(|&c| c.to_ne_bytes()[0])
             .collect();
         Ok(String::from_utf8_lossy(&bytes).trim().to_string())
+    }
+
+    /// The PTX of a compiled program.
+    fn ptx(&self) -> Result<Vec<u8>, NvrtcError> {
+        let mut size = 0;
+        // SAFETY: the program is alive; writes one usize.
+        unsafe { sys::nvrtcGetPTXSize(self.0, &mut size) }.result()?;
+        let mut ptx = vec![0u8; size];
+        // SAFETY: the program is alive; writes `size` bytes, the buffer's length.
+        unsafe { sys::nvrtcGetPTX(self.0, ptx.as_mut_ptr().cast()) }.result()?;
+        Ok(ptx)
     }
 
     /// The CUBIN of a compiled program.

@@ -83,6 +83,12 @@ impl Variant {
         })
     }
 
+    /// Whether every score modifier is on (the window mask, ALiBi and the soft cap): the
+    /// variant with the most code of its dtype, storage and head size.
+    pub(crate) fn has_every_modifier(&self) -> bool {
+        self.mask == Mask::Window && self.alibi && self.soft_cap
+    }
+
     /// Every variant, in a fixed order.
     pub(crate) fn all() -> impl Iterator<Item = Variant> {
         let storages = [
