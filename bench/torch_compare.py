@@ -304,11 +304,49 @@ def run_torch(row, timing):
     return res
 
 
+def flex_paged_decode(w, dev):
+    """FlexAttention's paged decode of the decode-only workload `w` on `dev`: PagedAttention's
+    page table holds pagedattn's block tables, each layer's cache in FlexAttention's paged
+    layout [1, Hkv, NB * B, D] (w's caches are released). Returns step(i): the new tokens
+    written (PagedAttention.assign), then compiled flex_attention over layer i's cache."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    S, nb, B = len(w.seqs), w.num_blocks, w.B
+    M = max(len(t) for t in w.tables)
+    pa = PagedAttention(nb, B, S, device=dev)
+    for s, table in enumerate(w.tables):
+        pa.page_table[s, :len(table)] = table
+        pa.physical_to_logical[s, table] = torch.arange(len(table), device=dev)
+        pa.capacity[s] = len(table) * B
+    seq_lens = torch.tensor(w.seq_lens, device=dev)
+    caches = [[c.permute(1, 0, 2, 3).reshape(1, w.Hkv, nb * B, w.D).contiguous() for c in cs]
+              for cs in (w.k_cache, w.v_cache)]
+    del w.k_cache, w.v_cache
+    logical = create_block_mask(lambda b, h, q, kv: kv < seq_lens[b], S, None, 1, M * B, device=dev,
+                                BLOCK_SIZE=(128, B))
+    mask = pa.convert_logical_block_mask(logical, kv_len=seq_lens)
+    score_mod = pa.get_score_mod(None, kv_len=seq_lens)
+    q = w.q.view(S, 1, w.H, w.D).transpose(1, 2)
+    knew = w.k.view(S, 1, w.Hkv, w.D).transpose(1, 2)
+    vnew = w.v.view(S, 1, w.Hkv, w.D).transpose(1, 2)
+    batch_idx = torch.arange(S, device=dev)
+    input_pos = (seq_lens - 1).view(S, 1)
+    flex = torch.compile(flex_attention)
+
+    def step(i):
+        k, v = caches[0][i % w.layers], caches[1][i % w.layers]
+        pa.assign(batch_idx, input_pos, knew, vnew, k, v)
+        return flex(q, k, v, block_mask=mask, score_mod=score_mod, enable_gqa=w.group > 1)
+
+    return step
+
+
 def run_flex(row, timing):
     """FlexAttention's paged decode on the CPU: page table = pagedattn's block tables."""
     try:
-        from torch.nn.attention.experimental._paged_attention import PagedAttention
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        import torch.nn.attention.experimental._paged_attention  # noqa: F401
+        import torch.nn.attention.flex_attention  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return {"error": f"import failed: {e}"}
     try:
@@ -317,34 +355,7 @@ def run_flex(row, timing):
             return {"error": "no fp8 KV cache in FlexAttention"}
         if w.chunks or w.fresh:
             return {"error": "decode rows only"}
-        S, nb, B = len(w.seqs), w.num_blocks, w.B
-        M = max(len(t) for t in w.tables)
-        pa = PagedAttention(nb, B, S, device="cpu")
-        for s, table in enumerate(w.tables):
-            pa.page_table[s, :len(table)] = table
-            pa.physical_to_logical[s, table] = torch.arange(len(table))
-            pa.capacity[s] = len(table) * B
-        seq_lens = torch.tensor(w.seq_lens)
-        # FlexAttention's paged layout: [1, Hkv, NB * B, D] per layer.
-        caches = [[c.permute(1, 0, 2, 3).reshape(1, w.Hkv, nb * B, w.D).contiguous() for c in cs]
-                  for cs in (w.k_cache, w.v_cache)]
-        del w.k_cache, w.v_cache
-        logical = create_block_mask(lambda b, h, q, kv: kv < seq_lens[b], S, None, 1, M * B, device="cpu",
-                                    BLOCK_SIZE=(128, B))
-        mask = pa.convert_logical_block_mask(logical, kv_len=seq_lens)
-        score_mod = pa.get_score_mod(None, kv_len=seq_lens)
-        q = w.q.view(S, 1, w.H, w.D).transpose(1, 2)
-        knew = w.k.view(S, 1, w.Hkv, w.D).transpose(1, 2)
-        vnew = w.v.view(S, 1, w.Hkv, w.D).transpose(1, 2)
-        batch_idx = torch.arange(S)
-        input_pos = (seq_lens - 1).view(S, 1)
-        flex = torch.compile(flex_attention)
-
-        def step(i):
-            k, v = caches[0][i % w.layers], caches[1][i % w.layers]
-            pa.assign(batch_idx, input_pos, knew, vnew, k, v)
-            return flex(q, k, v, block_mask=mask, score_mod=score_mod, enable_gqa=w.group > 1)
-
+        step = flex_paged_decode(w, "cpu")
         t = time.perf_counter()
         step(0)  # compiles
         compile_s = time.perf_counter() - t
@@ -489,8 +500,8 @@ def run_flex_cuda(row, timing):
     pages of B tokens in FlexAttention's [1, Hkv, NB * B, D] layout, the cache write included
     (PagedAttention.assign)."""
     try:
-        from torch.nn.attention.experimental._paged_attention import PagedAttention
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        import torch.nn.attention.experimental._paged_attention  # noqa: F401
+        import torch.nn.attention.flex_attention  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return {"error": f"import failed: {err(e)}"}
     try:
@@ -499,40 +510,13 @@ def run_flex_cuda(row, timing):
             return {"error": "no fp8 KV cache in FlexAttention"}
         if w.chunks or w.fresh:
             return {"error": "decode rows only"}
-        dev = "cuda"
-        S, nb, B = len(w.seqs), w.num_blocks, w.B
-        M = max(len(t) for t in w.tables)
-        pa = PagedAttention(nb, B, S, device=dev)
-        for s, table in enumerate(w.tables):
-            pa.page_table[s, :len(table)] = table
-            pa.physical_to_logical[s, table] = torch.arange(len(table), device=dev)
-            pa.capacity[s] = len(table) * B
-        seq_lens = torch.tensor(w.seq_lens, device=dev)
         # The reference: the new tokens written, K/V gathered, f32 SDPA (flex writes the same
         # tokens to the same slots again in its first step).
         w.write(0)
         ref = {n: (idx, F.scaled_dot_product_attention(*(x.float() for x in (w.queries(idx), *w.gather(0, idx))),
                                                        enable_gqa=w.group > 1))
                for n, idx in w.decodes.items()}
-        caches = [[c.permute(1, 0, 2, 3).reshape(1, w.Hkv, nb * B, w.D).contiguous() for c in cs]
-                  for cs in (w.k_cache, w.v_cache)]
-        del w.k_cache, w.v_cache
-        logical = create_block_mask(lambda b, h, q, kv: kv < seq_lens[b], S, None, 1, M * B, device=dev,
-                                    BLOCK_SIZE=(128, B))
-        mask = pa.convert_logical_block_mask(logical, kv_len=seq_lens)
-        score_mod = pa.get_score_mod(None, kv_len=seq_lens)
-        q = w.q.view(S, 1, w.H, w.D).transpose(1, 2)
-        knew = w.k.view(S, 1, w.Hkv, w.D).transpose(1, 2)
-        vnew = w.v.view(S, 1, w.Hkv, w.D).transpose(1, 2)
-        batch_idx = torch.arange(S, device=dev)
-        input_pos = (seq_lens - 1).view(S, 1)
-        flex = torch.compile(flex_attention)
-
-        def step(i):
-            k, v = caches[0][i % w.layers], caches[1][i % w.layers]
-            pa.assign(batch_idx, input_pos, knew, vnew, k, v)
-            return flex(q, k, v, block_mask=mask, score_mod=score_mod, enable_gqa=w.group > 1)
-
+        step = flex_paged_decode(w, "cuda")
         t = time.perf_counter()
         out = step(0)  # compiles
         torch.cuda.synchronize()
