@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{gpu, skip};
+use common::{gpu, seed, skip};
 
 use pagedattn::cpu::Cpu;
 use pagedattn::cuda::{self, CachedImage, Cuda, CudaStorage, DiskCache, ImageOrigin};
@@ -32,14 +32,6 @@ fn nvrtc(test: &str) -> bool {
         }
         _ => true,
     }
-}
-
-/// A fresh seed (or `PAGEDATTN_TEST_SEED`), printed when the test fails.
-fn seed() -> u64 {
-    std::env::var("PAGEDATTN_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random)
 }
 
 /// Random cases per setting: `PAGEDATTN_TEST_CASES`, default 40 (fewer under a sanitizer).

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{gpu, same_cache};
+use common::{gpu, same_cache, seed};
 use pagedattn::{
     registry, AttentionConfig, AttentionImpl, AttentionMetadata, Backend, CacheLayout, DType,
     GraphCapacity, HostStorage, Inputs, KvCache, KvCacheDtype, KvCacheSpec, MetadataBuilder,
@@ -191,10 +191,7 @@ fn a_captured_decode_step_replays_later_steps() {
     let Some(cuda) = gpu("a_captured_decode_step_replays_later_steps") else {
         return;
     };
-    let seed = std::env::var("PAGEDATTN_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
+    let seed = seed();
     let result = std::panic::catch_unwind(|| run(&cuda, seed));
     if let Err(panic) = result {
         eprintln!("a_captured_decode_step_replays_later_steps failed with seed {seed}");

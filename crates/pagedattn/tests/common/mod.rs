@@ -1437,3 +1437,11 @@ pub fn gpu(test: &str) -> Option<pagedattn::cuda::Cuda> {
         Err(e) => panic!("cuda::info failed on a machine with a driver: {e}"),
     }
 }
+
+/// A fresh seed (or `PAGEDATTN_TEST_SEED`), for a test to print when it fails.
+pub fn seed() -> u64 {
+    std::env::var("PAGEDATTN_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random)
+}
