@@ -192,10 +192,14 @@ __device__ __forceinline__ float modify_score(const Params& p, float s, i64 dist
 }
 
 // The finished row: normalized with v_scale applied, NaN for a row that attended only -Inf
-// (or NaN) scores, exactly 0 for a row that attended no key.
+// (or NaN) scores, exactly 0 for a row that attended no key. `finish_by` takes the row's
+// factor v_scale / l computed once.
+__device__ __forceinline__ float finish_by(float acc, float m, bool attended, float factor) {
+    return m == -f32_inf() ? (attended ? f32_nan() : 0.0f) : acc * factor;
+}
 __device__ __forceinline__ float finish(float acc, float m, float l, bool attended,
                                         float out_scale) {
-    return m == -f32_inf() ? (attended ? f32_nan() : 0.0f) : acc * (out_scale / l);
+    return finish_by(acc, m, attended, out_scale / l);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -410,30 +414,59 @@ __device__ __forceinline__ void prefill_scalar(const Params& p) {
 
 constexpr float LOG2E = 1.4426950408889634f;
 
-// The weight e^(s - m) of a score s under the running max m, as exp2 of (s - m) * log2(e)
-// (one rounding more than e^(s - m), far inside the tolerance of f32 scores). With the max
-// still -Inf every score so far is -Inf or NaN: -Inf weighs 0 (e^(-Inf - -Inf) would be
-// NaN), NaN stays NaN.
-__device__ __forceinline__ float weight(float s, float m) {
-    return m == -f32_inf() ? (s != s ? s : 0.0f) : exp2f((s - m) * LOG2E);
+// 2^x in one instruction (the special-function unit's approximation, within 2 ulp): results
+// below 2^-126 flush to 0, which the contract allows for a weight (an underflowed weight),
+// and NaN stays NaN. exp2f would add a range fix-up for those subnormal results to every
+// score, which costs more than the rest of the softmax.
+__device__ __forceinline__ float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The running max m as the softmax's base: with the max still -Inf every score so far is
+// -Inf or NaN, and against base 0 -Inf weighs 0 (against -Inf it would be NaN) and NaN stays
+// NaN.
+__device__ __forceinline__ float softmax_base(float m) { return m == -f32_inf() ? 0.0f : m; }
+
+// The weight e^(s - m) of a score s under a base from `softmax_base`, as 2^((s - m) log2(e))
+// (one rounding more than e^(s - m), far inside the tolerance of f32 scores).
+__device__ __forceinline__ float weight(float s, float base) {
+    return exp2_fast((s - base) * LOG2E);
 }
 
 // The factor rescaling a state of max m_old to the max m_new: an unchanged max rescales by
 // exactly 1 (also -Inf to -Inf and +Inf to +Inf).
 __device__ __forceinline__ float rescale(float m_old, float m_new) {
-    return m_old == m_new ? 1.0f : exp2f((m_old - m_new) * LOG2E);
+    return m_old == m_new ? 1.0f : exp2_fast((m_old - m_new) * LOG2E);
 }
+
+// A compile-time flag passed to a generic lambda, which instantiates its body once per value.
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
 
 // 16 bytes, for vector loads and stores.
 struct alignas(16) U128 {
     u32 x, y, z, w;
 };
 
-// ---------------------------------------------------------------------------------------------
-// The tensor-core prefill: bf16 and f16.
-// ---------------------------------------------------------------------------------------------
-
+// Dynamic shared memory of the fast kernels: the tensor-core prefill's tiles, the decode's
+// staging rings.
 extern __shared__ U128 dynamic_smem[];
+
+// The kernel's dynamic shared memory, which must hold `bytes` (src/cuda/variant.rs computes
+// what each kernel takes and the launch gives it; a launch giving less traps rather than
+// overrunning it).
+__device__ __forceinline__ u8* dynamic_shared(u32 bytes) {
+    u32 given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
+    if (given < bytes) {
+        __trap();
+    }
+    return (u8*)dynamic_smem;
+}
 
 // The shared-memory address (state space .shared) of a generic pointer into shared memory.
 __device__ __forceinline__ u32 smem_address(const void* ptr) {
@@ -442,11 +475,20 @@ __device__ __forceinline__ u32 smem_address(const void* ptr) {
     return a;
 }
 
-// 16 bytes from global to shared memory, asynchronously, bypassing L1; `bytes` 0 fills the
-// 16 bytes with zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
-                 : "memory");
+// N bytes (16, 8 or 4) from global to shared memory, asynchronously (16 bytes bypass L1);
+// `bytes` 0 fills the N bytes with zeros and reads nothing.
+template <int N>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src, u32 bytes) {
+    static_assert(N == 16 || N == 8 || N == 4, "cp.async copies 4, 8 or 16 bytes");
+    if constexpr (N == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                     "r"(bytes)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %3, %2;" ::"r"(dst), "l"(src),
+                     "r"(bytes), "n"(N)
+                     : "memory");
+    }
 }
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -456,6 +498,10 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core prefill: bf16 and f16.
+// ---------------------------------------------------------------------------------------------
 
 // Four 8x8 matrices of 16-bit elements from shared memory; lane l gives the address of row
 // l % 8 of matrix l / 8, and register i receives matrix i's (row lane / 4, columns
@@ -498,9 +544,9 @@ struct MmaShape {
 // thread's) over the unit's keys, in tiles of KT keys.
 //
 // Pipeline: tile i lands in stage i % 2 while tile i - 1 is computed; the key offsets of
-// tile i (one lookup per key, by threads 0..KT-1) are made two tiles ahead into off_s[i % 3],
-// with a bit mask of the tile's non-keys (past the unit, slot -1), whose rows cp.async fills
-// with zeros instead of reading. Per tile: S = Q K^T on the tensor cores; the scale, soft cap
+// tile i (one lookup per key, by threads 0..KT-1) are read while tile i - 2 is computed and
+// published after it into off_s[i % 3], with a bit mask of the tile's non-keys (past the
+// unit, slot -1), whose rows cp.async fills with zeros instead of reading. Per tile: S = Q K^T on the tensor cores; the scale, soft cap
 // and ALiBi on the fragments; where the tile is `masked` (a non-key in it, or a row that does
 // not attend all of it) a select puts -Inf on the scores rows do not attend; the online
 // softmax per row (a quad of lanes holds a row); P rounded to E, then O += P V on the tensor
@@ -520,12 +566,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     __shared__ u32 invalid_s[3][2];  // bit t: key t of the tile is not a key
     __shared__ int range_s[2];       // the largest lo and the smallest hi of the real rows
 
-    u32 dynamic_bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
-    if (dynamic_bytes < (u32)S::BYTES) {
-        __trap();  // the launch must give the tiles' bytes (variant.rs mirrors MmaShape)
-    }
-    u8* const smem = (u8*)dynamic_smem;
+    u8* const smem = dynamic_shared(S::BYTES);
     const u32 base = smem_address(smem);
     const u32 q_base = base + 4 * S::TILE_BYTES;
     float* const scratch = (float*)(smem + 4 * S::TILE_BYTES + (S::Q_REGS ? 0 : S::Q_BYTES));
@@ -569,17 +610,22 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         }
     }
 
-    // Where tile i's keys are stored (threads 0..63; both warps vote on the non-key mask).
-    auto lookup = [&](int i) {
+    // Where key t = tid of tile i is stored (threads 0..KT-1; -1 for the others and past the
+    // tiles): global reads, made a tile before `publish` needs them, so that their latency
+    // passes during a tile's arithmetic instead of stalling the threads that made them.
+    auto lookup = [&](int i) -> i64 {
+        return tid < KT && i < tiles ? key_offset<D>(p, seq, kv_head, key_end, block_div,
+                                                     (i64)key_start + (i64)i * KT + tid)
+                                     : -1;
+    };
+    // Tile i's lookups into shared memory (threads 0..63; both warps vote on the non-key
+    // mask).
+    auto publish = [&](int i, i64 off) {
         if (tid < 64) {
-            const int t = tid;
-            i64 off = -1;
-            if (t < KT) {
-                off = key_offset<D>(p, seq, kv_head, key_end, block_div,
-                                    (i64)key_start + (i64)i * KT + t);
-                off_s[i % 3][t] = off;
+            if (tid < KT) {
+                off_s[i % 3][tid] = off;
             }
-            const u32 absent = __ballot_sync(FULL, t < KT && off < 0);
+            const u32 absent = __ballot_sync(FULL, tid < KT && off < 0);
             if (lane == 0) {
                 invalid_s[i % 3][warp] = absent;
             }
@@ -589,15 +635,20 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     auto fetch = [&](int i) {
         const u32 k_dst = base + (i % 2) * S::TILE_BYTES;
         const u32 v_dst = k_dst + 2 * S::TILE_BYTES;
-#pragma unroll 4
-        for (int c = tid; c < KT * CH; c += THREADS) {
+        constexpr int COPIES = (KT * CH + THREADS - 1) / THREADS;  // per thread
+#pragma unroll
+        for (int k = 0; k < COPIES; ++k) {
+            const int c = tid + k * THREADS;
+            if (KT * CH % THREADS != 0 && c >= KT * CH) {
+                break;
+            }
             const int t = c / CH, col = c % CH;
             const i64 off = off_s[i % 3][t];
             const u32 at = t * ROW_BYTES + col * 16;
             const i64 src = off >= 0 ? off + col * 8 : 0;
             const u32 bytes = off >= 0 ? 16 : 0;
-            cp_async16(k_dst + at, keys + src, bytes);
-            cp_async16(v_dst + at, values + src, bytes);
+            cp_async<16>(k_dst + at, keys + src, bytes);
+            cp_async<16>(v_dst + at, values + src, bytes);
         }
         cp_async_commit();
     };
@@ -624,8 +675,8 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         }
         *(U128*)(smem + 4 * S::TILE_BYTES + r * ROW_BYTES + col * 16) = v;
     }
-    lookup(0);
-    lookup(1);
+    publish(0, lookup(0));
+    publish(1, lookup(1));
     __syncthreads();
     if (tiles > 0) {
         fetch(0);
@@ -673,9 +724,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         }
         // (B) Tile i has landed, for every thread's copies.
         __syncthreads();
-        if (i + 2 < tiles) {
-            lookup(i + 2);
-        }
+        const i64 ahead = lookup(i + 2);
         const int j0 = key_start + i * KT;
         const u64 absent = (u64)invalid_s[i % 3][1] << 32 | invalid_s[i % 3][0];
         const bool rows_full = range_s[0] <= j0 && range_s[1] >= min(j0 + KT, key_end);
@@ -709,25 +758,34 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             }
         }
 
-        // Scores (element e of n-tile n: row e / 2, key 8 n + 2 t4 + e % 2), masks, and the
-        // online softmax of this thread's two rows (a quad of lanes shares each row).
+        // Scores (element e of n-tile n: row e / 2, key 8 n + 2 t4 + e % 2) with their
+        // modifiers and, on a masked tile, -Inf where a row does not attend a key; then the
+        // online softmax of this thread's two rows (a quad of lanes shares each row). The
+        // masked and the plain tile are two copies of the loop, so that the plain one carries
+        // no mask arithmetic.
+        auto scores = [&](auto masked_tile) {
+            constexpr bool MASKED = decltype(masked_tile)::value;
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+            for (int n = 0; n < NT; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int t = 8 * n + 2 * t4 + e % 2, ri = e / 2;
-                float x = modify_score<MASK, ALIBI, CAP>(p, s[n][e] * p.score_scale,
-                                                         j0 + t - pos[ri], slope[ri]);
-                if (masked) {
-                    const bool a =
-                        !((absent >> t) & 1) && j0 + t >= lo[ri] && j0 + t < hi[ri];
-                    x = a ? x : -f32_inf();
-                    attended[ri] |= a;
+                for (int e = 0; e < 4; ++e) {
+                    const int t = 8 * n + 2 * t4 + e % 2, ri = e / 2;
+                    float x = modify_score<MASK, ALIBI, CAP>(p, s[n][e] * p.score_scale,
+                                                             j0 + t - pos[ri], slope[ri]);
+                    if (MASKED) {
+                        const int j = j0 + t;
+                        const bool a = (((absent >> t) & 1) == 0) & (j >= lo[ri]) & (j < hi[ri]);
+                        x = a ? x : -f32_inf();
+                        attended[ri] |= a;
+                    }
+                    s[n][e] = x;
                 }
-                s[n][e] = x;
             }
-        }
-        if (!masked) {
+        };
+        if (masked) {
+            scores(Flag<true>());
+        } else {
+            scores(Flag<false>());
             attended[0] = attended[1] = true;
         }
 #pragma unroll
@@ -742,12 +800,13 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             const float m_new = fmaxf(m[ri], tile_max);
             const float alpha = rescale(m[ri], m_new);
             m[ri] = m_new;
+            const float base = softmax_base(m_new);
             float sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
 #pragma unroll
                 for (int e = 2 * ri; e < 2 * ri + 2; ++e) {
-                    s[n][e] = weight(s[n][e], m_new);
+                    s[n][e] = weight(s[n][e], base);
                     sum += s[n][e];
                 }
             }
@@ -825,6 +884,8 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             }
             __syncwarp();
         }
+        // Seen by tile i + 1's fetch of tile i + 2 after its barrier (A).
+        publish(i + 2, ahead);
     }
 
     // The rows' sums and flags over their quads, then the output (pairs of elements).
@@ -839,13 +900,14 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         if (r < rows) {
             const i64 token = first_token + r / heads, head = first_head + r % heads;
             Bits* out = output + (token * p.num_heads + head) * D;
+            const float factor = p.out_scale / l[ri];
 #pragma unroll
             for (int n = 0; n < DT; ++n) {
                 const int d = 8 * n + 2 * t4;
                 if (d < D) {
                     *(u32*)(out + d) =
-                        E::pack2(finish(o[n][2 * ri], m[ri], l[ri], any != 0, p.out_scale),
-                                 finish(o[n][2 * ri + 1], m[ri], l[ri], any != 0, p.out_scale));
+                        E::pack2(finish_by(o[n][2 * ri], m[ri], any != 0, factor),
+                                 finish_by(o[n][2 * ri + 1], m[ri], any != 0, factor));
                 }
             }
         }
@@ -897,35 +959,107 @@ __device__ __forceinline__ float element(const u32* w, int i) {
     }
 }
 
+// The 8 stored elements of type C held in W words, as f32 (exact). fp8 codes convert two at
+// a time where the GPU converts them in one instruction (sm_89 and later): one by one, their
+// decoding costs more than the decode's arithmetic.
+template <class C, int W>
+__device__ __forceinline__ void elements(const u32 (&w)[W], float (&x)[8]) {
+#if __CUDA_ARCH__ >= 890
+    constexpr bool PAIRS = sizeof(typename C::Type) == 1;
+#else
+    constexpr bool PAIRS = false;
+#endif
+    if constexpr (PAIRS) {
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const u32 pair = C::pair_to_f16x2((u16)(w[h / 2] >> (16 * (h % 2))));
+            x[2 * h] = F16::to_f32((u16)pair);
+            x[2 * h + 1] = F16::to_f32((u16)(pair >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            x[e] = element<C>(w, e);
+        }
+    }
+}
+
+// The decode's shapes. LANES lanes hold one key (8 dimensions each; lanes past D / 8 idle
+// where D / 8 is no power of two), so a warp covers KPW keys per step, and a chunk is U
+// such steps (CHUNK keys). Each lane copies its own pieces of a chunk's keys and values
+// into the warp's ring in shared memory with cp.async and later reads back exactly those
+// bytes: no barrier orders the copies (a thread's wait_group covers its own), and the layout
+// (each piece of the 32 lanes side by side) is free of bank conflicts. The ring holds STAGES
+// chunks, so that the loads of the chunks ahead (about AHEAD bytes per warp) are in flight
+// while one is computed, without registers held for them. At the end the same bytes hold
+// the warps' accumulators for their merge. src/cuda/variant.rs computes BYTES the same way
+// (`decode_shared_bytes`).
+template <class C, int D, int ROWS>
+struct DecodeShape {
+    static constexpr int CH = D / 8;
+    static constexpr int LANES = pow2_at_least(CH);
+    static constexpr int KPW = 32 / LANES;
+    static constexpr int W = 2 * (int)sizeof(typename C::Type);  // words of 8 stored elements
+    // Keys per lane and chunk: scores s[U][ROWS] live in registers.
+    static constexpr int U = min_of(min_of(8, 32 / W), min_of(32 / ROWS, 32 / KPW));
+    static constexpr int CHUNK = KPW * U;
+    static constexpr int COPY = min_of(16, 4 * W);  // bytes per cp.async
+    static constexpr int COPIES = 4 * W / COPY;     // per lane, key and K or V
+    static constexpr int PIECE = 32 * COPY;         // one copy of every lane
+    static constexpr int STAGE_BYTES = U * 2 * COPIES * PIECE;
+    static constexpr int AHEAD = 16384;
+    static constexpr int STAGES = min_of(8, 1 + (AHEAD + STAGE_BYTES - 1) / STAGE_BYTES);
+    static constexpr int STAGING = WARPS * STAGES * STAGE_BYTES;
+    static constexpr int MERGE = WARPS * ROWS * D * 4;
+    static constexpr int BYTES = STAGING > MERGE ? STAGING : MERGE;
+};
+
+// The W words one lane staged for one key's keys or values: COPIES copies of COPY bytes,
+// PIECE bytes apart from `at`.
+template <int W, int COPY, int PIECE>
+__device__ __forceinline__ void staged_words(u32 (&w)[W], const u8* at) {
+    if constexpr (COPY == 16) {
+#pragma unroll
+        for (int h = 0; h < W / 4; ++h) {
+            const U128 v = *(const U128*)(at + h * PIECE);
+            w[4 * h % W] = v.x;
+            w[(4 * h + 1) % W] = v.y;
+            w[(4 * h + 2) % W] = v.z;
+            w[(4 * h + 3) % W] = v.w;
+        }
+    } else {
+        static_assert(COPY == 8 && W == 2, "8-byte copies hold 8 fp8 elements");
+        const uint2 v = *(const uint2*)at;
+        w[0] = v.x;
+        w[1 % W] = v.y;
+    }
+}
+
 // A decode unit: one token, ROWS >= its query heads (the kv head's, up to DECODE_ROWS), a
 // range of keys that every row attends (decode rows share their token's position, and the
 // plan gives each unit exactly its token's allowed keys, or a split-K partition of them).
 //
-// LANES lanes hold one key (8 dimensions each, one 8- or 16-byte load; lanes past D / 8 idle
-// where D / 8 is no power of two), so a warp loads KPW keys per instruction, coalesced, and
-// each lane has U keys' loads in flight (keys and values issued together before the first
-// use). Dot products over the lanes of a key by xor shuffles; the kv head's query heads
-// (rows) share every load. Warps take interleaved chunks of CHUNK keys, each with its own
-// online softmax (one max per chunk and row); one lane per key of the chunk looks its
-// storage up and shuffles it to the lanes that load it. Non-keys (past the unit, slot -1)
-// are never loaded: their values stay 0 and their scores -Inf, so they weigh 0 * 0. At the
-// end the warps' states merge exactly (as attention_merge.cu merges partitions) into the
-// output or this partition's partial.
+// Warps take interleaved chunks of CHUNK keys (DecodeShape), each with its own online
+// softmax (one max per chunk and row) and its own ring of staged chunks: per chunk, one
+// lane per key looks its storage up (a chunk ahead of its copies, so that the block-table
+// read is off the critical path) and shuffles it to the lanes that copy it. Dot products
+// over the lanes of a key by xor shuffles; the kv head's query heads (rows) share every
+// load. Non-keys (past the unit, slot -1) are never read: their staged bytes are zeros and
+// their scores -Inf, so they weigh 0 * 0. At the end the warps' states merge exactly (as
+// attention_merge.cu merges partitions) into the output or this partition's partial.
 template <class E, class C, int D, int MASK, bool ALIBI, bool CAP, int ROWS>
 __device__ __forceinline__ void decode(const Params& p) {
+    typedef DecodeShape<C, D, ROWS> S;
     typedef typename C::Type T;
-    constexpr int CH = D / 8;
-    constexpr int LANES = pow2_at_least(CH);
-    constexpr int KPW = 32 / LANES;
-    constexpr int W = 2 * (int)sizeof(T);
+    constexpr int CH = S::CH, LANES = S::LANES, KPW = S::KPW, W = S::W, U = S::U;
+    constexpr int CHUNK = S::CHUNK, COPY = S::COPY, COPIES = S::COPIES, PIECE = S::PIECE;
+    constexpr int STAGES = S::STAGES;
     constexpr int QW = 2 * (int)sizeof(typename E::Bits);
-    constexpr int U = min_of(min_of(8, 32 / W), min_of(32 / ROWS, 32 / KPW));
-    constexpr int CHUNK = KPW * U;
     static_assert(LANES <= 32 && CHUNK <= 32, "one lane per key of a chunk");
     __shared__ float m_w[WARPS][ROWS];
     __shared__ float l_w[WARPS][ROWS];
-    __shared__ float acc_w[WARPS][ROWS][D];
     __shared__ int attended_w[WARPS];
+    u8* const smem = dynamic_shared(S::BYTES);
 
     const T* keys = (const T*)p.key;
     const T* values = (const T*)p.value;
@@ -984,35 +1118,72 @@ __device__ __forceinline__ void decode(const Params& p) {
     }
     bool attended = false;
     const int chunks = (int)((key_end - key_start + CHUNK - 1) / CHUNK);
-#pragma unroll 1
-    for (int c = warp; c < chunks; c += WARPS) {
-        const i64 j0 = key_start + (i64)c * CHUNK;
-        const i64 mine =
-            lane < CHUNK ? key_offset<D>(p, seq, kv_head, key_end, block_div, j0 + lane) : -1;
+    const int count = chunks > warp ? (chunks - warp + WARPS - 1) / WARPS : 0;  // this warp's
+    const u32 ring = smem_address(smem) + warp * STAGES * S::STAGE_BYTES + lane * COPY;
+    const u8* const ring_ptr = smem + warp * STAGES * S::STAGE_BYTES + lane * COPY;
+
+    // This lane's key of the warp's k-th chunk (lanes < CHUNK): its storage, or -1.
+    auto lookup = [&](int k) -> i64 {
+        const i64 j = key_start + (i64)(warp + k * WARPS) * CHUNK + lane;
+        return k < count && lane < CHUNK
+                   ? key_offset<D>(p, seq, kv_head, key_end, block_div, j)
+                   : -1;
+    };
+    // The warp's k-th chunk, whose keys' storage `mine` holds, into stage k % STAGES (zeros
+    // for non-keys and idle lanes), as one commit group (empty past the warp's chunks).
+    // Returns the chunk's keys that are keys, one bit each.
+    auto stage = [&](int k, i64 mine) -> u32 {
         const u32 present = __ballot_sync(FULL, mine >= 0);
-        attended |= present != 0;
-        u32 kw[U][W], vw[U][W];
+        if (k < count) {
+            const u32 at = ring + (k % STAGES) * S::STAGE_BYTES;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const i64 off = __shfl_sync(FULL, mine, u * KPW + group);
+            for (int u = 0; u < U; ++u) {
+                const i64 off = __shfl_sync(FULL, mine, u * KPW + group);
+                const bool load = off >= 0 && dims;
+                const u8* k_src = (const u8*)(keys + (load ? off + li * 8 : 0));
+                const u8* v_src = (const u8*)(values + (load ? off + li * 8 : 0));
 #pragma unroll
-            for (int x = 0; x < W; ++x) {
-                kw[u][x] = vw[u][x] = 0;
-            }
-            if (off >= 0 && dims) {
-                load_words(kw[u], keys + off + li * 8);
-                load_words(vw[u], values + off + li * 8);
+                for (int h = 0; h < COPIES; ++h) {
+                    cp_async<COPY>(at + ((2 * u) * COPIES + h) * PIECE, k_src + h * COPY,
+                                   load ? COPY : 0);
+                    cp_async<COPY>(at + ((2 * u + 1) * COPIES + h) * PIECE, v_src + h * COPY,
+                                   load ? COPY : 0);
+                }
             }
         }
+        cp_async_commit();
+        return present;
+    };
+
+    // The pipeline: STAGES - 1 chunks staged ahead, the next chunk's lookup made ahead.
+    u32 present[STAGES];  // the staged chunks' key bits, oldest first
+    i64 next = lookup(0);
+#pragma unroll
+    for (int k = 0; k + 1 < STAGES; ++k) {
+        present[k] = stage(k, next);
+        next = lookup(k + 1);
+    }
+#pragma unroll 1
+    for (int k = 0; k < count; ++k) {
+        present[STAGES - 1] = stage(k + STAGES - 1, next);
+        next = lookup(k + STAGES);
+        cp_async_wait<STAGES - 1>();  // chunk k has landed (this lane's copies of it)
+        const u32 keys_here = present[0];
+#pragma unroll
+        for (int x = 0; x + 1 < STAGES; ++x) {
+            present[x] = present[x + 1];
+        }
+        const u8* const chunk = ring_ptr + (k % STAGES) * S::STAGE_BYTES;
+        const i64 j0 = key_start + (i64)(warp + k * WARPS) * CHUNK;
+        attended |= keys_here != 0;
         // Scores of the chunk: key u * KPW + group of this lane's group, every row.
         float s[U][ROWS];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
+            u32 kw[W];
+            staged_words<W, COPY, PIECE>(kw, chunk + (2 * u) * COPIES * PIECE);
             float k[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                k[e] = element<C>(kw[u], e);
-            }
+            elements<C>(kw, k);
             const int t = u * KPW + group;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
@@ -1025,9 +1196,9 @@ __device__ __forceinline__ void decode(const Params& p) {
                 for (int o = LANES / 2; o > 0; o /= 2) {
                     dot += __shfl_xor_sync(FULL, dot, o);
                 }
-                s[u][r] = (present >> t) & 1 ? modify_score<MASK, ALIBI, CAP>(
-                                                   p, dot * p.score_scale, j0 + t - pos, slope[r])
-                                             : -f32_inf();
+                s[u][r] = (keys_here >> t) & 1 ? modify_score<MASK, ALIBI, CAP>(
+                                                     p, dot * p.score_scale, j0 + t - pos, slope[r])
+                                               : -f32_inf();
             }
         }
         // The online softmax: one new max per row and chunk, then P.V.
@@ -1050,24 +1221,32 @@ __device__ __forceinline__ void decode(const Params& p) {
             for (int e = 0; e < 8; ++e) {
                 acc[r][e] *= alpha;
             }
+            const float base = softmax_base(m_new);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                s[u][r] = weight(s[u][r], m_new);
+                s[u][r] = weight(s[u][r], base);
                 l[r] += s[u][r];
             }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
+            u32 vw[W];
+            staged_words<W, COPY, PIECE>(vw, chunk + (2 * u + 1) * COPIES * PIECE);
+            float v[8];
+            elements<C>(vw, v);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                const float v = element<C>(vw[u], e);
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
-                    acc[r][e] = fmaf(s[u][r], v, acc[r][e]);
+                    acc[r][e] = fmaf(s[u][r], v[e], acc[r][e]);
                 }
             }
         }
     }
+    cp_async_wait<0>();
+    // Every warp is done with its ring: the merge takes the bytes over.
+    __syncthreads();
+    float* const acc_w = (float*)smem;  // [WARPS][ROWS][D]
 
     // The warp's state: sums over its key groups, into shared memory.
 #pragma unroll
@@ -1083,7 +1262,7 @@ __device__ __forceinline__ void decode(const Params& p) {
         if (group == 0 && dims) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                acc_w[warp][r][li * 8 + e] = acc[r][e];
+                acc_w[(warp * ROWS + r) * D + li * 8 + e] = acc[r][e];
             }
         }
         if (lane == 0) {
@@ -1113,7 +1292,7 @@ __device__ __forceinline__ void decode(const Params& p) {
         for (int w = 0; w < WARPS; ++w) {
             const float f = big == -f32_inf() ? 0.0f : exp2f((m_w[w][r] - big) * LOG2E);
             sum = fmaf(l_w[w][r], f, sum);
-            a = fmaf(acc_w[w][r][d], f, a);
+            a = fmaf(acc_w[(w * ROWS + r) * D + d], f, a);
         }
         if (part_base < 0) {
             Bits* out = (Bits*)p.output + (token * p.num_heads + first_head + r) * D;

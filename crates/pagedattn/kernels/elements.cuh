@@ -105,6 +105,15 @@ struct E4M3 {
         }
         return (code & 0x80) ? -magnitude : magnitude;
     }
+#if __CUDA_ARCH__ >= 890
+    // Two codes (the low byte in the low half) as the f16 pair of their values, exact (every
+    // e4m3 value is an f16, NaN included): one instruction on sm_89 and later.
+    static __device__ __forceinline__ u32 pair_to_f16x2(u16 pair) {
+        u32 r;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(pair));
+        return r;
+    }
+#endif
 };
 
 // e5m2 is the upper byte of an IEEE half (same exponent field and bias): exact through f16,
@@ -114,4 +123,12 @@ struct E5M2 {
     static __device__ __forceinline__ float read(u8 code) {
         return F16::to_f32((u16)((u32)code << 8));
     }
+#if __CUDA_ARCH__ >= 890
+    // As E4M3's.
+    static __device__ __forceinline__ u32 pair_to_f16x2(u16 pair) {
+        u32 r;
+        asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(pair));
+        return r;
+    }
+#endif
 };

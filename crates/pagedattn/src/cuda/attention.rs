@@ -329,22 +329,21 @@ impl CudaAttention {
         };
         let mut launch = self.gpu.stream.launch_builder(kernel);
         launch.arg(&params);
-        // SAFETY: `params` matches the kernel's one parameter (`Params`, by value); the
-        // dynamic shared memory is what the kernel's tiles take (the variant's prefill shape,
-        // allowed on the function when it was loaded), and a kernel given less traps instead
-        // of overrunning it. Every
-        // index the kernel computes stays inside the buffer it reads or writes, because the
-        // gate validated the metadata against the call and the plan derived every record
-        // from it: units and sequences name tokens inside the query and output `[T, H, D]`
-        // (query_start_loc) and heads below H; keys are read only at positions below the
-        // sequence's key count, either through the compacted block-table entries (each a
-        // block inside the cache, checked by the metadata's validation) at kv heads below
-        // Hkv, or as rows of the key/value tensors (whose shape the gate checked against the
-        // sequences' lengths); slot lookups index the write's slot mapping within the new
-        // tokens' range; partial slots lie below the plan's partial count, which the
-        // workspace holds (the gate checked its size). The memory outlives the kernel: the
-        // tensors and cache are borrowed for this call and freed in stream order, and the
-        // plan's buffer is freed in stream order too.
+        // SAFETY: `params` matches the kernel's one parameter (`Params`, by value); the dynamic
+        // shared memory is what the kernel takes (the variant's prefill shape or decode bytes,
+        // allowed on the function when it was loaded), and a kernel given less traps instead of
+        // overrunning it. Every index the kernel computes stays inside the buffer it reads or
+        // writes, because the gate validated the metadata against the call and the plan derived
+        // every record from it: units and sequences name tokens inside the query and output
+        // `[T, H, D]` (query_start_loc) and heads below H; keys are read only at positions
+        // below the sequence's key count, either through the compacted block-table entries
+        // (each a block inside the cache, checked by the metadata's validation) at kv heads
+        // below Hkv, or as rows of the key/value tensors (whose shape the gate checked against
+        // the sequences' lengths); slot lookups index the write's slot mapping within the new
+        // tokens' range; partial slots lie below the plan's partial count, which the workspace
+        // holds (the gate checked its size). The memory outlives the kernel: the tensors and
+        // cache are borrowed for this call and freed in stream order, and the plan's buffer is
+        // freed in stream order too.
         unsafe { launch.launch(config) }
             .map_err(|e| driver_error(&format!("cuLaunchKernel({what})"), e))?;
         Ok(())
@@ -556,12 +555,14 @@ impl AttentionImpl for CudaAttention {
             variant.prefill_shape(),
             "attention prefill",
         )?;
+        let (decode, decode_shared) =
+            kernels.decode(cfg.num_queries_per_kv().min(plan::DECODE_ROWS));
         self.launch(
-            kernels.decode(cfg.num_queries_per_kv().min(plan::DECODE_ROWS)),
+            decode,
             params,
             prepared,
             &prepared.decode,
-            (1, 0),
+            (1, decode_shared),
             "attention decode",
         )?;
         kernels::merge(

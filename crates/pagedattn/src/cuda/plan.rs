@@ -260,6 +260,10 @@ pub(crate) fn build(
                 .extend([token, head, base + r * parts, parts].map(|x| x as i64));
         }
     }
+    // Longest units first: thread blocks start in grid order, so the short units fill the
+    // gaps the long ones leave at the end instead of the long ones running alone in a last
+    // wave (a causal prompt's units grow from 1 key tile to its whole length).
+    prefill.sort_by_key(|unit| std::cmp::Reverse(unit.keys.len()));
     for unit in prefill {
         work.prefill.extend(unit.record());
     }
@@ -400,6 +404,11 @@ mod tests {
                 let (first, last) = (ctx + u[2], ctx + u[2] + u[3] - 1);
                 assert_eq!(u[6]..u[7], (first - 6).max(0)..last + 1);
             }
+            let lens: Vec<i64> = units(&work.prefill).iter().map(|u| u[7] - u[6]).collect();
+            assert!(
+                lens.windows(2).all(|w| w[0] >= w[1]),
+                "longest first: {lens:?}"
+            );
             assert!(units(&work.decode)
                 .iter()
                 .all(|u| u[5] as usize <= DECODE_ROWS));

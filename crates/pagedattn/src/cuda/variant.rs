@@ -137,6 +137,28 @@ impl Variant {
         }
     }
 
+    /// Dynamic shared memory of the decode kernel of `rows` rows (1, 4 or 8):
+    /// `DecodeShape<C, D, ROWS>::BYTES` of attention.cu, computed the same way (the kernel
+    /// traps if a launch gives less). Each of the 4 warps keeps a ring of chunks of keys and
+    /// values staged in flight (about 16 KiB ahead, at most 8 chunks); the merge of the warps'
+    /// accumulators reuses the bytes.
+    pub(crate) fn decode_shared_bytes(&self, rows: usize) -> u32 {
+        let stored = match self.storage {
+            KvCacheDtype::Auto => self.dtype.size_bytes(),
+            KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E5m2 => 1,
+        };
+        let d = self.head_size;
+        let lanes = (d / 8).next_power_of_two();
+        let keys_per_step = 32 / lanes;
+        let words = 2 * stored;
+        let per_lane = 8.min(32 / words).min(32 / rows).min(32 / keys_per_step);
+        let stage = per_lane * 2 * 32 * 4 * words;
+        let stages = 8.min(1 + 16384usize.div_ceil(stage));
+        let staging = WARPS * stages * stage;
+        let merge = WARPS * rows * d * 4;
+        staging.max(merge) as u32
+    }
+
     /// The program's name, e.g. `attention_bf16_e4m3_d128_causal_alibi`; its kernels are
     /// `<name>_prefill` and `<name>_decode1`, `_decode4`, `_decode8`.
     pub(crate) fn name(&self) -> String {
@@ -212,25 +234,45 @@ pub(crate) fn mma_shared_bytes(d: usize) -> u32 {
     (4 * tile + scratch) as u32
 }
 
+/// Warps of an attention kernel's CTA (`WARPS` in attention.cu).
+const WARPS: usize = 4;
+
+/// Rows of the three decode kernels (`_decode1`, `_decode4`, `_decode8`).
+const DECODE_KERNEL_ROWS: [usize; 3] = [1, 4, 8];
+
 /// A variant's kernels, loaded on one GPU.
 pub(crate) struct AttentionKernels {
     /// Units of several query tokens.
     pub(crate) prefill: CudaFunction,
-    /// Units of one query token, for kv-head groups of 1, up to 4 and up to 8 query heads.
-    decode: [CudaFunction; 3],
+    /// Units of one query token, for kv-head groups of 1, up to 4 and up to 8 query heads,
+    /// each with its dynamic shared memory in bytes.
+    decode: [(CudaFunction, u32); 3],
 }
 
 impl AttentionKernels {
     /// The decode kernel for units of up to `heads` query heads (at most
-    /// [`DECODE_ROWS`](super::plan::DECODE_ROWS)): the one with the fewest rows that hold
-    /// them, since every row costs the same whether a head fills it or not.
-    pub(crate) fn decode(&self, heads: usize) -> &CudaFunction {
-        match heads {
+    /// [`DECODE_ROWS`](super::plan::DECODE_ROWS)), with its dynamic shared memory: the one
+    /// with the fewest rows that hold them, since every row costs the same whether a head
+    /// fills it or not.
+    pub(crate) fn decode(&self, heads: usize) -> (&CudaFunction, u32) {
+        let (f, bytes) = match heads {
             0 | 1 => &self.decode[0],
             2..=4 => &self.decode[1],
             _ => &self.decode[2],
-        }
+        };
+        (f, *bytes)
     }
+}
+
+/// Allows `function` `bytes` of dynamic shared memory (above 48 KiB a kernel's must be
+/// allowed explicitly).
+fn allow_shared(function: &CudaFunction, bytes: u32) -> Result<()> {
+    function
+        .set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))
 }
 
 /// The variants loaded on one GPU so far.
@@ -251,18 +293,20 @@ pub(crate) fn kernels(gpu: &Gpu, variant: Variant) -> Result<Arc<AttentionKernel
     };
     let (_, shared) = variant.prefill_shape();
     if shared > 0 {
-        // Above 48 KiB a kernel's dynamic shared memory must be allowed explicitly.
-        prefill
-            .set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .map_err(|e| driver_error("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+        allow_shared(&prefill, shared)?;
     }
-    let k = Arc::new(AttentionKernels {
-        prefill,
-        decode: [decode1, decode4, decode8],
-    });
+    let decode = [decode1, decode4, decode8]
+        .into_iter()
+        .zip(DECODE_KERNEL_ROWS)
+        .map(|(f, rows)| {
+            let bytes = variant.decode_shared_bytes(rows);
+            allow_shared(&f, bytes).map(|()| (f, bytes))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let Ok(decode) = <[(CudaFunction, u32); 3]>::try_from(decode) else {
+        unreachable!("three decode kernels");
+    };
+    let k = Arc::new(AttentionKernels { prefill, decode });
     loaded.insert(variant, k.clone());
     Ok(k)
 }
@@ -352,5 +396,38 @@ mod tests {
         );
         // D = 32: the scratch (4 warps x 16 rows x 64 f32) is larger than the query tile.
         assert_eq!(mma_shared_bytes(32), 4 * 64 * 80 + 16384);
+    }
+
+    #[test]
+    fn decode_rings_hold_16_kib_ahead_per_warp() {
+        let variant = |dtype, storage, head_size| {
+            let cfg = AttentionConfig::builder(32, head_size)
+                .num_kv_heads(8)
+                .kv_cache_dtype(storage)
+                .build()
+                .unwrap();
+            Variant::for_call(&cfg, dtype, true).unwrap()
+        };
+        // bf16, D = 128: chunks of 2 x 8 keys, 8 KiB of keys and values per warp; three
+        // stages (two ahead), four warps.
+        let bf16 = variant(DType::BF16, KvCacheDtype::Auto, 128);
+        assert_eq!(bf16.decode_shared_bytes(4), 4 * 3 * 8192);
+        assert_eq!(bf16.decode_shared_bytes(1), 4 * 3 * 8192);
+        // Eight rows: 4 keys per lane, 4 KiB chunks, five stages.
+        assert_eq!(bf16.decode_shared_bytes(8), 4 * 5 * 4096);
+        // fp8, D = 256: 2 KiB chunks, at most eight stages.
+        let fp8 = variant(DType::BF16, KvCacheDtype::Fp8E4m3, 256);
+        assert_eq!(fp8.decode_shared_bytes(8), 4 * 8 * 2048);
+        // f32, D = 256: two 16-byte copies per lane and key.
+        let f32 = variant(DType::F32, KvCacheDtype::Auto, 256);
+        assert_eq!(f32.decode_shared_bytes(8), 4 * 3 * 8192);
+        // The rings always hold more than the warps' accumulators at the merge (at most
+        // 4 warps x 8 rows x 256 f32).
+        for v in Variant::all() {
+            for rows in DECODE_KERNEL_ROWS {
+                assert!(v.decode_shared_bytes(rows) as usize >= 4 * rows * v.head_size * 4);
+                assert!(v.decode_shared_bytes(rows) <= 128 * 1024, "{}", v.name());
+            }
+        }
     }
 }
