@@ -476,17 +476,20 @@ __device__ __forceinline__ u32 smem_address(const void* ptr) {
 }
 
 // N bytes (16, 8 or 4) from global to shared memory, asynchronously (16 bytes bypass L1);
-// `bytes` 0 fills the N bytes with zeros and reads nothing.
+// with `zeros` the N bytes are zeros and nothing is read (the ignore-src predicate: cheaper
+// than a source size, which costs address arithmetic per copy).
 template <int N>
-__device__ __forceinline__ void cp_async(u32 dst, const void* src, u32 bytes) {
+__device__ __forceinline__ void cp_async(u32 dst, const void* src, bool zeros) {
     static_assert(N == 16 || N == 8 || N == 4, "cp.async copies 4, 8 or 16 bytes");
     if constexpr (N == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-                     "r"(bytes)
+        asm volatile("{ .reg .pred z; setp.ne.b32 z, %2, 0;"
+                     " cp.async.cg.shared.global [%0], [%1], 16, z; }" ::"r"(dst),
+                     "l"(src), "r"((u32)zeros)
                      : "memory");
     } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %3, %2;" ::"r"(dst), "l"(src),
-                     "r"(bytes), "n"(N)
+        asm volatile("{ .reg .pred z; setp.ne.b32 z, %2, 0;"
+                     " cp.async.ca.shared.global [%0], [%1], %3, z; }" ::"r"(dst),
+                     "l"(src), "r"((u32)zeros), "n"(N)
                      : "memory");
     }
 }
@@ -636,19 +639,23 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         const u32 k_dst = base + (i % 2) * S::TILE_BYTES;
         const u32 v_dst = k_dst + 2 * S::TILE_BYTES;
         constexpr int COPIES = (KT * CH + THREADS - 1) / THREADS;  // per thread
+        // Where the threads divide into whole rows (CH a divisor of THREADS), a thread's
+        // 16-byte column is the same in every copy: its part of the address is made once.
+        constexpr bool FIXED_COL = THREADS % CH == 0;
 #pragma unroll
         for (int k = 0; k < COPIES; ++k) {
             const int c = tid + k * THREADS;
             if (KT * CH % THREADS != 0 && c >= KT * CH) {
                 break;
             }
-            const int t = c / CH, col = c % CH;
+            const int t = FIXED_COL ? tid / CH + k * (THREADS / CH) : c / CH;
+            const int col = FIXED_COL ? tid % CH : c % CH;
             const i64 off = off_s[i % 3][t];
             const u32 at = t * ROW_BYTES + col * 16;
-            const i64 src = off >= 0 ? off + col * 8 : 0;
-            const u32 bytes = off >= 0 ? 16 : 0;
-            cp_async<16>(k_dst + at, keys + src, bytes);
-            cp_async<16>(v_dst + at, values + src, bytes);
+            // A non-key's row reads nothing (0 bytes: zeros), from any valid address.
+            const i64 src = (off >= 0 ? off : 0) + col * 8;
+            cp_async<16>(k_dst + at, keys + src, off < 0);
+            cp_async<16>(v_dst + at, values + src, off < 0);
         }
         cp_async_commit();
     };
@@ -1144,10 +1151,9 @@ __device__ __forceinline__ void decode(const Params& p) {
                 const u8* v_src = (const u8*)(values + (load ? off + li * 8 : 0));
 #pragma unroll
                 for (int h = 0; h < COPIES; ++h) {
-                    cp_async<COPY>(at + ((2 * u) * COPIES + h) * PIECE, k_src + h * COPY,
-                                   load ? COPY : 0);
+                    cp_async<COPY>(at + ((2 * u) * COPIES + h) * PIECE, k_src + h * COPY, !load);
                     cp_async<COPY>(at + ((2 * u + 1) * COPIES + h) * PIECE, v_src + h * COPY,
-                                   load ? COPY : 0);
+                                   !load);
                 }
             }
         }
