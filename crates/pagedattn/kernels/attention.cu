@@ -11,8 +11,9 @@
 //   online softmax and are merged exactly at the end. A split-K unit (one partition of a long
 //   decode) writes its (m, l, attended, acc) partial to the workspace, which
 //   attention_merge.cu combines.
-// * `prefill_mma` (bf16 and f16 activations with keys and values stored as such): 64 rows,
-//   16 per warp, FlashAttention-2 style on the tensor cores (mma.sync m16n8k16, f32
+// * `prefill_mma` (bf16 and f16 activations with keys and values stored as such): 128 rows
+//   per CTA, 32 per warp (64 and 16 above D = 128, two CTAs per unit), FlashAttention-2
+//   style on the tensor cores (mma.sync m16n8k16, f32
 //   accumulators): key/value tiles gathered through the block table with cp.async into a
 //   two-stage shared-memory pipeline, query fragments in registers, the online softmax on
 //   the score fragments in registers, probabilities rounded to the activation type for P.V.
@@ -108,10 +109,12 @@ constexpr u32 FULL = 0xffffffffu;
 // (tokens x heads; plan.rs's PREFILL_ROWS), and of the scalar prefill's CTAs (a unit's rows
 // take PREFILL_ROWS / SCALAR_ROWS of them, blockIdx.y).
 constexpr int DECODE_ROWS = 8;
-constexpr int PREFILL_ROWS = 64;
+constexpr int PREFILL_ROWS = 128;
 constexpr int SCALAR_ROWS = 16;
-static_assert(PREFILL_ROWS == 16 * WARPS && PREFILL_ROWS % SCALAR_ROWS == 0 && DECODE_ROWS == 8,
-              "16 rows per warp in the tensor-core prefill; decode8 covers a decode unit");
+static_assert(PREFILL_ROWS % (16 * WARPS * 2) == 0 && PREFILL_ROWS % SCALAR_ROWS == 0 &&
+                  DECODE_ROWS == 8,
+              "whole CTAs of the tensor-core prefill (16 or 32 rows per warp) and of the "
+              "scalar prefill per unit; decode8 covers a decode unit");
 
 // Where the unit's sequence stores key position j (< 2^31 - 1): the element offset of its
 // row in the key and value buffers, or -1 if j is no key (at or past `key_end`, or a new
@@ -523,44 +526,57 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 address) {
 // The tensor-core prefill's tiles. Rows of keys, values and queries are D elements padded
 // with zero columns to DP, a multiple of the mma's k = 16, and stored DP + 8 elements apart:
 // the 16 bytes of padding put the 8 rows an ldmatrix reads in 8 different 4-bank groups for
-// every head size (row strides of 4, 12, 20 or 28 banks modulo 32). Dynamic shared memory:
-// two stages of key tiles, two of value tiles, then the query tile (read into registers
-// once, when Q_REGS) and the scratch of the P.V by selects. src/cuda/variant.rs computes
-// BYTES the same way (`mma_shared_bytes`), and the kernel checks what the launch gave.
+// every head size (row strides of 4, 12, 20 or 28 banks modulo 32). A warp holds MT row
+// blocks of 16 (MT = 2 up to D = 128: each key and value fragment read from shared memory
+// feeds two mma, and a tile's copies serve twice the rows; 1 above, where the accumulators
+// would not fit), so a CTA runs CTA_ROWS rows and a unit's PREFILL_ROWS take CTAS of them.
+// Dynamic shared memory: two stages of key tiles, two of value tiles, then the query tile
+// (read into registers once, when Q_REGS) and the scratch of the P.V by selects (one row
+// block at a time: in the query tile's bytes when the queries live in registers, else in the
+// tile's own key stage when that is large enough: its keys are used up by then, else after
+// the query tile). src/cuda/variant.rs computes BYTES the same way (`mma_shared_bytes`), and
+// the kernel checks what the launch gave.
 template <int D>
 struct MmaShape {
     static constexpr int DP = (D + 15) / 16 * 16;
+    static constexpr int MT = DP <= 128 ? 2 : 1;
+    static constexpr int CTA_ROWS = 16 * WARPS * MT;
+    static constexpr int CTAS = PREFILL_ROWS / CTA_ROWS;
     static constexpr int KT = D <= 128 ? 64 : 32;  // keys per tile
     static constexpr int ROW_BYTES = (DP + 8) * 2;
     static constexpr int TILE_BYTES = KT * ROW_BYTES;
-    // Query fragments in registers (DP / 4 of them per thread), else read from shared
-    // memory at every tile (large head sizes, whose accumulators already take 2 DP / 4).
-    static constexpr bool Q_REGS = DP <= 128;
-    static constexpr int Q_BYTES = PREFILL_ROWS * ROW_BYTES;
+    // Query fragments in registers (MT * DP / 4 of them per thread), else read from shared
+    // memory at every tile.
+    static constexpr bool Q_REGS = MT * DP <= 128;
+    static constexpr int Q_BYTES = CTA_ROWS * ROW_BYTES;
     static constexpr int P_BYTES = WARPS * 16 * KT * 4;
-    // With Q_REGS the scratch reuses the query tile's bytes.
-    static constexpr int SCRATCH = Q_REGS ? (Q_BYTES > P_BYTES ? Q_BYTES : P_BYTES) : Q_BYTES;
-    static constexpr int BYTES = 4 * TILE_BYTES + SCRATCH + (Q_REGS ? 0 : P_BYTES);
+    static constexpr bool SCRATCH_IN_KEYS = !Q_REGS && TILE_BYTES >= P_BYTES;
+    static constexpr int SCRATCH = Q_REGS            ? (Q_BYTES > P_BYTES ? Q_BYTES : P_BYTES)
+                                   : SCRATCH_IN_KEYS ? Q_BYTES
+                                                     : Q_BYTES + P_BYTES;
+    static constexpr int BYTES = 4 * TILE_BYTES + SCRATCH;
 };
 
-// 64 rows of a prefill unit (16 per warp: rows warp * 16 + lane / 4 and + 8 are this
-// thread's) over the unit's keys, in tiles of KT keys.
+// CTA_ROWS rows of a prefill unit (row block mt of warp w: rows 16 (MT w + mt) + lane / 4
+// and + 8 are this thread's, after the CTA's first row blockIdx.y * CTA_ROWS) over the
+// unit's keys, in tiles of KT keys.
 //
 // Pipeline: tile i lands in stage i % 2 while tile i - 1 is computed; the key offsets of
 // tile i (one lookup per key, by threads 0..KT-1) are read while tile i - 2 is computed and
 // published after it into off_s[i % 3], with a bit mask of the tile's non-keys (past the
-// unit, slot -1), whose rows cp.async fills with zeros instead of reading. Per tile: S = Q K^T on the tensor cores; the scale, soft cap
-// and ALiBi on the fragments; where the tile is `masked` (a non-key in it, or a row that does
-// not attend all of it) a select puts -Inf on the scores rows do not attend; the online
-// softmax per row (a quad of lanes holds a row); P rounded to E, then O += P V on the tensor
-// cores. A masked tile where some row does not attend some key of it (`rows_full` false: the
-// diagonal, a window's edge) is scanned for non-finite values first; if it holds one, its
-// P.V runs through selects instead (`P_BYTES` of scratch), so that 0 * NaN never reaches a
-// row that does not attend that key. (Non-keys are zeros: 0 * 0 enters.)
+// unit, slot -1), whose rows cp.async fills with zeros instead of reading. Per tile: S = Q K^T
+// on the tensor cores; the scale, soft cap and ALiBi on the fragments; where the tile is
+// `masked` (a non-key in it, or a row that does not attend all of it) a select puts -Inf on
+// the scores rows do not attend; the online softmax per row (a quad of lanes holds a row); P
+// rounded to E, then O += P V on the tensor cores. A masked tile where some row does not
+// attend some key of it (`rows_full` false: the diagonal, a window's edge) is scanned for
+// non-finite values first; if it holds one, its P.V runs through selects instead (`P_BYTES`
+// of scratch), so that 0 * NaN never reaches a row that does not attend that key. (Non-keys
+// are zeros: 0 * 0 enters.)
 template <class E, int D, int MASK, bool ALIBI, bool CAP>
 __device__ __forceinline__ void prefill_mma(const Params& p) {
     typedef MmaShape<D> S;
-    constexpr int DP = S::DP, KT = S::KT, ROW_BYTES = S::ROW_BYTES;
+    constexpr int DP = S::DP, KT = S::KT, ROW_BYTES = S::ROW_BYTES, MT = S::MT;
     constexpr int CH = D / 8;   // 16-byte chunks of a stored row
     constexpr int NT = KT / 8;  // n-tiles of the scores
     constexpr int DT = DP / 8;  // n-tiles of the output
@@ -572,7 +588,6 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     u8* const smem = dynamic_shared(S::BYTES);
     const u32 base = smem_address(smem);
     const u32 q_base = base + 4 * S::TILE_BYTES;
-    float* const scratch = (float*)(smem + 4 * S::TILE_BYTES + (S::Q_REGS ? 0 : S::Q_BYTES));
 
     typedef typename E::Bits Bits;
     const Bits* query = (const Bits*)p.query;
@@ -585,6 +600,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     const i64 kv_head = unit[UNIT_KV_HEAD];
     const int heads = (int)unit[UNIT_HEADS];
     const int rows = (int)(unit[UNIT_TOKENS] * heads);  // <= PREFILL_ROWS
+    const int row_base = blockIdx.y * S::CTA_ROWS;     // this CTA's first row of the unit
     const i64 first_token = seq[SEQ_QUERY_START] + unit[UNIT_TOKEN];
     const i64 first_head = kv_head * p.group + unit[UNIT_HEAD];
     // Key positions fit in an int (below 2^31 - 1).
@@ -594,22 +610,34 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     const u32 block_div = block_divisor(p);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
+    // Row ri of this thread's row block mt, counted in the unit.
+    auto row_index = [&](int mt, int ri) { return row_base + 16 * (MT * warp + mt) + g + 8 * ri; };
 
-    // This thread's two rows; rows past `rows` attend nothing (and are never written).
-    int lo[2], hi[2], pos[2];
-    float slope[2];
+    // This thread's rows; rows past `rows` attend nothing (and are never written). The keys
+    // a row attends, [lo, hi), are only needed on masked tiles: they wait in shared memory
+    // (registers are what limits this kernel).
+    __shared__ int lo_s[S::CTA_ROWS], hi_s[S::CTA_ROWS];
+    int pos[MT][2], lo[MT][2], hi[MT][2];  // lo and hi: until the prologue's range
+    float slope[MT][2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = warp * 16 + g + 8 * i;
-        lo[i] = hi[i] = pos[i] = 0;
-        slope[i] = 0.0f;
-        if (r < rows) {
-            const Row row = row_of<MASK, ALIBI>(p, seq, unit, r);
-            // An empty range stays empty when clamped into the unit's keys.
-            lo[i] = (int)row.lo;
-            hi[i] = (int)max(row.hi, row.lo);
-            pos[i] = (int)row.pos;
-            slope[i] = row.slope;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+            const int r = row_index(mt, ri);
+            lo[mt][ri] = hi[mt][ri] = pos[mt][ri] = 0;
+            slope[mt][ri] = 0.0f;
+            if (r < rows) {
+                const Row row = row_of<MASK, ALIBI>(p, seq, unit, r);
+                // An empty range stays empty when clamped into the unit's keys.
+                lo[mt][ri] = (int)row.lo;
+                hi[mt][ri] = (int)max(row.hi, row.lo);
+                pos[mt][ri] = (int)row.pos;
+                slope[mt][ri] = row.slope;
+            }
+            if (t4 == 0) {
+                lo_s[r - row_base] = lo[mt][ri];
+                hi_s[r - row_base] = hi[mt][ri];
+            }
         }
     }
 
@@ -660,6 +688,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         cp_async_commit();
     };
 
+
     // Prologue: the padding columns of every stage (never written by cp.async), the query
     // tile, the first two tiles' key lookups.
     if (tid == 0) {
@@ -673,11 +702,12 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             *(U128*)(smem + row * ROW_BYTES + col * 16) = U128{0, 0, 0, 0};
         }
     }
-    for (int c = tid; c < PREFILL_ROWS * (DP / 8); c += THREADS) {
+    for (int c = tid; c < S::CTA_ROWS * (DP / 8); c += THREADS) {
         const int r = c / (DP / 8), col = c % (DP / 8);
         U128 v = {0, 0, 0, 0};
-        if (r < rows && col < CH) {
-            const i64 token = first_token + r / heads, head = first_head + r % heads;
+        if (row_base + r < rows && col < CH) {
+            const int ur = row_base + r;
+            const i64 token = first_token + ur / heads, head = first_head + ur % heads;
             v = *(const U128*)(query + (token * p.num_heads + head) * D + col * 8);
         }
         *(U128*)(smem + 4 * S::TILE_BYTES + r * ROW_BYTES + col * 16) = v;
@@ -689,30 +719,48 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         fetch(0);
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        if (warp * 16 + g + 8 * i < rows && t4 == 0) {
-            atomicMax(&range_s[0], lo[i]);
-            atomicMin(&range_s[1], hi[i]);
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+            if (row_index(mt, ri) < rows && t4 == 0) {
+                atomicMax(&range_s[0], lo[mt][ri]);
+                atomicMin(&range_s[1], hi[mt][ri]);
+            }
         }
     }
-    // Query fragments (A operands, row-major 16 x 16 per k-step).
-    const u32 q_lane = q_base + (warp * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES +
-                       8 * (lane / 16) * 2;
-    u32 qf[S::Q_REGS ? DP / 16 : 1][4];
+    // Query fragments (A operands, row-major 16 x 16 per k-step) of row block mt.
+    auto q_lane = [&](int mt) {
+        return q_base +
+               (16 * (MT * warp + mt) + lane % 8 + 8 * ((lane / 8) % 2)) * ROW_BYTES +
+               8 * (lane / 16) * 2;
+    };
+    constexpr int QF = S::Q_REGS ? DP / 16 : 1;
+    u32 qf[MT][QF][4];
     if (S::Q_REGS) {
 #pragma unroll
-        for (int kk = 0; kk < (S::Q_REGS ? DP / 16 : 1); ++kk) {
-            ldmatrix_x4(qf[kk], q_lane + kk * 32);
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int kk = 0; kk < QF; ++kk) {
+                ldmatrix_x4(qf[mt][kk], q_lane(mt) + kk * 32);
+            }
         }
     }
 
-    float o[DT][4];
+    float o[MT][DT][4];
 #pragma unroll
-    for (int n = 0; n < DT; ++n) {
-        o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int n = 0; n < DT; ++n) {
+            o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+        }
     }
-    float m[2] = {-f32_inf(), -f32_inf()}, l[2] = {0.0f, 0.0f};
-    bool attended[2] = {false, false};
+    float m[MT][2], l[MT][2];
+    u32 attended = 0;  // bit 2 mt + ri: the row attended a key
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        m[mt][0] = m[mt][1] = -f32_inf();
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
     // Lane offsets of the ldmatrix addresses: keys (B of S = Q K^T, rows = keys) and values
     // (B of O = P V, transposed).
     const u32 k_lane = (lane % 8 + 8 * (lane / 16)) * ROW_BYTES + 8 * ((lane / 8) % 2) * 2;
@@ -739,53 +787,74 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         const u32 k_tile = base + (i % 2) * S::TILE_BYTES;
         const u32 v_tile = k_tile + 2 * S::TILE_BYTES;
 
-        // S = Q K^T.
-        float s[NT][4];
+        // S = Q K^T: each key fragment serves the warp's MT row blocks.
+        float s[MT][NT][4];
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+            }
         }
 #pragma unroll
         for (int kk = 0; kk < DP / 16; ++kk) {
-            u32 a[4];
-            if (S::Q_REGS) {
+            u32 a[MT][4];
 #pragma unroll
-                for (int x = 0; x < 4; ++x) {
-                    a[x] = qf[S::Q_REGS ? kk : 0][x];
+            for (int mt = 0; mt < MT; ++mt) {
+                if (S::Q_REGS) {
+#pragma unroll
+                    for (int x = 0; x < 4; ++x) {
+                        a[mt][x] = qf[mt][S::Q_REGS ? kk : 0][x];
+                    }
+                } else {
+                    ldmatrix_x4(a[mt], q_lane(mt) + kk * 32);
                 }
-            } else {
-                ldmatrix_x4(a, q_lane + kk * 32);
             }
 #pragma unroll
             for (int nn = 0; nn < KT / 16; ++nn) {
                 u32 b[4];
                 ldmatrix_x4(b, k_tile + nn * 16 * ROW_BYTES + k_lane + kk * 32);
-                E::mma(s[2 * nn], a, b[0], b[1]);
-                E::mma(s[2 * nn + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    E::mma(s[mt][2 * nn], a[mt], b[0], b[1]);
+                    E::mma(s[mt][2 * nn + 1], a[mt], b[2], b[3]);
+                }
             }
         }
 
         // Scores (element e of n-tile n: row e / 2, key 8 n + 2 t4 + e % 2) with their
         // modifiers and, on a masked tile, -Inf where a row does not attend a key; then the
-        // online softmax of this thread's two rows (a quad of lanes shares each row). The
-        // masked and the plain tile are two copies of the loop, so that the plain one carries
-        // no mask arithmetic.
+        // online softmax of this thread's rows (a quad of lanes shares each row). The masked
+        // and the plain tile are two copies of the loop, so that the plain one carries no
+        // mask arithmetic.
         auto scores = [&](auto masked_tile) {
             constexpr bool MASKED = decltype(masked_tile)::value;
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
+            for (int mt = 0; mt < MT; ++mt) {
+                int row_lo[2], row_hi[2];
+                if (MASKED) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int t = 8 * n + 2 * t4 + e % 2, ri = e / 2;
-                    float x = modify_score<MASK, ALIBI, CAP>(p, s[n][e] * p.score_scale,
-                                                             j0 + t - pos[ri], slope[ri]);
-                    if (MASKED) {
-                        const int j = j0 + t;
-                        const bool a = (((absent >> t) & 1) == 0) & (j >= lo[ri]) & (j < hi[ri]);
-                        x = a ? x : -f32_inf();
-                        attended[ri] |= a;
+                    for (int ri = 0; ri < 2; ++ri) {
+                        row_lo[ri] = lo_s[row_index(mt, ri) - row_base];
+                        row_hi[ri] = hi_s[row_index(mt, ri) - row_base];
                     }
-                    s[n][e] = x;
+                }
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int t = 8 * n + 2 * t4 + e % 2, ri = e / 2;
+                        float x = modify_score<MASK, ALIBI, CAP>(
+                            p, s[mt][n][e] * p.score_scale, j0 + t - pos[mt][ri], slope[mt][ri]);
+                        if (MASKED) {
+                            const int j = j0 + t;
+                            const bool a = (((absent >> t) & 1) == 0) & (j >= row_lo[ri]) &
+                                           (j < row_hi[ri]);
+                            x = a ? x : -f32_inf();
+                            attended |= (u32)a << (2 * mt + ri);
+                        }
+                        s[mt][n][e] = x;
+                    }
                 }
             }
         };
@@ -793,35 +862,38 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             scores(Flag<true>());
         } else {
             scores(Flag<false>());
-            attended[0] = attended[1] = true;
+            attended = ~0u;
         }
 #pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-            float tile_max = -f32_inf();
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                tile_max = fmaxf(tile_max, fmaxf(s[n][2 * ri], s[n][2 * ri + 1]));
-            }
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 1));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 2));
-            const float m_new = fmaxf(m[ri], tile_max);
-            const float alpha = rescale(m[ri], m_new);
-            m[ri] = m_new;
-            const float base = softmax_base(m_new);
-            float sum = 0.0f;
+            for (int ri = 0; ri < 2; ++ri) {
+                float tile_max = -f32_inf();
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                for (int e = 2 * ri; e < 2 * ri + 2; ++e) {
-                    s[n][e] = weight(s[n][e], base);
-                    sum += s[n][e];
+                for (int n = 0; n < NT; ++n) {
+                    tile_max = fmaxf(tile_max, fmaxf(s[mt][n][2 * ri], s[mt][n][2 * ri + 1]));
                 }
-            }
-            l[ri] = l[ri] * alpha + sum;
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 1));
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 2));
+                const float m_new = fmaxf(m[mt][ri], tile_max);
+                const float alpha = rescale(m[mt][ri], m_new);
+                m[mt][ri] = m_new;
+                const float base_ri = softmax_base(m_new);
+                float sum = 0.0f;
 #pragma unroll
-            for (int n = 0; n < DT; ++n) {
-                o[n][2 * ri] *= alpha;
-                o[n][2 * ri + 1] *= alpha;
+                for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                    for (int e = 2 * ri; e < 2 * ri + 2; ++e) {
+                        s[mt][n][e] = weight(s[mt][n][e], base_ri);
+                        sum += s[mt][n][e];
+                    }
+                }
+                l[mt][ri] = l[mt][ri] * alpha + sum;
+#pragma unroll
+                for (int n = 0; n < DT; ++n) {
+                    o[mt][n][2 * ri] *= alpha;
+                    o[mt][n][2 * ri + 1] *= alpha;
+                }
             }
         }
 
@@ -843,53 +915,70 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         }
 
         if (!by_selects) {
-            // O += P V: P's A fragments are the score fragments of two n-tiles.
+            // O += P V: P's A fragments are the score fragments of two n-tiles; each value
+            // fragment serves the warp's MT row blocks.
 #pragma unroll
             for (int kk = 0; kk < KT / 16; ++kk) {
-                const u32 a[4] = {E::pack2(s[2 * kk][0], s[2 * kk][1]),
-                                  E::pack2(s[2 * kk][2], s[2 * kk][3]),
-                                  E::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  E::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                u32 a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    a[mt][0] = E::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    a[mt][1] = E::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    a[mt][2] = E::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    a[mt][3] = E::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
 #pragma unroll
                 for (int nd = 0; nd < DP / 16; ++nd) {
                     u32 b[4];
                     ldmatrix_x4_trans(b, v_tile + kk * 16 * ROW_BYTES + v_lane + nd * 32);
-                    E::mma(o[2 * nd], a, b[0], b[1]);
-                    E::mma(o[2 * nd + 1], a, b[2], b[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        E::mma(o[mt][2 * nd], a[mt], b[0], b[1]);
+                        E::mma(o[mt][2 * nd + 1], a[mt], b[2], b[3]);
+                    }
                 }
             }
         } else {
-            // The rare tile: each row's probabilities through the warp's scratch, and each
-            // key's value added only to the rows that attend it.
-            float* const ps = scratch + warp * 16 * KT;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    ps[(g + 8 * (e / 2)) * KT + 8 * n + 2 * t4 + e % 2] = s[n][e];
-                }
-            }
-            __syncwarp();
+            // The rare tile: each row block's probabilities through the warp's scratch, and
+            // each key's value added only to the rows that attend it. (Every warp is past
+            // this tile's S = Q K^T: the barrier of __syncthreads_or above.)
+            u8* const scratch_at =
+                S::Q_REGS           ? smem + 4 * S::TILE_BYTES
+                : S::SCRATCH_IN_KEYS ? smem + (i % 2) * S::TILE_BYTES
+                                     : smem + 4 * S::TILE_BYTES + S::Q_BYTES;
+            float* const ps = (float*)scratch_at + warp * 16 * KT;
             const Bits* v_rows = (const Bits*)(smem + (v_tile - base));
-#pragma unroll 1
-            for (int t = 0; t < KT; ++t) {
-                const int j = j0 + t;
-                const bool key = !((absent >> t) & 1);
-                const bool a0 = key && j >= lo[0] && j < hi[0];
-                const bool a1 = key && j >= lo[1] && j < hi[1];
-                const float p0 = ps[g * KT + t], p1 = ps[(g + 8) * KT + t];
-                const Bits* v = v_rows + t * (ROW_BYTES / 2);
 #pragma unroll
-                for (int n = 0; n < DT; ++n) {
-                    const int d = 8 * n + 2 * t4;
-                    const float v0 = E::to_f32(v[d]), v1 = E::to_f32(v[d + 1]);
-                    o[n][0] = a0 ? fmaf(p0, v0, o[n][0]) : o[n][0];
-                    o[n][1] = a0 ? fmaf(p0, v1, o[n][1]) : o[n][1];
-                    o[n][2] = a1 ? fmaf(p1, v0, o[n][2]) : o[n][2];
-                    o[n][3] = a1 ? fmaf(p1, v1, o[n][3]) : o[n][3];
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        ps[(g + 8 * (e / 2)) * KT + 8 * n + 2 * t4 + e % 2] = s[mt][n][e];
+                    }
                 }
+                __syncwarp();
+#pragma unroll 1
+                for (int t = 0; t < KT; ++t) {
+                    const int j = j0 + t;
+                    const bool key = !((absent >> t) & 1);
+                    const int r0 = row_index(mt, 0) - row_base, r1 = r0 + 8;
+                    const bool a0 = key && j >= lo_s[r0] && j < hi_s[r0];
+                    const bool a1 = key && j >= lo_s[r1] && j < hi_s[r1];
+                    const float p0 = ps[g * KT + t], p1 = ps[(g + 8) * KT + t];
+                    const Bits* v = v_rows + t * (ROW_BYTES / 2);
+#pragma unroll
+                    for (int n = 0; n < DT; ++n) {
+                        const int d = 8 * n + 2 * t4;
+                        const float v0 = E::to_f32(v[d]), v1 = E::to_f32(v[d + 1]);
+                        o[mt][n][0] = a0 ? fmaf(p0, v0, o[mt][n][0]) : o[mt][n][0];
+                        o[mt][n][1] = a0 ? fmaf(p0, v1, o[mt][n][1]) : o[mt][n][1];
+                        o[mt][n][2] = a1 ? fmaf(p1, v0, o[mt][n][2]) : o[mt][n][2];
+                        o[mt][n][3] = a1 ? fmaf(p1, v1, o[mt][n][3]) : o[mt][n][3];
+                    }
+                }
+                __syncwarp();
             }
-            __syncwarp();
         }
         // Seen by tile i + 1's fetch of tile i + 2 after its barrier (A).
         publish(i + 2, ahead);
@@ -897,24 +986,28 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
 
     // The rows' sums and flags over their quads, then the output (pairs of elements).
 #pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-        l[ri] += __shfl_xor_sync(FULL, l[ri], 1);
-        l[ri] += __shfl_xor_sync(FULL, l[ri], 2);
-        int any = attended[ri] ? 1 : 0;
-        any |= __shfl_xor_sync(FULL, any, 1);
-        any |= __shfl_xor_sync(FULL, any, 2);
-        const int r = warp * 16 + g + 8 * ri;
-        if (r < rows) {
-            const i64 token = first_token + r / heads, head = first_head + r % heads;
-            Bits* out = output + (token * p.num_heads + head) * D;
-            const float factor = p.out_scale / l[ri];
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int n = 0; n < DT; ++n) {
-                const int d = 8 * n + 2 * t4;
-                if (d < D) {
-                    *(u32*)(out + d) =
-                        E::pack2(finish_by(o[n][2 * ri], m[ri], any != 0, factor),
-                                 finish_by(o[n][2 * ri + 1], m[ri], any != 0, factor));
+        for (int ri = 0; ri < 2; ++ri) {
+            float sum = l[mt][ri];
+            sum += __shfl_xor_sync(FULL, sum, 1);
+            sum += __shfl_xor_sync(FULL, sum, 2);
+            int any = (attended >> (2 * mt + ri)) & 1;
+            any |= __shfl_xor_sync(FULL, any, 1);
+            any |= __shfl_xor_sync(FULL, any, 2);
+            const int r = row_index(mt, ri);
+            if (r < rows) {
+                const i64 token = first_token + r / heads, head = first_head + r % heads;
+                Bits* out = output + (token * p.num_heads + head) * D;
+                const float factor = p.out_scale / sum;
+#pragma unroll
+                for (int n = 0; n < DT; ++n) {
+                    const int d = 8 * n + 2 * t4;
+                    if (d < D) {
+                        *(u32*)(out + d) =
+                            E::pack2(finish_by(o[mt][n][2 * ri], m[mt][ri], any != 0, factor),
+                                     finish_by(o[mt][n][2 * ri + 1], m[mt][ri], any != 0, factor));
+                    }
                 }
             }
         }
@@ -1345,8 +1438,8 @@ __device__ __forceinline__ void prefill(const Params& p) {
 }
 
 // One variant: NAME_prefill (units of several query tokens; the tensor-core kernel takes
-// MmaShape<D>::BYTES of dynamic shared memory, the scalar one a grid of PREFILL_ROWS /
-// SCALAR_ROWS rows of CTAs) and NAME_decode1, _decode4, _decode8 (units of one token, for
+// MmaShape<D>::BYTES of dynamic shared memory in MmaShape<D>::CTAS CTAs per unit, the scalar
+// one a grid of PREFILL_ROWS / SCALAR_ROWS rows of CTAs) and NAME_decode1, _decode4, _decode8 (units of one token, for
 // kv-head groups of 1, up to 4 and up to 8 query heads: a row without a head still costs its
 // FMAs, shuffles and registers).
 #define ATTENTION_KERNELS(NAME, E, C, D, MASK, ALIBI, CAP)                                    \

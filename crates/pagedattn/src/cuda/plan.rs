@@ -33,8 +33,8 @@ pub(crate) const MERGE_FIELDS: usize = 4;
 /// Query rows of a decode unit (`DECODE_ROWS` in attention.cu).
 pub(crate) const DECODE_ROWS: usize = 8;
 /// Query rows of a prefill unit (`PREFILL_ROWS` in attention.cu): the tensor-core kernel's
-/// 4 warps x 16 rows.
-pub(crate) const PREFILL_ROWS: usize = 64;
+/// 4 warps x 32 rows (two CTAs of 4 x 16 above D = 128).
+pub(crate) const PREFILL_ROWS: usize = 128;
 /// The fewest keys a split-K partition gets.
 pub(crate) const MIN_PARTITION_KEYS: usize = 256;
 /// Partitions are multiples of the largest key tile, so that only a partition's last tile is

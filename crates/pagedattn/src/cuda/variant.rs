@@ -127,11 +127,14 @@ impl Variant {
 
     /// The prefill kernel's launch shape: (CTAs per unit, dynamic shared memory in bytes).
     /// The tensor-core kernel runs a unit's [`PREFILL_ROWS`](super::plan::PREFILL_ROWS) rows
-    /// in one CTA on `MmaShape<D>::BYTES` (attention.cu); the scalar kernel takes
-    /// [`SCALAR_ROWS`] of them per CTA, in static shared memory.
+    /// in CTAs of [`mma_cta_rows`] on `MmaShape<D>::BYTES` (attention.cu); the scalar kernel
+    /// takes [`SCALAR_ROWS`] of them per CTA, in static shared memory.
     pub(crate) fn prefill_shape(&self) -> (u32, u32) {
         if self.tensor_cores() {
-            (1, mma_shared_bytes(self.head_size))
+            (
+                (super::plan::PREFILL_ROWS / mma_cta_rows(self.head_size)) as u32,
+                mma_shared_bytes(self.head_size),
+            )
         } else {
             ((super::plan::PREFILL_ROWS / SCALAR_ROWS) as u32, 0)
         }
@@ -217,20 +220,43 @@ impl Variant {
 /// Query rows of the scalar prefill's CTAs (`SCALAR_ROWS` in attention.cu).
 const SCALAR_ROWS: usize = 16;
 
+/// Row blocks of 16 per warp in the tensor-core prefill for head size `d` (`MmaShape<D>::MT`
+/// of attention.cu): two up to D = 128, one above (the accumulators would not fit).
+fn mma_row_blocks(d: usize) -> usize {
+    if d.div_ceil(16) * 16 <= 128 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Query rows of one tensor-core prefill CTA for head size `d` (`MmaShape<D>::CTA_ROWS`).
+pub(crate) fn mma_cta_rows(d: usize) -> usize {
+    16 * WARPS * mma_row_blocks(d)
+}
+
 /// Dynamic shared memory of the tensor-core prefill for head size `d`: `MmaShape<D>::BYTES`
 /// of attention.cu, computed the same way (the kernel traps if a launch gives less). Two
 /// stages of key tiles and two of value tiles (64 keys, or 32 above D = 128; rows of D
 /// padded to a multiple of 16, plus 16 bytes), then the query tile and the scratch of the
-/// P.V by selects (sharing bytes when the query fragments live in registers, D <= 128).
+/// P.V by selects, one row block of each warp at a time (in the query tile's bytes when the
+/// query fragments live in registers, in the tile's key stage when that holds it, else
+/// after the query tile).
 pub(crate) fn mma_shared_bytes(d: usize) -> u32 {
     let dp = d.div_ceil(16) * 16;
     let keys = if d <= 128 { 64 } else { 32 };
     let row_bytes = (dp + 8) * 2;
     let tile = keys * row_bytes;
-    let q_regs = dp <= 128;
-    let q = super::plan::PREFILL_ROWS * row_bytes;
-    let p = 4 * 16 * keys * 4;
-    let scratch = if q_regs { q.max(p) } else { q + p };
+    let q_regs = mma_row_blocks(d) * dp <= 128;
+    let q = mma_cta_rows(d) * row_bytes;
+    let p = WARPS * 16 * keys * 4;
+    let scratch = if q_regs {
+        q.max(p)
+    } else if tile >= p {
+        q
+    } else {
+        q + p
+    };
     (4 * tile + scratch) as u32
 }
 
@@ -378,8 +404,9 @@ mod tests {
         let bf16 = AttentionConfig::builder(8, 120).build().unwrap();
         let v = Variant::for_call(&bf16, DType::BF16, true).unwrap();
         assert!(v.tensor_cores());
-        // D = 120 pads to 128: 4 tiles of 64 x 136 elements, then the query tile (64 rows).
-        assert_eq!(v.prefill_shape(), (1, 4 * 64 * 272 + 64 * 272));
+        // D = 120 pads to 128: 4 tiles of 64 x 136 elements, then the query tile (128 rows,
+        // 32 per warp); the scratch (4 warps x 16 rows x 64 f32) fits in a key stage.
+        assert_eq!(v.prefill_shape(), (1, 4 * 64 * 272 + 128 * 272));
         assert!(!Variant::for_call(&bf16, DType::F32, true)
             .unwrap()
             .tensor_cores());
@@ -388,14 +415,22 @@ mod tests {
             .build()
             .unwrap();
         let v = Variant::for_call(&fp8, DType::F16, true).unwrap();
-        assert_eq!(v.prefill_shape(), (4, 0));
-        // D = 256: tiles of 32 keys; the query tile and the scratch side by side.
-        assert_eq!(
-            mma_shared_bytes(256),
-            4 * 32 * 528 + 64 * 528 + 4 * 16 * 32 * 4
-        );
-        // D = 32: the scratch (4 warps x 16 rows x 64 f32) is larger than the query tile.
+        // The scalar prefill: a unit's 128 rows in CTAs of 16.
+        assert_eq!(v.prefill_shape(), (8, 0));
+        // D = 256: tiles of 32 keys, 16 rows per warp, two CTAs per unit; the scratch in a
+        // key stage.
+        let d256 = AttentionConfig::builder(8, 256).build().unwrap();
+        let v = Variant::for_call(&d256, DType::BF16, true).unwrap();
+        assert_eq!(v.prefill_shape(), (2, 4 * 32 * 528 + 64 * 528));
+        // D = 32: the query fragments in registers; the scratch (4 warps x 16 rows x 64 f32)
+        // is larger than the query tile it shares bytes with.
         assert_eq!(mma_shared_bytes(32), 4 * 64 * 80 + 16384);
+        // D = 80: a key stage (11 KiB) is too small for the scratch, which follows the query
+        // tile. Every head size leaves room for two CTAs per multiprocessor (2 x 113 KiB).
+        assert_eq!(mma_shared_bytes(80), 4 * 64 * 176 + 128 * 176 + 16384);
+        for d in [32, 64, 80, 96, 112, 120, 128, 192, 256] {
+            assert!(mma_shared_bytes(d) <= 113 * 1024, "D = {d}");
+        }
     }
 
     #[test]
