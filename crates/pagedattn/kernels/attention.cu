@@ -13,10 +13,11 @@
 //   attention_merge.cu combines.
 // * `prefill_mma` (bf16 and f16 activations with keys and values stored as such): 128 rows
 //   per CTA, 32 per warp (64 and 16 above D = 128, two CTAs per unit), FlashAttention-2
-//   style on the tensor cores (mma.sync m16n8k16, f32
-//   accumulators): key/value tiles gathered through the block table with cp.async into a
-//   two-stage shared-memory pipeline, query fragments in registers, the online softmax on
-//   the score fragments in registers, probabilities rounded to the activation type for P.V.
+//   style on the tensor cores (mma.sync m16n8k16, f32 accumulators): key/value tiles
+//   gathered through the block table with cp.async into a two-stage shared-memory pipeline,
+//   query fragments in registers (up to D = 64) or read from shared memory per tile, the
+//   online softmax on the score fragments in registers, probabilities rounded to the
+//   activation type for P.V.
 // * `prefill_scalar` (f32 activations and fp8 caches): 16 of the unit's rows per CTA
 //   (blockIdx.y picks which), tiles converted to f32 in shared memory, scalar dot products.
 //

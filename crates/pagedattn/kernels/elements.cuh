@@ -86,6 +86,22 @@ struct Plain {
     static __device__ __forceinline__ float read(Type x) { return E::to_f32(x); }
 };
 
+#if __CUDA_ARCH__ >= 890
+// Two fp8 codes (the low byte in the low half), e4m3 or e5m2, as the f16 pair of their
+// values, exact (every value of both formats is an f16, NaN and infinities included): one
+// instruction on sm_89 and later. The formats' `pair_to_f16x2`.
+template <bool E4M3_CODES>
+__device__ __forceinline__ u32 fp8x2_to_f16x2(u16 pair) {
+    u32 r;
+    if constexpr (E4M3_CODES) {
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(pair));
+    } else {
+        asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(pair));
+    }
+    return r;
+}
+#endif
+
 // e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is NaN, no infinities.
 struct E4M3 {
     typedef u8 Type;
@@ -106,12 +122,8 @@ struct E4M3 {
         return (code & 0x80) ? -magnitude : magnitude;
     }
 #if __CUDA_ARCH__ >= 890
-    // Two codes (the low byte in the low half) as the f16 pair of their values, exact (every
-    // e4m3 value is an f16, NaN included): one instruction on sm_89 and later.
     static __device__ __forceinline__ u32 pair_to_f16x2(u16 pair) {
-        u32 r;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(pair));
-        return r;
+        return fp8x2_to_f16x2<true>(pair);
     }
 #endif
 };
@@ -124,11 +136,8 @@ struct E5M2 {
         return F16::to_f32((u16)((u32)code << 8));
     }
 #if __CUDA_ARCH__ >= 890
-    // As E4M3's.
     static __device__ __forceinline__ u32 pair_to_f16x2(u16 pair) {
-        u32 r;
-        asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(pair));
-        return r;
+        return fp8x2_to_f16x2<false>(pair);
     }
 #endif
 };
