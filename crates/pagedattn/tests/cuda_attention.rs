@@ -446,7 +446,9 @@ fn size() -> impl Strategy<Value = Size> {
     prop_oneof![5 => Just(Size::Small), 3 => Just(Size::Tiled), 1 => Just(Size::Long)]
 }
 
-/// Query tokens per prefill unit (`PREFILL_ROWS` = 64 rows of tokens x heads).
+/// Query tokens per 64 rows of tokens x heads: half a prefill unit (`PREFILL_ROWS` = 128) and
+/// one CTA of the tensor-core prefill above D = 128, so that the tiled cases' 2-3 tiles span
+/// two units, the second one partial.
 fn query_tile(st: &Settings) -> usize {
     (64 / st.group.min(64)).max(1)
 }
