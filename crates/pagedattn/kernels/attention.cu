@@ -530,7 +530,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 address) {
 // every head size (row strides of 4, 12, 20 or 28 banks modulo 32). A warp holds MT row
 // blocks of 16 (MT = 2 up to D = 128: each key and value fragment read from shared memory
 // feeds two mma, and a tile's copies serve twice the rows; 1 above, where the accumulators
-// would not fit), so a CTA runs CTA_ROWS rows and a unit's PREFILL_ROWS take CTAS of them.
+// would not fit), so a CTA runs CTA_ROWS rows and a unit's PREFILL_ROWS take
+// PREFILL_ROWS / CTA_ROWS CTAs.
 // Dynamic shared memory: two stages of key tiles, two of value tiles, then the query tile
 // (read into registers once, when Q_REGS) and the scratch of the P.V by selects (one row
 // block at a time: in the query tile's bytes when the queries live in registers, else in the
@@ -542,7 +543,6 @@ struct MmaShape {
     static constexpr int DP = (D + 15) / 16 * 16;
     static constexpr int MT = DP <= 128 ? 2 : 1;
     static constexpr int CTA_ROWS = 16 * WARPS * MT;
-    static constexpr int CTAS = PREFILL_ROWS / CTA_ROWS;
     static constexpr int KT = D <= 128 ? 64 : 32;  // keys per tile
     static constexpr int ROW_BYTES = (DP + 8) * 2;
     static constexpr int TILE_BYTES = KT * ROW_BYTES;
@@ -681,14 +681,13 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             const int col = FIXED_COL ? tid % CH : c % CH;
             const i64 off = off_s[i % 3][t];
             const u32 at = t * ROW_BYTES + col * 16;
-            // A non-key's row reads nothing (0 bytes: zeros), from any valid address.
+            // A non-key's row reads nothing (zeros), from any valid address.
             const i64 src = (off >= 0 ? off : 0) + col * 8;
             cp_async<16>(k_dst + at, keys + src, off < 0);
             cp_async<16>(v_dst + at, values + src, off < 0);
         }
         cp_async_commit();
     };
-
 
     // Prologue: the padding columns of every stage (never written by cp.async), the query
     // tile, the first two tiles' key lookups.
@@ -1439,10 +1438,10 @@ __device__ __forceinline__ void prefill(const Params& p) {
 }
 
 // One variant: NAME_prefill (units of several query tokens; the tensor-core kernel takes
-// MmaShape<D>::BYTES of dynamic shared memory in MmaShape<D>::CTAS CTAs per unit, the scalar
-// one a grid of PREFILL_ROWS / SCALAR_ROWS rows of CTAs) and NAME_decode1, _decode4, _decode8 (units of one token, for
-// kv-head groups of 1, up to 4 and up to 8 query heads: a row without a head still costs its
-// FMAs, shuffles and registers).
+// MmaShape<D>::BYTES of dynamic shared memory in PREFILL_ROWS / MmaShape<D>::CTA_ROWS CTAs
+// per unit, the scalar one a grid of PREFILL_ROWS / SCALAR_ROWS rows of CTAs) and
+// NAME_decode1, _decode4, _decode8 (units of one token, for kv-head groups of 1, up to 4 and
+// up to 8 query heads: a row without a head still costs its FMAs, shuffles and registers).
 #define ATTENTION_KERNELS(NAME, E, C, D, MASK, ALIBI, CAP)                                    \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME##_prefill(const Params p) {   \
         prefill<E, C, D, MASK, ALIBI, CAP>(p);                                                \
