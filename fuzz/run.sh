@@ -6,7 +6,9 @@
 #   fuzz/run.sh SECONDS [TARGET...]      (default: every target, one after another)
 #
 # FUZZ_PARALLEL=N runs N targets at a time (one libFuzzer process each, with
-# RAYON_NUM_THREADS=1 unless set). Each target fuzzes
+# RAYON_NUM_THREADS=1 unless set). FUZZ_TIMEOUT (default 10) is libFuzzer's per-input
+# wall-clock limit in seconds: long runs beside other work raise it, since a starved process
+# can pass 10 s on an input that takes well under one alone. Each target fuzzes
 # its working corpus fuzz/corpus/TARGET/ (created here, not committed; the replay reader's is
 # seeded from the repository's replay files by seed-corpus.sh) and leaves what makes it fail
 # in fuzz/artifacts/TARGET/. Logs: fuzz/target/fuzz-logs/TARGET.log.
@@ -82,7 +84,7 @@ run_one() {
     -artifact_prefix="artifacts/$t/" \
     -max_total_time="$seconds" \
     -rss_limit_mb=2048 \
-    -timeout=10 \
+    -timeout="${FUZZ_TIMEOUT:-10}" \
     -print_final_stats=1 \
     >"$logs/$t.log" 2>&1
 }

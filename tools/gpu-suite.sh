@@ -13,7 +13,8 @@
 #                                  --cache`: every attention variant, in parallel, so that no
 #                                  test waits for NVRTC), the cuda tests (test-cuda), the cuda
 #                                  attention tests against the reference (test-cuda_attention),
-#                                  the CUDA-graph test (test-cuda_graph), the three binaries
+#                                  the CUDA-graph test (test-cuda_graph), the replay cases
+#                                  through `pagedattn run --backend cuda`, the three binaries
 #                                  under compute-sanitizer (memcheck, initcheck, racecheck); with
 #                                  `all`, every other test executable too.
 #
@@ -190,6 +191,27 @@ run() {
     status=$?
     verdict=$(test_verdict "$log" "$status")
     record "cuda graph test" "${verdict%%|*}" "${verdict#*|}"
+
+    # The replay cases through the CLI on cuda, each checked against `reference` by `run`
+    # itself; a case the cuda backend refuses as unsupported (head size 16) must say so.
+    # (The output joins info.log: $OUT brings back at most 8 files.)
+    log="$out/info.log"
+    local case_file ok=0 refused=0 failed=0
+    for case_file in tests/replay-cases/*.case.safetensors; do
+        echo "==== $case_file" >>"$log"
+        if timeout "$TIMEOUT" "$BIN/pagedattn" run --backend cuda --input "$case_file" >>"$log" 2>&1; then
+            ok=$((ok + 1))
+        elif tail -1 "$log" | grep 'does not support attention with head size' >/dev/null; then
+            refused=$((refused + 1))
+        else
+            failed=$((failed + 1))
+        fi
+    done
+    if [ "$failed" = 0 ] && [ "$ok" -gt 0 ]; then
+        record "replay cases" PASS "$ok pass, $refused refused as unsupported"
+    else
+        record "replay cases" FAIL "$ok pass, $refused refused as unsupported, $failed failed"
+    fi
 
     local sanitizer tool part part_log summary found problems
     sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

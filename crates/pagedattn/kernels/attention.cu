@@ -117,6 +117,24 @@ static_assert(PREFILL_ROWS % (16 * WARPS * 2) == 0 && PREFILL_ROWS % SCALAR_ROWS
               "whole CTAs of the tensor-core prefill (16 or 32 rows per warp) and of the "
               "scalar prefill per unit; decode8 covers a decode unit");
 
+// Whether position j is a key of a unit whose keys end at `key_end`: a cached token, or a new
+// token (j >= new_start) whose slot, read by the caller only for those, is not -1.
+__device__ __forceinline__ bool is_key(i64 j, i64 key_end, i64 new_start, i64 slot) {
+    return j < key_end && (j < new_start || slot >= 0);
+}
+
+// The element offset of key position j's row in the key and value buffers: in block `block`
+// of the paged cache (at j % block size), or row `key_base + j` of the call's own keys.
+template <int D>
+__device__ __forceinline__ i64 paged_offset(const Params& p, i64 block, i64 kv_head, u32 j,
+                                            u32 block_div) {
+    return ((block * p.num_kv_heads + kv_head) * p.block_size + j % block_div) * D;
+}
+template <int D>
+__device__ __forceinline__ i64 dense_offset(const Params& p, i64 key_base, i64 kv_head, i64 j) {
+    return ((key_base + j) * p.num_kv_heads + kv_head) * D;
+}
+
 // Where the unit's sequence stores key position j (< 2^31 - 1): the element offset of its
 // row in the key and value buffers, or -1 if j is no key (at or past `key_end`, or a new
 // token whose slot is -1; the slot is looked up only for a new token inside the unit).
@@ -124,17 +142,17 @@ template <int D>
 __device__ __forceinline__ i64 key_offset(const Params& p, const i64* seq, i64 kv_head,
                                           i64 key_end, u32 block_div, i64 j) {
     const i64 new_start = seq[SEQ_NEW_START];
-    const bool is_key = j < key_end &&
-                        (j < new_start || p.slots[seq[SEQ_SLOT_BASE] + j - new_start] >= 0);
-    if (!is_key) {
+    const i64 slot =
+        j < key_end && j >= new_start ? p.slots[seq[SEQ_SLOT_BASE] + j - new_start] : 0;
+    if (!is_key(j, key_end, new_start, slot)) {
         return -1;
     }
     if (p.paged) {
         const u32 jj = (u32)j;
-        const i64 block = p.tables[seq[SEQ_KEY_BASE] + jj / block_div];
-        return ((block * p.num_kv_heads + kv_head) * p.block_size + jj % block_div) * D;
+        return paged_offset<D>(p, p.tables[seq[SEQ_KEY_BASE] + jj / block_div], kv_head, jj,
+                               block_div);
     }
-    return ((seq[SEQ_KEY_BASE] + j) * p.num_kv_heads + kv_head) * D;
+    return dense_offset<D>(p, seq[SEQ_KEY_BASE], kv_head, j);
 }
 
 // Key positions are below 2^31 - 1 (the metadata's lengths are i32): a block size clamped to
@@ -439,6 +457,16 @@ __device__ __forceinline__ float weight(float s, float base) {
     return exp2_fast((s - base) * LOG2E);
 }
 
+// The weight as 2^(s log2(e) - base log2(e)) in one FFMA, given base log2(e) (rounded once),
+// for a base where `foldable`: of magnitude at most 2^10, where that rounding moves the
+// weight by less than 1e-4 relative (2^10 log2(e) 2^-24 ln 2), far inside the 16-bit
+// outputs' tolerance. Larger bases (huge scores) take `weight`, whose error does not grow
+// with the base.
+__device__ __forceinline__ bool foldable(float base) { return fabsf(base) <= 1024.0f; }
+__device__ __forceinline__ float weight_folded(float s, float base_log2e) {
+    return exp2_fast(fmaf(s, LOG2E, -base_log2e));
+}
+
 // The factor rescaling a state of max m_old to the max m_new: an unchanged max rescales by
 // exactly 1 (also -Inf to -Inf and +Inf to +Inf).
 __device__ __forceinline__ float rescale(float m_old, float m_new) {
@@ -524,48 +552,151 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 address) {
                  : "r"(address));
 }
 
+// Hopper's warpgroup MMA (wgmma, sm_90a): the four warps of the CTA multiply together, the
+// tensor cores reading B (and for S = Q K^T also A) straight from shared memory, once for all
+// 64 rows of an m64 block: a fraction of the shared-memory traffic of mma.sync's fragments,
+// which is what bounds the mma.sync prefill. Operands live in the 128-byte-swizzled layout
+// (`MmaShape::chunk_at`); a descriptor names a tile's start inside a 1024-byte-aligned
+// swizzle atom, `lbo` bytes between its 64-element atoms along N (N-major B only) and 1024
+// bytes between its groups of 8 rows.
+template <class E>
+struct Wgmma;
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+__device__ __forceinline__ u64 wgmma_desc(u32 address, u32 lbo) {
+    return (u64)((address & 0x3ffff) >> 4) | (u64)(lbo >> 4) << 16 | (u64)(1024 >> 4) << 32 |
+           1ull << 62;
+}
+// Before the first wgmma reading registers that other instructions wrote.
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+// Every wgmma issued so far finished: their accumulators readable, their operands free.
+__device__ __forceinline__ void wgmma_finish() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;" ::
+                     : "memory");
+}
+// This thread's shared-memory writes (cp.async's included) made visible to the tensor cores'
+// reads (the async proxy); a barrier after it extends that to the CTA's.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Operand lists of the 32 and 64 f32 accumulators of an m64n64 and an m64n128 block.
+#define WGMMA_D32 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WGMMA_OUT32(d) \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
+    "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
+    "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
+    "+f"(d[7][2]), "+f"(d[7][3])
+#define WGMMA_D64 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WGMMA_OUT64(d) \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
+    "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
+    "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
+    "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+    "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), \
+    "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), \
+    "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+    "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), \
+    "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), \
+    "+f"(d[15][2]), "+f"(d[15][3])
+// qk: S (+)= A B^T for an m64 block, A (64 rows x 16) and B (64 keys x 16) K-major in shared
+// memory. pv: O += P V, P (64 rows x 16 keys) in mma.sync's A fragments, V (16 keys x 128)
+// N-major in shared memory. The accumulators are mma.sync's m16n8 fragments, n-tile after
+// n-tile, warp w holding rows 16 w + lane / 4 and + 8 of the block.
+#define PAGEDATTN_WGMMA(E_, T)                                                                 \
+    template <>                                                                                \
+    struct Wgmma<E_> {                                                                         \
+        static __device__ __forceinline__ void qk(float (&d)[8][4], u64 a, u64 b, bool add) {  \
+            asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0;\n\t"                          \
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " {" WGMMA_D32  \
+                         "}, %32, %33, p, 1, 1, 0, 0; }"                                       \
+                         : WGMMA_OUT32(d)                                                      \
+                         : "l"(a), "l"(b), "r"((u32)add));                                    \
+        }                                                                                      \
+        static __device__ __forceinline__ void pv(float (&d)[16][4], const u32 (&a)[4],      \
+                                                  u64 b) {                                     \
+            asm volatile("{ .reg .pred p; setp.ne.b32 p, %69, 0;\n\t"                          \
+                         "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " {" WGMMA_D64 \
+                         "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1; }"                         \
+                         : WGMMA_OUT64(d)                                                      \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1u));     \
+        }                                                                                      \
+    };
+PAGEDATTN_WGMMA(BF16, "bf16")
+PAGEDATTN_WGMMA(F16, "f16")
+#undef PAGEDATTN_WGMMA
+#endif
+
 // The tensor-core prefill's tiles. Rows of keys, values and queries are D elements padded
-// with zero columns to DP, a multiple of the mma's k = 16, and stored DP + 8 elements apart:
-// the 16 bytes of padding put the 8 rows an ldmatrix reads in 8 different 4-bank groups for
-// every head size (row strides of 4, 12, 20 or 28 banks modulo 32). A warp holds MT row
-// blocks of 16 (MT = 2 up to D = 128: each key and value fragment read from shared memory
-// feeds two mma, and a tile's copies serve twice the rows; 1 above, where the accumulators
-// would not fit), so a CTA runs CTA_ROWS rows and a unit's PREFILL_ROWS take
-// PREFILL_ROWS / CTA_ROWS CTAs.
+// with zero columns to DP, a multiple of the mma's k = 16. For mma.sync they are stored
+// DP + 8 elements apart: the 16 bytes of padding put the 8 rows an ldmatrix reads in 8
+// different 4-bank groups for every head size (row strides of 4, 12, 20 or 28 banks modulo
+// 32). For wgmma (sm_90a, DP = 128) they are in the 128-byte-swizzled layout the tensor cores
+// read: 64-element atoms, each a column of 128-byte lines (one per row) whose 16-byte chunk c
+// sits at position c ^ (row % 8), also free of bank conflicts for cp.async and the scans.
+// A warp holds MT row blocks of 16 (MT = 2 up to D = 128: each key and value fragment read
+// from shared memory feeds two mma, and a tile's copies serve twice the rows; 1 above, where
+// the accumulators would not fit), so a CTA runs CTA_ROWS rows and a unit's PREFILL_ROWS take
+// PREFILL_ROWS / CTA_ROWS CTAs. With wgmma, row block mt of warp w is rows 64 mt + 16 w (the
+// warp's part of m64 block mt), else 16 (MT w + mt).
 // Dynamic shared memory: two stages of key tiles, two of value tiles, then the query tile
 // (read into registers once, when Q_REGS) and the scratch of the P.V by selects (one row
 // block at a time: in the query tile's bytes when the queries live in registers, else in the
 // tile's own key stage when that is large enough: its keys are used up by then, else after
-// the query tile). src/cuda/variant.rs computes BYTES the same way (`mma_shared_bytes`), and
-// the kernel checks what the launch gave.
+// the query tile); wgmma's atoms start 1024-byte aligned, ALIGN bytes allowing for that.
+// src/cuda/variant.rs computes the padded layout's BYTES (`mma_shared_bytes`), which holds
+// the swizzled one's too; the kernel checks what the launch gave.
 template <int D>
 struct MmaShape {
     static constexpr int DP = (D + 15) / 16 * 16;
     static constexpr int MT = DP <= 128 ? 2 : 1;
     static constexpr int CTA_ROWS = 16 * WARPS * MT;
     static constexpr int KT = D <= 128 ? 64 : 32;  // keys per tile
-    static constexpr int ROW_BYTES = (DP + 8) * 2;
-    static constexpr int TILE_BYTES = KT * ROW_BYTES;
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+    static constexpr bool WGMMA = DP == 128;
+#else
+    static constexpr bool WGMMA = false;
+#endif
+    static constexpr int ROW_BYTES = (DP + 8) * 2;  // the padded layout's
+    // Byte offset of 16-byte chunk c of row t in a tile of `rows` rows.
+    static __device__ __forceinline__ u32 chunk_at(int rows, int t, int c) {
+        return WGMMA ? (c / 8) * rows * 128 + t * 128 + ((c % 8) ^ (t % 8)) * 16
+                     : t * ROW_BYTES + c * 16;
+    }
+    static constexpr int TILE_BYTES = WGMMA ? KT * DP * 2 : KT * ROW_BYTES;
     // Query fragments in registers (MT * DP / 4 of them per thread), else read from shared
-    // memory at every tile.
-    static constexpr bool Q_REGS = MT * DP <= 128;
-    static constexpr int Q_BYTES = CTA_ROWS * ROW_BYTES;
+    // memory at every tile (by wgmma itself, with WGMMA).
+    static constexpr bool Q_REGS = !WGMMA && MT * DP <= 128;
+    static constexpr int Q_BYTES = WGMMA ? CTA_ROWS * DP * 2 : CTA_ROWS * ROW_BYTES;
     static constexpr int P_BYTES = WARPS * 16 * KT * 4;
     static constexpr bool SCRATCH_IN_KEYS = !Q_REGS && TILE_BYTES >= P_BYTES;
     static constexpr int SCRATCH = Q_REGS            ? (Q_BYTES > P_BYTES ? Q_BYTES : P_BYTES)
                                    : SCRATCH_IN_KEYS ? Q_BYTES
                                                      : Q_BYTES + P_BYTES;
-    static constexpr int BYTES = 4 * TILE_BYTES + SCRATCH;
+    static constexpr int ALIGN = WGMMA ? 1024 : 16;
+    static constexpr int BYTES = 4 * TILE_BYTES + SCRATCH + (ALIGN - 16);
 };
 
 // CTA_ROWS rows of a prefill unit (row block mt of warp w: rows 16 (MT w + mt) + lane / 4
 // and + 8 are this thread's, after the CTA's first row blockIdx.y * CTA_ROWS) over the
 // unit's keys, in tiles of KT keys.
 //
-// Pipeline: tile i lands in stage i % 2 while tile i - 1 is computed; the key offsets of
-// tile i (one lookup per key, by threads 0..KT-1) are read while tile i - 2 is computed and
-// published after it into off_s[i % 3], with a bit mask of the tile's non-keys (past the
-// unit, slot -1), whose rows cp.async fills with zeros instead of reading. Per tile: S = Q K^T
+// Pipeline: tile i lands in stage i % 2 while tile i - 1 is computed. The block-table entries
+// and slots of tile i's keys (threads 0..KT-1, one key each) are copied asynchronously while
+// tile i - 2 is computed, and after it the same threads turn them into row offsets in
+// off_s[i % 3], with a bit mask of the tile's non-keys (past the unit, slot -1), whose rows
+// cp.async fills with zeros instead of reading: no thread waits on a lookup's global reads
+// (a warp that did would hold the others at the next barrier). Per tile: S = Q K^T
 // on the tensor cores; the scale, soft cap and ALiBi on the fragments; where the tile is
 // `masked` (a non-key in it, or a row that does not attend all of it) a select puts -Inf on
 // the scores rows do not attend; the online softmax per row (a quad of lanes holds a row); P
@@ -583,11 +714,15 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     constexpr int DT = DP / 8;  // n-tiles of the output
     static_assert(KT <= 64 && THREADS >= 64, "threads 0..63 look up a tile's keys");
     __shared__ i64 off_s[3][KT];     // element offset of each key's row; -1: not a key
+    __shared__ i64 table_s[3][KT];   // paged: the block-table entry of each key
+    __shared__ i64 slot_s[3][KT];    // each new token's slot
     __shared__ u32 invalid_s[3][2];  // bit t: key t of the tile is not a key
     __shared__ int range_s[2];       // the largest lo and the smallest hi of the real rows
+    __shared__ i64 seq_s[3];         // the sequence's SEQ_NEW_START, SEQ_SLOT_BASE, SEQ_KEY_BASE
 
-    u8* const smem = dynamic_shared(S::BYTES);
-    const u32 base = smem_address(smem);
+    u8* const given = dynamic_shared(S::BYTES);
+    const u32 base = (smem_address(given) + S::ALIGN - 1) & ~(u32)(S::ALIGN - 1);
+    u8* const smem = given + (base - smem_address(given));
     const u32 q_base = base + 4 * S::TILE_BYTES;
 
     typedef typename E::Bits Bits;
@@ -612,7 +747,9 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
     // Row ri of this thread's row block mt, counted in the unit.
-    auto row_index = [&](int mt, int ri) { return row_base + 16 * (MT * warp + mt) + g + 8 * ri; };
+    auto row_index = [&](int mt, int ri) {
+        return row_base + (S::WGMMA ? 64 * mt + 16 * warp : 16 * (MT * warp + mt)) + g + 8 * ri;
+    };
 
     // This thread's rows; rows past `rows` attend nothing (and are never written). The keys
     // a row attends, [lo, hi), are only needed on masked tiles: they wait in shared memory
@@ -642,18 +779,35 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         }
     }
 
-    // Where key t = tid of tile i is stored (threads 0..KT-1; -1 for the others and past the
-    // tiles): global reads, made a tile before `publish` needs them, so that their latency
-    // passes during a tile's arithmetic instead of stalling the threads that made them.
-    auto lookup = [&](int i) -> i64 {
-        return tid < KT && i < tiles ? key_offset<D>(p, seq, kv_head, key_end, block_div,
-                                                     (i64)key_start + (i64)i * KT + tid)
-                                     : -1;
+    // Key t = tid of tile i (threads 0..KT-1): its slot (a new token) and block-table entry
+    // (paged) copied into slot_s and table_s, one commit group (empty for the other threads
+    // and past the tiles).
+    auto request = [&](int i) {
+        const i64 j = (i64)key_start + (i64)i * KT + tid;
+        if (tid < KT && i < tiles && j < key_end) {
+            const i64 new_start = seq_s[0];
+            if (j >= new_start) {
+                cp_async<8>(smem_address(&slot_s[i % 3][tid]), p.slots + seq_s[1] + j - new_start,
+                            false);
+            }
+            if (p.paged) {
+                cp_async<8>(smem_address(&table_s[i % 3][tid]),
+                            p.tables + seq_s[2] + (u32)j / block_div, false);
+            }
+        }
+        cp_async_commit();
     };
-    // Tile i's lookups into shared memory (threads 0..63; both warps vote on the non-key
-    // mask).
-    auto publish = [&](int i, i64 off) {
+    // Tile i's row offsets from its requested entries (which must have landed) into shared
+    // memory (threads 0..63; both warps vote on the non-key mask).
+    auto publish = [&](int i) {
         if (tid < 64) {
+            const i64 j = (i64)key_start + (i64)i * KT + tid;
+            i64 off = -1;
+            if (tid < KT && i < tiles &&
+                is_key(j, key_end, seq_s[0], j >= seq_s[0] ? slot_s[i % 3][tid] : 0)) {
+                off = p.paged ? paged_offset<D>(p, table_s[i % 3][tid], kv_head, (u32)j, block_div)
+                              : dense_offset<D>(p, seq_s[2], kv_head, j);
+            }
             if (tid < KT) {
                 off_s[i % 3][tid] = off;
             }
@@ -663,7 +817,8 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             }
         }
     };
-    // Tile i's keys and values into stage i % 2 (zeros for non-keys), one commit group.
+    // Tile i's keys and values into stage i % 2 (zeros for non-keys), one commit group (empty
+    // past the tiles).
     auto fetch = [&](int i) {
         const u32 k_dst = base + (i % 2) * S::TILE_BYTES;
         const u32 v_dst = k_dst + 2 * S::TILE_BYTES;
@@ -671,53 +826,69 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         // Where the threads divide into whole rows (CH a divisor of THREADS), a thread's
         // 16-byte column is the same in every copy: its part of the address is made once.
         constexpr bool FIXED_COL = THREADS % CH == 0;
+        if (i < tiles) {
+            // Every offset first: one shared-memory latency for the tile, not one per copy.
+            i64 offs[COPIES];
 #pragma unroll
-        for (int k = 0; k < COPIES; ++k) {
-            const int c = tid + k * THREADS;
-            if (KT * CH % THREADS != 0 && c >= KT * CH) {
-                break;
+            for (int k = 0; k < COPIES; ++k) {
+                const int c = tid + k * THREADS;
+                const int t = FIXED_COL ? tid / CH + k * (THREADS / CH) : c / CH;
+                offs[k] = KT * CH % THREADS != 0 && c >= KT * CH ? -1 : off_s[i % 3][t];
             }
-            const int t = FIXED_COL ? tid / CH + k * (THREADS / CH) : c / CH;
-            const int col = FIXED_COL ? tid % CH : c % CH;
-            const i64 off = off_s[i % 3][t];
-            const u32 at = t * ROW_BYTES + col * 16;
-            // A non-key's row reads nothing (zeros), from any valid address.
-            const i64 src = (off >= 0 ? off : 0) + col * 8;
-            cp_async<16>(k_dst + at, keys + src, off < 0);
-            cp_async<16>(v_dst + at, values + src, off < 0);
+#pragma unroll
+            for (int k = 0; k < COPIES; ++k) {
+                const int c = tid + k * THREADS;
+                if (KT * CH % THREADS != 0 && c >= KT * CH) {
+                    break;
+                }
+                const int t = FIXED_COL ? tid / CH + k * (THREADS / CH) : c / CH;
+                const int col = FIXED_COL ? tid % CH : c % CH;
+                const u32 at = S::chunk_at(KT, t, col);
+                // A non-key's row reads nothing (zeros), from any valid address.
+                const i64 src = (offs[k] >= 0 ? offs[k] : 0) + col * 8;
+                cp_async<16>(k_dst + at, keys + src, offs[k] < 0);
+                cp_async<16>(v_dst + at, values + src, offs[k] < 0);
+            }
         }
         cp_async_commit();
     };
 
-    // Prologue: the padding columns of every stage (never written by cp.async), the query
-    // tile, the first two tiles' key lookups.
+    // Prologue: the sequence's fields, the padding columns of every stage (never written by
+    // cp.async), the first two tiles' key lookups, the query tile (its own commit group, which
+    // the loop's first wait covers), the first tile.
     if (tid == 0) {
         range_s[0] = -0x7fffffff - 1;
         range_s[1] = 0x7fffffff;
+        seq_s[0] = seq[SEQ_NEW_START];
+        seq_s[1] = seq[SEQ_SLOT_BASE];
+        seq_s[2] = seq[SEQ_KEY_BASE];
     }
     if constexpr (DP > D) {
         constexpr int PAD = (DP - D) / 8;
         for (int c = tid; c < 4 * KT * PAD; c += THREADS) {
             const int row = c / PAD, col = CH + c % PAD;
-            *(U128*)(smem + row * ROW_BYTES + col * 16) = U128{0, 0, 0, 0};
+            *(U128*)(smem + row / KT * S::TILE_BYTES + S::chunk_at(KT, row % KT, col)) =
+                U128{0, 0, 0, 0};
         }
     }
+    __syncthreads();
+    request(0);
+    request(1);
     for (int c = tid; c < S::CTA_ROWS * (DP / 8); c += THREADS) {
         const int r = c / (DP / 8), col = c % (DP / 8);
-        U128 v = {0, 0, 0, 0};
-        if (row_base + r < rows && col < CH) {
-            const int ur = row_base + r;
-            const i64 token = first_token + ur / heads, head = first_head + ur % heads;
-            v = *(const U128*)(query + (token * p.num_heads + head) * D + col * 8);
-        }
-        *(U128*)(smem + 4 * S::TILE_BYTES + r * ROW_BYTES + col * 16) = v;
+        const int ur = row_base + r;
+        const bool real = ur < rows && col < CH;
+        const i64 token = first_token + ur / heads, head = first_head + ur % heads;
+        // Padding rows and columns: zeros, from any valid address.
+        cp_async<16>(q_base + S::chunk_at(S::CTA_ROWS, r, col),
+                     query + (real ? (token * p.num_heads + head) * D + col * 8 : 0), !real);
     }
-    publish(0, lookup(0));
-    publish(1, lookup(1));
+    cp_async_commit();
+    cp_async_wait<1>();
+    publish(0);
+    publish(1);
     __syncthreads();
-    if (tiles > 0) {
-        fetch(0);
-    }
+    fetch(0);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -736,7 +907,9 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     };
     constexpr int QF = S::Q_REGS ? DP / 16 : 1;
     u32 qf[MT][QF][4];
-    if (S::Q_REGS) {
+    if constexpr (S::Q_REGS) {
+        cp_async_wait<0>();
+        __syncthreads();
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -769,17 +942,19 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
 #pragma unroll 1
     for (int i = 0; i < tiles; ++i) {
         // (A) Everyone is past tile i - 1, whose stage tile i + 1 now overwrites, and sees
-        // tile i + 1's lookups (and, at i = 0, the rows' range).
+        // tile i + 1's offsets (and, at i = 0, the rows' range).
         __syncthreads();
-        if (i + 1 < tiles) {
-            fetch(i + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+        request(i + 2);
+        fetch(i + 1);
+        cp_async_wait<2>();
+        if constexpr (S::WGMMA) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+            fence_async_shared();
+#endif
         }
-        // (B) Tile i has landed, for every thread's copies.
+        // (B) Tile i has landed (every group but the two just made), for every thread's copies
+        // (and, with wgmma, for the tensor cores' reads).
         __syncthreads();
-        const i64 ahead = lookup(i + 2);
         const int j0 = key_start + i * KT;
         const u64 absent = (u64)invalid_s[i % 3][1] << 32 | invalid_s[i % 3][0];
         const bool rows_full = range_s[0] <= j0 && range_s[1] >= min(j0 + KT, key_end);
@@ -787,37 +962,57 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         const u32 k_tile = base + (i % 2) * S::TILE_BYTES;
         const u32 v_tile = k_tile + 2 * S::TILE_BYTES;
 
-        // S = Q K^T: each key fragment serves the warp's MT row blocks.
+        // S = Q K^T: with wgmma, per k-step one m64 block after the other; else each key
+        // fragment serves the warp's MT row blocks.
         float s[MT][NT][4];
+        if constexpr (S::WGMMA) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+            wgmma_fence();
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+            for (int kk = 0; kk < DP / 16; ++kk) {
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+                for (int mt = 0; mt < MT; ++mt) {
+                    Wgmma<E>::qk(s[mt],
+                                 wgmma_desc(q_base + (kk / 4) * (S::CTA_ROWS * 128) +
+                                                mt * 64 * 128 + (kk % 4) * 32,
+                                            16),
+                                 wgmma_desc(k_tile + (kk / 4) * (KT * 128) + (kk % 4) * 32, 16),
+                                 kk > 0);
+                }
             }
-        }
-#pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk) {
-            u32 a[MT][4];
+            wgmma_finish();
+#endif
+        } else {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                if (S::Q_REGS) {
 #pragma unroll
-                    for (int x = 0; x < 4; ++x) {
-                        a[mt][x] = qf[mt][S::Q_REGS ? kk : 0][x];
-                    }
-                } else {
-                    ldmatrix_x4(a[mt], q_lane(mt) + kk * 32);
+                for (int n = 0; n < NT; ++n) {
+                    s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
                 }
             }
 #pragma unroll
-            for (int nn = 0; nn < KT / 16; ++nn) {
-                u32 b[4];
-                ldmatrix_x4(b, k_tile + nn * 16 * ROW_BYTES + k_lane + kk * 32);
+            for (int kk = 0; kk < DP / 16; ++kk) {
+                u32 a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    E::mma(s[mt][2 * nn], a[mt], b[0], b[1]);
-                    E::mma(s[mt][2 * nn + 1], a[mt], b[2], b[3]);
+                    if (S::Q_REGS) {
+#pragma unroll
+                        for (int x = 0; x < 4; ++x) {
+                            a[mt][x] = qf[mt][S::Q_REGS ? kk : 0][x];
+                        }
+                    } else {
+                        ldmatrix_x4(a[mt], q_lane(mt) + kk * 32);
+                    }
+                }
+#pragma unroll
+                for (int nn = 0; nn < KT / 16; ++nn) {
+                    u32 b[4];
+                    ldmatrix_x4(b, k_tile + nn * 16 * ROW_BYTES + k_lane + kk * 32);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        E::mma(s[mt][2 * nn], a[mt], b[0], b[1]);
+                        E::mma(s[mt][2 * nn + 1], a[mt], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -864,6 +1059,9 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             scores(Flag<false>());
             attended = ~0u;
         }
+        // Each row's new max, the factor rescaling its state, its softmax base.
+        float alpha[MT][2], base_of[MT][2];
+        bool all_foldable = true, changed = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -876,23 +1074,52 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                 tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 1));
                 tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 2));
                 const float m_new = fmaxf(m[mt][ri], tile_max);
-                const float alpha = rescale(m[mt][ri], m_new);
+                alpha[mt][ri] = rescale(m[mt][ri], m_new);
                 m[mt][ri] = m_new;
-                const float base_ri = softmax_base(m_new);
-                float sum = 0.0f;
+                base_of[mt][ri] = softmax_base(m_new);
+                all_foldable &= foldable(base_of[mt][ri]);
+                changed |= alpha[mt][ri] != 1.0f;
+            }
+        }
+        // The weights and the rows' sums: one FFMA per score where every row of the warp has
+        // a small base, else `weight` (a warp-uniform choice).
+        auto weights = [&](auto folded) {
 #pragma unroll
-                for (int n = 0; n < NT; ++n) {
+            for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-                    for (int e = 2 * ri; e < 2 * ri + 2; ++e) {
-                        s[mt][n][e] = weight(s[mt][n][e], base_ri);
-                        sum += s[mt][n][e];
+                for (int ri = 0; ri < 2; ++ri) {
+                    const float base_log2e = base_of[mt][ri] * LOG2E;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                        for (int e = 2 * ri; e < 2 * ri + 2; ++e) {
+                            s[mt][n][e] = decltype(folded)::value
+                                              ? weight_folded(s[mt][n][e], base_log2e)
+                                              : weight(s[mt][n][e], base_of[mt][ri]);
+                            sum += s[mt][n][e];
+                        }
                     }
+                    l[mt][ri] = l[mt][ri] * alpha[mt][ri] + sum;
                 }
-                l[mt][ri] = l[mt][ri] * alpha + sum;
+            }
+        };
+        if (__all_sync(FULL, all_foldable)) {
+            weights(Flag<true>());
+        } else {
+            weights(Flag<false>());
+        }
+        // The accumulators rescaled, unless no row of the warp changed its max (every factor
+        // exactly 1).
+        if (__any_sync(FULL, changed)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
                 for (int n = 0; n < DT; ++n) {
-                    o[mt][n][2 * ri] *= alpha;
-                    o[mt][n][2 * ri + 1] *= alpha;
+                    o[mt][n][0] *= alpha[mt][0];
+                    o[mt][n][1] *= alpha[mt][0];
+                    o[mt][n][2] *= alpha[mt][1];
+                    o[mt][n][3] *= alpha[mt][1];
                 }
             }
         }
@@ -903,7 +1130,8 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             bool bad = false;
             for (int c = tid; c < KT * CH; c += THREADS) {
                 const int t = c / CH, col = c % CH;
-                const U128 v = *(const U128*)(smem + (v_tile - base) + t * ROW_BYTES + col * 16);
+                const U128 v =
+                    *(const U128*)(smem + (v_tile - base) + S::chunk_at(KT, t, col));
                 const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                 for (int x = 0; x < 4; ++x) {
@@ -915,26 +1143,54 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         }
 
         if (!by_selects) {
-            // O += P V: P's A fragments are the score fragments of two n-tiles; each value
-            // fragment serves the warp's MT row blocks.
+            if constexpr (S::WGMMA) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+                // O += P V by wgmma: P's A fragments (the score fragments of two n-tiles) all
+                // made first, since they must not change until the wgmma finish.
+                u32 a[KT / 16][MT][4];
 #pragma unroll
-            for (int kk = 0; kk < KT / 16; ++kk) {
-                u32 a[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    a[mt][0] = E::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    a[mt][1] = E::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    a[mt][2] = E::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    a[mt][3] = E::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                }
-#pragma unroll
-                for (int nd = 0; nd < DP / 16; ++nd) {
-                    u32 b[4];
-                    ldmatrix_x4_trans(b, v_tile + kk * 16 * ROW_BYTES + v_lane + nd * 32);
+                for (int kk = 0; kk < KT / 16; ++kk) {
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        E::mma(o[mt][2 * nd], a[mt], b[0], b[1]);
-                        E::mma(o[mt][2 * nd + 1], a[mt], b[2], b[3]);
+                        a[kk][mt][0] = E::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                        a[kk][mt][1] = E::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                        a[kk][mt][2] = E::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                        a[kk][mt][3] = E::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                    }
+                }
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < KT / 16; ++kk) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        Wgmma<E>::pv(o[mt], a[kk][mt],
+                                     wgmma_desc(v_tile + kk * 16 * 128, KT * 128));
+                    }
+                }
+                wgmma_finish();
+#endif
+            } else {
+                // O += P V: P's A fragments are the score fragments of two n-tiles; each value
+                // fragment serves the warp's MT row blocks.
+#pragma unroll
+                for (int kk = 0; kk < KT / 16; ++kk) {
+                    u32 a[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        a[mt][0] = E::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                        a[mt][1] = E::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                        a[mt][2] = E::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                        a[mt][3] = E::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                    }
+#pragma unroll
+                    for (int nd = 0; nd < DP / 16; ++nd) {
+                        u32 b[4];
+                        ldmatrix_x4_trans(b, v_tile + kk * 16 * ROW_BYTES + v_lane + nd * 32);
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            E::mma(o[mt][2 * nd], a[mt], b[0], b[1]);
+                            E::mma(o[mt][2 * nd + 1], a[mt], b[2], b[3]);
+                        }
                     }
                 }
             }
@@ -947,7 +1203,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                 : S::SCRATCH_IN_KEYS ? smem + (i % 2) * S::TILE_BYTES
                                      : smem + 4 * S::TILE_BYTES + S::Q_BYTES;
             float* const ps = (float*)scratch_at + warp * 16 * KT;
-            const Bits* v_rows = (const Bits*)(smem + (v_tile - base));
+            const u8* const v_stage = smem + (v_tile - base);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -966,11 +1222,10 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                     const bool a0 = key && j >= lo_s[r0] && j < hi_s[r0];
                     const bool a1 = key && j >= lo_s[r1] && j < hi_s[r1];
                     const float p0 = ps[g * KT + t], p1 = ps[(g + 8) * KT + t];
-                    const Bits* v = v_rows + t * (ROW_BYTES / 2);
 #pragma unroll
                     for (int n = 0; n < DT; ++n) {
-                        const int d = 8 * n + 2 * t4;
-                        const float v0 = E::to_f32(v[d]), v1 = E::to_f32(v[d + 1]);
+                        const Bits* v = (const Bits*)(v_stage + S::chunk_at(KT, t, n)) + 2 * t4;
+                        const float v0 = E::to_f32(v[0]), v1 = E::to_f32(v[1]);
                         o[mt][n][0] = a0 ? fmaf(p0, v0, o[mt][n][0]) : o[mt][n][0];
                         o[mt][n][1] = a0 ? fmaf(p0, v1, o[mt][n][1]) : o[mt][n][1];
                         o[mt][n][2] = a1 ? fmaf(p1, v0, o[mt][n][2]) : o[mt][n][2];
@@ -980,9 +1235,13 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                 __syncwarp();
             }
         }
-        // Seen by tile i + 1's fetch of tile i + 2 after its barrier (A).
-        publish(i + 2, ahead);
+        // Tile i + 2's entries (every group but tile i + 1's), then its offsets: seen by tile
+        // i + 1's fetch of tile i + 2 after its barrier (A).
+        cp_async_wait<1>();
+        publish(i + 2);
     }
+    // No copy outlives the kernel (with no tiles, the query tile's).
+    cp_async_wait<0>();
 
     // The rows' sums and flags over their quads, then the output (pairs of elements).
 #pragma unroll

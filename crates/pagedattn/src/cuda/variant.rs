@@ -241,7 +241,8 @@ pub(crate) fn mma_cta_rows(d: usize) -> usize {
 /// padded to a multiple of 16, plus 16 bytes), then the query tile and the scratch of the
 /// P.V by selects, one row block of each warp at a time (in the query tile's bytes when the
 /// query fragments live in registers, in the tile's key stage when that holds it, else
-/// after the query tile).
+/// after the query tile). The wgmma kernels of sm_90a (D = 120, 128) store the same tiles
+/// unpadded, 128-byte swizzled, from a 1 KiB-aligned start: fewer bytes, which this covers.
 pub(crate) fn mma_shared_bytes(d: usize) -> u32 {
     let dp = d.div_ceil(16) * 16;
     let keys = if d <= 128 { 64 } else { 32 };
@@ -430,6 +431,11 @@ mod tests {
         assert_eq!(mma_shared_bytes(80), 4 * 64 * 176 + 128 * 176 + 16384);
         for d in [32, 64, 80, 96, 112, 120, 128, 192, 256] {
             assert!(mma_shared_bytes(d) <= 113 * 1024, "D = {d}");
+        }
+        // The wgmma layout (sm_90a, D = 120 and 128): four swizzled 64 x 128 tiles, the
+        // 128-row query tile (the scratch in a key stage), 1 KiB of alignment.
+        for d in [120, 128] {
+            assert!(4 * 64 * 128 * 2 + 128 * 128 * 2 + 1024 <= mma_shared_bytes(d));
         }
     }
 
