@@ -457,14 +457,15 @@ __device__ __forceinline__ float weight(float s, float base) {
     return exp2_fast((s - base) * LOG2E);
 }
 
-// The weight as 2^(s log2(e) - base log2(e)) in one FFMA, given base log2(e) (rounded once),
-// for a base where `foldable`: of magnitude at most 2^10, where that rounding moves the
-// weight by less than 1e-4 relative (2^10 log2(e) 2^-24 ln 2), far inside the 16-bit
-// outputs' tolerance. Larger bases (huge scores) take `weight`, whose error does not grow
-// with the base.
+// The weight as 2^(x to_log2 - base log2(e)) in one FFMA, given base log2(e) (rounded once)
+// and a value x whose score is x to_log2 / log2(e) (the score itself with to_log2 = log2(e),
+// or the unscaled dot product with to_log2 = scale log2(e), rounded once), for a base where
+// `foldable`: of magnitude at most 2^10, where those roundings move the weight by less than
+// 1e-4 relative (2^10 log2(e) 2^-23 ln 2), far inside the 16-bit outputs' tolerance. Larger
+// bases (huge scores) take `weight`, whose error does not grow with the base.
 __device__ __forceinline__ bool foldable(float base) { return fabsf(base) <= 1024.0f; }
-__device__ __forceinline__ float weight_folded(float s, float base_log2e) {
-    return exp2_fast(fmaf(s, LOG2E, -base_log2e));
+__device__ __forceinline__ float weight_folded(float s, float to_log2, float base_log2e) {
+    return exp2_fast(fmaf(s, to_log2, -base_log2e));
 }
 
 // The factor rescaling a state of max m_old to the max m_new: an unchanged max rescales by
@@ -746,6 +747,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     const u32 block_div = block_divisor(p);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
+    const bool unscaled = !ALIBI && !CAP && p.score_scale > 0.0f;  // see `scores`
     // Row ri of this thread's row block mt, counted in the unit.
     auto row_index = [&](int mt, int ri) {
         return row_base + (S::WGMMA ? 64 * mt + 16 * warp : 16 * (MT * warp + mt)) + g + 8 * ri;
@@ -1021,9 +1023,12 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         // modifiers and, on a masked tile, -Inf where a row does not attend a key; then the
         // online softmax of this thread's rows (a quad of lanes shares each row). The masked
         // and the plain tile are two copies of the loop, so that the plain one carries no
-        // mask arithmetic.
-        auto scores = [&](auto masked_tile) {
+        // mask arithmetic. Variants without soft cap and ALiBi keep a positive scale out of the
+        // scores (`unscaled`): the max and the masks work on the dot products themselves, whose
+        // order is the scaled scores', and the scale joins the weights' exponent factor.
+        auto scores = [&](auto masked_tile, auto unscaled_tile) {
             constexpr bool MASKED = decltype(masked_tile)::value;
+            constexpr bool UNSCALED = decltype(unscaled_tile)::value;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 int row_lo[2], row_hi[2];
@@ -1039,8 +1044,10 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int t = 8 * n + 2 * t4 + e % 2, ri = e / 2;
-                        float x = modify_score<MASK, ALIBI, CAP>(
-                            p, s[mt][n][e] * p.score_scale, j0 + t - pos[mt][ri], slope[mt][ri]);
+                        float x = UNSCALED ? s[mt][n][e]
+                                           : modify_score<MASK, ALIBI, CAP>(
+                                                 p, s[mt][n][e] * p.score_scale,
+                                                 j0 + t - pos[mt][ri], slope[mt][ri]);
                         if (MASKED) {
                             const int j = j0 + t;
                             const bool a = (((absent >> t) & 1) == 0) & (j >= row_lo[ri]) &
@@ -1053,10 +1060,14 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                 }
             }
         };
-        if (masked) {
-            scores(Flag<true>());
+        if (masked && unscaled) {
+            scores(Flag<true>(), Flag<true>());
+        } else if (masked) {
+            scores(Flag<true>(), Flag<false>());
         } else {
-            scores(Flag<false>());
+            if (!unscaled) {
+                scores(Flag<false>(), Flag<false>());
+            }
             attended = ~0u;
         }
         // Each row's new max, the factor rescaling its state, its softmax base.
@@ -1073,7 +1084,8 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                 }
                 tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 1));
                 tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 2));
-                const float m_new = fmaxf(m[mt][ri], tile_max);
+                const float m_new =
+                    fmaxf(m[mt][ri], unscaled ? tile_max * p.score_scale : tile_max);
                 alpha[mt][ri] = rescale(m[mt][ri], m_new);
                 m[mt][ri] = m_new;
                 base_of[mt][ri] = softmax_base(m_new);
@@ -1082,7 +1094,10 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             }
         }
         // The weights and the rows' sums: one FFMA per score where every row of the warp has
-        // a small base, else `weight` (a warp-uniform choice).
+        // a small base, else `weight` (a warp-uniform choice). `to_score` turns a value of s
+        // into its score, `to_log2` into the score times log2(e).
+        const float to_score = unscaled ? p.score_scale : 1.0f;
+        const float to_log2 = to_score * LOG2E;
         auto weights = [&](auto folded) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
@@ -1094,9 +1109,10 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                     for (int n = 0; n < NT; ++n) {
 #pragma unroll
                         for (int e = 2 * ri; e < 2 * ri + 2; ++e) {
-                            s[mt][n][e] = decltype(folded)::value
-                                              ? weight_folded(s[mt][n][e], base_log2e)
-                                              : weight(s[mt][n][e], base_of[mt][ri]);
+                            s[mt][n][e] =
+                                decltype(folded)::value
+                                    ? weight_folded(s[mt][n][e], to_log2, base_log2e)
+                                    : weight(s[mt][n][e] * to_score, base_of[mt][ri]);
                             sum += s[mt][n][e];
                         }
                     }

@@ -74,6 +74,7 @@ __device__ u8 fp8_encode(float x) {
 
 // How a cache stores an element: as the activation's bits, or as an fp8 code.
 struct Auto {
+    static constexpr bool COPIES = true;  // the bits unchanged: rows may move in 16-byte pieces
     template <class E> struct Cache { typedef typename E::Bits Type; };
     template <class E>
     static __device__ typename E::Bits store(typename E::Bits bits, float) { return bits; }
@@ -81,6 +82,7 @@ struct Auto {
 
 template <class F>
 struct Fp8 {
+    static constexpr bool COPIES = false;
     template <class E> struct Cache { typedef u8 Type; };
     template <class E>
     static __device__ u8 store(typename E::Bits bits, float scale) {
@@ -89,7 +91,15 @@ struct Fp8 {
     }
 };
 
-// One thread block per token; its threads stride over the token's Hkv * D elements.
+// 16 bytes, for vector loads and stores.
+struct alignas(16) U128 {
+    u32 x, y, z, w;
+};
+
+// One thread block per token; its threads stride over the token's Hkv * D elements, 16 bytes
+// at a time where the format copies bits and every row and buffer is 16-byte aligned (a
+// fifth of the instructions per byte: the write of a long prompt's keys and values then
+// runs at the copy bandwidth), else element by element.
 template <class E, class S>
 __device__ void write_kv(const typename E::Bits* key, const typename E::Bits* value,
                          typename S::template Cache<E>::Type* key_cache,
@@ -104,6 +114,26 @@ __device__ void write_kv(const typename E::Bits* key, const typename E::Bits* va
     const i64 block = slot / block_size;
     const i64 offset = slot % block_size;
     const int row = num_kv_heads * head_size;
+    if constexpr (S::COPIES) {
+        constexpr int V = 16 / sizeof(typename E::Bits);  // elements per piece
+        const bool aligned =
+            head_size % V == 0 &&
+            (((unsigned long long)key | (unsigned long long)value |
+              (unsigned long long)key_cache | (unsigned long long)value_cache) &
+             15) == 0;
+        if (aligned) {
+            const int pieces = head_size / V;
+            for (int i = threadIdx.x; i < row / V; i += blockDim.x) {
+                const int h = i / pieces;
+                const int d = (i % pieces) * V;
+                const i64 src = t * row + (i64)i * V;
+                const i64 dst = ((block * num_kv_heads + h) * block_size + offset) * head_size + d;
+                *(U128*)(key_cache + dst) = *(const U128*)(key + src);
+                *(U128*)(value_cache + dst) = *(const U128*)(value + src);
+            }
+            return;
+        }
+    }
     for (int i = threadIdx.x; i < row; i += blockDim.x) {
         const int h = i / head_size;
         const int d = i % head_size;
