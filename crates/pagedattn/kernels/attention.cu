@@ -688,8 +688,8 @@ struct MmaShape {
     static constexpr int BYTES = 4 * TILE_BYTES + SCRATCH + (ALIGN - 16);
 };
 
-// CTA_ROWS rows of a prefill unit (row block mt of warp w: rows 16 (MT w + mt) + lane / 4
-// and + 8 are this thread's, after the CTA's first row blockIdx.y * CTA_ROWS) over the
+// CTA_ROWS rows of a prefill unit (row block mt of warp w, as MmaShape says: rows + lane / 4
+// and + 8 of it are this thread's, after the CTA's first row blockIdx.y * CTA_ROWS) over the
 // unit's keys, in tiles of KT keys.
 //
 // Pipeline: tile i lands in stage i % 2 while tile i - 1 is computed. The block-table entries
@@ -698,7 +698,8 @@ struct MmaShape {
 // off_s[i % 3], with a bit mask of the tile's non-keys (past the unit, slot -1), whose rows
 // cp.async fills with zeros instead of reading: no thread waits on a lookup's global reads
 // (a warp that did would hold the others at the next barrier). Per tile: S = Q K^T
-// on the tensor cores; the scale, soft cap and ALiBi on the fragments; where the tile is
+// on the tensor cores (wgmma: after each thread's copies are fenced for the async proxy);
+// the scale (unless `unscaled`), soft cap and ALiBi on the fragments; where the tile is
 // `masked` (a non-key in it, or a row that does not attend all of it) a select puts -Inf on
 // the scores rows do not attend; the online softmax per row (a quad of lanes holds a row); P
 // rounded to E, then O += P V on the tensor cores. A masked tile where some row does not
