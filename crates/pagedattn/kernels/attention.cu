@@ -593,23 +593,10 @@ __device__ __forceinline__ void fence_async_shared() {
     "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
     "+f"(d[7][2]), "+f"(d[7][3])
 #define WGMMA_D64 \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    WGMMA_D32 ", " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define WGMMA_OUT64(d) \
-    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
-    "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
-    "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
-    "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-    "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), \
-    "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), \
-    "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-    "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), \
-    "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), \
-    "+f"(d[15][2]), "+f"(d[15][3])
+#define WGMMA_OUT64(d) WGMMA_OUT32(d), WGMMA_OUT32((d + 8))
 // qk: S (+)= A B^T for an m64 block, A (64 rows x 16) and B (64 keys x 16) K-major in shared
 // memory. pv: O += P V, P (64 rows x 16 keys) in mma.sync's A fragments, V (16 keys x 128)
 // N-major in shared memory. The accumulators are mma.sync's m16n8 fragments, n-tile after
@@ -1159,20 +1146,25 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             by_selects = __syncthreads_or(bad) != 0;
         }
 
+        // P's A fragment of row block mt for keys 16 kk.. 16 kk + 15: the score fragments of
+        // n-tiles 2 kk and 2 kk + 1, rounded to E.
+        auto p_fragment = [&](u32(&a)[4], int mt, int kk) {
+            a[0] = E::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            a[1] = E::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            a[2] = E::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            a[3] = E::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        };
         if (!by_selects) {
             if constexpr (S::WGMMA) {
 #ifdef __CUDA_ARCH_FEAT_SM90_ALL
-                // O += P V by wgmma: P's A fragments (the score fragments of two n-tiles) all
-                // made first, since they must not change until the wgmma finish.
+                // O += P V by wgmma: P's A fragments all made first, since they must not
+                // change until the wgmma finish.
                 u32 a[KT / 16][MT][4];
 #pragma unroll
                 for (int kk = 0; kk < KT / 16; ++kk) {
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        a[kk][mt][0] = E::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                        a[kk][mt][1] = E::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                        a[kk][mt][2] = E::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                        a[kk][mt][3] = E::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                        p_fragment(a[kk][mt], mt, kk);
                     }
                 }
                 wgmma_fence();
@@ -1187,17 +1179,13 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                 wgmma_finish();
 #endif
             } else {
-                // O += P V: P's A fragments are the score fragments of two n-tiles; each value
-                // fragment serves the warp's MT row blocks.
+                // O += P V: each value fragment serves the warp's MT row blocks.
 #pragma unroll
                 for (int kk = 0; kk < KT / 16; ++kk) {
                     u32 a[MT][4];
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        a[mt][0] = E::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                        a[mt][1] = E::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                        a[mt][2] = E::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                        a[mt][3] = E::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                        p_fragment(a[mt], mt, kk);
                     }
 #pragma unroll
                     for (int nd = 0; nd < DP / 16; ++nd) {
