@@ -33,6 +33,29 @@ import sys
 import time
 import traceback
 
+# Instruction sets matched on both sides (--isa): pagedattn's PAGEDATTN_ISA, ATen's and IPEX's
+# ATEN_CPU_CAPABILITY and oneDNN's ONEDNN_MAX_CPU_ISA. They must be set before torch loads.
+ISA_ENV = {
+    "avx2": {"PAGEDATTN_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"PAGEDATTN_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx512bf16": {"PAGEDATTN_ISA": "avx512bf16", "ATEN_CPU_CAPABILITY": "avx512_bf16",
+                   "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "amx": {"PAGEDATTN_ISA": "amx", "ATEN_CPU_CAPABILITY": "amx", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"},
+}
+
+
+def isa_from_argv(argv):
+    for i, a in enumerate(argv):
+        if a == "--isa" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--isa="):
+            return a.split("=", 1)[1]
+    return None
+
+
+if isa_from_argv(sys.argv[1:]) in ISA_ENV:
+    os.environ.update(ISA_ENV[isa_from_argv(sys.argv[1:])])
+
 # Compile FlexAttention in this process: inductor's pool of compile workers otherwise keeps
 # competing for the cores and slows every later measurement (seen: 0.2 ms -> 12 ms).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -59,6 +82,10 @@ def parse_args():
                         "(each shape costs a torch.compile of ~30 s)")
     p.add_argument("--from-json", help="use this `pagedattn bench --json` output instead of running pagedattn")
     p.add_argument("--json-out", help="also write every number (both sides) to this file")
+    p.add_argument("--isa", choices=sorted(ISA_ENV),
+                   help="force one instruction set on both sides (PAGEDATTN_ISA; ATEN_CPU_CAPABILITY and "
+                        "ONEDNN_MAX_CPU_ISA for PyTorch and IPEX)")
+    p.add_argument("--no-ipex", action="store_true", help="leave IPEX out even where it imports")
     return p.parse_args()
 
 
@@ -189,11 +216,11 @@ class Workload:
         if self.fp8:
             k = (k.float() / self.k_scale).to(self.cache_dtype)
             v = (v.float() / self.v_scale).to(self.cache_dtype)
-            if self.device != "cpu":  # no index_put for float8 on CUDA: write the codes
-                kc, vc = self.k_cache[layer].view(torch.uint8), self.v_cache[layer].view(torch.uint8)
-                kc[self.slot_blk, :, self.slot_off, :] = k.view(torch.uint8)
-                vc[self.slot_blk, :, self.slot_off, :] = v.view(torch.uint8)
-                return
+            # No index_put for float8 (CUDA, and the CPU in torch 2.8): write the codes.
+            kc, vc = self.k_cache[layer].view(torch.uint8), self.v_cache[layer].view(torch.uint8)
+            kc[self.slot_blk, :, self.slot_off, :] = k.view(torch.uint8)
+            vc[self.slot_blk, :, self.slot_off, :] = v.view(torch.uint8)
+            return
         self.k_cache[layer][self.slot_blk, :, self.slot_off, :] = k
         self.v_cache[layer][self.slot_blk, :, self.slot_off, :] = v
 
@@ -203,7 +230,8 @@ class Workload:
         tables = torch.stack([self.tables[i] for i in idx])  # [S, M]
         out = []
         for cache, scale in ((self.k_cache[layer], self.k_scale), (self.v_cache[layer], self.v_scale)):
-            x = cache[tables]  # [S, M, Hkv, B, D]
+            # [S, M, Hkv, B, D]; float8 gathered as its codes (no float8 indexing in torch 2.8)
+            x = cache.view(torch.uint8)[tables].view(cache.dtype) if self.fp8 else cache[tables]
             x = x.permute(0, 2, 1, 3, 4).reshape(len(idx), self.Hkv, -1, self.D)[:, :, :n]
             if self.fp8:
                 x = x.to(self.dtype) * scale
@@ -220,6 +248,14 @@ class Workload:
     def sdpa(self, q, k, v, gqa, **kw):
         if gqa == "eager_matmul":
             return self.eager(q, k, v, **kw)
+        if gqa == "grouped_rows":
+            S, H, n, D = q.shape
+            if n == 1 and not kw:
+                # A decode's query heads of one kv head as the query rows of one SDPA call: each
+                # K/V row is read once for the whole group (no mask: every row sees every key).
+                out = F.scaled_dot_product_attention(q.reshape(S, self.Hkv, self.group, D), k, v)
+                return out.reshape(S, H, 1, D)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
         if self.group == 1:
             return F.scaled_dot_product_attention(q, k, v, **kw)
         if gqa == "enable_gqa":
@@ -268,10 +304,118 @@ class Workload:
         self.write(layer)
         return [self.sdpa(q, k, v, gqa, **kw) for q, k, v, kw in self.inputs(layer)]
 
+    def token_rows(self, outs):
+        """`step`'s outputs (one per SDPA call, in `inputs`' order) as one [T, H, D] tensor."""
+        rows = torch.empty(self.q.shape, dtype=self.dtype)
+        calls = [idx for idx in self.fresh.values()] + [[i] for i in self.chunks] + list(self.decodes.values())
+        for idx, out in zip(calls, outs):
+            for j, i in enumerate(idx):
+                rows[self.qsl[i]:self.qsl[i + 1]] = out[j].transpose(0, 1)
+        return rows
+
 
 def gqa_methods(w):
     sdpa = ["enable_gqa", "repeat_interleave"] if w.group > 1 else ["sdpa"]
-    return sdpa + ["eager_matmul"]
+    if w.group > 1 and w.decodes:
+        sdpa.append("grouped_rows")
+    # Matmul attention materializes every query's scores: a choice for decodes, not prompts
+    # (a 2048-token prompt takes it a minute at AVX2).
+    return sdpa + (["eager_matmul"] if not (w.fresh or w.chunks) else [])
+
+
+def ipex_paged_attention():
+    """IPEX's paged attention ops (`ipex.llm.modules.PagedAttention`, vLLM's CPU path), or why
+    they are unavailable. IPEX's import prints pages of operator-override warnings on stderr:
+    they are silenced."""
+    import contextlib
+    import io
+    try:
+        saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                import intel_extension_for_pytorch  # noqa: F401
+                from intel_extension_for_pytorch.llm.modules import PagedAttention
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(devnull)
+        return PagedAttention
+    except Exception as e:  # noqa: BLE001
+        return f"import failed: {type(e).__name__}: {e}".splitlines()[0][:160]
+
+
+def ipex_step(w, pa):
+    """One engine step through IPEX as vLLM's CPU backend runs it: `reshape_and_cache` writes
+    the new tokens into the paged cache (IPEX's layout is ours, [NB, Hkv, B, D]); prompts and
+    chunks go through `flash_attn_varlen_func` over the paged K/V, decodes through
+    `single_query_cached_kv_attention`. Returns step(layer) -> [T, H, D]."""
+    i32 = torch.int32
+    slots = (w.slot_blk * w.B + w.slot_off).to(i32)
+    scale = w.D ** -0.5
+    kv_dtype = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}.get(w.fp8, "auto")
+    scales = {"k_scale": w.k_scale, "v_scale": w.v_scale}
+
+    def table(idx):
+        m = max(len(w.tables[i]) for i in idx)
+        t = torch.zeros(len(idx), m, dtype=i32)
+        for r, i in enumerate(idx):
+            t[r, :len(w.tables[i])] = w.tables[i]
+        return t
+
+    def tokens(idx):
+        return torch.cat([torch.arange(w.qsl[i], w.qsl[i + 1]) for i in idx])
+
+    dec = [i for i, s in enumerate(w.seqs) if s["decode"]]
+    pre = [i for i, s in enumerate(w.seqs) if not s["decode"]]
+    out = torch.empty(w.q.shape, dtype=w.dtype)
+    if dec:
+        dec_tok = tokens(dec)
+        q_dec, out_dec = w.q[dec_tok].contiguous(), torch.empty(len(dec), w.H, w.D, dtype=w.dtype)
+        head_mapping = (torch.arange(w.H) // w.group).to(i32)
+        dec_table, dec_lens = table(dec), torch.tensor([w.seq_lens[i] for i in dec], dtype=i32)
+        dec_max = max(w.seq_lens[i] for i in dec)
+    if pre:
+        pre_tok = tokens(pre)
+        q_pre, out_pre = w.q[pre_tok].contiguous(), torch.empty(len(pre_tok), w.H, w.D, dtype=w.dtype)
+        qlens = [w.qsl[i + 1] - w.qsl[i] for i in pre]
+        cu_q = torch.tensor([0] + qlens, dtype=i32).cumsum(0).to(i32)
+        cu_kv = torch.tensor([0] + [w.seq_lens[i] for i in pre], dtype=i32).cumsum(0).to(i32)
+        pre_table, max_q, max_kv = table(pre), max(qlens), max(w.seq_lens[i] for i in pre)
+
+    def step(layer):
+        kc, vc = w.k_cache[layer], w.v_cache[layer]
+        pa.reshape_and_cache(w.k, w.v, kc, vc, slots, kv_dtype, **scales)
+        if pre:
+            pa.flash_attn_varlen_func(out_pre, q_pre, kc, vc, cu_q, cu_kv, max_q, max_kv, scale, True, pre_table,
+                                      None, kv_cache_dtype=kv_dtype, **scales)
+            out[pre_tok] = out_pre
+        if dec:
+            pa.single_query_cached_kv_attention(out_dec, q_dec, kc, vc, head_mapping, scale, dec_table, dec_lens,
+                                                w.B, dec_max, None, **scales)
+            out[dec_tok] = out_dec
+        return out
+
+    return step
+
+
+def run_ipex(row, timing, pa):
+    """IPEX's paged attention on one row, checked against SDPA first."""
+    try:
+        w = Workload(row)
+        if w.fp8 and w.fp8 != "float8_e5m2":
+            return {"error": f"IPEX caches fp8 only as e5m2, not {row['params']['kv_cache_dtype']}"}
+        step = ipex_step(w, pa)
+        got = step(0).float()
+        want = w.token_rows(w.step(0, gqa_methods(w)[0])).float()
+        diff = float((got - want).abs().max())
+        if not diff <= 0.05:
+            return {"error": f"IPEX's output differs from SDPA's by {diff}"}
+        med, mn, it = measure(lambda i: step(i % w.layers), timing)
+        return {"median_ms": med * 1e3, "min_ms": mn * 1e3, "iters": it}
+    except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
+        return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
 
 
 def run_torch(row, timing):
@@ -570,7 +714,7 @@ def table_cuda(doc, results, torch_ceil):
     for row in doc["rows"]:
         name = row["name"] + (" **(headline)**" if row.get("headline") else "")
         if "error" in row:
-            lines.append(f"| {name} | skipped: {row['error']} | | | | | | | |")
+            lines.append(f"| {name} | skipped: {row['error']} | | | | | | | | |")
             continue
         if row["bound"] == "memory":
             rate = f"{row['gbs'] / 1e3:.2f} TB/s"
@@ -727,7 +871,9 @@ def table(doc, results, torch_load):
     bf16 = c.get("bf16_dot_gflops_all_cores")
     lines.append(f"Machine: {m['cpu_model']} ({m['cpu_id']}), {m['threads']} threads, LLC {m['llc_bytes'] >> 20} MiB, "
                  f"SIMD {' '.join(m['simd'])}. pagedattn backend `{doc['backend']}`, {doc['scale']} sizes; "
-                 f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads.")
+                 f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads. Instruction sets: pagedattn "
+                 f"{os.environ.get('PAGEDATTN_ISA', 'best')}, ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN "
+                 f"{os.environ.get('ONEDNN_MAX_CPU_ISA', 'best')}.")
     lines.append("")
     lines.append(f"Ceilings (measured by `pagedattn bench` at the start of the run): memory read {c['mem_read_gbs']:.1f} GB/s "
                  f"({c['threads']} threads; 1 thread {c['mem_read_gbs_1thread']:.1f}), paged read (the headline decode's "
@@ -736,12 +882,12 @@ def table(doc, results, torch_load):
                  + (f"{c['bf16_dot_gflops_per_core']:.0f} / {bf16:.0f} GFLOP/s." if bf16 else "n/a."))
     lines.append("")
     lines.append("| workload | pagedattn ms | pagedattn rate | % of ceiling (measured during the row) | PyTorch best ms (how) "
-                 "| pagedattn / PyTorch | speed-up | PyTorch attention only ms | FlexAttention paged ms |")
-    lines.append("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+                 "| pagedattn / PyTorch | speed-up | PyTorch attention only ms | FlexAttention paged ms | IPEX paged ms |")
+    lines.append("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for row in doc["rows"]:
         name = row["name"] + (" **(headline)**" if row.get("headline") else "")
         if "error" in row:
-            lines.append(f"| {name} | skipped: {row['error']} | | | | | | | |")
+            lines.append(f"| {name} | skipped: {row['error']} | | | | | | | | |")
             continue
         if row["bound"] == "memory":
             rate = f"{row['gbs']:.1f} GB/s"
@@ -756,7 +902,7 @@ def table(doc, results, torch_load):
             pct = (f"{row['pct_mem_bw']:.0f}% bw, {row['pct_compute_peak']:.0f}% peak")
         res = results.get(row["name"])
         if res is None:
-            lines.append(f"| {name} | {row['median_ms']:.3f} | {rate} | {pct} | (pagedattn only) | | | | |")
+            lines.append(f"| {name} | {row['median_ms']:.3f} | {rate} | {pct} | (pagedattn only) | | | | | |")
             continue
         ok = {k: v for k, v in res.items() if k not in ("sdpa_only", "flex", "load") and "median_ms" in v}
         if ok:
@@ -776,8 +922,10 @@ def table(doc, results, torch_load):
             flex_s = f"{flex['median_ms']:.3f}"
         else:
             flex_s = "n/a: " + flex["error"].replace("|", "/")
+        ipex = res.get("ipex")
+        ipex_s = "not run" if ipex is None else fmt_ms(ipex) if "median_ms" in ipex else "n/a: " + ipex["error"].replace("|", "/")
         lines.append(f"| {name} | {row['median_ms']:.3f}{noisy(row.get('load'))} | {rate} | {pct} | {best_s} | {ratio} | {speed} | "
-                     f"{fmt_ms(sdpa)} | {flex_s} |")
+                     f"{fmt_ms(sdpa)} | {flex_s} | {ipex_s} |")
     if doc.get("paging"):
         p = doc["paging"]
         lines.append("")
@@ -788,8 +936,11 @@ def table(doc, results, torch_load):
                  f"during PyTorch {describe_load(torch_load)}.")
     lines.append("")
     lines.append("Times are medians. PyTorch best = the fastest of SDPA with `enable_gqa=True`, SDPA on K/V repeated with "
-                 "`repeat_interleave`, and attention written as matmuls (`eager_matmul`, f32 softmax), each including the "
-                 "cache write and the gather of K/V from the pages (fresh prompts use their new K/V directly); "
+                 "`repeat_interleave`, SDPA with a decode's query heads of one kv head folded into the query rows "
+                 "(`grouped_rows`: each K/V row read once per group), attention written as matmuls (`eager_matmul`, f32 "
+                 "softmax), each including the cache write and the gather of K/V from the pages (fresh prompts use their "
+                 "new K/V directly), and IPEX's paged attention (`ipex`: `reshape_and_cache`, `flash_attn_varlen_func` for "
+                 "prompts and chunks, `single_query_cached_kv_attention` for decodes, as vLLM's CPU backend calls them); "
                  "attention only = the fastest of these on inputs gathered beforehand. Speed-up = PyTorch best / pagedattn. "
                  f"Command: `{' '.join(sys.argv)}` -> `{doc['command']}`.")
     return "\n".join(lines)
@@ -832,6 +983,19 @@ def main():
         flex = run_flex(row, timing)
         results[row["name"]]["flex"] = flex
         print(f"torch: {row['name']}: flex {fmt_ms(flex)} ms {flex.get('error', '')}", file=sys.stderr, flush=True)
+    # IPEX after the SDPA rows (its import replaces some of ATen's CPU kernels).
+    pa = "left out (--no-ipex)" if args.no_ipex else ipex_paged_attention()
+    for row in doc["rows"]:
+        if row["name"] not in results:
+            continue
+        if isinstance(pa, str):
+            results[row["name"]]["ipex"] = {"error": pa}
+            continue
+        print(f"torch: {row['name']} IPEX paged ...", file=sys.stderr, flush=True)
+        if args.wait_quiet:
+            wait_quiet(args.wait_quiet)
+        results[row["name"]]["ipex"] = r = run_ipex(row, timing, pa)
+        print(f"torch: {row['name']}: IPEX {fmt_ms(r)} ms {r.get('error', '')}", file=sys.stderr, flush=True)
     torch_load = load_between(torch_start, cpu_times())
     text = table(doc, results, torch_load)
     print(text)

@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use super::kernel::{
     attend, for_row_blocks, score_group, Group, KvRows, RowStates, ScoreMods, Stream, TileRows,
-    TileSource, ValuesAhead, KEY_TILE, PACK_PREFETCH_KEYS, ROW_BLOCK,
+    TileSource, ValuesAhead, KEY_TILE, PACK_PREFETCH_KEYS,
 };
 use super::simd::x86::Avx512;
 use super::simd::{Load, Simd};
@@ -433,7 +433,13 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
                 r0,
                 self.scale,
                 scores,
-                |k| qk_partial::<C, R>(table, &self.q[r0 * half..(r0 + R) * half], k)
+                |k0, k1| {
+                    let q = &self.q[r0 * half..(r0 + R) * half];
+                    [
+                        qk_partial::<C, R>(table, q, k0),
+                        qk_partial::<C, R>(table, q, k1),
+                    ]
+                }
             ));
         }
     }

@@ -23,10 +23,15 @@ const _: () = assert!(KEY_TILE == 64);
 /// Query rows per micro-kernel block.
 pub const ROW_BLOCK: usize = 8;
 
-/// Runs `$body` for each block of up to [`ROW_BLOCK`] rows, with `$r0` the first row and the
-/// const `$n` the block's row count (so micro-kernels keep their accumulators in registers).
+/// Runs `$body` for each block of up to [`ROW_BLOCK`] rows (or 4, as `for_row_blocks!(rows,
+/// 4, ...)`: for ISAs with 16 vector registers), with `$r0` the first row and the const `$n`
+/// the block's row count (so micro-kernels keep their accumulators in registers).
 macro_rules! for_row_blocks {
-    ($rows:expr, |$r0:ident, $n:ident| $body:expr) => {{
+    ($rows:expr, |$r0:ident, $n:ident| $body:expr) => {
+        $crate::cpu::kernel::for_row_blocks!($rows, 8, |$r0, $n| $body)
+    };
+    ($rows:expr, 8, |$r0:ident, $n:ident| $body:expr) => {{
+        const _: () = assert!($crate::cpu::kernel::ROW_BLOCK == 8);
         let rows = $rows;
         let mut $r0 = 0;
         while $r0 < rows {
@@ -60,11 +65,36 @@ macro_rules! for_row_blocks {
                     $body
                 }
                 _ => {
-                    const $n: usize = $crate::cpu::kernel::ROW_BLOCK;
+                    const $n: usize = 8;
                     $body
                 }
             }
-            $r0 += ROW_BLOCK;
+            $r0 += 8;
+        }
+    }};
+    ($rows:expr, 4, |$r0:ident, $n:ident| $body:expr) => {{
+        let rows = $rows;
+        let mut $r0 = 0;
+        while $r0 < rows {
+            match rows - $r0 {
+                1 => {
+                    const $n: usize = 1;
+                    $body
+                }
+                2 => {
+                    const $n: usize = 2;
+                    $body
+                }
+                3 => {
+                    const $n: usize = 3;
+                    $body
+                }
+                _ => {
+                    const $n: usize = 4;
+                    $body
+                }
+            }
+            $r0 += 4;
         }
     }};
 }
@@ -545,15 +575,27 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
         for t0 in (0..tile.len).step_by(S::LANES) {
-            for_row_blocks!(rows, |r0, R| score_group(
-                s,
-                tile,
-                t0,
-                r0,
-                self.scale,
-                scores,
-                |k| qk_partial::<S, E, R>(s, &self.q[r0 * d..(r0 + R) * d], k)
-            ));
+            if S::REGISTERS >= 32 {
+                for_row_blocks!(rows, 8, |r0, R| score_group(
+                    s,
+                    tile,
+                    t0,
+                    r0,
+                    self.scale,
+                    scores,
+                    |k0, k1| qk_partial::<S, E, R>(s, &self.q[r0 * d..(r0 + R) * d], k0, k1)
+                ));
+            } else {
+                for_row_blocks!(rows, 4, |r0, R| score_group(
+                    s,
+                    tile,
+                    t0,
+                    r0,
+                    self.scale,
+                    scores,
+                    |k0, k1| qk_partial::<S, E, R>(s, &self.q[r0 * d..(r0 + R) * d], k0, k1)
+                ));
+            }
         }
     }
 
@@ -748,10 +790,11 @@ fn prefetch_lines<S: Simd>(s: S, base: *const u8, bytes: Range<usize>, level: Le
 }
 
 /// Scores of rows `r0..r0+R` for the keys in tile columns `t0..t0+LANES` (those inside the
-/// tile): `partial(key_row)` gives each row's vector of partial dot products with one key,
-/// and [`Simd::transpose_sum`] reduces `LANES` keys at once into one vector of scores per row,
-/// stored times `scale`. Columns past the tile get score 0 (the masks overwrite them). The
-/// first row block issues the tile's prefetches.
+/// tile): `partial(k0, k1)` gives each row's vectors of partial dot products with two keys
+/// (two at a time: each query vector loaded serves both, and the two keys' chains are
+/// independent), and [`Simd::transpose_sum`] reduces `LANES` keys at once into one vector of
+/// scores per row, stored times `scale`. Columns past the tile get score 0 (the masks
+/// overwrite them). The first row block issues the tile's prefetches.
 #[inline(always)]
 pub fn score_group<S: Simd, const R: usize, E>(
     s: S,
@@ -760,21 +803,36 @@ pub fn score_group<S: Simd, const R: usize, E>(
     r0: usize,
     scale: f32,
     scores: &mut [f32],
-    mut partial: impl FnMut(&[E]) -> [S::V; R],
+    mut partial: impl FnMut(&[E], &[E]) -> [[S::V; R]; 2],
 ) {
     let mut sums = [[MaybeUninit::<S::V>::uninit(); MAX_LANES]; R];
-    for i in 0..S::LANES {
-        let part = if t0 + i < tile.len {
-            partial(tile.key(s, t0 + i, r0 == 0))
+    for i in (0..S::LANES).step_by(2) {
+        // (One call site of `partial`: with two, it is no longer inlined, and its intrinsics
+        // become calls compiled without the ISA's features.)
+        let (a, b) = (t0 + i, t0 + i + 1);
+        let mut parts = if a < tile.len {
+            let k0 = tile.key(s, a, r0 == 0);
+            let k1 = if b < tile.len {
+                tile.key(s, b, r0 == 0)
+            } else {
+                k0
+            };
+            partial(k0, k1)
         } else {
-            [s.splat(0.0); R]
+            [[s.splat(0.0); R]; 2]
         };
-        for (sum, p) in sums.iter_mut().zip(part) {
-            sum[i].write(p);
+        if b >= tile.len {
+            parts[1] = [s.splat(0.0); R];
+        }
+        for (j, part) in parts.iter().enumerate() {
+            for (sum, &p) in sums.iter_mut().zip(part) {
+                sum[i + j].write(p);
+            }
         }
     }
     for (r, sum) in sums.iter().enumerate() {
-        // SAFETY: lanes 0..LANES were all written above; MaybeUninit<V> has V's layout.
+        // SAFETY: lanes 0..LANES were all written above (LANES is even); MaybeUninit<V> has
+        // V's layout.
         let sum = unsafe { std::slice::from_raw_parts(sum.as_ptr().cast::<S::V>(), S::LANES) };
         let v = s.mul(s.transpose_sum(sum), s.splat(scale));
         // SAFETY: t0 + LANES <= KEY_TILE (a multiple of every LANES); row r0 + r exists.
@@ -782,17 +840,29 @@ pub fn score_group<S: Simd, const R: usize, E>(
     }
 }
 
-/// Partial dot products of `R` query rows (`q`, R × D) with one key row: the key is loaded
-/// (and widened) once for the R rows.
+/// Partial dot products of `R` query rows (`q`, R × D) with two key rows: each key vector
+/// is loaded (and widened) once for the R rows, each query vector once for both keys.
 #[inline(always)]
-fn qk_partial<S: Simd, E: Load, const R: usize>(s: S, q: &[f32], k: &[E]) -> [S::V; R] {
-    let d = k.len();
-    let mut acc = [s.splat(0.0); R];
+fn qk_partial<S: Simd, E: Load, const R: usize>(
+    s: S,
+    q: &[f32],
+    k0: &[E],
+    k1: &[E],
+) -> [[S::V; R]; 2] {
+    let d = k0.len();
+    let mut acc = [[s.splat(0.0); R]; 2];
     for c in (0..d).step_by(S::LANES) {
-        // SAFETY: the key row and each query row have d elements, a multiple of LANES.
-        let kv = unsafe { E::load(s, k.as_ptr().add(c)) };
-        for (r, a) in acc.iter_mut().enumerate() {
-            *a = s.fma(unsafe { s.load(q.as_ptr().add(r * d + c)) }, kv, *a);
+        // SAFETY: the key rows and each query row have d elements, a multiple of LANES.
+        unsafe {
+            let (a, b) = (
+                E::load(s, k0.as_ptr().add(c)),
+                E::load(s, k1.as_ptr().add(c)),
+            );
+            for r in 0..R {
+                let qv = s.load(q.as_ptr().add(r * d + c));
+                acc[0][r] = s.fma(qv, a, acc[0][r]);
+                acc[1][r] = s.fma(qv, b, acc[1][r]);
+            }
         }
     }
     acc
@@ -917,20 +987,22 @@ pub fn accumulate_rows<S: Simd, E: Load>(
         count += 1;
     }
     let present = &present[..count];
-    for_row_blocks!(state.m.len(), |r0, R| pv_block::<S, E, R>(
-        s,
-        values,
-        present,
-        probs,
-        r0,
-        &mut state.acc,
-        d
-    ));
+    let (rows, acc) = (state.m.len(), &mut state.acc);
+    if S::REGISTERS >= 32 {
+        for_row_blocks!(rows, 8, |r0, R| pv_block::<S, E, R>(
+            s, values, present, probs, r0, acc, d
+        ));
+    } else {
+        for_row_blocks!(rows, 4, |r0, R| pv_block::<S, E, R>(
+            s, values, present, probs, r0, acc, d
+        ));
+    }
 }
 
-/// P·V for rows `r0..r0+R`: each value vector is loaded once for the R rows. Even and odd
-/// keys accumulate into separate registers, so that short row blocks still have enough
-/// independent FMA chains to hide the FMA latency.
+/// P·V for rows `r0..r0+R`, `W` vector chunks of the head at a time (4 for one or two rows,
+/// else 2: R·W independent FMA chains, enough to hide the FMA latency, that stay in registers
+/// across every key of the tile; each value vector is loaded and widened once for the R
+/// rows, each probability broadcast once for the W chunks).
 #[inline(always)]
 fn pv_block<S: Simd, E: Load, const R: usize>(
     s: S,
@@ -943,42 +1015,58 @@ fn pv_block<S: Simd, E: Load, const R: usize>(
 ) {
     let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
     let acc = &mut acc[r0 * d..(r0 + R) * d];
-    for c in (0..d).step_by(S::LANES) {
-        let mut even = [s.splat(0.0); R];
-        let mut odd = [s.splat(0.0); R];
-        for (r, v) in even.iter_mut().enumerate() {
-            // SAFETY: acc is R × d here, c + LANES <= d.
-            *v = unsafe { s.load(acc.as_ptr().add(r * d + c)) };
+    let mut c = 0;
+    if R <= 2 {
+        while c + 4 * S::LANES <= d {
+            pv_chunks::<S, E, R, 4>(s, values, present, probs, acc, d, c);
+            c += 4 * S::LANES;
         }
-        let mut pairs = present.chunks_exact(2);
-        for pair in &mut pairs {
-            let ((t0, row0), (t1, row1)) = (pair[0], pair[1]);
-            // SAFETY: rows + d are inside the validated value buffer; t < KEY_TILE.
-            unsafe {
-                let v0 = E::load(s, values.as_ptr().add(row0 + c));
-                let v1 = E::load(s, values.as_ptr().add(row1 + c));
-                for r in 0..R {
-                    even[r] = s.fma(
-                        s.splat(*probs.get_unchecked(r * KEY_TILE + t0)),
-                        v0,
-                        even[r],
-                    );
-                    odd[r] = s.fma(s.splat(*probs.get_unchecked(r * KEY_TILE + t1)), v1, odd[r]);
+    }
+    while c + 2 * S::LANES <= d {
+        pv_chunks::<S, E, R, 2>(s, values, present, probs, acc, d, c);
+        c += 2 * S::LANES;
+    }
+    if c < d {
+        pv_chunks::<S, E, R, 1>(s, values, present, probs, acc, d, c);
+    }
+}
+
+/// [`pv_block`] for the `W` vector chunks from dimension `c`.
+#[inline(always)]
+fn pv_chunks<S: Simd, E: Load, const R: usize, const W: usize>(
+    s: S,
+    values: &[E],
+    present: &[(usize, usize)],
+    probs: &[f32],
+    acc: &mut [f32],
+    d: usize,
+    c: usize,
+) {
+    let mut a = [[s.splat(0.0); W]; R];
+    // SAFETY: acc is R × d, c + W·LANES <= d; value rows + d are inside the validated value
+    // buffer; probs is R × KEY_TILE and t < KEY_TILE.
+    unsafe {
+        for (r, row) in a.iter_mut().enumerate() {
+            for (w, x) in row.iter_mut().enumerate() {
+                *x = s.load(acc.as_ptr().add(r * d + c + w * S::LANES));
+            }
+        }
+        for &(t, at) in present {
+            let mut v = [s.splat(0.0); W];
+            for (w, x) in v.iter_mut().enumerate() {
+                *x = E::load(s, values.as_ptr().add(at + c + w * S::LANES));
+            }
+            for (r, row) in a.iter_mut().enumerate() {
+                let p = s.splat(*probs.get_unchecked(r * KEY_TILE + t));
+                for (x, &vw) in row.iter_mut().zip(&v) {
+                    *x = s.fma(p, vw, *x);
                 }
             }
         }
-        for &(t, row) in pairs.remainder() {
-            // SAFETY: as above.
-            unsafe {
-                let v = E::load(s, values.as_ptr().add(row + c));
-                for (r, x) in even.iter_mut().enumerate() {
-                    *x = s.fma(s.splat(*probs.get_unchecked(r * KEY_TILE + t)), v, *x);
-                }
+        for (r, row) in a.iter().enumerate() {
+            for (w, x) in row.iter().enumerate() {
+                s.store(acc.as_mut_ptr().add(r * d + c + w * S::LANES), *x);
             }
-        }
-        for r in 0..R {
-            // SAFETY: as above.
-            unsafe { s.store(acc.as_mut_ptr().add(r * d + c), s.add(even[r], odd[r])) };
         }
     }
 }

@@ -9,7 +9,6 @@ use std::ops::Range;
 
 use super::kernel::{
     accumulate_rows, for_row_blocks, KvRows, RowStates, TileSource, KEY_TILE, PACK_PREFETCH_KEYS,
-    ROW_BLOCK,
 };
 use super::simd::{Load, Simd, WithSimd};
 
@@ -119,11 +118,59 @@ impl TileSource for PackedF32Source<'_> {
         debug_assert_eq!(p.lanes, S::LANES);
         let rows = self.q.len() / p.d;
         let first_group = (keys.start - p.origin) / S::LANES;
-        for (g, c) in (0..keys.len()).step_by(S::LANES).enumerate() {
-            let kt = &p.kt[(first_group + g) * p.d * S::LANES..][..p.d * S::LANES];
-            for_row_blocks!(rows, |r0, R| qk_group::<S, R>(
-                s, self.q, r0, p.d, kt, c, self.scale, scores
-            ));
+        let groups = keys.len().div_ceil(S::LANES);
+        // `n` column groups from group `g` of the tile.
+        let kt =
+            |g: usize, n: usize| &p.kt[(first_group + g) * p.d * S::LANES..][..n * p.d * S::LANES];
+        // Two column groups at a time (each broadcast query element serves both), then any
+        // last one; row blocks sized to the ISA's registers.
+        let mut g = 0;
+        while g < groups {
+            let two = g + 2 <= groups;
+            let c = g * S::LANES;
+            match (S::REGISTERS >= 32, two) {
+                (true, true) => for_row_blocks!(rows, 8, |r0, R| qk_groups::<S, R, 2>(
+                    s,
+                    self.q,
+                    r0,
+                    p.d,
+                    kt(g, 2),
+                    c,
+                    self.scale,
+                    scores
+                )),
+                (true, false) => for_row_blocks!(rows, 8, |r0, R| qk_groups::<S, R, 1>(
+                    s,
+                    self.q,
+                    r0,
+                    p.d,
+                    kt(g, 1),
+                    c,
+                    self.scale,
+                    scores
+                )),
+                (false, true) => for_row_blocks!(rows, 4, |r0, R| qk_groups::<S, R, 2>(
+                    s,
+                    self.q,
+                    r0,
+                    p.d,
+                    kt(g, 2),
+                    c,
+                    self.scale,
+                    scores
+                )),
+                (false, false) => for_row_blocks!(rows, 4, |r0, R| qk_groups::<S, R, 1>(
+                    s,
+                    self.q,
+                    r0,
+                    p.d,
+                    kt(g, 1),
+                    c,
+                    self.scale,
+                    scores
+                )),
+            }
+            g += if two { 2 } else { 1 };
         }
     }
 
@@ -150,11 +197,11 @@ impl TileSource for PackedF32Source<'_> {
     }
 }
 
-/// Scores of rows `r0..r0+R` against one column group of `LANES` keys (columns `c..`), times
-/// `scale`.
+/// Scores of rows `r0..r0+R` against `G` consecutive column groups of `LANES` keys (columns
+/// `c..c + G·LANES`, `kt` their packed keys), times `scale`: R·G accumulators in registers.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn qk_group<S: Simd, const R: usize>(
+fn qk_groups<S: Simd, const R: usize, const G: usize>(
     s: S,
     q: &[f32],
     r0: usize,
@@ -165,23 +212,33 @@ fn qk_group<S: Simd, const R: usize>(
     scores: &mut [f32],
 ) {
     let q = &q[r0 * d..(r0 + R) * d];
-    let mut acc = [s.splat(0.0); R];
+    let mut acc = [[s.splat(0.0); G]; R];
     for dd in 0..d {
-        // SAFETY: kt is d × LANES; q is R × d.
+        // SAFETY: kt is G × d × LANES; q is R × d.
         unsafe {
-            let k = s.load(kt.as_ptr().add(dd * S::LANES));
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = s.fma(s.splat(*q.get_unchecked(r * d + dd)), k, *a);
+            let mut k = [s.splat(0.0); G];
+            for (g, x) in k.iter_mut().enumerate() {
+                *x = s.load(kt.as_ptr().add((g * d + dd) * S::LANES));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let qv = s.splat(*q.get_unchecked(r * d + dd));
+                for (a, &kg) in row.iter_mut().zip(&k) {
+                    *a = s.fma(qv, kg, *a);
+                }
             }
         }
     }
-    for (r, a) in acc.iter().enumerate() {
-        // SAFETY: a row of scores has KEY_TILE >= c + LANES slots.
-        unsafe {
-            s.store(
-                scores.as_mut_ptr().add((r0 + r) * KEY_TILE + c),
-                s.mul(*a, s.splat(scale)),
-            )
-        };
+    for (r, row) in acc.iter().enumerate() {
+        for (g, a) in row.iter().enumerate() {
+            // SAFETY: a row of scores has KEY_TILE >= c + G·LANES slots.
+            unsafe {
+                s.store(
+                    scores
+                        .as_mut_ptr()
+                        .add((r0 + r) * KEY_TILE + c + g * S::LANES),
+                    s.mul(*a, s.splat(scale)),
+                )
+            };
+        }
     }
 }

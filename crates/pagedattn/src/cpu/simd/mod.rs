@@ -29,6 +29,9 @@ pub trait WithSimd {
 pub trait Simd: Copy + Send + Sync + 'static {
     /// f32 lanes per vector.
     const LANES: usize;
+    /// Vector registers the ISA has (16 for AVX2, 32 for AVX-512 and NEON): how many
+    /// accumulators a micro-kernel can keep without spilling.
+    const REGISTERS: usize;
     /// A vector of `LANES` f32.
     type V: Copy;
 

@@ -66,6 +66,7 @@ unsafe fn decode_small_float(
 
 impl Simd for Neon {
     const LANES: usize = 4;
+    const REGISTERS: usize = 32;
     type V = float32x4_t;
 
     #[inline(always)]

@@ -9,6 +9,7 @@ pub struct Scalar;
 
 impl Simd for Scalar {
     const LANES: usize = 1;
+    const REGISTERS: usize = 16;
     type V = f32;
 
     #[inline(always)]

@@ -38,6 +38,7 @@ unsafe fn with_avx2<Op: WithSimd>(s: Avx2, op: Op) -> Op::Output {
 
 impl Simd for Avx2 {
     const LANES: usize = 8;
+    const REGISTERS: usize = 16;
     type V = __m256;
 
     #[inline(always)]
@@ -261,6 +262,7 @@ unsafe fn with_avx512<Op: WithSimd>(s: Avx512, op: Op) -> Op::Output {
 
 impl Simd for Avx512 {
     const LANES: usize = 16;
+    const REGISTERS: usize = 32;
     type V = __m512;
 
     #[inline(always)]
