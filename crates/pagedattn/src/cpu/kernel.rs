@@ -858,10 +858,11 @@ fn qk_partial<S: Simd, E: Load, const R: usize>(
                 E::load(s, k0.as_ptr().add(c)),
                 E::load(s, k1.as_ptr().add(c)),
             );
-            for r in 0..R {
+            let [acc0, acc1] = &mut acc;
+            for (r, (x0, x1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
                 let qv = s.load(q.as_ptr().add(r * d + c));
-                acc[0][r] = s.fma(qv, a, acc[0][r]);
-                acc[1][r] = s.fma(qv, b, acc[1][r]);
+                *x0 = s.fma(qv, a, *x0);
+                *x1 = s.fma(qv, b, *x1);
             }
         }
     }
