@@ -164,8 +164,9 @@ impl Tolerance {
             st.soft_cap.map_or(0.0, f64::from),
         ];
         let smag: f64 = parts.iter().sum();
-        let bf16_pv =
-            isa == Isa::Avx512Bf16 && st.dtype == DType::BF16 && st.head_size.is_multiple_of(16);
+        let bf16_pv = matches!(isa, Isa::Avx512Bf16 | Isa::Amx)
+            && st.dtype == DType::BF16
+            && st.head_size.is_multiple_of(16);
         // (fp8 caches: their codes widen to bf16 exactly, with AVX512-VBMI; without it the
         // decode takes the f32 path, a looser bound there, while the forced `avx512` run checks
         // that same f32 path at the f32 bound.)

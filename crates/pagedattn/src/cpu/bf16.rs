@@ -73,6 +73,80 @@ pub fn pack_bf16<E: Load>(kv: &KvRows<'_, E>, keys: Range<usize>, absent: &[usiz
     }
 }
 
+impl PackedBf16 {
+    /// The head size.
+    pub(crate) fn head_size(&self) -> usize {
+        self.d
+    }
+
+    /// The first packed position.
+    pub(crate) fn origin(&self) -> usize {
+        self.origin
+    }
+
+    /// `n` column groups of 16 keys from group `first` (`[group][d/2][16]` pairs).
+    pub(crate) fn key_groups(&self, first: usize, n: usize) -> &[u32] {
+        let group = self.d / 2 * LANES;
+        &self.kt[first * group..(first + n) * group]
+    }
+
+    /// The value row of position `pos` (packed) in f32.
+    pub(crate) fn value_row(&self, pos: usize, out: &mut [f32]) {
+        let column = pos - self.origin;
+        let shift = 16 * (column % 2);
+        for (o, &x) in out
+            .iter_mut()
+            .zip(&self.v[(column / 2) * self.d..][..self.d])
+        {
+            *o = f32::from_bits((x >> shift) << 16);
+        }
+    }
+
+    /// The packed value pairs of tile `keys`, `pairs` key pairs of them from the tile's start
+    /// (at least the tile's; a kernel that reads whole chunks asks for more), ready for a P·V
+    /// whose probabilities are 0 outside the tile's attended columns. Positions that are not
+    /// keys were packed as zeros. The columns `0 * v` must not see are zeroed in a copy in
+    /// `scratch`: the tile's `absent` ones, and past the tile's end those whose value is not
+    /// finite (`0 * NaN` would reach rows that mask them) or that lie past the packed keys.
+    pub(crate) fn tile_values<'s>(
+        &'s self,
+        keys: &Range<usize>,
+        absent: &[bool],
+        pairs: usize,
+        scratch: &'s mut Vec<u32>,
+    ) -> &'s [u32] {
+        let d = self.d;
+        let first_pair = (keys.start - self.origin) / 2;
+        let have = (self.v.len() / d).saturating_sub(first_pair).min(pairs);
+        let packed = &self.v[first_pair * d..(first_pair + have) * d];
+        let n = keys.len();
+        let value_at =
+            |t: usize| (packed[(t / 2) * d..][..d].iter()).map(move |&x| x >> (16 * (t % 2)));
+        let extra =
+            (n..2 * pairs).filter(|&t| t >= 2 * have || value_at(t).any(|x| x & 0x7f80 == 0x7f80));
+        let mut zero = absent
+            .iter()
+            .enumerate()
+            .filter(|(_, &a)| a)
+            .map(|(t, _)| t)
+            .chain(extra)
+            .peekable();
+        if have == pairs && zero.peek().is_none() {
+            return packed;
+        }
+        scratch.clear();
+        scratch.extend_from_slice(packed);
+        scratch.resize(pairs * d, 0);
+        for t in zero.filter(|&t| t < 2 * have) {
+            let keep = !(0xffffu32 << (16 * (t % 2)));
+            for x in &mut scratch[(t / 2) * d..][..d] {
+                *x &= keep;
+            }
+        }
+        scratch
+    }
+}
+
 /// A query tile (bf16 pairs) against packed bf16 keys and values.
 #[derive(Debug, Clone, Copy)]
 pub struct PackedBf16Source<'a> {
@@ -152,38 +226,9 @@ impl TileSource for PackedBf16Source<'_> {
         let p = self.packed;
         let rows = state.m.len();
         probs_to_pairs(probs, rows);
-        let first_pair = (keys.start - p.origin) / 2;
         let pairs = keys.len().div_ceil(2);
-        let packed = &p.v[first_pair * p.d..(first_pair + pairs) * p.d];
-        // Positions that are not keys were packed as zeros. The rare columns to skip besides
-        // (values that are not finite, which `0 * v` would spread to rows that mask them), and
-        // the column past an odd tile's end (the next position, paired with the last key),
-        // when its value is not finite, are zeroed in a copy of the tile.
-        let n = keys.len();
-        let tail = n % 2 == 1
-            && packed[(n / 2) * p.d..][..p.d]
-                .iter()
-                .any(|&x| (x >> 16) & 0x7f80 == 0x7f80);
-        let skipped: Vec<u32>;
-        let v = if tail || absent.iter().any(|&a| a) {
-            let mut copy = packed.to_vec();
-            let zero = absent
-                .iter()
-                .enumerate()
-                .filter(|(_, &a)| a)
-                .map(|(t, _)| t)
-                .chain(tail.then_some(n));
-            for t in zero {
-                let keep = !(0xffffu32 << (16 * (t % 2)));
-                for x in &mut copy[(t / 2) * p.d..][..p.d] {
-                    *x &= keep;
-                }
-            }
-            skipped = copy;
-            &skipped[..]
-        } else {
-            packed
-        };
+        let mut scratch = Vec::new();
+        let v = p.tile_values(keys, absent, pairs, &mut scratch);
         for_row_blocks!(rows, |r0, R| pv_block::<R>(
             v,
             pairs,
@@ -195,12 +240,7 @@ impl TileSource for PackedBf16Source<'_> {
     }
 
     fn value_row(&self, keys: &Range<usize>, t: usize, out: &mut [f32]) {
-        let p = self.packed;
-        let column = keys.start + t - p.origin;
-        let shift = 16 * (column % 2);
-        for (o, &x) in out.iter_mut().zip(&p.v[(column / 2) * p.d..][..p.d]) {
-            *o = f32::from_bits((x >> shift) << 16);
-        }
+        self.packed.value_row(keys.start + t, out)
     }
 }
 
@@ -507,7 +547,7 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
 /// Rounds each row's tile of probabilities to bf16 pairs of consecutive keys, in place at the
 /// start of the row (u32 pair `p` holds keys 2p and 2p + 1).
 #[inline(always)]
-fn probs_to_pairs(probs: &mut [f32], rows: usize) {
+pub(crate) fn probs_to_pairs(probs: &mut [f32], rows: usize) {
     for r in 0..rows {
         let row = &mut probs[r * KEY_TILE..(r + 1) * KEY_TILE];
         for c in (0..KEY_TILE).step_by(2 * LANES) {
@@ -783,6 +823,8 @@ fn pv_row_chunks<S: Simd, C: Bf16Elem, const R: usize, const W: usize>(
 pub trait Bf16Source: TileSource {
     /// Whether the kernels also use AVX512-VBMI (fp8 widening).
     const NEEDS_VBMI: bool = false;
+    /// Whether the kernels use AMX tiles (configured around the call).
+    const AMX: bool = false;
 }
 
 impl Bf16Source for PackedBf16Source<'_> {}
@@ -811,6 +853,9 @@ pub fn attend_bf16<Src: Bf16Source>(
         );
         // SAFETY: the features were just checked.
         unsafe { attend_with_bf16_vbmi(s, sources, groups, mods, states) }
+    } else if Src::AMX {
+        // SAFETY: as below; `with_tiles` checks AMX and configures the tiles.
+        super::amx::with_tiles(|| unsafe { attend_with_bf16(s, sources, groups, mods, states) })
     } else {
         // SAFETY: the features were just checked.
         unsafe { attend_with_bf16(s, sources, groups, mods, states) }

@@ -1,5 +1,6 @@
 //! Which instruction set the CPU backend runs: detected at run time, or forced through the
-//! `PAGEDATTN_ISA` environment variable (`avx512bf16`, `avx512`, `avx2`, `neon`, `scalar`),
+//! `PAGEDATTN_ISA` environment variable (`amx`, `avx512bf16`, `avx512`, `avx2`, `neon`,
+//! `scalar`),
 //! which is how the tests run every path on one machine.
 
 use std::fmt;
@@ -13,6 +14,8 @@ pub const ISA_ENV: &str = "PAGEDATTN_ISA";
 /// An instruction set the CPU kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Isa {
+    /// AVX512-BF16 with Intel AMX tiles (`tdpbf16ps`) for the bf16 prefill.
+    Amx,
     /// AVX-512 with AVX512-BF16 (`vdpbf16ps` for bf16 prefill).
     Avx512Bf16,
     /// AVX-512 F/BW/VL.
@@ -27,7 +30,8 @@ pub enum Isa {
 
 impl Isa {
     /// All instruction sets, best first.
-    pub const ALL: [Isa; 5] = [
+    pub const ALL: [Isa; 6] = [
+        Isa::Amx,
         Isa::Avx512Bf16,
         Isa::Avx512,
         Isa::Avx2,
@@ -38,6 +42,7 @@ impl Isa {
     /// The name used by `PAGEDATTN_ISA`.
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Amx => "amx",
             Isa::Avx512Bf16 => "avx512bf16",
             Isa::Avx512 => "avx512",
             Isa::Avx2 => "avx2",
@@ -49,6 +54,8 @@ impl Isa {
     /// Whether this CPU can run it.
     pub fn is_available(self) -> bool {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Amx => Isa::Avx512Bf16.is_available() && super::amx::available(),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 => super::simd::x86::Avx512::new().is_some_and(|a| a.has_bf16()),
             #[cfg(target_arch = "x86_64")]
@@ -103,7 +110,7 @@ impl FromStr for Isa {
             Error::invalid(
                 ISA_ENV,
                 format!("{s:?}"),
-                "one of avx512bf16, avx512, avx2, neon, scalar",
+                "one of amx, avx512bf16, avx512, avx2, neon, scalar",
             )
         })
     }

@@ -353,7 +353,8 @@ pub fn attend<S: Simd, Src: TileSource>(
     debug_assert!(sources.len() == groups.len() && groups.len() == states.len());
     let d = first_state.acc.len() / first_state.m.len().max(1);
     let rows = first.pos.len();
-    let mut scores = vec![0.0f32; rows * KEY_TILE];
+    // Sized by the states, which may pad the rows (AMX's whole 16-row tiles).
+    let mut scores = vec![0.0f32; first_state.m.len() * KEY_TILE];
     let mut row_cols = vec![0..0; rows];
     let mut value_row = vec![0.0f32; d];
     let mut absent = first.absent.iter().copied().peekable();

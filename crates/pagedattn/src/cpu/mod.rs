@@ -11,6 +11,8 @@
 //! (scratch read probe over shuffled 32 KiB blocks, 22 vs 25 GB/s on two cores; NOTES.md).
 
 #[cfg(target_arch = "x86_64")]
+pub mod amx;
+#[cfg(target_arch = "x86_64")]
 pub mod bf16;
 pub mod isa;
 pub mod kernel;
@@ -257,7 +259,9 @@ impl CpuAttention {
             cache_geometry: cache.map(|c| *c.spec()),
             scales: self.config.kv_scales(),
             #[cfg(target_arch = "x86_64")]
-            bf16_dot: self.backend.isa == Isa::Avx512Bf16,
+            bf16_dot: matches!(self.backend.isa, Isa::Avx512Bf16 | Isa::Amx),
+            #[cfg(target_arch = "x86_64")]
+            amx: self.backend.isa == Isa::Amx,
         };
         let output = output.host_mut()?;
         crate::with_element!(query.dtype(), T => run_isa::<T>(self.backend.isa, &call, output, partials));
@@ -280,6 +284,9 @@ struct Call<'a> {
     /// Whether the AVX512-BF16 kernels may be used.
     #[cfg(target_arch = "x86_64")]
     bf16_dot: bool,
+    /// Whether the AMX prefill may be used.
+    #[cfg(target_arch = "x86_64")]
+    amx: bool,
 }
 
 /// Picks the widest instruction set whose vector width divides the head size (so kernels
@@ -294,7 +301,9 @@ fn run_isa<T: Element + Load>(
     #[cfg(target_arch = "x86_64")]
     {
         use simd::x86::{Avx2, Avx512};
-        if matches!(isa, Isa::Avx512Bf16 | Isa::Avx512) && d.is_multiple_of(Avx512::LANES) {
+        if matches!(isa, Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512)
+            && d.is_multiple_of(Avx512::LANES)
+        {
             let s = Avx512::new().expect("checked when the backend was built");
             let s = if isa == Isa::Avx512 {
                 s.without_bf16()
@@ -303,7 +312,8 @@ fn run_isa<T: Element + Load>(
             };
             return run_kv::<_, T>(s, call, output, partials);
         }
-        if matches!(isa, Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2) && d.is_multiple_of(Avx2::LANES)
+        if matches!(isa, Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2)
+            && d.is_multiple_of(Avx2::LANES)
         {
             return run_kv::<_, T>(
                 Avx2::new().expect("AVX-512 machines have AVX2"),
@@ -382,6 +392,9 @@ struct Ctx<'a, S, T, E> {
     /// Whether the AVX512-BF16 kernels may be used.
     #[cfg(target_arch = "x86_64")]
     bf16_dot: bool,
+    /// Whether the AMX prefill may be used.
+    #[cfg(target_arch = "x86_64")]
+    amx: bool,
 }
 
 /// What a decode unit's kernel needs of it, per kv head.
@@ -633,6 +646,36 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         let kv = self.kv_rows(pg.seq, pg.kv_head);
         let absent = &self.plan.absent[pg.seq];
         #[cfg(target_arch = "x86_64")]
+        if self.amx && T::DTYPE == DType::BF16 && E::BF16_EXACT && d.is_multiple_of(32) {
+            let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent);
+            pg.tiles.par_iter().for_each(|tile| {
+                let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
+                let padded = amx::padded_rows(pos.len());
+                let mut q = self.q_bf16_pairs(pg.kv_head, tile.tokens.clone());
+                q.resize(padded * d / 2, 0);
+                let source = amx::AmxSource {
+                    packed: &packed,
+                    q: &q,
+                    scale: self.score_scale,
+                };
+                let group = Group {
+                    pos: &pos,
+                    slope: &slope,
+                    keys: tile.keys.clone(),
+                    absent,
+                };
+                let mut state = RowStates::new(padded, d);
+                bf16::attend_bf16(
+                    std::slice::from_ref(&source),
+                    std::slice::from_ref(&group),
+                    &self.mods,
+                    std::slice::from_mut(&mut state),
+                );
+                self.finish(pg.seq, pg.kv_head, tile.tokens.clone(), &state);
+            });
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if self.bf16_dot && T::DTYPE == DType::BF16 && E::BF16_EXACT && d.is_multiple_of(16) {
             let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent);
             pg.tiles.par_iter().for_each(|tile| {
@@ -868,6 +911,8 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         plan,
         #[cfg(target_arch = "x86_64")]
         bf16_dot: call.bf16_dot,
+        #[cfg(target_arch = "x86_64")]
+        amx: call.amx,
     };
     rayon::join(
         || plan.prefill.par_iter().for_each(|pg| ctx.prefill(pg)),
