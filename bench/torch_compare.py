@@ -11,9 +11,11 @@ same workloads -- same shapes, same paged cache geometry, same number of rotated
 thread count -- through PyTorch, and prints a markdown ratio table:
 
 * decode: K/V gathered from a paged cache ([NB, Hkv, B, D] tensor + block tables), then
-  `scaled_dot_product_attention`, GQA grouped as a user would (`enable_gqa=True` and
-  `repeat_interleave`; the faster one is "PyTorch's best"). The cache write and the gather are
-  timed with it, since a paged engine must do both; SDPA alone is reported too. FlexAttention's
+  `scaled_dot_product_attention`, GQA grouped as a user would (`enable_gqa=True`,
+  `repeat_interleave`, and the query heads of a kv head folded into the query rows,
+  `grouped_rows`; the fastest is "PyTorch's best"). The cache write and the gather are timed with
+  it, since a paged engine must do both; SDPA alone is reported too. IPEX's paged attention
+  (vLLM's CPU path) where it imports. FlexAttention's
   paged path (`torch.nn.attention.experimental._paged_attention` + compiled `flex_attention`)
   for bf16 decode rows, if it runs here (otherwise the table says why).
 * prefill: SDPA with is_causal=True on [S, H, n, D] (equal lengths are batched), plus the write of
@@ -938,7 +940,7 @@ def table(doc, results, torch_load):
     lines.append("Times are medians. PyTorch best = the fastest of SDPA with `enable_gqa=True`, SDPA on K/V repeated with "
                  "`repeat_interleave`, SDPA with a decode's query heads of one kv head folded into the query rows "
                  "(`grouped_rows`: each K/V row read once per group), attention written as matmuls (`eager_matmul`, f32 "
-                 "softmax), each including the cache write and the gather of K/V from the pages (fresh prompts use their "
+                 "softmax; decode-only rows), each including the cache write and the gather of K/V from the pages (fresh prompts use their "
                  "new K/V directly), and IPEX's paged attention (`ipex`: `reshape_and_cache`, `flash_attn_varlen_func` for "
                  "prompts and chunks, `single_query_cached_kv_attention` for decodes, as vLLM's CPU backend calls them); "
                  "attention only = the fastest of these on inputs gathered beforehand. Speed-up = PyTorch best / pagedattn. "

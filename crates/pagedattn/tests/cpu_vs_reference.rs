@@ -164,13 +164,18 @@ impl Tolerance {
             st.soft_cap.map_or(0.0, f64::from),
         ];
         let smag: f64 = parts.iter().sum();
-        let bf16_pv = matches!(isa, Isa::Avx512Bf16 | Isa::Amx)
-            && st.dtype == DType::BF16
-            && st.head_size.is_multiple_of(16);
+        // Probabilities rounded to bf16 for P·V: AVX512-BF16's prefill (D % 16 == 0) and
+        // decode (D % 32 == 0), AMX's prefill (D % 32 == 0; its decode is AVX-512's f32).
+        let bf16_pv = st.dtype == DType::BF16
+            && match isa {
+                Isa::Avx512Bf16 => st.head_size.is_multiple_of(16),
+                Isa::Amx => st.head_size.is_multiple_of(32),
+                _ => false,
+            };
         // (fp8 caches: their codes widen to bf16 exactly, with AVX512-VBMI; without it the
         // decode takes the f32 path, a looser bound there, while the forced `avx512` run checks
         // that same f32 path at the f32 bound.)
-        let pv_decode = bf16_pv && st.head_size.is_multiple_of(32);
+        let pv_decode = bf16_pv && isa == Isa::Avx512Bf16 && st.head_size.is_multiple_of(32);
         Tolerance {
             ulp,
             tiny,

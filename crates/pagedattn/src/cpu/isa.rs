@@ -14,7 +14,9 @@ pub const ISA_ENV: &str = "PAGEDATTN_ISA";
 /// An instruction set the CPU kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Isa {
-    /// AVX512-BF16 with Intel AMX tiles (`tdpbf16ps`) for the bf16 prefill.
+    /// Intel AMX tiles (`tdpbf16ps`) for the bf16 prefill, AVX-512's f32 kernels for the
+    /// rest: on the AMX Xeons measured, `vdpbf16ps` issues at half the rate of f32 FMAs, so
+    /// the AVX512-BF16 decode and prefill are slower there than the f32 ones (BENCHMARKS.md).
     Amx,
     /// AVX-512 with AVX512-BF16 (`vdpbf16ps` for bf16 prefill).
     Avx512Bf16,
@@ -70,10 +72,13 @@ impl Isa {
         }
     }
 
-    /// The best instruction set of this CPU.
+    /// The best instruction set of this CPU: the first of [`Isa::ALL`] it has, except
+    /// AVX512-BF16 on Intel CPUs, whose `vdpbf16ps` issues at half the rate of f32 FMAs (the
+    /// f32 AVX-512 kernels are faster there; AMD's runs at twice it).
     pub fn detect() -> Isa {
         Isa::ALL
             .into_iter()
+            .filter(|&i| !(i == Isa::Avx512Bf16 && intel()))
             .find(|i| i.is_available())
             .unwrap_or(Isa::Scalar)
     }
@@ -114,4 +119,18 @@ impl FromStr for Isa {
             )
         })
     }
+}
+
+/// Whether this is an Intel CPU (CPUID vendor "GenuineIntel").
+fn intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let leaf = std::arch::x86_64::__cpuid(0);
+        [leaf.ebx, leaf.edx, leaf.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .eq(*b"GenuineIntel")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
