@@ -293,6 +293,10 @@ fn simd_features() -> Vec<&'static str> {
             "avx512bf16",
             "avx512fp16"
         );
+        // (AMX has no stable feature detection; the backend's own check also asks Linux.)
+        if pagedattn::cpu::Isa::Amx.is_available() {
+            found.push("amx-bf16");
+        }
     }
     #[cfg(target_arch = "aarch64")]
     {
