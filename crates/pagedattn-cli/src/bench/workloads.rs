@@ -175,9 +175,10 @@ impl Workload {
         }
     }
 
-    fn fp8(mut self) -> Workload {
-        self.kv_cache_dtype = KvCacheDtype::Fp8E4m3;
-        // Random activations in [-1, 1) stored as x / scale: codes up to 16, far from 448.
+    fn fp8(mut self, dtype: KvCacheDtype) -> Workload {
+        self.kv_cache_dtype = dtype;
+        // Random activations in [-1, 1) stored as x / scale: codes up to 16, far from 448
+        // (e4m3's largest) and 57344 (e5m2's).
         self.scales = KvScales {
             k_scale: 1.0 / 16.0,
             v_scale: 1.0 / 16.0,
@@ -368,10 +369,10 @@ fn paging_pair(scale: Scale, batch: usize, ctx: usize) -> Vec<Workload> {
         .collect()
 }
 
-/// The fp8 (e4m3) version of the headline decode.
-fn fp8_decode(scale: Scale, batch: usize, ctx: usize) -> Workload {
-    let mut fp8 = decode(scale, batch, ctx).fp8();
-    fp8.name = format!("decode b{batch} ctx{ctx} fp8_e4m3");
+/// The fp8 (`dtype`: e4m3 or e5m2) version of the headline decode.
+fn fp8_decode(scale: Scale, batch: usize, ctx: usize, dtype: KvCacheDtype) -> Workload {
+    let mut fp8 = decode(scale, batch, ctx).fp8(dtype);
+    fp8.name = format!("decode b{batch} ctx{ctx} {}", dtype.name());
     fp8
 }
 
@@ -394,7 +395,10 @@ fn decode_sweep(
             rows.push(if (b, c) == (hb, hc) { w.headline() } else { w });
         }
     }
-    rows.push(fp8_decode(scale, hb, hc));
+    // e5m2 too: the only fp8 format IPEX caches.
+    for dtype in [KvCacheDtype::Fp8E4m3, KvCacheDtype::Fp8E5m2] {
+        rows.push(fp8_decode(scale, hb, hc, dtype));
+    }
     rows
 }
 
@@ -687,9 +691,9 @@ mod tests {
                 (32, 8, 128, 16)
             );
             assert_eq!((w.dtype, w.mapping), (DType::BF16, Mapping::Shuffled));
-            assert!(decode
-                .iter()
-                .any(|w| w.kv_cache_dtype == KvCacheDtype::Fp8E4m3));
+            for dtype in [KvCacheDtype::Fp8E4m3, KvCacheDtype::Fp8E5m2] {
+                assert!(decode.iter().any(|w| w.kv_cache_dtype == dtype));
+            }
             let p = suite(Suite::Prefill, scale, Target::Gpu);
             let p = p.iter().find(|w| w.headline).unwrap();
             assert_eq!(

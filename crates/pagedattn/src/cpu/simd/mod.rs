@@ -284,9 +284,11 @@ pub(crate) mod fp8_bits {
     pub const E4M3_SHIFT: u32 = 20;
     /// 2^(127 - 7): rebias from e4m3's exponent bias to f32's.
     pub const E4M3_REBIAS: f32 = f32::from_bits((127 + 120) << 23);
-    /// e5m2 counterpart of [`E4M3_SHIFT`].
+    /// e5m2 counterpart of [`E4M3_SHIFT`] (x86 widens e5m2 through f16 instead).
+    #[cfg(target_arch = "aarch64")]
     pub const E5M2_SHIFT: u32 = 21;
     /// 2^(127 - 15).
+    #[cfg(target_arch = "aarch64")]
     pub const E5M2_REBIAS: f32 = f32::from_bits((127 + 112) << 23);
 }
 

@@ -86,20 +86,10 @@ impl Simd for Avx2 {
     }
     #[inline(always)]
     unsafe fn load_e5m2(self, p: *const u8) -> __m256 {
-        let w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-        let mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
-        let f = _mm256_mul_ps(
-            _mm256_castsi256_ps(_mm256_slli_epi32::<{ E5M2_SHIFT as i32 }>(mag)),
-            _mm256_set1_ps(E5M2_REBIAS),
-        );
-        let special = _mm256_or_si256(
-            _mm256_set1_epi32(0x7F80_0000),
-            _mm256_slli_epi32::<{ E5M2_SHIFT as i32 }>(_mm256_and_si256(mag, _mm256_set1_epi32(3))),
-        );
-        let is_special = _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7B)));
-        let f = _mm256_blendv_ps(f, _mm256_castsi256_ps(special), is_special);
-        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(w, _mm256_set1_epi32(0x80)));
-        _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign))
+        // An e5m2 code is the high byte of the f16 of the same value (infinities, NaN and
+        // subnormals included): one interleave with zeros and F16C's conversion.
+        let codes = _mm_loadl_epi64(p as *const __m128i);
+        _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), codes))
     }
     #[inline(always)]
     fn add(self, a: __m256, b: __m256) -> __m256 {
@@ -315,20 +305,9 @@ impl Simd for Avx512 {
     }
     #[inline(always)]
     unsafe fn load_e5m2(self, p: *const u8) -> __m512 {
-        let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
-        let mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7F));
-        let f = _mm512_mul_ps(
-            _mm512_castsi512_ps(_mm512_slli_epi32::<{ E5M2_SHIFT }>(mag)),
-            _mm512_set1_ps(E5M2_REBIAS),
-        );
-        let special = _mm512_or_si512(
-            _mm512_set1_epi32(0x7F80_0000),
-            _mm512_slli_epi32::<{ E5M2_SHIFT }>(_mm512_and_si512(mag, _mm512_set1_epi32(3))),
-        );
-        let is_special = _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7B));
-        let f = _mm512_mask_blend_ps(is_special, f, _mm512_castsi512_ps(special));
-        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(w, _mm512_set1_epi32(0x80)));
-        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign))
+        // As `Avx2::load_e5m2`: the codes as the high bytes of 16 f16.
+        let codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+        _mm512_cvtph_ps(_mm256_slli_epi16::<8>(codes))
     }
     #[inline(always)]
     fn add(self, a: __m512, b: __m512) -> __m512 {
