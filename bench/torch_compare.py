@@ -410,12 +410,25 @@ def run_ipex(row, timing, pa):
             return {"error": f"IPEX caches fp8 only as e5m2, not {row['params']['kv_cache_dtype']}"}
         step = ipex_step(w, pa)
         got = step(0).float()
+        note = None
+        scales = (w.k_scale, w.v_scale)
+        if w.fp8 and scales != (1.0, 1.0):
+            # IPEX 2.8's CPU ops take k_scale / v_scale but apply neither (seen: new tokens are
+            # stored unscaled, codes read as plain values). The work is the same as with
+            # scales of 1, where that is right: timed, and checked against SDPA with scales of
+            # 1 (the cache's codes taken as values).
+            w.k_scale, w.v_scale = 1.0, 1.0
+            note = "scales ignored by IPEX"
         want = w.token_rows(w.step(0, gqa_methods(w)[0])).float()
+        w.k_scale, w.v_scale = scales
         diff = float((got - want).abs().max())
-        if not diff <= 0.05:
+        if not diff <= 0.05 * max(1.0, float(want.abs().max())):
             return {"error": f"IPEX's output differs from SDPA's by {diff}"}
         med, mn, it = measure(lambda i: step(i % w.layers), timing)
-        return {"median_ms": med * 1e3, "min_ms": mn * 1e3, "iters": it}
+        res = {"median_ms": med * 1e3, "min_ms": mn * 1e3, "iters": it}
+        if note:
+            res["note"] = note
+        return res
     except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
         return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
 
@@ -925,7 +938,8 @@ def table(doc, results, torch_load):
         else:
             flex_s = "n/a: " + flex["error"].replace("|", "/")
         ipex = res.get("ipex")
-        ipex_s = "not run" if ipex is None else fmt_ms(ipex) if "median_ms" in ipex else "n/a: " + ipex["error"].replace("|", "/")
+        ipex_s = ("not run" if ipex is None else fmt_ms(ipex) + (f" ({ipex['note']})" if "note" in ipex else "")
+                  if "median_ms" in ipex else "n/a: " + ipex["error"].replace("|", "/"))
         lines.append(f"| {name} | {row['median_ms']:.3f}{noisy(row.get('load'))} | {rate} | {pct} | {best_s} | {ratio} | {speed} | "
                      f"{fmt_ms(sdpa)} | {flex_s} | {ipex_s} |")
     if doc.get("paging"):
