@@ -23,78 +23,37 @@ const _: () = assert!(KEY_TILE == 64);
 /// Query rows per micro-kernel block.
 pub const ROW_BLOCK: usize = 8;
 
-/// Runs `$body` for each block of up to [`ROW_BLOCK`] rows (or 4, as `for_row_blocks!(rows,
-/// 4, ...)`: for ISAs with 16 vector registers), with `$r0` the first row and the const `$n`
-/// the block's row count (so micro-kernels keep their accumulators in registers).
+/// Runs `$body` for each block of up to [`ROW_BLOCK`] rows, with `$r0` the first row and the
+/// const `$n` the block's row count (so micro-kernels keep their accumulators in registers).
+/// `for_row_blocks!(rows, for S, ...)` sizes the blocks to the ISA `S`: 8 rows with 32 vector
+/// registers, 4 with 16.
 macro_rules! for_row_blocks {
     ($rows:expr, |$r0:ident, $n:ident| $body:expr) => {
-        $crate::cpu::kernel::for_row_blocks!($rows, 8, |$r0, $n| $body)
+        $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 8, [1 2 3 4 5 6 7], |$r0, $n| $body)
     };
-    ($rows:expr, 8, |$r0:ident, $n:ident| $body:expr) => {{
-        const _: () = assert!($crate::cpu::kernel::ROW_BLOCK == 8);
-        let rows = $rows;
-        let mut $r0 = 0;
-        while $r0 < rows {
-            match rows - $r0 {
-                1 => {
-                    const $n: usize = 1;
-                    $body
-                }
-                2 => {
-                    const $n: usize = 2;
-                    $body
-                }
-                3 => {
-                    const $n: usize = 3;
-                    $body
-                }
-                4 => {
-                    const $n: usize = 4;
-                    $body
-                }
-                5 => {
-                    const $n: usize = 5;
-                    $body
-                }
-                6 => {
-                    const $n: usize = 6;
-                    $body
-                }
-                7 => {
-                    const $n: usize = 7;
-                    $body
-                }
-                _ => {
-                    const $n: usize = 8;
-                    $body
-                }
-            }
-            $r0 += 8;
+    ($rows:expr, for $s:ty, |$r0:ident, $n:ident| $body:expr) => {
+        if <$s as $crate::cpu::simd::Simd>::REGISTERS >= 32 {
+            $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 8, [1 2 3 4 5 6 7], |$r0, $n| $body)
+        } else {
+            $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 4, [1 2 3], |$r0, $n| $body)
         }
-    }};
-    ($rows:expr, 4, |$r0:ident, $n:ident| $body:expr) => {{
+    };
+    (@blocks $rows:expr, $block:literal, [$($k:literal)*], |$r0:ident, $n:ident| $body:expr) => {{
+        const _: () = assert!($block <= $crate::cpu::kernel::ROW_BLOCK);
         let rows = $rows;
         let mut $r0 = 0;
         while $r0 < rows {
             match rows - $r0 {
-                1 => {
-                    const $n: usize = 1;
+                $($k => {
+                    const $n: usize = $k;
                     $body
-                }
-                2 => {
-                    const $n: usize = 2;
-                    $body
-                }
-                3 => {
-                    const $n: usize = 3;
-                    $body
-                }
+                })*
                 _ => {
-                    const $n: usize = 4;
+                    const $n: usize = $block;
                     $body
                 }
             }
-            $r0 += 4;
+            $r0 += $block;
         }
     }};
 }
@@ -576,27 +535,15 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
         for t0 in (0..tile.len).step_by(S::LANES) {
-            if S::REGISTERS >= 32 {
-                for_row_blocks!(rows, 8, |r0, R| score_group(
-                    s,
-                    tile,
-                    t0,
-                    r0,
-                    self.scale,
-                    scores,
-                    |k0, k1| qk_partial::<S, E, R>(s, &self.q[r0 * d..(r0 + R) * d], k0, k1)
-                ));
-            } else {
-                for_row_blocks!(rows, 4, |r0, R| score_group(
-                    s,
-                    tile,
-                    t0,
-                    r0,
-                    self.scale,
-                    scores,
-                    |k0, k1| qk_partial::<S, E, R>(s, &self.q[r0 * d..(r0 + R) * d], k0, k1)
-                ));
-            }
+            for_row_blocks!(rows, for S, |r0, R| score_group(
+                s,
+                tile,
+                t0,
+                r0,
+                self.scale,
+                scores,
+                |k0, k1| qk_partial::<S, E, R>(s, &self.q[r0 * d..(r0 + R) * d], k0, k1)
+            ));
         }
     }
 
@@ -990,15 +937,9 @@ pub fn accumulate_rows<S: Simd, E: Load>(
     }
     let present = &present[..count];
     let (rows, acc) = (state.m.len(), &mut state.acc);
-    if S::REGISTERS >= 32 {
-        for_row_blocks!(rows, 8, |r0, R| pv_block::<S, E, R>(
-            s, values, present, probs, r0, acc, d
-        ));
-    } else {
-        for_row_blocks!(rows, 4, |r0, R| pv_block::<S, E, R>(
-            s, values, present, probs, r0, acc, d
-        ));
-    }
+    for_row_blocks!(rows, for S, |r0, R| pv_block::<S, E, R>(
+        s, values, present, probs, r0, acc, d
+    ));
 }
 
 /// P·V for rows `r0..r0+R`, `W` vector chunks of the head at a time (4 for one or two rows,

@@ -646,62 +646,48 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         let kv = self.kv_rows(pg.seq, pg.kv_head);
         let absent = &self.plan.absent[pg.seq];
         #[cfg(target_arch = "x86_64")]
-        if self.amx && T::DTYPE == DType::BF16 && E::BF16_EXACT && d.is_multiple_of(32) {
-            let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent);
-            pg.tiles.par_iter().for_each(|tile| {
-                let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
-                let padded = amx::padded_rows(pos.len());
-                let mut q = self.q_bf16_pairs(pg.kv_head, tile.tokens.clone());
-                q.resize(padded * d / 2, 0);
-                let source = amx::AmxSource {
-                    packed: &packed,
-                    q: &q,
-                    scale: self.score_scale,
-                };
-                let group = Group {
-                    pos: &pos,
-                    slope: &slope,
-                    keys: tile.keys.clone(),
-                    absent,
-                };
-                let mut state = RowStates::new(padded, d);
-                bf16::attend_bf16(
-                    std::slice::from_ref(&source),
-                    std::slice::from_ref(&group),
-                    &self.mods,
-                    std::slice::from_mut(&mut state),
-                );
-                self.finish(pg.seq, pg.kv_head, tile.tokens.clone(), &state);
-            });
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if self.bf16_dot && T::DTYPE == DType::BF16 && E::BF16_EXACT && d.is_multiple_of(16) {
-            let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent);
-            pg.tiles.par_iter().for_each(|tile| {
-                let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
-                let q = self.q_bf16_pairs(pg.kv_head, tile.tokens.clone());
-                let source = bf16::PackedBf16Source {
-                    packed: &packed,
-                    q: &q,
-                    scale: self.score_scale,
-                };
-                let group = Group {
-                    pos: &pos,
-                    slope: &slope,
-                    keys: tile.keys.clone(),
-                    absent,
-                };
-                let mut state = RowStates::new(pos.len(), d);
-                bf16::attend_bf16(
-                    std::slice::from_ref(&source),
-                    std::slice::from_ref(&group),
-                    &self.mods,
-                    std::slice::from_mut(&mut state),
-                );
-                self.finish(pg.seq, pg.kv_head, tile.tokens.clone(), &state);
-            });
-            return;
+        {
+            let amx = self.amx && d.is_multiple_of(32);
+            if T::DTYPE == DType::BF16
+                && E::BF16_EXACT
+                && (amx || (self.bf16_dot && d.is_multiple_of(16)))
+            {
+                let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent);
+                pg.tiles.par_iter().for_each(|tile| {
+                    let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
+                    let group = Group {
+                        pos: &pos,
+                        slope: &slope,
+                        keys: tile.keys.clone(),
+                        absent,
+                    };
+                    let mut q = self.q_bf16_pairs(pg.kv_head, tile.tokens.clone());
+                    let scale = self.score_scale;
+                    let state = if amx {
+                        // Whole 16-row tiles: zero query rows pad the last, and the states
+                        // carry the padding.
+                        let padded = amx::padded_rows(pos.len());
+                        q.resize(padded * d / 2, 0);
+                        let packed = &packed;
+                        let source = amx::AmxSource {
+                            packed,
+                            q: &q,
+                            scale,
+                        };
+                        attend_bf16_tile(&source, &group, &self.mods, padded, d)
+                    } else {
+                        let packed = &packed;
+                        let source = bf16::PackedBf16Source {
+                            packed,
+                            q: &q,
+                            scale,
+                        };
+                        attend_bf16_tile(&source, &group, &self.mods, pos.len(), d)
+                    };
+                    self.finish(pg.seq, pg.kv_head, tile.tokens.clone(), &state);
+                });
+                return;
+            }
         }
         let packed = self.s.vectorize(packed::PackF32 {
             kv: &kv,
@@ -868,6 +854,25 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             }
         }
     }
+}
+
+/// One prefill tile's rows (`rows`, padding included) attended with a bf16 source.
+#[cfg(target_arch = "x86_64")]
+fn attend_bf16_tile<Src: bf16::Bf16Source>(
+    source: &Src,
+    group: &Group<'_>,
+    mods: &ScoreMods,
+    rows: usize,
+    d: usize,
+) -> RowStates {
+    let mut state = RowStates::new(rows, d);
+    bf16::attend_bf16(
+        std::slice::from_ref(source),
+        std::slice::from_ref(group),
+        mods,
+        std::slice::from_mut(&mut state),
+    );
+    state
 }
 
 /// Runs the plan: prefill groups and decode units in parallel, then the split-K merges.

@@ -126,51 +126,18 @@ impl TileSource for PackedF32Source<'_> {
         // last one; row blocks sized to the ISA's registers.
         let mut g = 0;
         while g < groups {
-            let two = g + 2 <= groups;
             let c = g * S::LANES;
-            match (S::REGISTERS >= 32, two) {
-                (true, true) => for_row_blocks!(rows, 8, |r0, R| qk_groups::<S, R, 2>(
-                    s,
-                    self.q,
-                    r0,
-                    p.d,
-                    kt(g, 2),
-                    c,
-                    self.scale,
-                    scores
-                )),
-                (true, false) => for_row_blocks!(rows, 8, |r0, R| qk_groups::<S, R, 1>(
-                    s,
-                    self.q,
-                    r0,
-                    p.d,
-                    kt(g, 1),
-                    c,
-                    self.scale,
-                    scores
-                )),
-                (false, true) => for_row_blocks!(rows, 4, |r0, R| qk_groups::<S, R, 2>(
-                    s,
-                    self.q,
-                    r0,
-                    p.d,
-                    kt(g, 2),
-                    c,
-                    self.scale,
-                    scores
-                )),
-                (false, false) => for_row_blocks!(rows, 4, |r0, R| qk_groups::<S, R, 1>(
-                    s,
-                    self.q,
-                    r0,
-                    p.d,
-                    kt(g, 1),
-                    c,
-                    self.scale,
-                    scores
-                )),
+            if g + 2 <= groups {
+                for_row_blocks!(rows, for S, |r0, R| qk_groups::<S, R, 2>(
+                    s, self.q, r0, p.d, kt(g, 2), c, self.scale, scores
+                ));
+                g += 2;
+            } else {
+                for_row_blocks!(rows, for S, |r0, R| qk_groups::<S, R, 1>(
+                    s, self.q, r0, p.d, kt(g, 1), c, self.scale, scores
+                ));
+                g += 1;
             }
-            g += if two { 2 } else { 1 };
         }
     }
 
