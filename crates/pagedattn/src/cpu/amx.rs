@@ -37,7 +37,10 @@ pub fn available() -> bool {
 fn cpu_has_amx_bf16() -> bool {
     // (`is_x86_feature_detected!("amx-tile")` is not stable yet. Leaf 7 exists on every CPU
     // with AVX-512, which callers check first.)
-    let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+    // SAFETY: CPUID exists on every x86_64 CPU. Newer Rust declares the intrinsic safe; the
+    // minimum supported Rust (1.89) still declares it unsafe.
+    #[allow(unused_unsafe)]
+    let leaf = unsafe { std::arch::x86_64::__cpuid_count(7, 0) };
     leaf.edx & (1 << 22) != 0 && leaf.edx & (1 << 24) != 0
 }
 

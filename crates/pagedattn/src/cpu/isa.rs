@@ -125,7 +125,10 @@ impl FromStr for Isa {
 fn intel() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        let leaf = std::arch::x86_64::__cpuid(0);
+        // SAFETY: CPUID exists on every x86_64 CPU. Newer Rust declares the intrinsic safe; the
+        // minimum supported Rust (1.89) still declares it unsafe.
+        #[allow(unused_unsafe)]
+        let leaf = unsafe { std::arch::x86_64::__cpuid(0) };
         [leaf.ebx, leaf.edx, leaf.ecx]
             .iter()
             .flat_map(|r| r.to_le_bytes())
