@@ -78,8 +78,7 @@ impl Isa {
     pub fn detect() -> Isa {
         Isa::ALL
             .into_iter()
-            .filter(|&i| !(i == Isa::Avx512Bf16 && intel()))
-            .find(|i| i.is_available())
+            .find(|&i| i.is_available() && !(i == Isa::Avx512Bf16 && intel()))
             .unwrap_or(Isa::Scalar)
     }
 
