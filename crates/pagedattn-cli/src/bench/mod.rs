@@ -74,6 +74,11 @@ pub struct BenchArgs {
     /// to leave the CPUs (less than 5% busy over half a second); 0 = do not wait.
     #[arg(long, default_value_t = 0.0)]
     pub wait_quiet: f64,
+    /// Only the rows whose name contains this text (e.g. `ctx4096 fp8`); a group timed
+    /// together (the paging pair, a mixed batch and its parts) runs whole if one of its rows
+    /// matches.
+    #[arg(long)]
+    pub rows: Option<String>,
     /// Toy shapes (4 heads, D = 32, short sequences): a smoke test, and the way to run the slow
     /// `reference` backend in seconds.
     #[arg(long, hide = true)]
@@ -256,7 +261,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     for (si, &suite) in suites.iter().enumerate() {
         let mut seed = 1000 * si as u64 + 1;
-        for group in workloads::groups(suite, scale, platform.target()) {
+        let chosen = |group: &Vec<workloads::Workload>| {
+            args.rows
+                .as_ref()
+                .is_none_or(|text| group.iter().any(|w| w.name.contains(text.as_str())))
+        };
+        for group in workloads::groups(suite, scale, platform.target())
+            .into_iter()
+            .filter(chosen)
+        {
             if args.wait_quiet > 0.0 {
                 wait_quiet(args.wait_quiet, &out);
             }
@@ -464,6 +477,7 @@ mod tests {
             seconds: None,
             tiny: true,
             wait_quiet: 0.0,
+            rows: None,
         };
         let machine_threads = 1;
         let platform = CpuPlatform::measure(

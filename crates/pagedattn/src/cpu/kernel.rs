@@ -250,8 +250,8 @@ pub trait TileSource {
         probs: &mut [f32],
         state: &mut RowStates,
     );
-    /// The value row of tile column `t` widened to f32 (scales not applied), in the order of
-    /// this source's accumulators.
+    /// The value row of tile column `t` widened to f32 (the fp8 scale not applied), in the
+    /// order and at the scale of this source's accumulators (before [`TileSource::finish`]).
     fn value_row(&self, tile: &Self::Tile<'_>, t: usize, out: &mut [f32]);
     /// The columns among `cols` (bit t: tile column t) whose value row holds a NaN or an
     /// infinity; `row` is scratch of `d` elements.
@@ -264,7 +264,8 @@ pub trait TileSource {
             })
             .fold(0, |m, t| m | 1 << t)
     }
-    /// Called once after the last tile (e.g. to undo a permuted accumulator layout).
+    /// Called once after the last tile (e.g. to undo a permuted accumulator layout or a
+    /// scaled widening).
     #[inline(always)]
     fn finish(&self, state: &mut RowStates) {
         let _ = state;
@@ -457,11 +458,30 @@ pub struct RowsSource<'a, E> {
     pub kv: KvRows<'a, E>,
     /// Rows × D queries, unscaled.
     pub q: &'a [f32],
-    /// Score scale: softmax scale × fp8 k_scale (applied to each dot product, so that the
-    /// score overflows only where the product itself leaves f32's range).
-    pub scale: f32,
+    /// Score scale: softmax scale × fp8 k_scale × the ISA's [`Load::load_scale`] (applied to
+    /// each dot product, so that the score overflows only where the product itself leaves
+    /// f32's range).
+    scale: f32,
+    /// What this ISA's loads divide the cache elements by ([`Load::load_scale`]): the P·V
+    /// sums are multiplied back by it in [`TileSource::finish`].
+    load_scale: f32,
     /// Where the prefetches run ahead to.
     pub stream: Stream,
+}
+
+impl<'a, E: Load> RowsSource<'a, E> {
+    /// The source of `kv` and the queries `q` on ISA `S`, with score scale `score_scale`
+    /// (softmax scale × fp8 k_scale).
+    pub fn new<S: Simd>(kv: KvRows<'a, E>, q: &'a [f32], score_scale: f32, stream: Stream) -> Self {
+        let load_scale = E::load_scale::<S>();
+        RowsSource {
+            kv,
+            q,
+            scale: score_scale * load_scale,
+            load_scale,
+            stream,
+        }
+    }
 }
 
 /// Where a decode source's prefetches run ahead to. The kv heads of a unit walk each tile in
@@ -562,7 +582,15 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     fn value_row(&self, tile: &TileRows<'_, E>, t: usize, out: &mut [f32]) {
         let row = &self.kv.value[tile.rows()[t]..][..self.kv.head_size];
         for (o, &x) in out.iter_mut().zip(row) {
-            *o = x.to_f32();
+            *o = x.to_f32() / self.load_scale;
+        }
+    }
+
+    fn finish(&self, state: &mut RowStates) {
+        if self.load_scale != 1.0 {
+            for a in &mut state.acc {
+                *a *= self.load_scale;
+            }
         }
     }
 }
@@ -789,7 +817,8 @@ pub fn score_group<S: Simd, const R: usize, E>(
 }
 
 /// Partial dot products of `R` query rows (`q`, R × D) with two key rows: each key vector
-/// is loaded (and widened) once for the R rows, each query vector once for both keys.
+/// is loaded (and widened) once for the R rows, each query vector once for both keys; the
+/// keys are widened two vectors at a time ([`Load::load_pair`]).
 #[inline(always)]
 fn qk_partial<S: Simd, E: Load, const R: usize>(
     s: S,
@@ -799,22 +828,51 @@ fn qk_partial<S: Simd, E: Load, const R: usize>(
 ) -> [[S::V; R]; 2] {
     let d = k0.len();
     let mut acc = [[s.splat(0.0); R]; 2];
-    for c in (0..d).step_by(S::LANES) {
-        // SAFETY: the key rows and each query row have d elements, a multiple of LANES.
-        unsafe {
-            let (a, b) = (
+    let mut c = 0;
+    // SAFETY (both blocks): the key rows and each query row have d elements, a multiple of
+    // LANES; c + 2·LANES <= d in the loop, c + LANES <= d after it.
+    while c + 2 * S::LANES <= d {
+        let (a, b) = unsafe {
+            (
+                E::load_pair(s, k0.as_ptr().add(c)),
+                E::load_pair(s, k1.as_ptr().add(c)),
+            )
+        };
+        qk_step(s, q, d, c, a[0], b[0], &mut acc);
+        qk_step(s, q, d, c + S::LANES, a[1], b[1], &mut acc);
+        c += 2 * S::LANES;
+    }
+    if c < d {
+        let (a, b) = unsafe {
+            (
                 E::load(s, k0.as_ptr().add(c)),
                 E::load(s, k1.as_ptr().add(c)),
-            );
-            let [acc0, acc1] = &mut acc;
-            for (r, (x0, x1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
-                let qv = s.load(q.as_ptr().add(r * d + c));
-                *x0 = s.fma(qv, a, *x0);
-                *x1 = s.fma(qv, b, *x1);
-            }
-        }
+            )
+        };
+        qk_step(s, q, d, c, a, b, &mut acc);
     }
     acc
+}
+
+/// One vector chunk (dimensions `c..c+LANES`) of [`qk_partial`]: the widened keys `a` and
+/// `b` times each query row, into its two accumulators.
+#[inline(always)]
+fn qk_step<S: Simd, const R: usize>(
+    s: S,
+    q: &[f32],
+    d: usize,
+    c: usize,
+    a: S::V,
+    b: S::V,
+    acc: &mut [[S::V; R]; 2],
+) {
+    let [acc0, acc1] = acc;
+    for (r, (x0, x1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
+        // SAFETY: q is R × d and c + LANES <= d.
+        let qv = unsafe { s.load(q.as_ptr().add(r * d + c)) };
+        *x0 = s.fma(qv, a, *x0);
+        *x1 = s.fma(qv, b, *x1);
+    }
 }
 
 /// Soft cap, ALiBi and the masks for one row's tile of scores (keys `start..end`; tile columns
@@ -996,8 +1054,13 @@ fn pv_chunks<S: Simd, E: Load, const R: usize, const W: usize>(
         }
         for &(t, at) in present {
             let mut v = [s.splat(0.0); W];
-            for (w, x) in v.iter_mut().enumerate() {
-                *x = E::load(s, values.as_ptr().add(at + c + w * S::LANES));
+            let mut w = 0;
+            while w + 2 <= W {
+                [v[w], v[w + 1]] = E::load_pair(s, values.as_ptr().add(at + c + w * S::LANES));
+                w += 2;
+            }
+            if w < W {
+                v[w] = E::load(s, values.as_ptr().add(at + c + w * S::LANES));
             }
             for (r, row) in a.iter_mut().enumerate() {
                 let p = s.splat(*probs.get_unchecked(r * KEY_TILE + t));

@@ -606,12 +606,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             let sources: Vec<_> = qs
                 .iter()
                 .enumerate()
-                .map(|(h, q)| RowsSource {
-                    kv: kvs[h],
-                    q,
-                    scale: self.score_scale,
-                    stream: streams[h],
-                })
+                .map(|(h, q)| RowsSource::new::<S>(kvs[h], q, self.score_scale, streams[h]))
                 .collect();
             self.s.vectorize(Attend {
                 sources: &sources,

@@ -53,6 +53,8 @@ pub fn pack_f32<S: Simd, E: Load>(
     let mut kt = vec![0.0f32; groups * d * lanes];
     let mut v = vec![0.0f32; keys.len() * d];
     let mut widened = [0.0f32; 16];
+    // Packed rows hold the exact values (undoing a scaled widening once here).
+    let scale = s.splat(E::load_scale::<S>());
     for (t, j) in keys.clone().enumerate() {
         if j + PACK_PREFETCH_KEYS < keys.end {
             kv.prefetch(s, j + PACK_PREFETCH_KEYS);
@@ -66,10 +68,13 @@ pub fn pack_f32<S: Simd, E: Load>(
         for c in (0..d).step_by(lanes) {
             // SAFETY: rows have d elements, a multiple of LANES; `widened` holds 16 >= LANES.
             unsafe {
-                s.store(widened.as_mut_ptr(), E::load(s, k.as_ptr().add(c)));
+                s.store(
+                    widened.as_mut_ptr(),
+                    s.mul(scale, E::load(s, k.as_ptr().add(c))),
+                );
                 s.store(
                     v.as_mut_ptr().add(t * d + c),
-                    E::load(s, val.as_ptr().add(c)),
+                    s.mul(scale, E::load(s, val.as_ptr().add(c))),
                 );
             }
             for (l, &x) in widened[..lanes].iter().enumerate() {

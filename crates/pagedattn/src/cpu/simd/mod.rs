@@ -63,11 +63,26 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// # Safety
     /// `p` must be valid for reading `LANES` u16.
     unsafe fn load_f16(self, p: *const u16) -> Self::V;
-    /// `LANES` fp8 e4m3fn codes decoded to f32 (unscaled).
+    /// What [`Simd::load_e4m3`] divides each value by: 1 where the load is exact; 256 on x86,
+    /// which widens e4m3 through f16 (f16's exponent bias is 8 more than e4m3's, so the code's
+    /// bits placed under f16's give the value / 2^8, subnormals included). Kernels multiply
+    /// their dot products and sums back by it (through [`Load::load_scale`]).
+    const E4M3_SCALE: f32 = 1.0;
+    /// `LANES` fp8 e4m3fn codes decoded to f32 (the fp8 k/v scale not applied), divided by
+    /// [`Simd::E4M3_SCALE`] (a power of two: exact).
     ///
     /// # Safety
     /// `p` must be valid for reading `LANES` bytes.
     unsafe fn load_e4m3(self, p: *const u8) -> Self::V;
+    /// `2 · LANES` e4m3 codes as two vectors, as [`Simd::load_e4m3`] decodes them (where the
+    /// ISA can, in one pass of integer instructions for both).
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `2 · LANES` bytes.
+    #[inline(always)]
+    unsafe fn load_e4m3_pair(self, p: *const u8) -> [Self::V; 2] {
+        [self.load_e4m3(p), self.load_e4m3(p.add(Self::LANES))]
+    }
     /// `LANES` fp8 e5m2 codes decoded to f32 (unscaled).
     ///
     /// # Safety
@@ -200,7 +215,22 @@ pub trait Load: Copy + Send + Sync + 'static {
     /// # Safety
     /// `p` must be valid for reading `S::LANES` elements.
     unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V;
-    /// Widens one element (for scalar tails and tests).
+    /// `2 · LANES` elements at `p` as two vectors, each as [`Load::load`] widens it.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `2 · S::LANES` elements.
+    #[inline(always)]
+    unsafe fn load_pair<S: Simd>(s: S, p: *const Self) -> [S::V; 2] {
+        [Self::load(s, p), Self::load(s, p.add(S::LANES))]
+    }
+    /// What [`Load::load`] on `S` divides values by (a power of two; see
+    /// [`Simd::E4M3_SCALE`]): 1 unless the ISA widens this type scaled.
+    #[inline(always)]
+    fn load_scale<S: Simd>() -> f32 {
+        1.0
+    }
+    /// Widens one element (for scalar tails and tests), exactly (not divided by
+    /// [`Load::load_scale`]).
     fn to_f32(self) -> f32;
     /// Whether every value of this type is exactly a bf16 (bf16 itself, and both fp8 formats).
     const BF16_EXACT: bool = false;
@@ -259,6 +289,14 @@ impl Load for E4m3 {
     unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V {
         s.load_e4m3(p as *const u8)
     }
+    #[inline(always)]
+    unsafe fn load_pair<S: Simd>(s: S, p: *const Self) -> [S::V; 2] {
+        s.load_e4m3_pair(p as *const u8)
+    }
+    #[inline(always)]
+    fn load_scale<S: Simd>() -> f32 {
+        S::E4M3_SCALE
+    }
     fn to_f32(self) -> f32 {
         crate::fp8::Fp8Format::E4m3.decode(self.0)
     }
@@ -276,7 +314,8 @@ impl Load for E5m2 {
     const BF16_EXACT: bool = true;
 }
 
-/// Bit-level fp8 decoding shared by the vector implementations, written per lane.
+/// Bit-level fp8 decoding for NEON, written per lane (x86 widens both formats through f16).
+#[cfg(target_arch = "aarch64")]
 pub(crate) mod fp8_bits {
     /// f32 bits of an e4m3 code whose magnitude bits are `m = code & 0x7F`, before the
     /// exponent rebias: the code's exponent and mantissa placed at the top of an f32 (the
@@ -284,11 +323,9 @@ pub(crate) mod fp8_bits {
     pub const E4M3_SHIFT: u32 = 20;
     /// 2^(127 - 7): rebias from e4m3's exponent bias to f32's.
     pub const E4M3_REBIAS: f32 = f32::from_bits((127 + 120) << 23);
-    /// e5m2 counterpart of [`E4M3_SHIFT`] (x86 widens e5m2 through f16 instead).
-    #[cfg(target_arch = "aarch64")]
+    /// e5m2 counterpart of [`E4M3_SHIFT`].
     pub const E5M2_SHIFT: u32 = 21;
     /// 2^(127 - 15).
-    #[cfg(target_arch = "aarch64")]
     pub const E5M2_REBIAS: f32 = f32::from_bits((127 + 112) << 23);
 }
 
@@ -399,17 +436,31 @@ mod tests {
             for format in [crate::fp8::Fp8Format::E4m3, crate::fp8::Fp8Format::E5m2] {
                 for base in (0..256).step_by(n) {
                     let codes: Vec<u8> = (base..base + n).map(|c| (c % 256) as u8).collect();
-                    let v = match format {
-                        crate::fp8::Fp8Format::E4m3 => s.load_e4m3(codes.as_ptr()),
-                        crate::fp8::Fp8Format::E5m2 => s.load_e5m2(codes.as_ptr()),
+                    let (v, scale) = match format {
+                        crate::fp8::Fp8Format::E4m3 => (s.load_e4m3(codes.as_ptr()), S::E4M3_SCALE),
+                        crate::fp8::Fp8Format::E5m2 => (s.load_e5m2(codes.as_ptr()), 1.0),
                     };
                     s.store(out.as_mut_ptr(), v);
                     for (o, &c) in out.iter().zip(&codes) {
-                        let want = format.decode(c);
+                        let want = format.decode(c) / scale;
                         assert!(
                             o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()),
                             "{format:?} code {c:#x}: {o} vs {want}"
                         );
+                    }
+                }
+            }
+            // The pair load decodes as two single loads.
+            let codes: Vec<u8> = (0..256).map(|c| (c * 37 % 256) as u8).collect();
+            for base in (0..256 - 2 * n).step_by(n) {
+                let p = codes[base..].as_ptr();
+                let [a, b] = s.load_e4m3_pair(p);
+                for (got, want) in [(a, s.load_e4m3(p)), (b, s.load_e4m3(p.add(n)))] {
+                    let mut g = vec![0.0f32; n];
+                    s.store(g.as_mut_ptr(), got);
+                    s.store(out.as_mut_ptr(), want);
+                    for (g, w) in g.iter().zip(&out) {
+                        assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()));
                     }
                 }
             }

@@ -2,8 +2,27 @@
 
 use std::arch::x86_64::*;
 
-use super::fp8_bits::*;
 use super::{Simd, WithSimd};
+
+/// What the x86 e4m3 loads divide values by (see [`Simd::E4M3_SCALE`]).
+const E4M3_AS_F16_SCALE: f32 = 256.0;
+
+/// 16 e4m3 codes (one per 16-bit lane, zero-extended) as the f16 bits of their value / 2^8:
+/// the code's exponent and mantissa shifted under f16's (bits 13-7; f16's exponent bias, 15,
+/// is 8 more than e4m3's, and both have subnormals, so this is exact), the sign moved from bit
+/// 7 to bit 15, and magnitude 0x7F (NaN; e4m3fn has no infinities) made all ones (an f16
+/// NaN). Six integer instructions for 16 codes, against ten per 8 through f32 bit arithmetic.
+#[inline(always)]
+unsafe fn e4m3_as_f16(codes: __m256i) -> __m256i {
+    // codes + (codes & 0x80) carries the sign into bit 8 and clears bit 7.
+    let sign = _mm256_and_si256(codes, _mm256_set1_epi16(0x80));
+    let h = _mm256_slli_epi16::<7>(_mm256_add_epi16(codes, sign));
+    let nan = _mm256_cmpeq_epi16(
+        _mm256_or_si256(codes, _mm256_set1_epi16(0x80)),
+        _mm256_set1_epi16(0xFF),
+    );
+    _mm256_or_si256(h, nan)
+}
 
 /// AVX2 + FMA + F16C, 8 f32 lanes.
 #[derive(Debug, Clone, Copy)]
@@ -71,18 +90,19 @@ impl Simd for Avx2 {
     unsafe fn load_f16(self, p: *const u16) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
+    const E4M3_SCALE: f32 = E4M3_AS_F16_SCALE;
     #[inline(always)]
     unsafe fn load_e4m3(self, p: *const u8) -> __m256 {
-        let w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-        let mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
-        let f = _mm256_mul_ps(
-            _mm256_castsi256_ps(_mm256_slli_epi32::<{ E4M3_SHIFT as i32 }>(mag)),
-            _mm256_set1_ps(E4M3_REBIAS),
-        );
-        let is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
-        let f = _mm256_blendv_ps(f, _mm256_set1_ps(f32::NAN), is_nan);
-        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(w, _mm256_set1_epi32(0x80)));
-        _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign))
+        let codes = _mm256_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
+        _mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_as_f16(codes)))
+    }
+    #[inline(always)]
+    unsafe fn load_e4m3_pair(self, p: *const u8) -> [__m256; 2] {
+        let h = e4m3_as_f16(_mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)));
+        [
+            _mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+            _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)),
+        ]
     }
     #[inline(always)]
     unsafe fn load_e5m2(self, p: *const u8) -> __m256 {
@@ -290,18 +310,27 @@ impl Simd for Avx512 {
     unsafe fn load_f16(self, p: *const u16) -> __m512 {
         _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
     }
+    const E4M3_SCALE: f32 = E4M3_AS_F16_SCALE;
     #[inline(always)]
     unsafe fn load_e4m3(self, p: *const u8) -> __m512 {
-        let w = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
-        let mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7F));
-        let f = _mm512_mul_ps(
-            _mm512_castsi512_ps(_mm512_slli_epi32::<{ E4M3_SHIFT }>(mag)),
-            _mm512_set1_ps(E4M3_REBIAS),
+        let codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+        _mm512_cvtph_ps(e4m3_as_f16(codes))
+    }
+    #[inline(always)]
+    unsafe fn load_e4m3_pair(self, p: *const u8) -> [__m512; 2] {
+        let codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p as *const __m256i));
+        // As `e4m3_as_f16`, 32 codes at a time (NaN through a mask register).
+        let sign = _mm512_and_si512(codes, _mm512_set1_epi16(0x80));
+        let h = _mm512_slli_epi16::<7>(_mm512_add_epi16(codes, sign));
+        let nan = _mm512_cmpeq_epi16_mask(
+            _mm512_or_si512(codes, _mm512_set1_epi16(0x80)),
+            _mm512_set1_epi16(0xFF),
         );
-        let is_nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F));
-        let f = _mm512_mask_blend_ps(is_nan, f, _mm512_set1_ps(f32::NAN));
-        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(w, _mm512_set1_epi32(0x80)));
-        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign))
+        let h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(-1));
+        [
+            _mm512_cvtph_ps(_mm512_castsi512_si256(h)),
+            _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h)),
+        ]
     }
     #[inline(always)]
     unsafe fn load_e5m2(self, p: *const u8) -> __m512 {
