@@ -600,8 +600,11 @@ fn quad_scores<C: Bf16Elem>(
     scores: &mut [f32],
 ) {
     let last = tile.len - 1;
-    let key = |i: usize| tile.key(s, (t0 + i).min(last), prefetch && t0 + i <= last);
-    let keys = [key(0), key(1), key(2), key(3)];
+    // (A loop, not a closure called four times: such a closure is not inlined.)
+    let mut keys: [&[C]; 4] = [&[]; 4];
+    for (i, k) in keys.iter_mut().enumerate() {
+        *k = tile.key(s, (t0 + i).min(last), prefetch && t0 + i <= last);
+    }
     // SAFETY: only called under AVX512-BF16 (and VBMI where C needs it); key rows hold d
     // elements and `quad` d/8 vectors of 16 pairs (d % 32 == 0); t0 + 4 <= KEY_TILE and
     // `scores` holds four rows.
