@@ -312,11 +312,11 @@ pub fn with_tiles<R>(f: impl FnOnce() -> R) -> R {
 pub const TILE_DOT_FLOPS: f64 = (2 * TILE_ROWS * TILE_ROWS * (TILE_BYTES / 2)) as f64;
 
 /// The `tdpbf16ps` peak probe: `iters` rounds of a GEMM micro-kernel's 2 × 2 block (four
-/// accumulator tiles, `C[i][j] += A[i] · B[j]`) on this thread. Four independent tiles cover
-/// the instruction's latency (Intel documents 52 cycles against one issue per 16); the
-/// operands are loaded once, outside the loop, so that the figure is the instruction's own
-/// rate, which the prefill's loads and softmax then spend. Returns the FLOPs done, or None
-/// without AMX.
+/// accumulator tiles, `C[i][j] += A[i] · B[j]`) on this thread: one `tdpbf16ps` issues every
+/// 16 cycles on Sapphire Rapids and its latency is a few times that, so each tile's next
+/// product comes four issues after its last. The operands are loaded once, outside the loop,
+/// so that the figure is the instruction's own rate, which the prefill's loads and softmax
+/// then spend. Returns the FLOPs done, or None without AMX.
 pub fn peak(iters: u64) -> Option<f64> {
     if !available() {
         return None;

@@ -6,7 +6,7 @@
 //! through [`Isa::vectorize`], the mapping the backend runs its kernels through: so a ceiling is
 //! measured on the vectors the kernels of the same [`Isa`] use (`PAGEDATTN_ISA=avx2` measures
 //! AVX2's). The bf16 probes are one instruction each, outside [`Simd`]: `vdpbf16ps` here,
-//! `tdpbf16ps` in [`super::amx::peak`].
+//! `tdpbf16ps` in `amx::peak` (the `amx` module is x86-64 only).
 
 use std::hint::black_box;
 
@@ -201,7 +201,7 @@ pub enum Peak {
     F32Fma,
     /// AVX512-BF16's `vdpbf16ps`.
     Bf16Dot,
-    /// AMX's `tdpbf16ps` ([`super::amx::peak`]).
+    /// AMX's `tdpbf16ps` (`amx::peak`).
     AmxBf16,
 }
 
