@@ -884,17 +884,20 @@ def table(doc, results, torch_load):
     m, c = doc["machine"], doc["ceilings"]
     lines = []
     bf16 = c.get("bf16_dot_gflops_all_cores")
+    amx = c.get("amx_bf16_gflops_all_cores")
     lines.append(f"Machine: {m['cpu_model']} ({m['cpu_id']}), {m['threads']} threads, LLC {m['llc_bytes'] >> 20} MiB, "
                  f"SIMD {' '.join(m['simd'])}. pagedattn backend `{doc['backend']}`, {doc['scale']} sizes; "
                  f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads. Instruction sets: pagedattn "
-                 f"{os.environ.get('PAGEDATTN_ISA', 'best')}, ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN "
+                 f"{c.get('isa', os.environ.get('PAGEDATTN_ISA', 'best'))}, ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN "
                  f"{os.environ.get('ONEDNN_MAX_CPU_ISA', 'best')}.")
     lines.append("")
     lines.append(f"Ceilings (measured by `pagedattn bench` at the start of the run): memory read {c['mem_read_gbs']:.1f} GB/s "
                  f"({c['threads']} threads; 1 thread {c['mem_read_gbs_1thread']:.1f}), paged read (the headline decode's "
                  f"access pattern) {c.get('paged_read_gbs', float('nan')):.1f} GB/s, f32 FMA {c['f32_fma_gflops_per_core']:.0f} "
                  f"GFLOP/s per core / {c['f32_fma_gflops_all_cores']:.0f} all cores ({c['f32_isa']}), bf16 dot "
-                 + (f"{c['bf16_dot_gflops_per_core']:.0f} / {bf16:.0f} GFLOP/s." if bf16 else "n/a."))
+                 + (f"{c['bf16_dot_gflops_per_core']:.0f} / {bf16:.0f} GFLOP/s" if bf16 else "n/a")
+                 + (f", AMX bf16 {c['amx_bf16_gflops_per_core']:.0f} / {amx:.0f} GFLOP/s" if amx else "")
+                 + f"; prefill rows are compared with the {c['compute_ceiling']}.")
     lines.append("")
     lines.append("| workload | pagedattn ms | pagedattn rate | % of ceiling (measured during the row) | PyTorch best ms (how) "
                  "| pagedattn / PyTorch | speed-up | PyTorch attention only ms | FlexAttention paged ms | IPEX paged ms |")

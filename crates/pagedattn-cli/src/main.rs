@@ -61,7 +61,7 @@ enum Command {
     /// Lists the backends available here, their capabilities, and the CPU's SIMD features.
     Info,
     /// Benchmarks a backend (decode, prefill, mixed batch, paging) against this machine's
-    /// measured ceilings (memory read bandwidth, FMA and bf16 dot peaks).
+    /// measured ceilings (memory read bandwidth; f32 FMA, bf16 dot or AMX peaks).
     Bench(bench::BenchArgs),
     /// Compiles every CUDA kernel (every attention variant included) through NVRTC for the
     /// given architectures, without a GPU (needs libnvrtc), one program per CPU at a time: the

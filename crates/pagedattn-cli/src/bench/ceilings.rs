@@ -1,15 +1,22 @@
-//! The machine's ceilings, measured by the benchmark itself: memory read bandwidth on a buffer
-//! far larger than the last-level cache, the f32 FMA peak and the bf16 dot-product peak, each per
-//! core and for all cores; and, to tell what the memory gives to a paged cache, the rate of
-//! reading the same buffer the way the headline decode reads its cache ([`PagedPattern`]).
+//! The machine's ceilings, measured by the benchmark itself on the instruction set the `cpu`
+//! backend runs ([`Isa::from_env`]: `PAGEDATTN_ISA` measures another's): memory read bandwidth
+//! on a buffer far larger than the last-level cache, the f32 FMA peak and the peak of the
+//! instruction the bf16 prefill runs where that is another (`vdpbf16ps` on `avx512bf16`,
+//! `tdpbf16ps` on `amx`), each per core and for all cores; and, to tell what the memory gives
+//! to a paged cache, the rate of reading the same buffer the way the headline decode reads its
+//! cache ([`PagedPattern`]). The probes are the library's (`pagedattn::cpu::peak`), run through
+//! the backend's own mapping of an instruction set to its vectors.
 //!
-//! FLOPs are counted as 2 per FMA lane, and 2 per bf16 product for `vdpbf16ps` (64 per 512-bit
-//! instruction: 32 products, each added into an f32 lane).
+//! FLOPs are counted as 2 per FMA lane, 2 per bf16 product for `vdpbf16ps` (64 per 512-bit
+//! instruction: 32 products, each added into an f32 lane) and `tdpbf16ps` (16 × 16 × 32
+//! products per instruction).
 
 use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::Instant;
 
+use pagedattn::cpu::peak::{Line, PagedSum, Peak, SumLines};
+use pagedattn::cpu::Isa;
 use serde_json::{json, Value};
 
 use super::timing::median;
@@ -46,16 +53,22 @@ pub struct Ceilings {
     pub read_orders: Vec<OrderRate>,
     /// Size of the buffer read, bytes.
     pub mem_buffer_bytes: usize,
-    /// The instruction set of the f32 FMA measurement (`avx512`, `avx2+fma`, `portable`).
-    pub f32_isa: &'static str,
-    /// f32 FMA peak of one core, GFLOP/s.
-    pub f32_gflops_core: f64,
-    /// f32 FMA peak of all cores together, GFLOP/s.
-    pub f32_gflops_all: f64,
-    /// bf16 dot peak (`vdpbf16ps`) of one core, GFLOP/s; None without AVX512-BF16.
-    pub bf16_gflops_core: Option<f64>,
-    /// bf16 dot peak of all cores together, GFLOP/s.
-    pub bf16_gflops_all: Option<f64>,
+    /// The instruction set every figure was measured on: the `cpu` backend's.
+    pub isa: Isa,
+    /// The compute peaks: the f32 FMA first, then the instruction of the prefill of
+    /// [`Ceilings::isa`] where that is another ([`Peak::of_prefill`]).
+    pub peaks: Vec<PeakRate>,
+}
+
+/// One compute peak, measured.
+#[derive(Debug, Clone, Copy)]
+pub struct PeakRate {
+    /// Which.
+    pub peak: Peak,
+    /// GFLOP/s of one core.
+    pub per_core: f64,
+    /// GFLOP/s of all cores together.
+    pub all_cores: f64,
 }
 
 /// The read rate of one order of reading the bandwidth buffer, with every thread.
@@ -77,9 +90,15 @@ pub struct Probes {
     paged: PagedPattern,
     isa: Isa,
     threads: usize,
-    /// The compute-peak kernel and its iteration count for about 20 ms.
-    compute: (Kernel, u64),
+    /// The prefill's compute-peak probe and its round count for one burst.
+    compute: (Peak, u64),
 }
+
+/// Bursts of [`Probes::compute_pass`], about 20 ms in all. The fastest counts: a thread
+/// descheduled for a few ms only ever slows a burst (on the 2-vCPU development VM, single
+/// 20 ms bursts between prefill iterations read 15-25% low about one time in three, and rows
+/// at 75% of the peak then read over 100% of it).
+const COMPUTE_BURSTS: usize = 3;
 
 impl Probes {
     /// One pass over the buffer with every thread: GB/s.
@@ -92,17 +111,22 @@ impl Probes {
         self.paged.read_gbs(&self.buffer, self.isa)
     }
 
-    /// One short burst of the compute-peak kernel on every thread: GFLOP/s.
+    /// The prefill's compute-peak probe on every thread, the best of a few short bursts:
+    /// GFLOP/s.
     pub fn compute_pass(&self) -> f64 {
-        let (kernel, n) = self.compute;
-        rate(kernel, n, self.threads)
+        let (peak, n) = self.compute;
+        (0..COMPUTE_BURSTS)
+            .map(|_| rate(peak, self.isa, n, self.threads))
+            .fold(0.0, f64::max)
     }
 }
 
 impl Ceilings {
-    /// Measures every ceiling; returns them and the probes to re-measure them later.
-    pub fn measure(plan: &CeilingPlan, threads: usize) -> (Ceilings, Probes) {
-        let isa = Isa::detect();
+    /// Measures every ceiling on `isa`; returns them and the probes to re-measure them later.
+    ///
+    /// # Panics
+    /// If this CPU lacks `isa`.
+    pub fn measure(plan: &CeilingPlan, threads: usize, isa: Isa) -> (Ceilings, Probes) {
         let buffer = Buffer::new(plan.mem_bytes, threads);
         // Rounds of one pass per order (the sequential read first), so that the VM's drift hits
         // them alike.
@@ -137,21 +161,15 @@ impl Ceilings {
             .collect();
         // The decode's order (first of ReadOrder::ALL), kept to re-measure during the rows.
         let paged = patterns.swap_remove(0);
-        let f32_core = compute_peak(Kernel::F32(isa), 1, plan);
-        let f32_all = compute_peak(Kernel::F32(isa), threads, plan);
-        let (bf16_core, bf16_all) = if has_bf16_dot() {
-            (
-                Some(compute_peak(Kernel::Bf16Dot, 1, plan)),
-                Some(compute_peak(Kernel::Bf16Dot, threads, plan)),
-            )
-        } else {
-            (None, None)
-        };
-        let kernel = if has_bf16_dot() {
-            Kernel::Bf16Dot
-        } else {
-            Kernel::F32(isa)
-        };
+        let prefill = Peak::of_prefill(isa);
+        let peaks: Vec<PeakRate> = std::iter::once(Peak::F32Fma)
+            .chain((prefill != Peak::F32Fma).then_some(prefill))
+            .map(|peak| PeakRate {
+                peak,
+                per_core: compute_peak(peak, isa, 1, plan),
+                all_cores: compute_peak(peak, isa, threads, plan),
+            })
+            .collect();
         let ceilings = Ceilings {
             threads,
             mem_read_gbs: median(&all),
@@ -163,18 +181,18 @@ impl Ceilings {
             mem_read_gbs_1t: median(&one),
             read_orders,
             mem_buffer_bytes: buffer.bytes(),
-            f32_isa: isa.name(),
-            f32_gflops_core: f32_core,
-            f32_gflops_all: f32_all,
-            bf16_gflops_core: bf16_core,
-            bf16_gflops_all: bf16_all,
+            isa,
+            peaks,
         };
         let probes = Probes {
             buffer,
             paged,
             isa,
             threads,
-            compute: (kernel, calibrate(kernel, 0.02)),
+            compute: (
+                prefill,
+                calibrate(prefill, isa, 0.02 / COMPUTE_BURSTS as f64),
+            ),
         };
         (ceilings, probes)
     }
@@ -190,22 +208,40 @@ impl Ceilings {
         self.read_orders[ReadOrder::ContiguousBlocks.round_index()].vs_decode
     }
 
-    /// The compute ceiling prefill is compared with: the bf16 dot peak of all cores, or the
-    /// f32 FMA peak where there is no bf16 dot instruction. Returns (GFLOP/s, its name).
+    /// The measured rate of `peak`, where it was measured.
+    pub fn peak(&self, peak: Peak) -> Option<&PeakRate> {
+        self.peaks.iter().find(|p| p.peak == peak)
+    }
+
+    /// The f32 FMA peak (always measured).
+    pub fn f32_fma(&self) -> &PeakRate {
+        self.peak(Peak::F32Fma)
+            .expect("the f32 FMA peak is always measured")
+    }
+
+    /// The compute ceiling prefill rows are compared with: the peak of all cores of the
+    /// instruction the prefill of [`Ceilings::isa`] runs, so that no row can exceed it.
+    /// Returns (GFLOP/s, its name).
     pub fn compute_ceiling(&self) -> (f64, &'static str) {
-        match self.bf16_gflops_all {
-            Some(g) => (g, "bf16 dot peak, all cores"),
-            None => (self.f32_gflops_all, "f32 FMA peak, all cores"),
-        }
+        let peak = Peak::of_prefill(self.isa);
+        let name = match peak {
+            Peak::F32Fma => "f32 FMA peak, all cores",
+            Peak::Bf16Dot => "bf16 dot (vdpbf16ps) peak, all cores",
+            Peak::AmxBf16 => "AMX bf16 (tdpbf16ps) peak, all cores",
+        };
+        let rate = self.peak(peak).expect("the prefill's peak is measured");
+        (rate.all_cores, name)
     }
 
     /// Lines for the table header.
     pub fn summary(&self) -> Vec<String> {
-        let bf16 = match (self.bf16_gflops_core, self.bf16_gflops_all) {
-            (Some(c), Some(a)) => format!("{c:.0} GFLOP/s per core, {a:.0} all cores"),
-            _ => "n/a (no AVX512-BF16)".into(),
-        };
-        vec![
+        let prefill = Peak::of_prefill(self.isa);
+        let mut lines = vec![
+            format!(
+                "instruction set: {} (the cpu backend's; {} forces another); every figure below is measured on it",
+                self.isa,
+                pagedattn::cpu::ISA_ENV
+            ),
             format!(
                 "memory read: {:.1} GB/s with {} threads (passes {:.1}..{:.1}), {:.1} GB/s with 1 thread; {} MiB buffer",
                 self.mem_read_gbs,
@@ -229,12 +265,22 @@ impl Ceilings {
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
+        ];
+        lines.extend(self.peaks.iter().map(|p| {
             format!(
-                "f32 FMA ({}): {:.0} GFLOP/s per core, {:.0} all cores",
-                self.f32_isa, self.f32_gflops_core, self.f32_gflops_all
-            ),
-            format!("bf16 dot (vdpbf16ps): {bf16}"),
-        ]
+                "{} on {}: {:.0} GFLOP/s per core, {:.0} all cores{}",
+                p.peak.name(),
+                self.isa,
+                p.per_core,
+                p.all_cores,
+                if p.peak == prefill {
+                    " (the prefill's compute ceiling)"
+                } else {
+                    ""
+                }
+            )
+        }));
+        lines
     }
 
     /// The JSON object.
@@ -253,67 +299,19 @@ impl Ceilings {
                 "gbs": o.gbs,
                 "vs_decode_order": o.vs_decode,
             })).collect::<Vec<_>>(),
-            "f32_isa": self.f32_isa,
-            "f32_fma_gflops_per_core": self.f32_gflops_core,
-            "f32_fma_gflops_all_cores": self.f32_gflops_all,
-            "bf16_dot_gflops_per_core": self.bf16_gflops_core,
-            "bf16_dot_gflops_all_cores": self.bf16_gflops_all,
+            "isa": self.isa.name(),
+            "f32_isa": self.isa.name(),
+            "f32_fma_gflops_per_core": self.f32_fma().per_core,
+            "f32_fma_gflops_all_cores": self.f32_fma().all_cores,
+            "bf16_dot_gflops_per_core": self.peak(Peak::Bf16Dot).map(|p| p.per_core),
+            "bf16_dot_gflops_all_cores": self.peak(Peak::Bf16Dot).map(|p| p.all_cores),
+            "amx_bf16_gflops_per_core": self.peak(Peak::AmxBf16).map(|p| p.per_core),
+            "amx_bf16_gflops_all_cores": self.peak(Peak::AmxBf16).map(|p| p.all_cores),
             "compute_ceiling_gflops": self.compute_ceiling().0,
             "compute_ceiling": self.compute_ceiling().1,
         })
     }
 }
-
-/// The widest f32 instruction set of this CPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-enum Isa {
-    Avx512,
-    Avx2Fma,
-    Portable,
-}
-
-impl Isa {
-    fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2Fma;
-            }
-        }
-        Isa::Portable
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Isa::Avx512 => "avx512",
-            Isa::Avx2Fma => "avx2+fma",
-            Isa::Portable => "portable",
-        }
-    }
-}
-
-fn has_bf16_dot() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// One cache line of f32.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; 16]);
 
 /// How the headline decode (8 kv heads, blocks of 16 tokens, head size 128, bf16) reads a
 /// paged cache: blocks of 32 KiB in random order (keys in one half of the buffer, values in the
@@ -383,13 +381,6 @@ const BLOCK_TOKENS: usize = RUN_LINES / ROW_LINES;
 const PAGED_HEADS: usize = 8;
 /// Blocks per decode tile.
 const TILE_BLOCKS: usize = 4;
-/// How far ahead, in lines of the visiting order, the reader prefetches into L2 (the best of
-/// 48..512 on the development machine) ...
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_FAR: usize = 128;
-/// ... and into L1.
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_NEAR: usize = 16;
 
 impl PagedPattern {
     /// The visiting order over a buffer of `lines` lines, split between `threads` threads.
@@ -444,58 +435,15 @@ impl PagedPattern {
     /// One pass, every thread its share: GB/s.
     fn read_gbs(&self, buffer: &Buffer, isa: Isa) -> f64 {
         let seconds = on_threads(self.runs.len(), |t| {
-            black_box(paged_sum(
-                &buffer.lines,
-                black_box(&self.runs[t]),
-                self.run_lines,
-                isa,
-            ));
+            black_box(isa.vectorize(PagedSum {
+                lines: &buffer.lines,
+                runs: black_box(&self.runs[t]),
+                run_lines: self.run_lines,
+            }));
         });
         let lines: usize = self.runs.iter().map(|r| r.len() * self.run_lines).sum();
         (lines * 64) as f64 / seconds / 1e9
     }
-}
-
-/// Sums the lines of `runs` (`run_lines` each, a power of two) in order, prefetching ahead.
-fn paged_sum(lines: &[Line], runs: &[u32], run_lines: usize, isa: Isa) -> f32 {
-    match isa {
-        // SAFETY: the ISA was detected at run time.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::paged_sum_avx512(lines, runs, run_lines) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => unsafe { x86::paged_sum_avx2(lines, runs, run_lines) },
-        _ => paged_sum_body(lines, runs, run_lines),
-    }
-}
-
-/// [`paged_sum`]'s body, compiled for each ISA by its caller.
-#[inline(always)]
-fn paged_sum_body(lines: &[Line], runs: &[u32], run_lines: usize) -> f32 {
-    debug_assert!(run_lines.is_power_of_two());
-    let (shift, mask) = (run_lines.trailing_zeros(), run_lines - 1);
-    let line = |i: usize| &lines[runs[i >> shift] as usize + (i & mask)];
-    let n = runs.len() * run_lines;
-    let mut acc = [[0f32; 16]; 4];
-    for i in (0..n).step_by(4) {
-        for (k, a) in acc.iter_mut().enumerate() {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: prefetching never faults; SSE is part of x86_64.
-            unsafe {
-                use std::arch::x86_64::*;
-                let at = |j: usize| line(j).0.as_ptr() as *const i8;
-                if i + k + PREFETCH_FAR < n {
-                    _mm_prefetch::<_MM_HINT_T1>(at(i + k + PREFETCH_FAR));
-                }
-                if i + k + PREFETCH_NEAR < n {
-                    _mm_prefetch::<_MM_HINT_T0>(at(i + k + PREFETCH_NEAR));
-                }
-            }
-            for (x, y) in a.iter_mut().zip(&line(i + k).0) {
-                *x += y;
-            }
-        }
-    }
-    acc.iter().flatten().sum()
 }
 
 /// A buffer of cache lines, written (so every page is faulted in) by the threads that read it.
@@ -536,7 +484,7 @@ impl Buffer {
         let chunk = self.lines.len().div_ceil(threads);
         let seconds = on_threads(threads, |t| {
             let part = self.lines.chunks(chunk).nth(t).unwrap_or(&[]);
-            black_box(sum_lines(black_box(part), isa));
+            black_box(isa.vectorize(SumLines(black_box(part))));
         });
         self.bytes() as f64 / seconds / 1e9
     }
@@ -577,91 +525,27 @@ fn on_threads(threads: usize, work: impl Fn(usize) + Sync) -> f64 {
     (last - first).as_secs_f64()
 }
 
-fn sum_lines(lines: &[Line], isa: Isa) -> f32 {
-    match isa {
-        // SAFETY: the ISA was detected at run time.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::sum_avx512(lines) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => unsafe { x86::sum_avx2(lines) },
-        _ => {
-            let mut acc = [0f32; 16];
-            for l in lines {
-                for (a, x) in acc.iter_mut().zip(&l.0) {
-                    *a += x;
-                }
-            }
-            acc.iter().sum()
-        }
-    }
-}
-
-/// A compute-peak kernel: independent accumulator chains kept in registers.
-#[derive(Debug, Clone, Copy)]
-enum Kernel {
-    /// f32 FMA on an ISA (read only where an x86 kernel exists; others run the portable one).
-    F32(#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] Isa),
-    Bf16Dot,
-}
-
-impl Kernel {
-    /// FLOPs of `n` iterations.
-    fn flops(self, n: u64) -> f64 {
-        let per_iter = match self {
-            #[cfg(target_arch = "x86_64")]
-            Kernel::F32(Isa::Avx512) => x86::FMA512_FLOPS,
-            #[cfg(target_arch = "x86_64")]
-            Kernel::F32(Isa::Avx2Fma) => x86::FMA256_FLOPS,
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Bf16Dot => x86::DPBF16_FLOPS,
-            _ => PORTABLE_FLOPS,
-        };
-        n as f64 * per_iter
-    }
-
-    /// Runs `n` iterations; returns a value to keep alive.
-    fn run(self, n: u64) -> f32 {
-        let x = black_box(0.999_999f32);
-        match self {
-            // SAFETY (all arms): the ISA was detected at run time.
-            #[cfg(target_arch = "x86_64")]
-            Kernel::F32(Isa::Avx512) => unsafe { x86::fma_avx512(n, x) },
-            #[cfg(target_arch = "x86_64")]
-            Kernel::F32(Isa::Avx2Fma) => unsafe { x86::fma_avx2(n, x) },
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Bf16Dot => unsafe { x86::dpbf16_avx512(n, x) },
-            _ => {
-                let mut acc = [1f32; 8];
-                for _ in 0..n {
-                    for a in acc.iter_mut() {
-                        *a = *a * x + 1e-7;
-                    }
-                    black_box(&mut acc);
-                }
-                acc.iter().sum()
-            }
-        }
-    }
-}
-
-/// FLOPs of one iteration of the portable kernel: 8 multiply-adds.
-const PORTABLE_FLOPS: f64 = 16.0;
-
-/// Median GFLOP/s of `kernel` on `threads` threads running at once.
-fn compute_peak(kernel: Kernel, threads: usize, plan: &CeilingPlan) -> f64 {
-    let n = calibrate(kernel, plan.compute_seconds);
+/// Median GFLOP/s of `peak` on `isa` on `threads` threads running at once.
+fn compute_peak(peak: Peak, isa: Isa, threads: usize, plan: &CeilingPlan) -> f64 {
+    let n = calibrate(peak, isa, plan.compute_seconds);
     let runs: Vec<f64> = (0..plan.compute_repeats.max(1))
-        .map(|_| rate(kernel, n, threads))
+        .map(|_| rate(peak, isa, n, threads))
         .collect();
     median(&runs)
 }
 
-/// The iteration count for which `kernel` runs about `seconds` on one thread.
-fn calibrate(kernel: Kernel, seconds: f64) -> u64 {
+/// FLOPs of `n` rounds of `peak` on `isa`, on this thread.
+fn run(peak: Peak, isa: Isa, n: u64) -> f64 {
+    peak.run(isa, n)
+        .expect("the instruction set runs the peaks it is measured with")
+}
+
+/// The round count for which `peak` runs about `seconds` on one thread.
+fn calibrate(peak: Peak, isa: Isa, seconds: f64) -> u64 {
     let mut n = 1u64 << 12;
     loop {
         let start = Instant::now();
-        black_box(kernel.run(n));
+        run(peak, isa, n);
         let t = start.elapsed().as_secs_f64();
         if t > 0.01 || n > 1 << 40 {
             return ((n as f64) * seconds / t).max(1.0) as u64;
@@ -670,146 +554,56 @@ fn calibrate(kernel: Kernel, seconds: f64) -> u64 {
     }
 }
 
-/// GFLOP/s of `n` iterations of `kernel` on each of `threads` threads running at once.
-fn rate(kernel: Kernel, n: u64, threads: usize) -> f64 {
-    let flops = kernel.flops(n);
+/// GFLOP/s of `n` rounds of `peak` on each of `threads` threads running at once.
+fn rate(peak: Peak, isa: Isa, n: u64, threads: usize) -> f64 {
+    // The FLOPs are linear in the rounds: one round tells them.
+    let flops = run(peak, isa, 1) * n as f64;
     let seconds = on_threads(threads, |_| {
-        black_box(kernel.run(black_box(n)));
+        run(peak, isa, black_box(n));
     });
     flops * threads as f64 / seconds / 1e9
-}
-
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::Line;
-    use std::arch::x86_64::*;
-
-    /// Accumulator chains: enough to cover FMA latency times throughput on current cores
-    /// (4 cycles x 2 pipes; `vdpbf16ps` has a longer latency).
-    const CHAINS: usize = 16;
-    const CHAINS_AVX2: usize = 12;
-    /// FLOPs of one iteration of each kernel.
-    pub const FMA512_FLOPS: f64 = (CHAINS * 16 * 2) as f64;
-    pub const FMA256_FLOPS: f64 = (CHAINS_AVX2 * 8 * 2) as f64;
-    pub const DPBF16_FLOPS: f64 = (CHAINS * 32 * 2) as f64;
-
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn sum_avx512(lines: &[Line]) -> f32 {
-        let mut acc = [_mm512_setzero_ps(); 8];
-        let chunks = lines.chunks_exact(8);
-        let rest = chunks.remainder();
-        for c in chunks {
-            for (a, l) in acc.iter_mut().zip(c) {
-                *a = _mm512_add_ps(*a, _mm512_load_ps(l.0.as_ptr()));
-            }
-        }
-        for l in rest {
-            acc[0] = _mm512_add_ps(acc[0], _mm512_load_ps(l.0.as_ptr()));
-        }
-        let mut total = _mm512_setzero_ps();
-        for a in acc {
-            total = _mm512_add_ps(total, a);
-        }
-        _mm512_reduce_add_ps(total)
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn paged_sum_avx512(lines: &[Line], runs: &[u32], run_lines: usize) -> f32 {
-        super::paged_sum_body(lines, runs, run_lines)
-    }
-
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn paged_sum_avx2(lines: &[Line], runs: &[u32], run_lines: usize) -> f32 {
-        super::paged_sum_body(lines, runs, run_lines)
-    }
-
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn sum_avx2(lines: &[Line]) -> f32 {
-        let mut acc = [_mm256_setzero_ps(); 8];
-        let chunks = lines.chunks_exact(4);
-        let rest = chunks.remainder();
-        for c in chunks {
-            for (i, l) in c.iter().enumerate() {
-                let p = l.0.as_ptr();
-                acc[2 * i] = _mm256_add_ps(acc[2 * i], _mm256_load_ps(p));
-                acc[2 * i + 1] = _mm256_add_ps(acc[2 * i + 1], _mm256_load_ps(p.add(8)));
-            }
-        }
-        for l in rest {
-            let p = l.0.as_ptr();
-            acc[0] = _mm256_add_ps(acc[0], _mm256_load_ps(p));
-            acc[1] = _mm256_add_ps(acc[1], _mm256_load_ps(p.add(8)));
-        }
-        let mut lanes = [0f32; 8];
-        for a in acc {
-            let mut v = [0f32; 8];
-            _mm256_storeu_ps(v.as_mut_ptr(), a);
-            for (s, x) in lanes.iter_mut().zip(v) {
-                *s += x;
-            }
-        }
-        lanes.iter().sum()
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn fma_avx512(n: u64, x: f32) -> f32 {
-        let a = _mm512_set1_ps(x);
-        let b = _mm512_set1_ps(1e-7);
-        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
-        for _ in 0..n {
-            for c in acc.iter_mut() {
-                *c = _mm512_fmadd_ps(*c, a, b);
-            }
-        }
-        let mut total = _mm512_setzero_ps();
-        for c in acc {
-            total = _mm512_add_ps(total, c);
-        }
-        _mm512_reduce_add_ps(total)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn fma_avx2(n: u64, x: f32) -> f32 {
-        let a = _mm256_set1_ps(x);
-        let b = _mm256_set1_ps(1e-7);
-        let mut acc = [_mm256_set1_ps(1.0); CHAINS_AVX2];
-        for _ in 0..n {
-            for c in acc.iter_mut() {
-                *c = _mm256_fmadd_ps(*c, a, b);
-            }
-        }
-        let mut total = _mm256_setzero_ps();
-        for c in acc {
-            total = _mm256_add_ps(total, c);
-        }
-        let mut v = [0f32; 8];
-        _mm256_storeu_ps(v.as_mut_ptr(), total);
-        v.iter().sum()
-    }
-
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub unsafe fn dpbf16_avx512(n: u64, x: f32) -> f32 {
-        // Products of 1e-3 * 1e-3: the accumulators grow by 3.2e-5 per iteration, far from
-        // overflow and never denormal.
-        let small = _mm512_set1_ps(x * 1e-3);
-        let a = _mm512_cvtne2ps_pbh(small, small);
-        let mut acc = [_mm512_setzero_ps(); CHAINS];
-        for _ in 0..n {
-            for c in acc.iter_mut() {
-                *c = _mm512_dpbf16_ps(*c, a, a);
-            }
-        }
-        let mut total = _mm512_setzero_ps();
-        for c in acc {
-            total = _mm512_add_ps(total, c);
-        }
-        _mm512_reduce_add_ps(total)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On every instruction set of this CPU: every figure is positive and finite, the compute
+    /// ceiling is the peak of the prefill's instruction, and the header and JSON name the set.
+    #[test]
+    fn ceilings_of_every_isa() {
+        let plan = CeilingPlan {
+            mem_bytes: 1 << 20,
+            mem_passes: 1,
+            compute_seconds: 0.001,
+            compute_repeats: 1,
+        };
+        for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+            let (c, probes) = Ceilings::measure(&plan, 2, isa);
+            let prefill = c.peak(Peak::of_prefill(isa)).expect("measured");
+            assert_eq!(c.compute_ceiling().0, prefill.all_cores, "{isa}");
+            let figures = [
+                c.mem_read_gbs,
+                c.mem_read_gbs_1t,
+                c.paged_read_gbs(),
+                probes.mem_pass(),
+                probes.paged_pass(),
+                probes.compute_pass(),
+            ];
+            let peaks = c.peaks.iter().flat_map(|p| [p.per_core, p.all_cores]);
+            for x in figures.into_iter().chain(peaks) {
+                assert!(x.is_finite() && x > 0.0, "{isa}: {x}");
+            }
+            assert!(c.summary()[0].contains(isa.name()));
+            let j = c.to_json();
+            assert_eq!(j["isa"], isa.name());
+            assert!(j["f32_fma_gflops_all_cores"].as_f64().unwrap() > 0.0);
+            let amx = j["amx_bf16_gflops_all_cores"].as_f64();
+            assert_eq!(amx.is_some(), isa == Isa::Amx, "{isa}");
+            let bf16 = j["bf16_dot_gflops_all_cores"].as_f64();
+            assert_eq!(bf16.is_some(), isa == Isa::Avx512Bf16, "{isa}");
+        }
+    }
 
     /// Every read order visits each line of each thread's blocks (keys and values) exactly
     /// once, and no other line.

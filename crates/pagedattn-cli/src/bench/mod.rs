@@ -1,13 +1,15 @@
 //! `pagedattn bench`: kernel benchmarks against this machine's own ceilings.
 //!
-//! The ceilings are measured first by the same command (on the CPU: memory read bandwidth,
-//! f32 FMA and bf16 dot peaks; on a GPU: device copy bandwidth and the `mma.sync` bf16 peak);
-//! then each workload is timed (warm-up, then N iterations, median and min; on a GPU with CUDA
-//! events) with the cache write included in every forward call, rotating over enough layers'
-//! caches that the working set is several times the last-level cache (a GPU's L2). Decode rows
-//! report KV GB/s against the memory ceiling, prefill rows GFLOP/s against the compute peak
-//! (`bench/README.md`). `--json` prints every number, the workloads' parameters, the ceilings
-//! and the machine, for `bench/torch_compare.py`.
+//! The ceilings are measured first by the same command (on the CPU, on the instruction set the
+//! `cpu` backend runs: memory read bandwidth, the f32 FMA peak and that of the prefill's
+//! instruction, `vdpbf16ps` or `tdpbf16ps`, where it is another; on a GPU: device copy
+//! bandwidth and the `mma.sync` bf16 peak); then each workload is timed (warm-up, then N
+//! iterations, median and min; on a GPU with CUDA events) with the cache write included in
+//! every forward call, rotating over enough layers' caches that the working set is several
+//! times the last-level cache (a GPU's L2). Decode rows report KV GB/s against the memory
+//! ceiling, prefill rows GFLOP/s against the compute peak (`bench/README.md`). `--json` prints
+//! every number, the workloads' parameters, the ceilings and the machine, for
+//! `bench/torch_compare.py`.
 
 mod ceilings;
 #[cfg(feature = "cuda")]
@@ -168,9 +170,11 @@ impl BenchArgs {
                     Scale::Tiny => 1 << 20,
                     _ => 8 * machine.llc_bytes,
                 };
+                // The ceilings of the instruction set the cpu backend runs.
                 Ok(Box::new(CpuPlatform::measure(
                     &self.ceiling_plan(),
                     machine.threads,
+                    pagedattn::cpu::Isa::from_env()?,
                     working_set,
                 )))
             }
@@ -488,10 +492,11 @@ mod tests {
                 compute_repeats: 1,
             },
             machine_threads,
+            pagedattn::cpu::Isa::detect(),
             1 << 16,
         );
         let ceilings = platform.ceilings();
-        assert!(ceilings.mem_read_gbs > 0.0 && ceilings.f32_gflops_core > 0.0);
+        assert!(ceilings.mem_read_gbs > 0.0 && ceilings.f32_fma().per_core > 0.0);
         let backend = registry::backend(&args.backend).unwrap();
         let cx = Context {
             backend: backend.as_ref(),

@@ -3,6 +3,7 @@
 //! iterations), how large the rotated working set must be, and the shapes of the workloads.
 //! Everything else (workloads, timing loop, rows, JSON) is shared.
 
+use pagedattn::cpu::Isa;
 use pagedattn::Result;
 use serde_json::Value;
 
@@ -69,8 +70,9 @@ pub trait Platform {
     fn probe_compute(&self) -> Result<f64>;
 }
 
-/// The CPU: host wall clock, the memory read bandwidth, the paged read rate and the bf16 dot
-/// (or f32 FMA) peak of all cores; working set 8x the last-level cache.
+/// The CPU: host wall clock, the memory read bandwidth, the paged read rate and the peak of all
+/// cores of the instruction the prefill runs (`tdpbf16ps`, `vdpbf16ps` or f32 FMA, by the
+/// instruction set); working set 8x the last-level cache.
 pub struct CpuPlatform {
     ceilings: Ceilings,
     probes: Probes,
@@ -78,9 +80,14 @@ pub struct CpuPlatform {
 }
 
 impl CpuPlatform {
-    /// Measures the CPU's ceilings with `threads` threads.
-    pub fn measure(plan: &CeilingPlan, threads: usize, working_set: usize) -> CpuPlatform {
-        let (ceilings, probes) = Ceilings::measure(plan, threads);
+    /// Measures the CPU's ceilings on `isa` with `threads` threads.
+    pub fn measure(
+        plan: &CeilingPlan,
+        threads: usize,
+        isa: Isa,
+        working_set: usize,
+    ) -> CpuPlatform {
+        let (ceilings, probes) = Ceilings::measure(plan, threads, isa);
         CpuPlatform {
             ceilings,
             probes,

@@ -307,3 +307,48 @@ pub fn with_tiles<R>(f: impl FnOnce() -> R) -> R {
     release();
     out
 }
+
+/// FLOPs of one `tdpbf16ps`: 16 × 16 outputs, each adding 32 products.
+pub const TILE_DOT_FLOPS: f64 = (2 * TILE_ROWS * TILE_ROWS * (TILE_BYTES / 2)) as f64;
+
+/// The `tdpbf16ps` peak probe: `iters` rounds of a GEMM micro-kernel's 2 × 2 block (four
+/// accumulator tiles, `C[i][j] += A[i] · B[j]`) on this thread: one `tdpbf16ps` issues every
+/// 16 cycles on Sapphire Rapids and its latency is a few times that, so each tile's next
+/// product comes four issues after its last. The operands are loaded once, outside the loop,
+/// so that the figure is the instruction's own rate, which the prefill's loads and softmax
+/// then spend. Returns the FLOPs done, or None without AMX.
+pub fn peak(iters: u64) -> Option<f64> {
+    if !available() {
+        return None;
+    }
+    // bf16 1e-3 in every element: products of 1e-6, so the accumulators grow by 3.2e-5 per
+    // round, far from overflow and never subnormal.
+    #[repr(C, align(64))]
+    struct Operand([u16; TILE_ROWS * TILE_BYTES / 2]);
+    let operand = Operand([half::bf16::from_f32(1e-3).to_bits(); TILE_ROWS * TILE_BYTES / 2]);
+    let at = operand.0.as_ptr();
+    with_tiles(|| {
+        // SAFETY: the tiles are configured (`with_tiles`, after `available()`); `operand`
+        // holds 16 rows of 64 bytes, TILE_BYTES apart.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            tile_load!(4, at, TILE_BYTES);
+            tile_load!(5, at, TILE_BYTES);
+            tile_load!(6, at, TILE_BYTES);
+            tile_load!(7, at, TILE_BYTES);
+            for _ in 0..iters {
+                tile_dot!(0, 4, 6);
+                tile_dot!(1, 4, 7);
+                tile_dot!(2, 5, 6);
+                tile_dot!(3, 5, 7);
+            }
+        }
+    });
+    Some(iters as f64 * 4.0 * TILE_DOT_FLOPS)
+}

@@ -6,6 +6,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use super::simd::{scalar::Scalar, Simd, WithSimd};
 use crate::error::{Error, Result};
 
 /// The environment variable that forces an instruction set.
@@ -80,6 +81,59 @@ impl Isa {
             .into_iter()
             .find(|&i| i.is_available() && !(i == Isa::Avx512Bf16 && intel()))
             .unwrap_or(Isa::Scalar)
+    }
+
+    /// Runs `op` on this instruction set's widest f32 vectors: [`Isa::vectorize_dividing`]
+    /// with no width constraint (0 is a multiple of every lane count).
+    ///
+    /// # Panics
+    /// If this CPU lacks the instruction set ([`Isa::is_available`]).
+    pub fn vectorize<Op: WithSimd>(self, op: Op) -> Op::Output {
+        self.vectorize_dividing(0, op)
+    }
+
+    /// Runs `op` on the widest f32 vectors of this instruction set whose lane count divides
+    /// `n` (narrower ones down to scalar where it does not, so that kernels need no tails).
+    /// The one place an [`Isa`] becomes a [`Simd`] token: the backend runs every call through
+    /// it and the benchmark's probes ([`crate::cpu::peak`]) too, so that both run the same
+    /// vectors. `Amx` and `Avx512Bf16` get the AVX-512 token with AVX512-BF16 use on, `Avx512`
+    /// without.
+    ///
+    /// # Panics
+    /// If this CPU lacks the instruction set ([`Isa::is_available`]).
+    pub fn vectorize_dividing<Op: WithSimd>(self, n: usize, op: Op) -> Op::Output {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use super::simd::x86::{Avx2, Avx512};
+            if matches!(self, Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512)
+                && n.is_multiple_of(Avx512::LANES)
+            {
+                let s = Avx512::new().expect("this CPU has the instruction set");
+                let s = if self == Isa::Avx512 {
+                    s.without_bf16()
+                } else {
+                    s
+                };
+                return s.vectorize(op);
+            }
+            if matches!(self, Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2)
+                && n.is_multiple_of(Avx2::LANES)
+            {
+                return Avx2::new()
+                    .expect("AVX-512 machines have AVX2")
+                    .vectorize(op);
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            use super::simd::neon::Neon;
+            if self == Isa::Neon && n.is_multiple_of(Neon::LANES) {
+                return Neon::new()
+                    .expect("this CPU has the instruction set")
+                    .vectorize(op);
+            }
+        }
+        Scalar.vectorize(op)
     }
 
     /// `PAGEDATTN_ISA` if set (an error if this CPU lacks it), else the best one.

@@ -17,6 +17,7 @@ pub mod bf16;
 pub mod isa;
 pub mod kernel;
 pub mod packed;
+pub mod peak;
 pub mod plan;
 pub mod simd;
 #[cfg(target_arch = "x86_64")]
@@ -42,7 +43,7 @@ use crate::shared::SharedMut;
 pub use isa::{Isa, ISA_ENV};
 use kernel::{Attend, Group, KvRows, RowLayout, RowStates, RowsSource, ScoreMods, Stream};
 use plan::{Merge, Plan, PrefillGroup, Unit};
-use simd::{E4m3, E5m2, Load, Simd};
+use simd::{E4m3, E5m2, Load, Simd, WithSimd};
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
@@ -289,54 +290,39 @@ struct Call<'a> {
     amx: bool,
 }
 
-/// Picks the widest instruction set whose vector width divides the head size (so kernels
-/// need no tails) and runs the call on it.
+/// Runs the call on the widest vectors of `isa` whose width divides the head size (so kernels
+/// need no tails).
 fn run_isa<T: Element + Load>(
     isa: Isa,
     call: &Call<'_>,
     output: &mut HostStorage,
     partials: &mut [f32],
 ) {
-    let d = call.config.head_size();
-    #[cfg(target_arch = "x86_64")]
-    {
-        use simd::x86::{Avx2, Avx512};
-        if matches!(isa, Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512)
-            && d.is_multiple_of(Avx512::LANES)
-        {
-            let s = Avx512::new().expect("checked when the backend was built");
-            let s = if isa == Isa::Avx512 {
-                s.without_bf16()
-            } else {
-                s
-            };
-            return run_kv::<_, T>(s, call, output, partials);
-        }
-        if matches!(isa, Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2)
-            && d.is_multiple_of(Avx2::LANES)
-        {
-            return run_kv::<_, T>(
-                Avx2::new().expect("AVX-512 machines have AVX2"),
-                call,
-                output,
-                partials,
-            );
-        }
+    isa.vectorize_dividing(
+        call.config.head_size(),
+        RunKv::<T> {
+            call,
+            output,
+            partials,
+            element: std::marker::PhantomData,
+        },
+    )
+}
+
+/// [`run_kv`] as an operation on the token [`Isa::vectorize_dividing`] picks.
+struct RunKv<'r, 'a, T> {
+    call: &'r Call<'a>,
+    output: &'r mut HostStorage,
+    partials: &'r mut [f32],
+    element: std::marker::PhantomData<T>,
+}
+
+impl<T: Element + Load> WithSimd for RunKv<'_, '_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, s: S) {
+        run_kv::<S, T>(s, self.call, self.output, self.partials)
     }
-    #[cfg(target_arch = "aarch64")]
-    {
-        use simd::neon::Neon;
-        if isa == Isa::Neon && d.is_multiple_of(Neon::LANES) {
-            return run_kv::<_, T>(
-                Neon::new().expect("checked when the backend was built"),
-                call,
-                output,
-                partials,
-            );
-        }
-    }
-    let _ = isa;
-    run_kv::<_, T>(simd::scalar::Scalar, call, output, partials)
 }
 
 /// Dispatches on the element type the keys and values are read from.
