@@ -14,8 +14,8 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::kernel::{
-    attend, for_row_blocks, score_group, Group, KvRows, RowStates, ScoreMods, Stream, TileRows,
-    TileSource, ValuesAhead, KEY_TILE, PACK_PREFETCH_KEYS,
+    attend, for_row_blocks, score_group, KvRows, PrefetchStream, QueryRows, RowStates, ScoreMods,
+    TileRows, TileSource, ValuesAhead, KEY_TILE, PACK_PREFETCH_KEYS,
 };
 use super::simd::x86::Avx512;
 use super::simd::{Load, Simd};
@@ -158,8 +158,10 @@ pub struct PackedBf16Source<'a> {
     pub scale: f32,
 }
 
+/// Reinterprets a vector of 16 u32 bf16 pairs as the `__m512bh` that `vdpbf16ps` takes
+/// (the same bits: no conversion).
 #[inline(always)]
-fn bh(x: __m512i) -> __m512bh {
+fn as_bf16_pairs(x: __m512i) -> __m512bh {
     // SAFETY: same size; bf16 pairs reinterpreted.
     unsafe { std::mem::transmute(x) }
 }
@@ -190,7 +192,7 @@ impl TileSource for PackedBf16Source<'_> {
         let kt = |g: usize, n: usize| &p.kt[(first_group + g) * half * LANES..][..n * half * LANES];
         let mut g = 0;
         while g + 2 <= groups {
-            for_row_blocks!(rows, |r0, R| qk_groups::<R, 2, 1>(
+            for_row_blocks!(rows, |r0, R| qk_groups_bf16::<R, 2, 1>(
                 self.q,
                 r0,
                 half,
@@ -202,7 +204,7 @@ impl TileSource for PackedBf16Source<'_> {
             g += 2;
         }
         if g < groups {
-            for_row_blocks!(rows, |r0, R| qk_groups::<R, 1, 2>(
+            for_row_blocks!(rows, |r0, R| qk_groups_bf16::<R, 1, 2>(
                 self.q,
                 r0,
                 half,
@@ -229,7 +231,7 @@ impl TileSource for PackedBf16Source<'_> {
         let pairs = keys.len().div_ceil(2);
         let mut scratch = Vec::new();
         let v = p.tile_values(keys, absent, pairs, &mut scratch);
-        for_row_blocks!(rows, |r0, R| pv_block::<R>(
+        for_row_blocks!(rows, |r0, R| pv_block_bf16::<R>(
             v,
             pairs,
             p.d,
@@ -250,7 +252,7 @@ impl TileSource for PackedBf16Source<'_> {
 /// through the instruction's latency, and each broadcast query pair serves `G` groups: with
 /// one group the loads (a broadcast per `vdpbf16ps`) rather than the dot products limited it.
 #[inline(always)]
-fn qk_groups<const R: usize, const G: usize, const SPLIT: usize>(
+fn qk_groups_bf16<const R: usize, const G: usize, const SPLIT: usize>(
     q: &[u32],
     r0: usize,
     half: usize,
@@ -267,14 +269,15 @@ fn qk_groups<const R: usize, const G: usize, const SPLIT: usize>(
         for p0 in (0..half).step_by(SPLIT) {
             for (s, acc) in acc.iter_mut().enumerate() {
                 let p = p0 + s;
-                let mut k = [bh(_mm512_setzero_si512()); G];
+                let mut k = [as_bf16_pairs(_mm512_setzero_si512()); G];
                 for (g, k) in k.iter_mut().enumerate() {
-                    *k = bh(_mm512_loadu_si512(
+                    *k = as_bf16_pairs(_mm512_loadu_si512(
                         kt.as_ptr().add((g * half + p) * LANES) as *const __m512i
                     ));
                 }
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let qv = bh(_mm512_set1_epi32(*q.get_unchecked(r * half + p) as i32));
+                    let qv =
+                        as_bf16_pairs(_mm512_set1_epi32(*q.get_unchecked(r * half + p) as i32));
                     for (a, &kg) in row.iter_mut().zip(&k) {
                         *a = _mm512_dpbf16_ps(*a, qv, kg);
                     }
@@ -301,7 +304,7 @@ fn qk_groups<const R: usize, const G: usize, const SPLIT: usize>(
 /// 16-dimension chunks at a time (2R independent accumulator chains, and each broadcast
 /// probability pair serves both), then the last chunk alone where d % 32 == 16.
 #[inline(always)]
-fn pv_block<const R: usize>(
+fn pv_block_bf16<const R: usize>(
     v: &[u32],
     pairs: usize,
     d: usize,
@@ -313,17 +316,17 @@ fn pv_block<const R: usize>(
     let acc = &mut acc[r0 * d..(r0 + R) * d];
     let mut c = 0;
     while c + 2 * LANES <= d {
-        pv_chunks::<R, 2>(v, pairs, d, probs, acc, c);
+        pv_chunks_bf16::<R, 2>(v, pairs, d, probs, acc, c);
         c += 2 * LANES;
     }
     if c < d {
-        pv_chunks::<R, 1>(v, pairs, d, probs, acc, c);
+        pv_chunks_bf16::<R, 1>(v, pairs, d, probs, acc, c);
     }
 }
 
-/// [`pv_block`] for the `W` 16-dimension chunks from dimension `c`.
+/// [`pv_block_bf16`] for the `W` 16-dimension chunks from dimension `c`.
 #[inline(always)]
-fn pv_chunks<const R: usize, const W: usize>(
+fn pv_chunks_bf16<const R: usize, const W: usize>(
     v: &[u32],
     pairs: usize,
     d: usize,
@@ -341,9 +344,9 @@ fn pv_chunks<const R: usize, const W: usize>(
             }
         }
         for p in 0..pairs {
-            let mut vv = [bh(_mm512_setzero_si512()); W];
+            let mut vv = [as_bf16_pairs(_mm512_setzero_si512()); W];
             for (w, x) in vv.iter_mut().enumerate() {
-                *x = bh(_mm512_loadu_si512(
+                *x = as_bf16_pairs(_mm512_loadu_si512(
                     v.as_ptr().add(p * d + c + w * LANES) as *const __m512i
                 ));
             }
@@ -351,7 +354,7 @@ fn pv_chunks<const R: usize, const W: usize>(
                 let pp = (probs.as_ptr().add(r * KEY_TILE) as *const u32)
                     .add(p)
                     .read();
-                let pp = bh(_mm512_set1_epi32(pp as i32));
+                let pp = as_bf16_pairs(_mm512_set1_epi32(pp as i32));
                 for (x, &vw) in row.iter_mut().zip(&vv) {
                     *x = _mm512_dpbf16_ps(*x, pp, vw);
                 }
@@ -390,7 +393,7 @@ pub struct RowsBf16Source<'a, C, const D: usize> {
     /// Score scale.
     pub scale: f32,
     /// Where the prefetches run ahead to.
-    pub stream: Stream,
+    pub stream: PrefetchStream,
 }
 
 /// Elements per 512-bit chunk of a bf16 row.
@@ -476,8 +479,8 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
                 |k0, k1| {
                     let q = &self.q[r0 * half..(r0 + R) * half];
                     [
-                        qk_partial::<C, R>(table, q, k0),
-                        qk_partial::<C, R>(table, q, k1),
+                        qk_partial_bf16::<C, R>(table, q, k0),
+                        qk_partial_bf16::<C, R>(table, q, k1),
                     ]
                 }
             ));
@@ -650,13 +653,13 @@ unsafe fn quad_chunk<C: Bf16Elem, const W: usize>(
         *row = C::bf16_chunk::<W>(table, key.as_ptr().add(c), buf);
     }
     let lanes = |k: *const u16, g: usize| {
-        bh(_mm512_broadcast_i32x4(_mm_loadu_si128(
+        as_bf16_pairs(_mm512_broadcast_i32x4(_mm_loadu_si128(
             k.add(8 * g) as *const __m128i
         )))
     };
     for g in (0..W * CHUNK / 8).step_by(2) {
         let q = |g: usize| {
-            bh(_mm512_loadu_si512(
+            as_bf16_pairs(_mm512_loadu_si512(
                 quad.as_ptr().add(2 * c + 16 * g) as *const __m512i
             ))
         };
@@ -670,7 +673,11 @@ unsafe fn quad_chunk<C: Bf16Elem, const W: usize>(
 
 /// Partial dot products of `R` query rows (`q`, R × d/2 pairs) with one key row.
 #[inline(always)]
-fn qk_partial<C: Bf16Elem, const R: usize>(table: C::Table, q: &[u32], k: &[C]) -> [__m512; R] {
+fn qk_partial_bf16<C: Bf16Elem, const R: usize>(
+    table: C::Table,
+    q: &[u32],
+    k: &[C],
+) -> [__m512; R] {
     let half = k.len() / 2;
     // SAFETY: only called under AVX512-BF16; rows hold d = 2 * half elements, d % 32 == 0.
     unsafe {
@@ -678,9 +685,9 @@ fn qk_partial<C: Bf16Elem, const R: usize>(table: C::Table, q: &[u32], k: &[C]) 
         let mut acc = [[_mm512_setzero_ps(); R]; 2];
         for (i, c) in (0..k.len()).step_by(CHUNK).enumerate() {
             let [kv] = C::widen::<1>(table, k.as_ptr().add(c), None);
-            let kv = bh(kv);
+            let kv = as_bf16_pairs(kv);
             for (r, a) in acc[i % 2].iter_mut().enumerate() {
-                let qv = bh(_mm512_loadu_si512(
+                let qv = as_bf16_pairs(_mm512_loadu_si512(
                     q.as_ptr().add(r * half + c / 2) as *const __m512i
                 ));
                 *a = _mm512_dpbf16_ps(*a, qv, kv);
@@ -794,18 +801,18 @@ fn pv_row_chunks<S: Simd, C: Bf16Elem, const R: usize, const W: usize>(
                 columns.chunks::<W>(2 * p, c),
                 columns.chunks::<W>(2 * p + 1, c),
             );
-            let mut v = [[bh(_mm512_setzero_si512()); 2]; W];
+            let mut v = [[as_bf16_pairs(_mm512_setzero_si512()); 2]; W];
             for ((x, &a), &b) in v.iter_mut().zip(&va).zip(&vb) {
                 *x = [
-                    bh(_mm512_unpacklo_epi16(a, b)),
-                    bh(_mm512_unpackhi_epi16(a, b)),
+                    as_bf16_pairs(_mm512_unpacklo_epi16(a, b)),
+                    as_bf16_pairs(_mm512_unpackhi_epi16(a, b)),
                 ];
             }
             for (r, row) in a.iter_mut().enumerate() {
                 let pp = (probs.as_ptr().add(r * KEY_TILE) as *const u32)
                     .add(p)
                     .read();
-                let pp = bh(_mm512_set1_epi32(pp as i32));
+                let pp = as_bf16_pairs(_mm512_set1_epi32(pp as i32));
                 for (x, vw) in row.iter_mut().zip(&v) {
                     x[0] = _mm512_dpbf16_ps(x[0], pp, vw[0]);
                     x[1] = _mm512_dpbf16_ps(x[1], pp, vw[1]);
@@ -842,7 +849,7 @@ impl<C: Bf16Elem, const D: usize> Bf16Source for RowsBf16Source<'_, C, D> {
 /// only calls it where they were detected).
 pub fn attend_bf16<Src: Bf16Source>(
     sources: &[Src],
-    groups: &[Group<'_>],
+    groups: &[QueryRows<'_>],
     mods: &ScoreMods,
     states: &mut [RowStates],
 ) {
@@ -872,7 +879,7 @@ macro_rules! attend_with {
         unsafe fn $name<Src: Bf16Source>(
             s: Avx512,
             sources: &[Src],
-            groups: &[Group<'_>],
+            groups: &[QueryRows<'_>],
             mods: &ScoreMods,
             states: &mut [RowStates],
         ) {

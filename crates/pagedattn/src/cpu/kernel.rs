@@ -192,9 +192,10 @@ impl<E> KvRows<'_, E> {
 /// How many keys ahead the prefill packing loops ask for rows ([`KvRows::prefetch`]).
 pub const PACK_PREFETCH_KEYS: usize = 16;
 
-/// One group of query rows and the keys it visits.
+/// The query rows one kernel call attends together (every query head of one kv head, for one
+/// or more tokens) and the keys they visit.
 #[derive(Debug, Clone)]
-pub struct Group<'a> {
+pub struct QueryRows<'a> {
     /// Position of each row.
     pub pos: &'a [usize],
     /// ALiBi slope of each row (empty without ALiBi).
@@ -277,7 +278,7 @@ pub struct Attend<'a, 'b, Src> {
     /// Scores and values, one source per kv head.
     pub sources: &'a [Src],
     /// The query rows of each kv head.
-    pub groups: &'a [Group<'b>],
+    pub groups: &'a [QueryRows<'b>],
     /// Score settings.
     pub mods: &'a ScoreMods,
     /// The rows' softmax state, per kv head.
@@ -303,7 +304,7 @@ impl<Src: TileSource> WithSimd for Attend<'_, '_, Src> {
 pub fn attend<S: Simd, Src: TileSource>(
     s: S,
     sources: &[Src],
-    groups: &[Group<'_>],
+    groups: &[QueryRows<'_>],
     mods: &ScoreMods,
     states: &mut [RowStates],
 ) {
@@ -466,13 +467,18 @@ pub struct RowsSource<'a, E> {
     /// sums are multiplied back by it in [`TileSource::finish`].
     load_scale: f32,
     /// Where the prefetches run ahead to.
-    pub stream: Stream,
+    pub stream: PrefetchStream,
 }
 
 impl<'a, E: Load> RowsSource<'a, E> {
     /// The source of `kv` and the queries `q` on ISA `S`, with score scale `score_scale`
     /// (softmax scale × fp8 k_scale).
-    pub fn new<S: Simd>(kv: KvRows<'a, E>, q: &'a [f32], score_scale: f32, stream: Stream) -> Self {
+    pub fn new<S: Simd>(
+        kv: KvRows<'a, E>,
+        q: &'a [f32],
+        score_scale: f32,
+        stream: PrefetchStream,
+    ) -> Self {
         let load_scale = E::load_scale::<S>();
         RowsSource {
             kv,
@@ -484,12 +490,13 @@ impl<'a, E: Load> RowsSource<'a, E> {
     }
 }
 
-/// Where a decode source's prefetches run ahead to. The kv heads of a unit walk each tile in
+/// Where a decode source's software prefetches run ahead to (a stream of cache rows to ask for,
+/// nothing to do with a CUDA stream). The kv heads of a unit walk each tile in
 /// turn ([`attend`]), so near the end of its tile a head asks for the next head's first keys
 /// of the same tile (the same cache blocks), and the last head for the first head's keys of
 /// the next tile.
 #[derive(Debug, Clone, Copy)]
-pub struct Stream {
+pub struct PrefetchStream {
     /// End of the key range the unit visits (prefetching stops there).
     pub keys_end: usize,
     /// Elements from this head's rows to the next head's ([`KvRows::head_stride`]), or, for
@@ -499,16 +506,21 @@ pub struct Stream {
     pub last: bool,
 }
 
-impl Stream {
+impl PrefetchStream {
     /// The stream of head `head` of `heads`, whose rows are `head_stride` apart.
-    pub fn of_head(head: usize, heads: usize, head_stride: usize, keys_end: usize) -> Stream {
+    pub fn of_head(
+        head: usize,
+        heads: usize,
+        head_stride: usize,
+        keys_end: usize,
+    ) -> PrefetchStream {
         let last = head + 1 == heads;
         let next_head = if last {
             -((head * head_stride) as isize)
         } else {
             head_stride as isize
         };
-        Stream {
+        PrefetchStream {
             keys_end,
             next_head,
             last,
@@ -520,7 +532,7 @@ impl Stream {
 const PREFETCH_KEYS: usize = 16;
 
 /// No row to prefetch (in [`TileRows`]' per-column prefetch targets).
-const NONE: usize = usize::MAX;
+const NO_ROW: usize = usize::MAX;
 
 /// How many keys ahead the decode path asks for key and value rows into L2 (more requests in
 /// flight than L1 can track; measured 7-10% faster decode than L1 prefetches alone on Zen 5).
@@ -608,7 +620,7 @@ pub enum ValuesAhead {
 }
 
 /// The cache rows of one decode tile, with the prefetch stream that runs ahead of them (in the
-/// order the heads visit rows, see [`Stream`], up to the end of the visited keys): the scores
+/// order the heads visit rows, see [`PrefetchStream`], up to the end of the visited keys): the scores
 /// ask for the key row `PREFETCH_L2_KEYS` steps ahead into L2, the key row `PREFETCH_KEYS`
 /// steps ahead into L1 and the value row of the key being scored, which the P·V pass reads
 /// after the tile's scores; the value row `PREFETCH_L2_KEYS` steps ahead goes into L2 as
@@ -619,9 +631,9 @@ pub struct TileRows<'a, E> {
     /// Keys in the tile.
     pub len: usize,
     d: usize,
-    /// Per column: the key row to prefetch into L1, or [`NONE`].
+    /// Per column: the key row to prefetch into L1, or [`NO_ROW`].
     l1: [usize; KEY_TILE],
-    /// Per column: the key and value rows to prefetch into L2, or [`NONE`].
+    /// Per column: the key and value rows to prefetch into L2, or [`NO_ROW`].
     l2: [usize; KEY_TILE],
     /// Who asks for the value rows in `l2`.
     values_ahead: ValuesAhead,
@@ -635,7 +647,7 @@ impl<'a, E> TileRows<'a, E> {
     pub fn new(
         kv: &'a KvRows<'a, E>,
         keys: Range<usize>,
-        stream: Stream,
+        stream: PrefetchStream,
         d: usize,
         values_ahead: ValuesAhead,
     ) -> Self {
@@ -648,7 +660,7 @@ impl<'a, E> TileRows<'a, E> {
         // head's row while inside the tile, then the next head's first rows of this tile
         // (the last head: the first head's rows of the next tile).
         let stream_rows = |ahead: usize| {
-            let mut out = [NONE; KEY_TILE];
+            let mut out = [NO_ROW; KEY_TILE];
             let same = len.saturating_sub(ahead);
             out[..same].copy_from_slice(&offsets[ahead..ahead + same]);
             for (t, o) in out.iter_mut().enumerate().take(len).skip(same) {
@@ -688,14 +700,14 @@ impl<'a, E> TileRows<'a, E> {
             };
             if prefetch {
                 let far = *self.l2.get_unchecked(t);
-                if far != NONE {
+                if far != NO_ROW {
                     prefetch_row(s, row(self.kv.key, far), Level::L2);
                     if self.values_ahead == ValuesAhead::WithKeys {
                         prefetch_row(s, row(self.kv.value, far), Level::L2);
                     }
                 }
                 let near = *self.l1.get_unchecked(t);
-                if near != NONE {
+                if near != NO_ROW {
                     prefetch_row(s, row(self.kv.key, near), Level::L1);
                 }
                 prefetch_row(
@@ -727,7 +739,7 @@ impl<'a, E> TileRows<'a, E> {
     pub fn prefetch_value_ahead<S: Simd>(&self, s: S, t: usize, bytes: Range<usize>) {
         debug_assert_eq!(self.values_ahead, ValuesAhead::FromValues);
         let far = self.l2[t];
-        if far == NONE {
+        if far == NO_ROW {
             return;
         }
         let row = self.kv.value.as_ptr().wrapping_add(far) as *const u8;

@@ -41,8 +41,10 @@ use crate::tensor::{HostStorage, Tensor};
 
 use crate::shared::SharedMut;
 pub use isa::{Isa, ISA_ENV};
-use kernel::{Attend, Group, KvRows, RowLayout, RowStates, RowsSource, ScoreMods, Stream};
-use plan::{Merge, Plan, PrefillGroup, Unit};
+use kernel::{
+    Attend, KvRows, PrefetchStream, QueryRows, RowLayout, RowStates, RowsSource, ScoreMods,
+};
+use plan::{DecodeUnit, Merge, Plan, PrefillGroup};
 use simd::{E4m3, E5m2, Load, Simd, WithSimd};
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -250,7 +252,7 @@ impl CpuAttention {
             (None, Some(kv)) => (kv.key.host()?, kv.value.host()?),
             (None, None) => unreachable!("validated: without a cache, key and value are given"),
         };
-        let call = Call {
+        let call = ForwardCall {
             config: &self.config,
             metadata: step.metadata(),
             plan,
@@ -270,8 +272,9 @@ impl CpuAttention {
     }
 }
 
-/// Everything one forward call reads.
-struct Call<'a> {
+/// Everything one forward call reads, with the storage's element types still open (see
+/// [`TypedCall`]).
+struct ForwardCall<'a> {
     config: &'a AttentionConfig,
     metadata: &'a AttentionMetadata,
     plan: &'a Plan,
@@ -294,7 +297,7 @@ struct Call<'a> {
 /// need no tails).
 fn run_isa<T: Element + Load>(
     isa: Isa,
-    call: &Call<'_>,
+    call: &ForwardCall<'_>,
     output: &mut HostStorage,
     partials: &mut [f32],
 ) {
@@ -311,7 +314,7 @@ fn run_isa<T: Element + Load>(
 
 /// [`run_kv`] as an operation on the token [`Isa::vectorize_dividing`] picks.
 struct RunKv<'r, 'a, T> {
-    call: &'r Call<'a>,
+    call: &'r ForwardCall<'a>,
     output: &'r mut HostStorage,
     partials: &'r mut [f32],
     element: std::marker::PhantomData<T>,
@@ -328,7 +331,7 @@ impl<T: Element + Load> WithSimd for RunKv<'_, '_, T> {
 /// Dispatches on the element type the keys and values are read from.
 fn run_kv<S: Simd, T: Element + Load>(
     s: S,
-    call: &Call<'_>,
+    call: &ForwardCall<'_>,
     output: &mut HostStorage,
     partials: &mut [f32],
 ) {
@@ -358,8 +361,9 @@ fn run_kv<S: Simd, T: Element + Load>(
     }
 }
 
-/// Everything a unit of work reads, for one call on one ISA and element type.
-struct Ctx<'a, S, T, E> {
+/// A [`ForwardCall`] with its ISA `S`, query/output element `T` and key/value element `E`
+/// fixed: everything a unit of work (decode unit, prefill group, merge) reads.
+struct TypedCall<'a, S, T, E> {
     s: S,
     cfg: &'a AttentionConfig,
     md: &'a AttentionMetadata,
@@ -383,17 +387,17 @@ struct Ctx<'a, S, T, E> {
     amx: bool,
 }
 
-/// What a decode unit's kernel needs of it, per kv head.
+/// What the AVX512-BF16 decode kernel needs of a decode unit, per kv head.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-struct RowsBf16<'a, 'b, E> {
-    unit: &'a Unit,
-    groups: &'a [Group<'b>],
+struct DecodeHeads<'a, 'b, E> {
+    unit: &'a DecodeUnit,
+    groups: &'a [QueryRows<'b>],
     kvs: &'a [KvRows<'b, E>],
-    streams: &'a [Stream],
+    streams: &'a [PrefetchStream],
 }
 
-impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
+impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     fn group_size(&self) -> usize {
         self.cfg.num_queries_per_kv()
     }
@@ -551,14 +555,14 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
     }
 
     /// Runs one decode unit: every kv head of one sequence, over the unit's keys.
-    fn decode(&self, unit: &Unit) {
+    fn decode(&self, unit: &DecodeUnit) {
         let (d, hkv) = (self.cfg.head_size(), self.cfg.num_kv_heads());
         let rows: Vec<_> = (0..hkv)
             .map(|h| self.rows(unit.seq, h, unit.tokens.clone()))
             .collect();
-        let groups: Vec<Group> = rows
+        let groups: Vec<QueryRows> = rows
             .iter()
-            .map(|(pos, slope)| Group {
+            .map(|(pos, slope)| QueryRows {
                 pos,
                 slope,
                 keys: unit.keys.clone(),
@@ -570,12 +574,12 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
             .map(|(pos, _)| RowStates::new(pos.len(), d))
             .collect();
         let kvs: Vec<KvRows<'_, E>> = (0..hkv).map(|h| self.kv_rows(unit.seq, h)).collect();
-        let streams: Vec<Stream> = (0..hkv)
-            .map(|h| Stream::of_head(h, hkv, kvs[h].head_stride(), unit.keys.end))
+        let streams: Vec<PrefetchStream> = (0..hkv)
+            .map(|h| PrefetchStream::of_head(h, hkv, kvs[h].head_stride(), unit.keys.end))
             .collect();
         #[cfg(target_arch = "x86_64")]
         let done = self.decode_bf16(
-            RowsBf16 {
+            DecodeHeads {
                 unit,
                 groups: &groups,
                 kvs: &kvs,
@@ -636,7 +640,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                 let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent);
                 pg.tiles.par_iter().for_each(|tile| {
                     let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
-                    let group = Group {
+                    let group = QueryRows {
                         pos: &pos,
                         slope: &slope,
                         keys: tile.keys.clone(),
@@ -683,7 +687,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
                 q: &q,
                 scale: self.score_scale,
             };
-            let group = Group {
+            let group = QueryRows {
                 pos: &pos,
                 slope: &slope,
                 keys: tile.keys.clone(),
@@ -725,7 +729,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
     /// inputs) or an fp8 cache (widened in registers, with AVX512-VBMI). Returns whether it
     /// ran.
     #[cfg(target_arch = "x86_64")]
-    fn decode_bf16(&self, rows: RowsBf16<'_, '_, E>, states: &mut [RowStates]) -> bool {
+    fn decode_bf16(&self, rows: DecodeHeads<'_, '_, E>, states: &mut [RowStates]) -> bool {
         use std::any::TypeId;
         if !(self.bf16_dot && T::DTYPE == DType::BF16 && self.cfg.head_size().is_multiple_of(32)) {
             return false;
@@ -743,12 +747,12 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
         true
     }
 
-    /// [`Ctx::decode_bf16`] with the rows read as `C`, which must have `E`'s layout (bf16
+    /// [`TypedCall::decode_bf16`] with the rows read as `C`, which must have `E`'s layout (bf16
     /// bits for bf16, or `E` itself).
     #[cfg(target_arch = "x86_64")]
     fn attend_rows_bf16<C: widen::Bf16Elem>(
         &self,
-        rows: RowsBf16<'_, '_, E>,
+        rows: DecodeHeads<'_, '_, E>,
         states: &mut [RowStates],
     ) {
         assert_eq!(std::mem::size_of::<C>(), std::mem::size_of::<E>());
@@ -841,7 +845,7 @@ impl<S: Simd, T: Element + Load, E: Load> Ctx<'_, S, T, E> {
 #[cfg(target_arch = "x86_64")]
 fn attend_bf16_tile<Src: bf16::Bf16Source>(
     source: &Src,
-    group: &Group<'_>,
+    group: &QueryRows<'_>,
     mods: &ScoreMods,
     rows: usize,
     d: usize,
@@ -859,7 +863,7 @@ fn attend_bf16_tile<Src: bf16::Bf16Source>(
 /// Runs the plan: prefill groups and decode units in parallel, then the split-K merges.
 fn run<S: Simd, T: Element + Load, E: Load>(
     s: S,
-    call: &Call<'_>,
+    call: &ForwardCall<'_>,
     keys: &[E],
     values: &[E],
     output: &mut HostStorage,
@@ -875,7 +879,7 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         (1.0, 1.0)
     };
     let attn_type = cfg.attn_type();
-    let ctx = Ctx {
+    let ctx = TypedCall {
         s,
         cfg,
         md,

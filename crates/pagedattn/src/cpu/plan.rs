@@ -50,7 +50,7 @@ pub struct PrefillGroup {
 
 /// One decode unit of work: one sequence, every kv head.
 #[derive(Debug, Clone)]
-pub struct Unit {
+pub struct DecodeUnit {
     /// Sequence index.
     pub seq: usize,
     /// Query tokens (indices into the call's tokens).
@@ -70,7 +70,7 @@ pub struct PartialSlots {
     pub stride: usize,
 }
 
-impl Unit {
+impl DecodeUnit {
     /// Rough cost: tokens × keys (every unit has all heads).
     fn cost(&self) -> usize {
         self.tokens.len() * self.keys.len().max(1)
@@ -94,7 +94,7 @@ pub struct Merge {
 #[derive(Debug, Clone, Default)]
 pub struct Plan {
     /// Decode units.
-    pub units: Vec<Unit>,
+    pub units: Vec<DecodeUnit>,
     /// Prefill groups.
     pub prefill: Vec<PrefillGroup>,
     /// Split-K merges.
@@ -151,7 +151,7 @@ pub fn plan(
             let keys = key_range(s, tokens.start);
             let parts = keys.len().div_ceil(partition).max(1);
             if parts == 1 {
-                plan.units.push(Unit {
+                plan.units.push(DecodeUnit {
                     seq: s,
                     tokens,
                     keys,
@@ -165,7 +165,7 @@ pub fn plan(
             let step = keys.len().div_ceil(parts);
             for p in 0..parts {
                 let lo = keys.start + p * step;
-                plan.units.push(Unit {
+                plan.units.push(DecodeUnit {
                     seq: s,
                     tokens: tokens.clone(),
                     keys: lo..(lo + step).min(keys.end),
