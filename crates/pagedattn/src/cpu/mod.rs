@@ -730,35 +730,35 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     /// ran.
     #[cfg(target_arch = "x86_64")]
     fn decode_bf16(&self, rows: DecodeHeads<'_, '_, E>, states: &mut [RowStates]) -> bool {
-        use std::any::TypeId;
+        use widen::Bf16Rows;
         if !(self.bf16_dot && T::DTYPE == DType::BF16 && self.cfg.head_size().is_multiple_of(32)) {
             return false;
         }
-        let e = TypeId::of::<E>();
-        if e == TypeId::of::<half::bf16>() {
-            self.attend_rows_bf16::<u16>(rows, states);
-        } else if e == TypeId::of::<E4m3>() && widen::has_vbmi() {
-            self.attend_rows_bf16::<E4m3>(rows, states);
-        } else if e == TypeId::of::<E5m2>() && widen::has_vbmi() {
-            self.attend_rows_bf16::<E5m2>(rows, states);
-        } else {
-            return false;
+        match (E::as_bf16_rows(self.keys), E::as_bf16_rows(self.values)) {
+            (Some(Bf16Rows::Bits(k)), Some(Bf16Rows::Bits(v))) => {
+                self.attend_rows_bf16(k, v, rows, states)
+            }
+            (Some(Bf16Rows::E4m3(k)), Some(Bf16Rows::E4m3(v))) if widen::has_vbmi() => {
+                self.attend_rows_bf16(k, v, rows, states)
+            }
+            (Some(Bf16Rows::E5m2(k)), Some(Bf16Rows::E5m2(v))) if widen::has_vbmi() => {
+                self.attend_rows_bf16(k, v, rows, states)
+            }
+            _ => return false,
         }
         true
     }
 
-    /// [`TypedCall::decode_bf16`] with the rows read as `C`, which must have `E`'s layout (bf16
-    /// bits for bf16, or `E` itself).
+    /// [`TypedCall::decode_bf16`] on `key` and `value`: the call's key and value buffers as
+    /// the kernels read them ([`Load::as_bf16_rows`]).
     #[cfg(target_arch = "x86_64")]
     fn attend_rows_bf16<C: widen::Bf16Elem>(
         &self,
+        key: &[C],
+        value: &[C],
         rows: DecodeHeads<'_, '_, E>,
         states: &mut [RowStates],
     ) {
-        assert_eq!(std::mem::size_of::<C>(), std::mem::size_of::<E>());
-        // SAFETY: C has E's size and every bit pattern of E is a valid C (the caller's types).
-        let cast = |x: &[E]| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const C, x.len()) };
-        let (key, value) = (cast(self.keys), cast(self.values));
         let d = self.cfg.head_size();
         let qs: Vec<Vec<u32>> = (0..rows.kvs.len())
             .map(|h| self.q_bf16_pairs(h, rows.unit.tokens.clone()))

@@ -16,6 +16,18 @@ use std::sync::OnceLock;
 use super::simd::{E4m3, E5m2};
 use crate::fp8::Fp8Format;
 
+/// Cache rows (or input rows) as the AVX512-BF16 decode kernels read them, one variant per
+/// [`Bf16Elem`] ([`Load::as_bf16_rows`](super::simd::Load::as_bf16_rows)).
+#[derive(Debug, Clone, Copy)]
+pub enum Bf16Rows<'a> {
+    /// bf16 rows, as their bits.
+    Bits(&'a [u16]),
+    /// fp8 e4m3fn codes.
+    E4m3(&'a [E4m3]),
+    /// fp8 e5m2 codes.
+    E5m2(&'a [E5m2]),
+}
+
 /// An element type the AVX512-BF16 decode kernels read rows of.
 pub trait Bf16Elem: Copy + Send + Sync + 'static {
     /// What widening needs in registers (the fp8 tables), loaded by each pass over a tile

@@ -238,6 +238,13 @@ pub trait Load: Copy + Send + Sync + 'static {
     fn bf16_bits(self) -> u16 {
         half::bf16::from_f32(self.to_f32()).to_bits()
     }
+    /// The rows as the AVX512-BF16 decode kernels read them, or `None` for a type they do not
+    /// read (what the decode dispatches on).
+    #[cfg(target_arch = "x86_64")]
+    fn as_bf16_rows(rows: &[Self]) -> Option<super::widen::Bf16Rows<'_>> {
+        let _ = rows;
+        None
+    }
 }
 
 impl Load for f32 {
@@ -261,6 +268,10 @@ impl Load for half::bf16 {
     const BF16_EXACT: bool = true;
     fn bf16_bits(self) -> u16 {
         self.to_bits()
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn as_bf16_rows(rows: &[Self]) -> Option<super::widen::Bf16Rows<'_>> {
+        Some(super::widen::Bf16Rows::Bits(bytemuck::cast_slice(rows)))
     }
 }
 
@@ -301,6 +312,10 @@ impl Load for E4m3 {
         crate::fp8::Fp8Format::E4m3.decode(self.0)
     }
     const BF16_EXACT: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    fn as_bf16_rows(rows: &[Self]) -> Option<super::widen::Bf16Rows<'_>> {
+        Some(super::widen::Bf16Rows::E4m3(rows))
+    }
 }
 
 impl Load for E5m2 {
@@ -312,6 +327,10 @@ impl Load for E5m2 {
         crate::fp8::Fp8Format::E5m2.decode(self.0)
     }
     const BF16_EXACT: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    fn as_bf16_rows(rows: &[Self]) -> Option<super::widen::Bf16Rows<'_>> {
+        Some(super::widen::Bf16Rows::E5m2(rows))
+    }
 }
 
 /// Bit-level fp8 decoding for NEON, written per lane (x86 widens both formats through f16).
