@@ -531,26 +531,28 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     /// Writes finished rows (`tokens` of sequence `seq` × the heads of `kv_head`) to the
     /// output.
     fn finish(&self, seq: usize, kv_head: usize, tokens: Range<usize>, state: &RowStates) {
-        let (d, h, group) = (
-            self.cfg.head_size(),
-            self.cfg.num_heads(),
-            self.group_size(),
-        );
+        let (d, group) = (self.cfg.head_size(), self.group_size());
         for (ti, t) in tokens.enumerate() {
             for gh in 0..group {
                 let r = ti * group + gh;
-                let norm = self.output_norm(state.m[r], state.l[r], seq, t);
-                // SAFETY: each (token, head) row is written by exactly one unit.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        self.out.ptr().add((t * h + kv_head * group + gh) * d),
-                        d,
-                    )
-                };
-                for (o, a) in dst.iter_mut().zip(&state.acc[r * d..(r + 1) * d]) {
-                    *o = T::from_f32(a * norm);
-                }
+                let acc = &state.acc[r * d..(r + 1) * d];
+                self.write_row(seq, t, kv_head * group + gh, state.m[r], state.l[r], acc);
             }
+        }
+    }
+
+    /// Writes the output row of query head `head` of token `t` (of sequence `seq`): its
+    /// weighted sum of values `acc`, normalised as [`TypedCall::output_norm`] says for its
+    /// running max `m` and sum `l`. Shared by [`TypedCall::finish`] and [`TypedCall::merge`].
+    fn write_row(&self, seq: usize, t: usize, head: usize, m: f32, l: f32, acc: &[f32]) {
+        let (d, h) = (self.cfg.head_size(), self.cfg.num_heads());
+        let norm = self.output_norm(m, l, seq, t);
+        // SAFETY: the output is `[tokens, H, D]` (validated), and each (token, head) row is
+        // written by exactly one unit of work (a unit or prefill tile, or a split-K merge).
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(self.out.ptr().add((t * h + head) * d), d) };
+        for (o, a) in dst.iter_mut().zip(acc) {
+            *o = T::from_f32(a * norm);
         }
     }
 
@@ -796,11 +798,7 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
 
     /// Combines the split-K partitions of one (token, kv head) and writes the output rows.
     fn merge(&self, merge: &Merge, partials: &[f32]) {
-        let (d, h, group) = (
-            self.cfg.head_size(),
-            self.cfg.num_heads(),
-            self.group_size(),
-        );
+        let (d, group) = (self.cfg.head_size(), self.group_size());
         let width = group * (d + 2);
         for gh in 0..group {
             let part = |p: usize| &partials[p * width + gh * (d + 2)..][..d + 2];
@@ -824,19 +822,8 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
                     *a += x * w;
                 }
             }
-            let norm = self.output_norm(m, l, merge.seq, merge.token);
-            // SAFETY: each (token, head) row is merged by exactly one merge.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(
-                    self.out
-                        .ptr()
-                        .add((merge.token * h + merge.kv_head * group + gh) * d),
-                    d,
-                )
-            };
-            for (o, a) in dst.iter_mut().zip(&acc) {
-                *o = T::from_f32(a * norm);
-            }
+            let head = merge.kv_head * group + gh;
+            self.write_row(merge.seq, merge.token, head, m, l, &acc);
         }
     }
 }
