@@ -616,6 +616,7 @@ pub enum ValuesAhead {
     /// From the P·V pass ([`TileRows::prefetch_value_ahead`]: the AVX512-BF16 kernels, which
     /// score faster than the memory delivers; asked for while scoring, the memory idled through
     /// their P·V pass and decode was 3-12% slower).
+    #[cfg(target_arch = "x86_64")]
     FromValues,
 }
 
@@ -727,6 +728,7 @@ impl<'a, E> TileRows<'a, E> {
     }
 
     /// The value buffer the rows index.
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub fn values(&self) -> &'a [E] {
         self.kv.value
@@ -735,6 +737,7 @@ impl<'a, E> TileRows<'a, E> {
     /// Asks for bytes `bytes` of the value row `PREFETCH_L2_KEYS` steps ahead of column `t`
     /// into L2 (the lines that start there: a P·V pass that reads rows in parts asks for each
     /// part's share as it goes). For tiles made with [`ValuesAhead::FromValues`].
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub fn prefetch_value_ahead<S: Simd>(&self, s: S, t: usize, bytes: Range<usize>) {
         debug_assert_eq!(self.values_ahead, ValuesAhead::FromValues);

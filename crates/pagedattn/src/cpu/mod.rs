@@ -11,17 +11,17 @@
 //! (scratch read probe over shuffled 32 KiB blocks, 22 vs 25 GB/s on two cores; NOTES.md).
 
 #[cfg(target_arch = "x86_64")]
-pub mod amx;
+pub(crate) mod amx;
 #[cfg(target_arch = "x86_64")]
-pub mod bf16;
-pub mod isa;
-pub mod kernel;
-pub mod packed;
+pub(crate) mod bf16;
+mod isa;
+pub(crate) mod kernel;
+pub(crate) mod packed;
 pub mod peak;
-pub mod plan;
+pub(crate) mod plan;
 pub mod simd;
 #[cfg(target_arch = "x86_64")]
-pub mod widen;
+pub(crate) mod widen;
 
 use rayon::prelude::*;
 
