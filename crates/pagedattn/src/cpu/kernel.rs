@@ -535,7 +535,8 @@ const PREFETCH_KEYS: usize = 16;
 const NO_ROW: usize = usize::MAX;
 
 /// How many keys ahead the decode path asks for key and value rows into L2 (more requests in
-/// flight than L1 can track; measured 7-10% faster decode than L1 prefetches alone on Zen 5).
+/// flight than L1 can track, which keeps the decode nearer the memory's rate than L1 prefetches
+/// alone; NOTES.md).
 const PREFETCH_L2_KEYS: usize = 48;
 
 /// The widest vector any ISA has, in f32 lanes (sizes the per-group scratch).
@@ -611,11 +612,11 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ValuesAhead {
     /// With the key rows, while scoring (the portable kernels: their P·V pass walks each
-    /// row's vectors across the whole tile, and asking from there measured 12-25% slower).
+    /// row's vectors across the whole tile, and asking from there was slower; NOTES.md).
     WithKeys,
     /// From the P·V pass ([`TileRows::prefetch_value_ahead`]: the AVX512-BF16 kernels, which
-    /// score faster than the memory delivers; asked for while scoring, the memory idled through
-    /// their P·V pass and decode was 3-12% slower).
+    /// score faster than the memory delivers; asked for while scoring, the memory idles through
+    /// their P·V pass; NOTES.md).
     #[cfg(target_arch = "x86_64")]
     FromValues,
 }

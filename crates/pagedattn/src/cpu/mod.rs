@@ -7,8 +7,8 @@
 //! and one for values (a decode unit walks every kv head of its sequence tile by tile, so the
 //! runs of a block are read close together); the prefill packs a head's keys from those runs.
 //! The token-major layout would give `B` pieces of `D` elements, `Hkv * D` apart, per head and
-//! block: read in this decode's order it measured ~10% slower on the development machine
-//! (scratch read probe over shuffled 32 KiB blocks, 22 vs 25 GB/s on two cores; NOTES.md).
+//! block: more, shorter pieces per block, which read slower in this decode's order (NOTES.md,
+//! "Measurements moved out of the cpu doc comments").
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx;
