@@ -845,9 +845,9 @@ fn qk_partial<S: Simd, E: Load, const R: usize>(
     let d = k0.len();
     let mut acc = [[s.splat(0.0); R]; 2];
     let mut c = 0;
-    // SAFETY (both blocks): the key rows and each query row have d elements, a multiple of
-    // LANES; c + 2·LANES <= d in the loop, c + LANES <= d after it.
+    // The key rows and each query row have d elements, a multiple of LANES.
     while c + 2 * S::LANES <= d {
+        // SAFETY: c + 2·LANES <= d, so both keys' 2·LANES elements from c are in their rows.
         let (a, b) = unsafe {
             (
                 E::load_pair(s, k0.as_ptr().add(c)),
@@ -859,6 +859,7 @@ fn qk_partial<S: Simd, E: Load, const R: usize>(
         c += 2 * S::LANES;
     }
     if c < d {
+        // SAFETY: c < d and both multiples of LANES, so c + LANES <= d.
         let (a, b) = unsafe {
             (
                 E::load(s, k0.as_ptr().add(c)),

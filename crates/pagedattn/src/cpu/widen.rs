@@ -265,6 +265,8 @@ mod tests {
                 let codes: Vec<u8> = (0..96).map(|i| ((i + rotate) % 256) as u8).collect();
                 let cs: Vec<C> = codes.iter().map(|&c| make(c)).collect();
                 for mask in [None, Some(u32::MAX)] {
+                    // SAFETY: AVX-512 BW and VBMI were detected above (F and VL come with
+                    // BW on every CPU that has it); `cs` holds the 96 codes it reads.
                     let got = unsafe { widen_all(&cs, mask) };
                     for (&c, &g) in codes.iter().zip(&got) {
                         let want = format.decode(c);
@@ -276,6 +278,7 @@ mod tests {
                         }
                     }
                 }
+                // SAFETY: as above (a zero mask reads nothing).
                 let zeros = unsafe { widen_all(&cs, Some(0)) };
                 assert!(zeros.iter().all(|&z| z == 0));
             }
@@ -284,6 +287,7 @@ mod tests {
         check(E5m2, Fp8Format::E5m2);
         // bf16 bits pass through.
         let bits: Vec<u16> = (0..96).map(|i| 0x3F80 + i).collect();
+        // SAFETY: the features were detected above; `bits` holds the 96 elements read.
         assert_eq!(unsafe { widen_all(&bits, None) }, bits);
     }
 }

@@ -7,10 +7,19 @@
 //! Why not the `pulp` crate itself: the kernels need f16 / bf16 / fp8 widening loads and
 //! AVX512-BF16 dot products, which pulp does not expose; the trait here is the small subset
 //! that the kernels use, implemented directly with `std::arch`.
+//!
+//! SAFETY convention of the intrinsic wrappers (`x86`, `neon`): an `unsafe` block in those
+//! modules without a comment of its own only calls the ISA's intrinsics, which are sound
+//! wherever the ISA's features are present (its token exists only where they were detected,
+//! and the wrappers run inside functions compiled with them), on registers or on the pointers
+//! that the caller of an `unsafe fn` of [`Simd`] or [`Load`] vouched for. Every other `unsafe`
+//! block in the crate states its own reason (`clippy::undocumented_unsafe_blocks`).
 
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
 pub mod scalar;
+// The wrappers' SAFETY convention is stated in the module doc above.
+#[allow(clippy::undocumented_unsafe_blocks)]
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
@@ -369,6 +378,8 @@ mod tests {
 
     #[inline(always)]
     fn check_isa_body<S: Simd>(s: S) {
+        // SAFETY: `s` is a detected ISA's token; every load and store is of LANES elements
+        // inside a buffer of LANES or more.
         unsafe {
             let n = S::LANES;
             let xs: Vec<f32> = (0..n).map(|i| i as f32 * 0.73 - 3.1).collect();

@@ -1,4 +1,10 @@
 //! AArch64 NEON, 4 f32 lanes.
+//!
+//! SAFETY convention of the intrinsic wrappers: an `unsafe` block here without a comment of
+//! its own only calls NEON intrinsics, which are sound wherever NEON is present (a [`Neon`]
+//! token exists only where it was detected), on registers or on the pointers that the caller
+//! of an `unsafe fn` of [`Simd`] vouched for.
+#![allow(clippy::undocumented_unsafe_blocks)] // The convention above covers the wrappers.
 
 use std::arch::aarch64::*;
 
