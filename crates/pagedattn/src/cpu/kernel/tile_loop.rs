@@ -1,0 +1,287 @@
+//! The flash-attention tile loop ([`attend`]) and what it works on: the query rows, their
+//! online-softmax state, the score settings and the [`TileSource`] a tile's scores and values
+//! come from.
+
+use std::ops::Range;
+
+use super::micro::{apply_mods, softmax_step};
+use crate::cpu::simd::{Simd, WithSimd};
+
+/// Keys per tile.
+pub const KEY_TILE: usize = 64;
+
+// Tile columns are tracked as the bits of a u64.
+const _: () = assert!(KEY_TILE == 64);
+
+/// The per-layer score settings (the pieces of `crate::semantics`).
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreMods {
+    /// Causal (decoder) mask; non-causal types see every key.
+    pub causal: bool,
+    /// Sliding window W: key j allowed iff `j > i - W`.
+    pub window: Option<usize>,
+    /// Soft cap.
+    pub soft_cap: Option<f32>,
+    /// Whether rows carry ALiBi slopes.
+    pub alibi: bool,
+}
+
+/// The query rows one kernel call attends together (every query head of one kv head, for one
+/// or more tokens) and the keys they visit.
+#[derive(Debug, Clone)]
+pub struct QueryRows<'a> {
+    /// Position of each row.
+    pub pos: &'a [usize],
+    /// ALiBi slope of each row (empty without ALiBi).
+    pub slope: &'a [f32],
+    /// Key positions to visit (outside it every key is masked for every row).
+    pub keys: Range<usize>,
+    /// Positions that are not keys (new tokens with slot -1), sorted.
+    pub absent: &'a [usize],
+}
+
+/// Online-softmax state of a group's rows: running max, running sum, unnormalized output.
+#[derive(Debug, Clone)]
+pub struct RowStates {
+    /// Running maximum score per row.
+    pub m: Vec<f32>,
+    /// Running sum of `exp(score - m)` per row.
+    pub l: Vec<f32>,
+    /// Rows × D weighted sums of values.
+    pub acc: Vec<f32>,
+}
+
+impl RowStates {
+    /// Fresh states for `rows` rows of `d` elements.
+    pub fn new(rows: usize, d: usize) -> Self {
+        RowStates {
+            m: vec![f32::NEG_INFINITY; rows],
+            l: vec![0.0; rows],
+            acc: vec![0.0; rows * d],
+        }
+    }
+}
+
+/// Where a tile's scores and values come from.
+pub trait TileSource {
+    /// Tiles start at `origin + k * step` (packed layouts need aligned column groups).
+    fn alignment(&self) -> (usize, usize);
+    /// What the scores and the values of one tile share (where its rows are, say).
+    type Tile<'t>
+    where
+        Self: 't;
+    /// The tile of `keys`, which [`TileSource::scores`] and then [`TileSource::accumulate`]
+    /// visit.
+    fn tile(&self, keys: Range<usize>) -> Self::Tile<'_>;
+    /// Scores of every row for the tile's keys into `scores` (`[rows][KEY_TILE]`, scale
+    /// applied).
+    fn scores<S: Simd>(&self, s: S, tile: &Self::Tile<'_>, scores: &mut [f32]);
+    /// `acc[r] += Σ_j p[r][j] · v_j` over the tile's keys, skipping positions marked absent.
+    fn accumulate<S: Simd>(
+        &self,
+        s: S,
+        tile: &Self::Tile<'_>,
+        absent: &[bool],
+        probs: &mut [f32],
+        state: &mut RowStates,
+    );
+    /// The value row of tile column `t` widened to f32 (the fp8 scale not applied), in the
+    /// order and at the scale of this source's accumulators (before [`TileSource::finish`]).
+    fn value_row(&self, tile: &Self::Tile<'_>, t: usize, out: &mut [f32]);
+    /// The columns among `cols` (bit t: tile column t) whose value row holds a NaN or an
+    /// infinity; `row` is scratch of `d` elements.
+    #[inline(always)]
+    fn nonfinite_values(&self, tile: &Self::Tile<'_>, cols: u64, row: &mut [f32]) -> u64 {
+        columns(cols)
+            .filter(|&t| {
+                self.value_row(tile, t, row);
+                row.iter().any(|x| !x.is_finite())
+            })
+            .fold(0, |m, t| m | 1 << t)
+    }
+    /// Called once after the last tile (e.g. to undo a permuted accumulator layout or a
+    /// scaled widening).
+    #[inline(always)]
+    fn finish(&self, state: &mut RowStates) {
+        let _ = state;
+    }
+}
+
+/// [`attend`] as an operation for [`Simd::vectorize`].
+pub struct Attend<'a, 'b, Src> {
+    /// Scores and values, one source per kv head.
+    pub sources: &'a [Src],
+    /// The query rows of each kv head.
+    pub groups: &'a [QueryRows<'b>],
+    /// Score settings.
+    pub mods: &'a ScoreMods,
+    /// The rows' softmax state, per kv head.
+    pub states: &'a mut [RowStates],
+}
+
+impl<Src: TileSource> WithSimd for Attend<'_, '_, Src> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, s: S) {
+        attend(s, self.sources, self.groups, self.mods, self.states)
+    }
+}
+
+/// Attends the rows of one or more kv heads over their keys, tile by tile, accumulating into
+/// their states. The heads share the key range, the positions that are not keys and the row
+/// positions (they differ in values and ALiBi slopes); each tile is visited by every head in
+/// turn, so that a decode reads whole cache blocks (every head of a block) close together
+/// instead of one head's 4 KiB slice of each block at a time, which keeps memory streaming
+/// near its sequential rate. Requires `head_size % S::LANES == 0` (the dispatcher picks the
+/// ISA accordingly).
+#[inline(always)]
+pub fn attend<S: Simd, Src: TileSource>(
+    s: S,
+    sources: &[Src],
+    groups: &[QueryRows<'_>],
+    mods: &ScoreMods,
+    states: &mut [RowStates],
+) {
+    let (Some(first), Some(first_state)) = (groups.first(), states.first()) else {
+        return;
+    };
+    debug_assert!(sources.len() == groups.len() && groups.len() == states.len());
+    let d = first_state.acc.len() / first_state.m.len().max(1);
+    let rows = first.pos.len();
+    // Sized by the states, which may pad the rows (AMX's whole 16-row tiles).
+    let mut scores = vec![0.0f32; first_state.m.len() * KEY_TILE];
+    let mut row_cols = vec![0..0; rows];
+    let mut value_row = vec![0.0f32; d];
+    let mut absent = first.absent.iter().copied().peekable();
+    let (origin, step) = sources[0].alignment();
+    let plain = mods.soft_cap.is_none() && !mods.alibi;
+    let first_row = first.pos.iter().copied().min().unwrap_or(0);
+    let last_row = first.pos.iter().copied().max().unwrap_or(0);
+    let keys = first.keys.clone();
+    let mut start = keys.start - (keys.start - origin) % step;
+    while start < keys.end {
+        let end = (start + KEY_TILE).min(keys.end);
+        let n = end - start;
+        // Positions in this tile that are not keys: masked for every row, skipped in P·V.
+        let mut tile_absent = [false; KEY_TILE];
+        let mut absent_bits = 0u64;
+        while let Some(&j) = absent.peek() {
+            if j >= end {
+                break;
+            }
+            if j >= start {
+                tile_absent[j - start] = true;
+                absent_bits |= 1 << (j - start);
+            }
+            absent.next();
+        }
+        // A full tile that every row sees whole, with no score modifier, needs no masking.
+        let unmasked = plain
+            && n == KEY_TILE
+            && start >= keys.start
+            && (!mods.causal
+                || (end <= first_row + 1
+                    && mods
+                        .window
+                        .is_none_or(|w| last_row.saturating_sub(start) < w)));
+        // The columns each row attends, and those some row does not (a key masked for a row
+        // has probability 0 there, but 0 · NaN is NaN: such a key's value must not enter that
+        // row's P·V when it is not finite).
+        let mut seen_by_all = column_bits(0..n);
+        for (cols, &pos) in row_cols.iter_mut().zip(first.pos) {
+            *cols = attended_columns(start, end, keys.start, pos, mods);
+            seen_by_all &= column_bits(cols.clone());
+        }
+        let masked = column_bits(0..n) & !absent_bits & !seen_by_all;
+        for ((source, group), state) in sources.iter().zip(groups).zip(states.iter_mut()) {
+            let tile = source.tile(start..end);
+            let special = if masked == 0 {
+                0
+            } else {
+                source.nonfinite_values(&tile, masked, &mut value_row)
+            };
+            source.scores(s, &tile, &mut scores);
+            for (r, cols) in row_cols.iter().enumerate() {
+                let row = &mut scores[r * KEY_TILE..(r + 1) * KEY_TILE];
+                if !unmasked {
+                    let slope = group.slope.get(r).copied().unwrap_or(0.0);
+                    apply_mods(s, row, start, end, cols.clone(), group.pos[r], slope, mods);
+                }
+                if absent_bits != 0 {
+                    for t in columns(absent_bits) {
+                        row[t] = f32::NEG_INFINITY;
+                    }
+                }
+                softmax_step(s, row, r, d, state);
+            }
+            if special == 0 {
+                source.accumulate(s, &tile, &tile_absent[..n], &mut scores, state);
+            } else {
+                // Non-finite values that some row must not see: each such key enters the rows
+                // that attend it here, and the source's P·V skips it.
+                let mut skip = tile_absent;
+                for t in columns(special) {
+                    skip[t] = true;
+                    source.value_row(&tile, t, &mut value_row);
+                    for (r, cols) in row_cols.iter().enumerate() {
+                        if cols.contains(&t) {
+                            let p = scores[r * KEY_TILE + t];
+                            let acc = &mut state.acc[r * d..(r + 1) * d];
+                            for (a, &v) in acc.iter_mut().zip(&value_row) {
+                                *a += p * v;
+                            }
+                        }
+                    }
+                }
+                source.accumulate(s, &tile, &skip[..n], &mut scores, state);
+            }
+        }
+        start = end;
+    }
+    for (source, state) in sources.iter().zip(states.iter_mut()) {
+        source.finish(state);
+    }
+}
+
+/// The tile-local columns of tile `start..end` that a row at position `pos` attends: the
+/// unit's keys from `first` up to the causal end, inside the window (absent positions aside).
+#[inline(always)]
+fn attended_columns(
+    start: usize,
+    end: usize,
+    first: usize,
+    pos: usize,
+    mods: &ScoreMods,
+) -> Range<usize> {
+    let (mut lo, mut hi) = (first.max(start), end);
+    if mods.causal {
+        hi = hi.min(pos + 1);
+        if let Some(w) = mods.window {
+            lo = lo.max((pos + 1).saturating_sub(w));
+        }
+    }
+    let lo = lo.min(end);
+    (lo - start)..(hi.clamp(lo, end) - start)
+}
+
+/// The bits of tile columns `cols` (at most [`KEY_TILE`] = 64 columns).
+#[inline(always)]
+fn column_bits(cols: Range<usize>) -> u64 {
+    if cols.is_empty() {
+        0
+    } else {
+        (u64::MAX >> (64 - cols.len())) << cols.start
+    }
+}
+
+/// The columns whose bits are set, in order.
+#[inline(always)]
+fn columns(mut bits: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let t = bits.trailing_zeros() as usize;
+        (bits != 0).then(|| {
+            bits &= bits - 1;
+            t
+        })
+    })
+}
