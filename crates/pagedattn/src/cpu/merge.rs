@@ -1,0 +1,41 @@
+//! Split-K merges: the partitions of one (token, kv head) combined into its output rows.
+
+use crate::dtype::Element;
+
+use super::plan::Merge;
+use super::simd::{Load, Simd};
+
+use super::call::TypedCall;
+
+impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
+    /// Combines the split-K partitions of one (token, kv head) and writes the output rows.
+    pub(super) fn merge(&self, merge: &Merge, partials: &[f32]) {
+        let (d, group) = (self.cfg.head_size(), self.group_size());
+        let width = group * (d + 2);
+        for gh in 0..group {
+            let part = |p: usize| &partials[p * width + gh * (d + 2)..][..d + 2];
+            let m = merge
+                .parts
+                .clone()
+                .map(|p| part(p)[0])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut acc = vec![0.0f32; d];
+            let mut l = 0.0f32;
+            for p in merge.parts.clone() {
+                // A partition whose max stayed -inf weighs 0 (its sum is 0, or NaN from a NaN
+                // score, which 0 * NaN keeps); with every max -inf, `output_norm` decides.
+                let w = if m > f32::NEG_INFINITY {
+                    (part(p)[0] - m).exp()
+                } else {
+                    0.0
+                };
+                l += part(p)[1] * w;
+                for (a, x) in acc.iter_mut().zip(&part(p)[2..]) {
+                    *a += x * w;
+                }
+            }
+            let head = merge.kv_head * group + gh;
+            self.write_row(merge.seq, merge.token, head, m, l, &acc);
+        }
+    }
+}
