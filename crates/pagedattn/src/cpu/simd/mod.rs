@@ -378,8 +378,8 @@ mod tests {
 
     #[inline(always)]
     fn check_isa_body<S: Simd>(s: S) {
-        // SAFETY: `s` is a detected ISA's token; every load and store is of LANES elements
-        // inside a buffer of LANES or more.
+        // SAFETY: `s` is a detected ISA's token; every pointer loaded from or stored to has
+        // the LANES elements (2·LANES for the pair loads) the operation touches in its buffer.
         unsafe {
             let n = S::LANES;
             let xs: Vec<f32> = (0..n).map(|i| i as f32 * 0.73 - 3.1).collect();
