@@ -126,6 +126,21 @@ macro_rules! tile_store {
     };
 }
 
+/// Zeroes the four accumulator tiles, `tmm0`-`tmm3`.
+///
+/// # Safety
+/// Only while the tiles are configured ([`with_tiles`]).
+#[inline(always)]
+unsafe fn zero_accumulators() {
+    asm!(
+        "tilezero tmm0",
+        "tilezero tmm1",
+        "tilezero tmm2",
+        "tilezero tmm3",
+        options(nostack, nomem)
+    );
+}
+
 /// `tdpbf16ps tmm$c, tmm$a, tmm$b`: C (16 × 16 f32) += A (16 × 32 bf16) · B (16 pairs × 16).
 macro_rules! tile_dot {
     ($c:literal, $a:literal, $b:literal) => {
@@ -190,13 +205,7 @@ impl TileSource for AmxSource<'_> {
             // holds `groups` column groups of d/2 × 16 pairs; the scores hold the block's 16
             // rows of KEY_TILE f32 and the groups' columns lie inside them.
             unsafe {
-                asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    options(nostack, nomem)
-                );
+                zero_accumulators();
                 for c in (0..d).step_by(32) {
                     tile_load!(4, q.add(c / 2), q_stride);
                     tile_load!(5, b(0, c), TILE_BYTES);
@@ -331,13 +340,7 @@ pub fn peak(iters: u64) -> Option<f64> {
         // SAFETY: the tiles are configured (`with_tiles`, after `available()`); `operand`
         // holds 16 rows of 64 bytes, TILE_BYTES apart.
         unsafe {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            );
+            zero_accumulators();
             tile_load!(4, at, TILE_BYTES);
             tile_load!(5, at, TILE_BYTES);
             tile_load!(6, at, TILE_BYTES);
