@@ -186,7 +186,13 @@ impl TileSource for AmxSource<'_> {
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, s: S, keys: &Range<usize>, scores: &mut [f32]) {
+    fn scores<S: Simd>(
+        &self,
+        s: S,
+        keys: &Range<usize>,
+        _cols: &[Range<usize>],
+        scores: &mut [f32],
+    ) {
         let p = self.packed;
         let d = p.head_size();
         let rows = self.rows();
@@ -253,6 +259,7 @@ impl TileSource for AmxSource<'_> {
         &self,
         _s: S,
         keys: &Range<usize>,
+        _cols: &[Range<usize>],
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,

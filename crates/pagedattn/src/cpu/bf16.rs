@@ -182,7 +182,13 @@ impl TileSource for PackedBf16Source<'_> {
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, _s: S, keys: &Range<usize>, scores: &mut [f32]) {
+    fn scores<S: Simd>(
+        &self,
+        _s: S,
+        keys: &Range<usize>,
+        _cols: &[Range<usize>],
+        scores: &mut [f32],
+    ) {
         let p = self.packed;
         let half = p.d / 2;
         let rows = self.q.len() / half;
@@ -221,6 +227,7 @@ impl TileSource for PackedBf16Source<'_> {
         &self,
         _s: S,
         keys: &Range<usize>,
+        _cols: &[Range<usize>],
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
@@ -442,7 +449,13 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, _s: S, tile: &TileRows<'_, C>, scores: &mut [f32]) {
+    fn scores<S: Simd>(
+        &self,
+        _s: S,
+        tile: &TileRows<'_, C>,
+        _cols: &[Range<usize>],
+        scores: &mut [f32],
+    ) {
         // SAFETY: this source only runs inside `attend_bf16` (see `Bf16Source`).
         let s = unsafe { Avx512::assume_bf16() };
         // SAFETY: as above (and AVX512-VBMI where C needs it, see `attend_bf16`).
@@ -492,6 +505,7 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
         &self,
         s: S,
         tile: &TileRows<'_, C>,
+        _cols: &[Range<usize>],
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,

@@ -130,16 +130,31 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
         (pos, slope)
     }
 
-    /// The query rows of `kv_head` for `tokens` in f32 (unscaled).
-    pub(super) fn q_f32(&self, kv_head: usize, tokens: Range<usize>) -> Vec<f32> {
+    /// The query heads of `kv_head` for each token of `tokens` (`group × D` elements each),
+    /// with every line of them prefetched first: a token's heads lie `H × D` elements after
+    /// the previous token's, a stride the hardware prefetchers do not follow across pages, so
+    /// without it each row is a serial trip to memory.
+    fn query_heads(&self, kv_head: usize, tokens: Range<usize>) -> impl Iterator<Item = &[T]> {
         let (d, h, group) = (
             self.cfg.head_size(),
             self.cfg.num_heads(),
             self.group_size(),
         );
-        let mut q = Vec::with_capacity(tokens.len() * group * d);
-        for t in tokens {
-            let heads = &self.query[(t * h + kv_head * group) * d..][..group * d];
+        let heads = move |t: usize| &self.query[(t * h + kv_head * group) * d..][..group * d];
+        let line = 64 / std::mem::size_of::<T>();
+        for t in tokens.clone() {
+            for x in heads(t).iter().step_by(line) {
+                self.s.prefetch(x);
+            }
+        }
+        tokens.map(heads)
+    }
+
+    /// The query rows of `kv_head` for `tokens` in f32 (unscaled).
+    pub(super) fn q_f32(&self, kv_head: usize, tokens: Range<usize>) -> Vec<f32> {
+        let rows = tokens.len() * self.group_size() * self.cfg.head_size();
+        let mut q = Vec::with_capacity(rows);
+        for heads in self.query_heads(kv_head, tokens) {
             q.extend(heads.iter().map(|&x| Element::to_f32(x)));
         }
         q
@@ -148,14 +163,9 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     /// The query rows of `kv_head` for `tokens` as bf16 pairs (unscaled).
     #[cfg(target_arch = "x86_64")]
     pub(super) fn q_bf16_pairs(&self, kv_head: usize, tokens: Range<usize>) -> Vec<u32> {
-        let (d, h, group) = (
-            self.cfg.head_size(),
-            self.cfg.num_heads(),
-            self.group_size(),
-        );
-        let mut q = Vec::with_capacity(tokens.len() * group * d / 2);
-        for t in tokens {
-            let heads = &self.query[(t * h + kv_head * group) * d..][..group * d];
+        let rows = tokens.len() * self.group_size() * self.cfg.head_size();
+        let mut q = Vec::with_capacity(rows / 2);
+        for heads in self.query_heads(kv_head, tokens) {
             q.extend(
                 heads
                     .chunks_exact(2)

@@ -17,6 +17,7 @@
 //! `amx` and `widen` (prefill packing and the x86 bf16 kernels), `plan` (the work split),
 //! `simd` (the ISA abstraction), `isa` and `peak` (the ceilings' probes).
 
+pub(crate) mod aligned;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx;
 mod backend;

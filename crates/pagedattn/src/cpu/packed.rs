@@ -7,8 +7,10 @@
 
 use std::ops::Range;
 
+use super::aligned::AlignedF32;
 use super::kernel::{
-    accumulate_rows, for_row_blocks, KvRows, RowStates, TileSource, KEY_TILE, PACK_PREFETCH_KEYS,
+    accumulate_rows, block_end, for_row_blocks, KvRows, RowStates, TileSource, KEY_TILE,
+    PACK_PREFETCH_KEYS,
 };
 use super::simd::{Load, Simd, WithSimd};
 
@@ -18,8 +20,8 @@ pub struct PackedF32 {
     origin: usize,
     lanes: usize,
     d: usize,
-    kt: Vec<f32>,
-    v: Vec<f32>,
+    kt: AlignedF32,
+    v: AlignedF32,
 }
 
 /// [`pack_f32`] as an operation for [`Simd::vectorize`].
@@ -50,8 +52,8 @@ pub fn pack_f32<S: Simd, E: Load>(
 ) -> PackedF32 {
     let (d, lanes) = (kv.head_size, S::LANES);
     let groups = keys.len().div_ceil(lanes);
-    let mut kt = vec![0.0f32; groups * d * lanes];
-    let mut v = vec![0.0f32; keys.len() * d];
+    let mut kt = AlignedF32::zeros(groups * d * lanes);
+    let mut v = AlignedF32::zeros(keys.len() * d);
     let mut widened = [0.0f32; 16];
     // Packed rows hold the exact values (undoing a scaled widening once here).
     let scale = s.splat(E::load_scale::<S>());
@@ -118,7 +120,13 @@ impl TileSource for PackedF32Source<'_> {
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, s: S, keys: &Range<usize>, scores: &mut [f32]) {
+    fn scores<S: Simd>(
+        &self,
+        s: S,
+        keys: &Range<usize>,
+        cols: &[Range<usize>],
+        scores: &mut [f32],
+    ) {
         let p = self.packed;
         debug_assert_eq!(p.lanes, S::LANES);
         let rows = self.q.len() / p.d;
@@ -128,19 +136,20 @@ impl TileSource for PackedF32Source<'_> {
         let kt =
             |g: usize, n: usize| &p.kt[(first_group + g) * p.d * S::LANES..][..n * p.d * S::LANES];
         // Two column groups at a time (each broadcast query element serves both), then any
-        // last one; row blocks sized to the ISA's registers.
+        // last one; row blocks sized to the ISA's registers. A block skips the groups that
+        // none of its rows attends (past the causal diagonal).
         let mut g = 0;
         while g < groups {
             let c = g * S::LANES;
             if g + 2 <= groups {
-                for_row_blocks!(rows, for S, |r0, R| qk_groups::<S, R, 2>(
-                    s, self.q, r0, p.d, kt(g, 2), c, self.scale, scores
-                ));
+                for_row_blocks!(rows, for S, |r0, R| if c < block_end(cols, r0, R) {
+                    qk_groups::<S, R, 2>(s, self.q, r0, p.d, kt(g, 2), c, self.scale, scores)
+                });
                 g += 2;
             } else {
-                for_row_blocks!(rows, for S, |r0, R| qk_groups::<S, R, 1>(
-                    s, self.q, r0, p.d, kt(g, 1), c, self.scale, scores
-                ));
+                for_row_blocks!(rows, for S, |r0, R| if c < block_end(cols, r0, R) {
+                    qk_groups::<S, R, 1>(s, self.q, r0, p.d, kt(g, 1), c, self.scale, scores)
+                });
                 g += 1;
             }
         }
@@ -151,6 +160,7 @@ impl TileSource for PackedF32Source<'_> {
         &self,
         s: S,
         keys: &Range<usize>,
+        cols: &[Range<usize>],
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
@@ -160,7 +170,7 @@ impl TileSource for PackedF32Source<'_> {
         for (t, j) in keys.clone().enumerate() {
             rows[t] = (j - p.origin) * p.d;
         }
-        accumulate_rows(s, &p.v, &rows[..absent.len()], absent, probs, state);
+        accumulate_rows(s, &p.v, &rows[..absent.len()], cols, absent, probs, state);
     }
 
     fn value_row(&self, keys: &Range<usize>, t: usize, out: &mut [f32]) {

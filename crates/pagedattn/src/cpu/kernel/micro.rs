@@ -1,6 +1,6 @@
 //! The micro-kernels the tile loop and the sources run on a block of rows: scores of a tile
 //! ([`score_group`], [`qk_partial`]), the score modifiers ([`apply_mods`]), the online-softmax
-//! step ([`softmax_step`]) and P·V ([`accumulate_rows`], `pv_block`).
+//! step ([`softmax_step`]) and P·V ([`accumulate_rows`], `pv_chunks`).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -15,7 +15,8 @@ pub const ROW_BLOCK: usize = 8;
 /// Runs `$body` for each block of up to [`ROW_BLOCK`] rows, with `$r0` the first row and the
 /// const `$n` the block's row count (so micro-kernels keep their accumulators in registers).
 /// `for_row_blocks!(rows, for S, ...)` sizes the blocks to the ISA `S`: 8 rows with 32 vector
-/// registers, 4 with 16.
+/// registers, 6 with 16 (6 rows × 2 vectors = 12 accumulators, beside two operands and a
+/// broadcast).
 macro_rules! for_row_blocks {
     ($rows:expr, |$r0:ident, $n:ident| $body:expr) => {
         $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 8, [1 2 3 4 5 6 7], |$r0, $n| $body)
@@ -24,7 +25,7 @@ macro_rules! for_row_blocks {
         if <$s as $crate::cpu::simd::Simd>::REGISTERS >= 32 {
             $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 8, [1 2 3 4 5 6 7], |$r0, $n| $body)
         } else {
-            $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 4, [1 2 3], |$r0, $n| $body)
+            $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 6, [1 2 3 4 5], |$r0, $n| $body)
         }
     };
     (@blocks $rows:expr, $block:literal, [$($k:literal)*], |$r0:ident, $n:ident| $body:expr) => {{
@@ -270,68 +271,125 @@ pub(super) fn softmax_step<S: Simd>(
     state.m[r] = m_new;
 }
 
-/// `acc[r] += Σ_t p[r][t] · values[value_rows[t]..]` for every row, skipping absent keys.
+/// The end of the tile columns that some row of `r0..r0 + n` attends (`cols`: each row's);
+/// past it every row of the block is masked, so its scores and P·V can skip those columns.
+#[inline(always)]
+pub fn block_end(cols: &[Range<usize>], r0: usize, n: usize) -> usize {
+    cols.get(r0..r0 + n).map_or(KEY_TILE, |block| {
+        block.iter().map(|c| c.end).max().unwrap_or(0)
+    })
+}
+
+/// `acc[r] += Σ_t p[r][t] · values[value_rows[t]..]` for every row, skipping absent keys
+/// and, per block of rows, the columns past [`block_end`] (their probabilities are 0).
+///
+/// Chunk-major: one pass over the tile's keys per group of `W` vector chunks of the head
+/// (4 for one or two rows, else 2: R·W independent FMA chains per row block, enough to hide
+/// the FMA latency), with every row block in turn. The value columns a pass reads (keys ×
+/// W·LANES) then stay in L1 across the row blocks, where a row-major order streams the whole
+/// value tile from L2 once per row block.
 #[inline(always)]
 pub fn accumulate_rows<S: Simd, E: Load>(
     s: S,
     values: &[E],
     value_rows: &[usize],
+    cols: &[Range<usize>],
     absent: &[bool],
     probs: &[f32],
     state: &mut RowStates,
 ) {
     let d = state.acc.len() / state.m.len();
     let mut present = [(0usize, 0usize); KEY_TILE];
+    // before[j]: how many present keys lie before tile column j.
+    let mut before = [0usize; KEY_TILE + 1];
     let mut count = 0;
-    for (t, &row) in value_rows.iter().enumerate().filter(|&(t, _)| !absent[t]) {
-        present[count] = (t, row);
-        count += 1;
+    for (t, &row) in value_rows.iter().enumerate() {
+        before[t] = count;
+        if !absent[t] {
+            present[count] = (t, row);
+            count += 1;
+        }
     }
-    let present = &present[..count];
-    let (rows, acc) = (state.m.len(), &mut state.acc);
-    for_row_blocks!(rows, for S, |r0, R| pv_block::<S, E, R>(
-        s, values, present, probs, r0, acc, d
-    ));
-}
-
-/// P·V for rows `r0..r0+R`, `W` vector chunks of the head at a time (4 for one or two rows,
-/// else 2: R·W independent FMA chains, enough to hide the FMA latency, that stay in registers
-/// across every key of the tile; each value vector is loaded and widened once for the R
-/// rows, each probability broadcast once for the W chunks).
-#[inline(always)]
-fn pv_block<S: Simd, E: Load, const R: usize>(
-    s: S,
-    values: &[E],
-    present: &[(usize, usize)],
-    probs: &[f32],
-    r0: usize,
-    acc: &mut [f32],
-    d: usize,
-) {
-    let probs = &probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
-    let acc = &mut acc[r0 * d..(r0 + R) * d];
+    before[value_rows.len()..].fill(count);
+    let consecutive = value_rows.windows(2).all(|w| w[1] == w[0] + d);
+    let pass = PvPass {
+        values,
+        present: &present[..count],
+        before: &before,
+        run_start: (count == value_rows.len() && consecutive)
+            .then(|| value_rows.first().copied())
+            .flatten(),
+        cols,
+        probs,
+        rows: state.m.len(),
+        d,
+    };
+    let acc = &mut state.acc;
     let mut c = 0;
-    if R <= 2 {
+    if pass.rows <= 2 {
         while c + 4 * S::LANES <= d {
-            pv_chunks::<S, E, R, 4>(s, values, present, probs, acc, d, c);
+            pass.run::<S, 4>(s, acc, c);
             c += 4 * S::LANES;
         }
     }
     while c + 2 * S::LANES <= d {
-        pv_chunks::<S, E, R, 2>(s, values, present, probs, acc, d, c);
+        pass.run::<S, 2>(s, acc, c);
         c += 2 * S::LANES;
     }
     if c < d {
-        pv_chunks::<S, E, R, 1>(s, values, present, probs, acc, d, c);
+        pass.run::<S, 1>(s, acc, c);
     }
 }
 
-/// [`pv_block`] for the `W` vector chunks from dimension `c`.
+/// What every pass of [`accumulate_rows`] over a tile's keys shares.
+struct PvPass<'a, E> {
+    values: &'a [E],
+    /// (tile column, value row offset) of the keys present, in column order.
+    present: &'a [(usize, usize)],
+    /// How many of them lie before each tile column (and before the tile's end).
+    before: &'a [usize; KEY_TILE + 1],
+    /// The first value row where every column is present and the rows are consecutive,
+    /// `d` apart (a packed prefill's): the passes then step through them by arithmetic
+    /// instead of loading each key's (column, row) pair.
+    run_start: Option<usize>,
+    cols: &'a [Range<usize>],
+    probs: &'a [f32],
+    rows: usize,
+    d: usize,
+}
+
+impl<E: Load> PvPass<'_, E> {
+    /// The pass for the `W` vector chunks from dimension `c`, every row block in turn.
+    #[inline(always)]
+    fn run<S: Simd, const W: usize>(&self, s: S, acc: &mut [f32], c: usize) {
+        let d = self.d;
+        for_row_blocks!(self.rows, for S, |r0, R| {
+            let n = self.before[block_end(self.cols, r0, R)];
+            let probs = &self.probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
+            let acc = &mut acc[r0 * d..(r0 + R) * d];
+            match self.run_start {
+                Some(first) => {
+                    let keys = (0..n).map(|t| (t, first + t * d));
+                    pv_chunks::<S, E, R, W>(s, self.values, keys, probs, acc, d, c)
+                }
+                None => {
+                    let keys = self.present[..n].iter().copied();
+                    pv_chunks::<S, E, R, W>(s, self.values, keys, probs, acc, d, c)
+                }
+            }
+        });
+    }
+}
+
+/// P·V of one row block (`R` rows: `probs` R × KEY_TILE, `acc` R × d) for the `W` vector
+/// chunks from dimension `c`, over `keys` ((tile column, value row offset) pairs): R·W
+/// accumulators in registers across the keys, each value vector loaded and widened once for
+/// the R rows, each probability broadcast once for the W chunks.
 #[inline(always)]
 fn pv_chunks<S: Simd, E: Load, const R: usize, const W: usize>(
     s: S,
     values: &[E],
-    present: &[(usize, usize)],
+    keys: impl Iterator<Item = (usize, usize)>,
     probs: &[f32],
     acc: &mut [f32],
     d: usize,
@@ -346,7 +404,7 @@ fn pv_chunks<S: Simd, E: Load, const R: usize, const W: usize>(
                 *x = s.load(acc.as_ptr().add(r * d + c + w * S::LANES));
             }
         }
-        for &(t, at) in present {
+        for (t, at) in keys {
             let mut v = [s.splat(0.0); W];
             let mut w = 0;
             while w + 2 <= W {

@@ -69,7 +69,13 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
     }
 
     #[inline(always)]
-    fn scores<S: Simd>(&self, s: S, tile: &TileRows<'_, E>, scores: &mut [f32]) {
+    fn scores<S: Simd>(
+        &self,
+        s: S,
+        tile: &TileRows<'_, E>,
+        _cols: &[Range<usize>],
+        scores: &mut [f32],
+    ) {
         let d = self.kv.head_size;
         let rows = self.q.len() / d;
         for t0 in (0..tile.len).step_by(S::LANES) {
@@ -90,11 +96,12 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
         &self,
         s: S,
         tile: &TileRows<'_, E>,
+        cols: &[Range<usize>],
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
-        accumulate_rows(s, self.kv.value, tile.rows(), absent, probs, state);
+        accumulate_rows(s, self.kv.value, tile.rows(), cols, absent, probs, state);
     }
 
     fn value_row(&self, tile: &TileRows<'_, E>, t: usize, out: &mut [f32]) {
@@ -106,7 +113,7 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
 
     fn finish(&self, state: &mut RowStates) {
         if self.load_scale != 1.0 {
-            for a in &mut state.acc {
+            for a in state.acc.iter_mut() {
                 *a *= self.load_scale;
             }
         }

@@ -5,6 +5,7 @@
 use std::ops::Range;
 
 use super::micro::{apply_mods, softmax_step};
+use crate::cpu::aligned::AlignedF32;
 use crate::cpu::simd::{Simd, WithSimd};
 
 /// Keys per tile.
@@ -48,7 +49,7 @@ pub struct RowStates {
     /// Running sum of `exp(score - m)` per row.
     pub l: Vec<f32>,
     /// Rows × D weighted sums of values.
-    pub acc: Vec<f32>,
+    pub acc: AlignedF32,
 }
 
 impl RowStates {
@@ -57,7 +58,7 @@ impl RowStates {
         RowStates {
             m: vec![f32::NEG_INFINITY; rows],
             l: vec![0.0; rows],
-            acc: vec![0.0; rows * d],
+            acc: AlignedF32::zeros(rows * d),
         }
     }
 }
@@ -74,13 +75,23 @@ pub trait TileSource {
     /// visit.
     fn tile(&self, keys: Range<usize>) -> Self::Tile<'_>;
     /// Scores of every row for the tile's keys into `scores` (`[rows][KEY_TILE]`, scale
-    /// applied).
-    fn scores<S: Simd>(&self, s: S, tile: &Self::Tile<'_>, scores: &mut [f32]);
-    /// `acc[r] += Σ_j p[r][j] · v_j` over the tile's keys, skipping positions marked absent.
+    /// applied). `cols` holds the tile columns each row attends: a source may leave the
+    /// scores of columns that a row does not attend unwritten (the masks overwrite them).
+    fn scores<S: Simd>(
+        &self,
+        s: S,
+        tile: &Self::Tile<'_>,
+        cols: &[Range<usize>],
+        scores: &mut [f32],
+    );
+    /// `acc[r] += Σ_j p[r][j] · v_j` over the tile's keys, skipping positions marked absent;
+    /// `p[r][j]` is 0 where row r does not attend column j (outside `cols[r]`), so a source
+    /// may skip such columns too.
     fn accumulate<S: Simd>(
         &self,
         s: S,
         tile: &Self::Tile<'_>,
+        cols: &[Range<usize>],
         absent: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
@@ -149,7 +160,7 @@ pub fn attend<S: Simd, Src: TileSource>(
     let d = first_state.acc.len() / first_state.m.len().max(1);
     let rows = first.pos.len();
     // Sized by the states, which may pad the rows (AMX's whole 16-row tiles).
-    let mut scores = vec![0.0f32; first_state.m.len() * KEY_TILE];
+    let mut scores = AlignedF32::zeros(first_state.m.len() * KEY_TILE);
     let mut row_cols = vec![0..0; rows];
     let mut value_row = vec![0.0f32; d];
     let mut absent = first.absent.iter().copied().peekable();
@@ -200,7 +211,7 @@ pub fn attend<S: Simd, Src: TileSource>(
             } else {
                 source.nonfinite_values(&tile, masked, &mut value_row)
             };
-            source.scores(s, &tile, &mut scores);
+            source.scores(s, &tile, &row_cols, &mut scores);
             for (r, cols) in row_cols.iter().enumerate() {
                 let row = &mut scores[r * KEY_TILE..(r + 1) * KEY_TILE];
                 if !unmasked {
@@ -215,7 +226,7 @@ pub fn attend<S: Simd, Src: TileSource>(
                 softmax_step(s, row, r, d, state);
             }
             if special == 0 {
-                source.accumulate(s, &tile, &tile_absent[..n], &mut scores, state);
+                source.accumulate(s, &tile, &row_cols, &tile_absent[..n], &mut scores, state);
             } else {
                 // Non-finite values that some row must not see: each such key enters the rows
                 // that attend it here, and the source's P·V skips it.
@@ -233,7 +244,7 @@ pub fn attend<S: Simd, Src: TileSource>(
                         }
                     }
                 }
-                source.accumulate(s, &tile, &skip[..n], &mut scores, state);
+                source.accumulate(s, &tile, &row_cols, &skip[..n], &mut scores, state);
             }
         }
         start = end;
