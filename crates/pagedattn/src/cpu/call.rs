@@ -152,8 +152,8 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
 
     /// The query rows of `kv_head` for `tokens` in f32 (unscaled).
     pub(super) fn q_f32(&self, kv_head: usize, tokens: Range<usize>) -> Vec<f32> {
-        let rows = tokens.len() * self.group_size() * self.cfg.head_size();
-        let mut q = Vec::with_capacity(rows);
+        let len = tokens.len() * self.group_size() * self.cfg.head_size();
+        let mut q = Vec::with_capacity(len);
         for heads in self.query_heads(kv_head, tokens) {
             q.extend(heads.iter().map(|&x| Element::to_f32(x)));
         }
@@ -163,8 +163,8 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     /// The query rows of `kv_head` for `tokens` as bf16 pairs (unscaled).
     #[cfg(target_arch = "x86_64")]
     pub(super) fn q_bf16_pairs(&self, kv_head: usize, tokens: Range<usize>) -> Vec<u32> {
-        let rows = tokens.len() * self.group_size() * self.cfg.head_size();
-        let mut q = Vec::with_capacity(rows / 2);
+        let len = tokens.len() * self.group_size() * self.cfg.head_size();
+        let mut q = Vec::with_capacity(len / 2);
         for heads in self.query_heads(kv_head, tokens) {
             q.extend(
                 heads
