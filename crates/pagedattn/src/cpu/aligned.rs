@@ -1,13 +1,26 @@
-//! f32 buffers aligned to a cache line, for the kernels' packed operands and scratch: the
-//! allocator only promises 16 bytes, so a 32- or 64-byte vector load at a multiple of its
-//! size from the start of a `Vec<f32>` could straddle two cache lines (a split load).
+//! f32 in whole, 64-byte aligned cache lines, for the kernels' packed operands and scratch
+//! and for the bench's memory probes: the allocator only promises 16 bytes, so a 32- or
+//! 64-byte vector load at a multiple of its size from the start of a `Vec<f32>` could
+//! straddle two cache lines (a split load).
 
 use std::ops::{Deref, DerefMut};
 
 /// One cache line of f32.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 #[repr(C, align(64))]
-struct Line([f32; 16]);
+pub struct Line(pub [f32; 16]);
+
+/// The f32 of `lines`, in order.
+pub(crate) fn floats(lines: &[Line]) -> &[f32] {
+    // SAFETY: a Line is 16 f32 and nothing else (repr(C), 64 bytes, no padding).
+    unsafe { std::slice::from_raw_parts(lines.as_ptr().cast(), lines.len() * 16) }
+}
+
+/// The f32 of `lines`, in order, writable.
+fn floats_mut(lines: &mut [Line]) -> &mut [f32] {
+    // SAFETY: as in `floats`, and `&mut` makes the borrow unique.
+    unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr().cast(), lines.len() * 16) }
+}
 
 /// A zero-initialised f32 buffer whose first element is 64-byte aligned.
 #[derive(Debug, Clone)]
@@ -29,15 +42,12 @@ impl AlignedF32 {
 impl Deref for AlignedF32 {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
-        // SAFETY: `Line` is `repr(C)` around 16 f32 with no padding (its size, 64, is its
-        // alignment), so the lines are `16 * lines.len() >= len` consecutive f32.
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<f32>(), self.len) }
+        &floats(&self.lines)[..self.len]
     }
 }
 
 impl DerefMut for AlignedF32 {
     fn deref_mut(&mut self) -> &mut [f32] {
-        // SAFETY: as in `deref`, and `&mut self` makes the borrow unique.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<f32>(), self.len) }
+        &mut floats_mut(&mut self.lines)[..self.len]
     }
 }

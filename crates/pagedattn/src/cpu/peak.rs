@@ -10,19 +10,12 @@
 
 use std::hint::black_box;
 
+use super::aligned::floats;
 use super::isa::Isa;
 use super::simd::{Simd, WithSimd};
 
 /// One cache line of f32: what the memory probes read.
-#[derive(Debug, Clone, Copy, PartialEq)]
-#[repr(C, align(64))]
-pub struct Line(pub [f32; 16]);
-
-/// The f32 of `lines`, in order.
-fn floats(lines: &[Line]) -> &[f32] {
-    // SAFETY: a Line is 16 f32 and nothing else (repr(C), 64 bytes, no padding).
-    unsafe { std::slice::from_raw_parts(lines.as_ptr().cast(), lines.len() * 16) }
-}
+pub use super::aligned::Line;
 
 /// Independent accumulators of the memory probes: enough that the adds keep up with memory.
 const READ_CHAINS: usize = 8;
