@@ -284,8 +284,10 @@ pub fn block_end(cols: &[Range<usize>], r0: usize, n: usize) -> usize {
 /// and, per block of rows, the columns past [`block_end`] (their probabilities are 0).
 ///
 /// Chunk-major: one pass over the tile's keys per group of `W` vector chunks of the head
-/// (4 for one or two rows, else 2: R·W independent FMA chains per row block, enough to hide
-/// the FMA latency), with every row block in turn. The value columns a pass reads (keys ×
+/// (4 where the 4·R accumulators of a block of all the rows, 4 value vectors and a broadcast
+/// fit the registers, e.g. a decode's 4 query heads on AVX-512: fewer passes, so fewer
+/// broadcasts and key lookups per FMA; else 2: R·W independent FMA chains per row block,
+/// enough to hide the FMA latency), with every row block in turn. The value columns a pass reads (keys ×
 /// W·LANES) then stay in L1 across the row blocks, where a row-major order streams the whole
 /// value tile from L2 once per row block.
 #[inline(always)]
@@ -326,7 +328,7 @@ pub fn accumulate_rows<S: Simd, E: Load>(
     };
     let acc = &mut state.acc;
     let mut c = 0;
-    if pass.rows <= 2 {
+    if 4 * pass.rows + 5 <= S::REGISTERS {
         while c + 4 * S::LANES <= d {
             pass.run::<S, 4>(s, acc, c);
             c += 4 * S::LANES;
