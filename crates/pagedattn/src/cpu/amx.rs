@@ -206,45 +206,28 @@ impl TileSource for AmxSource<'_> {
             let out = scores[block * TILE_ROWS * KEY_TILE..].as_mut_ptr();
             // Group g's 16 keys, dimensions c..c+32: 16 rows (pairs) of 16 keys, 64 bytes apart.
             let b = |g: usize, c: usize| kt[(g * d / 2 + c / 2) * TILE_ROWS..].as_ptr();
-            // One contraction step of 32 dimensions from `c`: the queries into tile `$q`, then
-            // each key group's keys into tiles 5 and 6 in turn, times the queries into its
-            // accumulator (tiles 0-3). Steps alternate the query tile between 4 and 7, so
-            // that loading a step's queries does not wait for the previous step's last
-            // product to be done with its own.
-            macro_rules! qk_step {
-                ($q:literal, $c:expr) => {{
-                    let c = $c;
-                    tile_load!($q, q.add(c / 2), q_stride);
-                    tile_load!(5, b(0, c), TILE_BYTES);
-                    tile_dot!(0, $q, 5);
-                    if groups > 1 {
-                        tile_load!(6, b(1, c), TILE_BYTES);
-                        tile_dot!(1, $q, 6);
-                    }
-                    if groups > 2 {
-                        tile_load!(5, b(2, c), TILE_BYTES);
-                        tile_dot!(2, $q, 5);
-                    }
-                    if groups > 3 {
-                        tile_load!(6, b(3, c), TILE_BYTES);
-                        tile_dot!(3, $q, 6);
-                    }
-                }};
-            }
             // SAFETY: the tiles are configured (the caller, `attend_amx`); q holds the block's
             // 16 rows of d bf16 (d % 32 == 0, so every 64-byte row piece is inside); `kt`
             // holds `groups` column groups of d/2 × 16 pairs; the scores hold the block's 16
             // rows of KEY_TILE f32 and the groups' columns lie inside them.
             unsafe {
                 zero_accumulators();
-                let mut c = 0;
-                while c + 64 <= d {
-                    qk_step!(4, c);
-                    qk_step!(7, c + 32);
-                    c += 64;
-                }
-                if c < d {
-                    qk_step!(4, c);
+                for c in (0..d).step_by(32) {
+                    tile_load!(4, q.add(c / 2), q_stride);
+                    tile_load!(5, b(0, c), TILE_BYTES);
+                    tile_dot!(0, 4, 5);
+                    if groups > 1 {
+                        tile_load!(6, b(1, c), TILE_BYTES);
+                        tile_dot!(1, 4, 6);
+                    }
+                    if groups > 2 {
+                        tile_load!(5, b(2, c), TILE_BYTES);
+                        tile_dot!(2, 4, 5);
+                    }
+                    if groups > 3 {
+                        tile_load!(6, b(3, c), TILE_BYTES);
+                        tile_dot!(3, 4, 6);
+                    }
                 }
                 tile_store!(0, out, s_stride);
                 if groups > 1 {
@@ -291,59 +274,28 @@ impl TileSource for AmxSource<'_> {
         let mut scratch = Vec::new();
         let v = p.tile_values(keys, absent, chunks * TILE_ROWS, &mut scratch);
         let (p_stride, v_stride, acc_stride) = (KEY_TILE * 4, d * 4, d * 4);
-        let v = v.as_ptr();
         for block in 0..rows / TILE_ROWS {
             let probs = probs[block * TILE_ROWS * KEY_TILE..].as_ptr() as *const u8;
             let acc = state.acc[block * TILE_ROWS * d..].as_mut_ptr();
-            // Key chunk `$k`'s products (probabilities in tile `$p`) into the accumulators
-            // of dimensions n..n+32 (tiles 0, 1) and, with `$four`, n+32..n+64 (tiles 2, 3):
-            // each accumulator's two products are four issues apart (a `tdpbf16ps`'s latency
-            // is several issues), the values alternate between tiles 4 and 5.
-            macro_rules! pv_chunk {
-                ($p:literal, $k:expr, $n:expr, $four:expr) => {{
-                    let at = v.add($k * TILE_ROWS * d + $n);
-                    tile_load!(4, at, v_stride);
-                    tile_dot!(0, $p, 4);
-                    tile_load!(5, at.add(TILE_ROWS), v_stride);
-                    tile_dot!(1, $p, 5);
-                    if $four {
-                        tile_load!(4, at.add(2 * TILE_ROWS), v_stride);
-                        tile_dot!(2, $p, 4);
-                        tile_load!(5, at.add(3 * TILE_ROWS), v_stride);
-                        tile_dot!(3, $p, 5);
-                    }
-                }};
-            }
             // SAFETY: the tiles are configured; each probability row starts with KEY_TILE / 2
             // bf16 pairs (64 keys, 128 bytes: both chunks inside); `v` holds chunks × 16
-            // pairs of d u32; the accumulators hold the block's 16 rows of d f32, and the
-            // dimensions touched, n + 32 (n + 64 with `four`), are at most d (d % 32 == 0).
+            // pairs of d u32; the accumulators hold the block's 16 rows of d f32, and
+            // n + 16 <= d.
             unsafe {
                 tile_load!(6, probs, p_stride);
                 if chunks > 1 {
                     tile_load!(7, probs.add(TILE_BYTES), p_stride);
                 }
-                let mut n = 0;
-                while n < d {
-                    let four = n + 4 * TILE_ROWS <= d;
+                for n in (0..d).step_by(TILE_ROWS) {
                     let c = acc.add(n);
                     tile_load!(0, c, acc_stride);
-                    tile_load!(1, c.add(TILE_ROWS), acc_stride);
-                    if four {
-                        tile_load!(2, c.add(2 * TILE_ROWS), acc_stride);
-                        tile_load!(3, c.add(3 * TILE_ROWS), acc_stride);
-                    }
-                    pv_chunk!(6, 0, n, four);
+                    tile_load!(4, v.as_ptr().add(n), v_stride);
+                    tile_dot!(0, 6, 4);
                     if chunks > 1 {
-                        pv_chunk!(7, 1, n, four);
+                        tile_load!(5, v.as_ptr().add(TILE_ROWS * d + n), v_stride);
+                        tile_dot!(0, 7, 5);
                     }
                     tile_store!(0, c, acc_stride);
-                    tile_store!(1, c.add(TILE_ROWS), acc_stride);
-                    if four {
-                        tile_store!(2, c.add(2 * TILE_ROWS), acc_stride);
-                        tile_store!(3, c.add(3 * TILE_ROWS), acc_stride);
-                    }
-                    n += if four { 4 * TILE_ROWS } else { 2 * TILE_ROWS };
                 }
             }
         }
