@@ -287,9 +287,9 @@ pub fn block_end(cols: &[Range<usize>], r0: usize, n: usize) -> usize {
 /// (4 where the 4·R accumulators of a block of all the rows, 4 value vectors and a broadcast
 /// fit the registers, e.g. a decode's 4 query heads on AVX-512: fewer passes, so fewer
 /// broadcasts and key lookups per FMA; else 2: R·W independent FMA chains per row block,
-/// enough to hide the FMA latency), with every row block in turn. The value columns a pass reads (keys ×
-/// W·LANES) then stay in L1 across the row blocks, where a row-major order streams the whole
-/// value tile from L2 once per row block.
+/// enough to hide the FMA latency), with every row block in turn. The value columns a pass
+/// reads (keys × W·LANES) then stay in L1 across the row blocks, where a row-major order
+/// streams the whole value tile from L2 once per row block.
 #[inline(always)]
 pub fn accumulate_rows<S: Simd, E: Load>(
     s: S,
