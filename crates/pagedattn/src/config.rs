@@ -232,6 +232,25 @@ impl AttentionConfig {
         positive("num_heads", self.num_heads)?;
         positive("head_size", self.head_size)?;
         positive("num_kv_heads", self.num_kv_heads)?;
+        // Sizes are checked where they enter: one token's query row (H x D elements of up to
+        // 4 bytes) must be an allocation that can exist, so that every later product of a
+        // token count with it is a tensor's checked element count.
+        let row_bytes = self
+            .num_heads
+            .checked_mul(self.head_size)
+            .and_then(|n| n.checked_mul(4))
+            .filter(|&n| n <= isize::MAX as usize);
+        if row_bytes.is_none() {
+            return Err(Error::invalid(
+                "head_size",
+                self.head_size,
+                format!(
+                    "a size whose query row (num_heads = {} x head_size x 4 bytes) fits in \
+                     isize",
+                    self.num_heads
+                ),
+            ));
+        }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(Error::invalid(
                 "num_kv_heads",

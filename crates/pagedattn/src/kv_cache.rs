@@ -12,7 +12,7 @@ use crate::device::Device;
 use crate::error::{ensure, Error, Result};
 use crate::fp8::Fp8Format;
 use crate::shared::SharedMut;
-use crate::tensor::{HostStorage, Storage, Tensor};
+use crate::tensor::{try_collect, HostSliceMut, HostStorage, Storage, Tensor};
 
 /// Dequantization scales of an fp8 cache (vLLM's `k_scale`, `v_scale`); 1.0 for other caches.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -192,8 +192,8 @@ impl KvCache {
         Ok(KvCache {
             spec,
             layout,
-            key: HostStorage::zeros(spec.storage_dtype(), n).into(),
-            value: HostStorage::zeros(spec.storage_dtype(), n).into(),
+            key: HostStorage::zeros(spec.storage_dtype(), n)?.into(),
+            value: HostStorage::zeros(spec.storage_dtype(), n)?.into(),
         })
     }
 
@@ -279,9 +279,9 @@ impl KvCache {
         let relayout = |src: &Storage, what: &str| -> Result<Storage> {
             let src = src.host(what)?;
             if layout == self.layout {
-                return Ok(src.clone().into());
+                return Ok(src.try_clone()?.into());
             }
-            let mut dst = HostStorage::zeros(src.dtype(), src.len());
+            let mut dst = HostStorage::zeros(src.dtype(), src.len())?;
             let (s, d) = (src.as_bytes(), dst.as_bytes_mut());
             for slot in 0..spec.num_slots() {
                 for head in 0..spec.num_kv_heads {
@@ -324,8 +324,11 @@ impl KvCache {
     pub fn value(&self) -> &Storage {
         &self.value
     }
-    /// Both buffers, mutably (keys, values).
-    pub fn buffers_mut(&mut self) -> (&mut Storage, &mut Storage) {
+    /// Both buffers, mutably (keys, values), for the backends: never public, because a
+    /// caller could put buffers of another length, dtype or device in their place (see
+    /// [`HostSliceMut`]).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn buffers_mut(&mut self) -> (&mut Storage, &mut Storage) {
         (&mut self.key, &mut self.value)
     }
     /// Both host buffers (keys, values), or [`Error::DeviceMismatch`].
@@ -335,11 +338,12 @@ impl KvCache {
             self.value.host("kv_cache.value")?,
         ))
     }
-    /// Both host buffers, mutably.
-    pub fn host_buffers_mut(&mut self) -> Result<(&mut HostStorage, &mut HostStorage)> {
+    /// Both host buffers (keys, values), writable in place: slices whose length and type
+    /// cannot change, or [`Error::DeviceMismatch`].
+    pub fn host_buffers_mut(&mut self) -> Result<(HostSliceMut<'_>, HostSliceMut<'_>)> {
         Ok((
-            self.key.host_mut("kv_cache.key")?,
-            self.value.host_mut("kv_cache.value")?,
+            self.key.host_mut("kv_cache.key")?.view_mut(),
+            self.value.host_mut("kv_cache.value")?.view_mut(),
         ))
     }
     /// Index of element `d = 0` of (`slot`, `head`) in either buffer.
@@ -451,14 +455,14 @@ impl KvCache {
     pub fn dequantize(&self, scales: KvScales) -> Result<(Vec<f64>, Vec<f64>)> {
         let fp8 = self.spec.kv_cache_dtype.fp8_format();
         let decode = |buf: &HostStorage, scale: f32| match (buf, fp8) {
-            (HostStorage::U8(codes), Some(f)) => codes
-                .iter()
-                .map(|&c| f.decode(c) as f64 * scale as f64)
-                .collect(),
+            (HostStorage::U8(codes), Some(f)) => try_collect(
+                codes.len(),
+                codes.iter().map(|&c| f.decode(c) as f64 * scale as f64),
+            ),
             _ => buf.to_f64_vec(),
         };
         let (key, value) = self.host_buffers()?;
-        Ok((decode(key, scales.k_scale), decode(value, scales.v_scale)))
+        Ok((decode(key, scales.k_scale)?, decode(value, scales.v_scale)?))
     }
 }
 
@@ -490,7 +494,7 @@ fn write_tokens<T: Element>(
     spec: &KvCacheSpec,
     layout: CacheLayout,
     src: &[T],
-    dst: &mut HostStorage,
+    dst: HostSliceMut<'_>,
     slot_mapping: &[i64],
     fp8: Option<Fp8Format>,
     scale: f32,
@@ -513,7 +517,7 @@ fn write_tokens<T: Element>(
             .for_each(|(t, &slot)| rows(t, slot).for_each(|(row, at)| store(row, at)));
     };
     match (dst, fp8) {
-        (HostStorage::U8(out), Some(format)) => {
+        (HostSliceMut::U8(out), Some(format)) => {
             let out = SharedMut(out.as_mut_ptr());
             for_each_row(&|row, at| {
                 for (i, &x) in row.iter().enumerate() {
@@ -524,7 +528,7 @@ fn write_tokens<T: Element>(
         }
         (dst, _) => {
             let out = SharedMut(
-                dst.as_slice_mut::<T>()
+                dst.into_slice::<T>()
                     .expect("auto cache has the input dtype")
                     .as_mut_ptr(),
             );
@@ -614,7 +618,7 @@ pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -
     let (dst_key, dst_value) = dst.host_buffers_mut()?;
     for (from, to) in [(src_key, dst_key), (src_value, dst_value)] {
         let s = from.as_bytes();
-        to.as_bytes_mut()
+        to.into_bytes()
             .par_chunks_mut(block_bytes)
             .zip(&source_of)
             .for_each(|(block, source)| {
@@ -639,7 +643,7 @@ pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<(
             .host_buffers_mut()
             .expect("checked above: host buffers");
         for buf in [key, value] {
-            let bytes = buf.as_bytes_mut();
+            let bytes = buf.into_bytes();
             for &(s, d) in pairs {
                 bytes.copy_within(s * block_bytes..(s + 1) * block_bytes, d * block_bytes);
             }

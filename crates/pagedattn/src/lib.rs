@@ -63,4 +63,4 @@ pub use metadata::{
     AttentionMetadata, BlockTables, EncoderDesc, EncoderMetadata, MetadataBuilder, SequenceDesc,
 };
 pub use step::{Inputs, KvPair, Plan, Workspace};
-pub use tensor::{HostStorage, Storage, Tensor};
+pub use tensor::{HostSliceMut, HostStorage, Storage, Tensor};

@@ -199,6 +199,13 @@ impl AttentionMetadata {
             || format!("none: attn_type {attn_type} never uses a KV cache"),
         )?;
         self.check_lengths(attn_type, num_tokens)?;
+        // Cross-attention fields given to a layer that reads none would be silently ignored.
+        ensure(
+            self.encoder.is_none() || attn_type == AttnType::EncoderDecoder,
+            || "metadata.encoder".into(),
+            "set",
+            || format!("none for attn_type {attn_type} (only encoder_decoder reads it)"),
+        )?;
         match attn_type {
             AttnType::Decoder => self.check_decoder(num_kv_tokens, cache),
             AttnType::Encoder | AttnType::EncoderOnly => {
@@ -299,12 +306,6 @@ impl AttentionMetadata {
     ) -> Result<()> {
         let num_tokens = self.num_tokens();
         require_kv(num_kv_tokens, num_tokens, AttnType::Decoder)?;
-        ensure(
-            self.encoder.is_none(),
-            || "metadata.encoder".into(),
-            "set",
-            || "none for attn_type decoder".into(),
-        )?;
         let Some(spec) = cache else {
             for (s, &ctx) in self.context_lens.iter().enumerate() {
                 ensure(

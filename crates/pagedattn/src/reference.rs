@@ -9,9 +9,11 @@ use crate::error::Result;
 use crate::fp8::Fp8Format;
 use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
-use crate::semantics::{alibi_bias, allowed_keys, query_position, soft_cap, KeyLocation, KeyMap};
+use crate::semantics::{
+    alibi_bias, alibi_position, allowed_keys, query_position, soft_cap, KeyLocation, KeyMap,
+};
 use crate::step::{ForwardCheck, Inputs, KvPair, Plan, Workspace};
-use crate::tensor::{HostStorage, Tensor};
+use crate::tensor::{try_collect, HostSliceMut, HostStorage, Tensor};
 
 /// The reference backend (registry name `reference`).
 #[derive(Debug, Clone, Copy, Default)]
@@ -166,9 +168,9 @@ impl AttentionImpl for ReferenceAttention {
             plan.num_kv_tokens().is_some(),
         );
         // 3. Attend.
-        let q = query.host()?.to_f64_vec();
+        let q = query.host()?.to_f64_vec()?;
         let (h_count, d) = (cfg.num_heads(), cfg.head_size());
-        let mut out = vec![0.0f64; q.len()];
+        let mut out = try_collect(q.len(), std::iter::repeat(0.0f64))?;
         for s in 0..metadata.num_seqs() {
             let range = metadata.query_range(s);
             let seq_len = metadata.seq_lens[s] as usize;
@@ -238,12 +240,9 @@ impl ReferenceAttention {
         let kv_head = h / cfg.num_queries_per_kv();
         let d = cfg.head_size();
         // The keys this query sees: (position, start of its row).
-        let allowed = allowed_keys(
-            cfg.attn_type(),
-            cfg.sliding_window(),
-            i,
-            key_map.num_positions(seq),
-        );
+        let n = key_map.num_positions(seq);
+        let allowed = allowed_keys(cfg.attn_type(), cfg.sliding_window(), i, n);
+        let alibi_i = alibi_position(cfg.attn_type(), i, n);
         let keys = || {
             allowed
                 .clone()
@@ -260,7 +259,7 @@ impl ReferenceAttention {
                 s = soft_cap(s, cap as f64);
             }
             if let Some(slopes) = cfg.alibi_slopes() {
-                s = in_f32_range(s + alibi_bias(cfg.attn_type(), slopes[h] as f64, i, j));
+                s = in_f32_range(s + alibi_bias(cfg.attn_type(), slopes[h] as f64, alibi_i, j));
             }
             s
         };
@@ -296,7 +295,7 @@ fn in_f32_range(x: f64) -> f64 {
 }
 
 /// Rounds f64 results into float storage.
-fn store(dst: &mut HostStorage, values: &[f64]) {
+fn store(mut dst: HostSliceMut<'_>, values: &[f64]) {
     crate::with_element!(dst.dtype(), T => {
         let dst = dst.as_slice_mut::<T>().expect("dtype matched");
         for (o, &v) in dst.iter_mut().zip(values) {

@@ -34,8 +34,21 @@ pub fn allowed_keys(
     start.min(end)..end
 }
 
+/// The position ALiBi measures a query's distances from, for a query at position `i` of a
+/// sequence with `n` key positions: `i` itself, except for a cross-attention query past every
+/// encoder key, which is measured from the last key, `n - 1`. Its bias `-slope * (i - j)` is
+/// then `-slope * (n - 1 - j)` plus a constant of the query, which the softmax ignores; the
+/// constant itself, `slope` times how far the decoder has run, would push every score of
+/// the query to a magnitude where f32 rounds the score away, or overflows it.
+pub fn alibi_position(attn_type: AttnType, i: usize, n: usize) -> usize {
+    match attn_type {
+        AttnType::EncoderDecoder => i.min(n.saturating_sub(1)),
+        _ => i,
+    }
+}
+
 /// The ALiBi term added to a score: `slope * (j - i)` for the decoder, `-slope * |j - i|` for
-/// the non-causal types.
+/// the non-causal types (`i` from [`alibi_position`]).
 pub fn alibi_bias(attn_type: AttnType, slope: f64, i: usize, j: usize) -> f64 {
     let (i, j) = (i as f64, j as f64);
     if attn_type.is_causal() {

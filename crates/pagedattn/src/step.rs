@@ -238,8 +238,9 @@ impl Workspace {
         self.device
     }
 
-    /// The memory, for a backend's kernels (f32 elements; `None` while empty).
-    pub fn storage_mut(&mut self) -> Option<&mut Storage> {
+    /// The memory, for a backend's kernels (f32 elements; `None` while empty). Never
+    /// public: a caller could put storage of another size, dtype or device in its place.
+    pub(crate) fn storage_mut(&mut self) -> Option<&mut Storage> {
         self.storage.as_mut()
     }
 }

@@ -2,7 +2,6 @@
 //! memory; [`Storage`] is memory on any device, and [`Storage::to_device`] is the one place
 //! data crosses between devices.
 
-use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 
 use crate::device::Device;
@@ -22,15 +21,182 @@ pub enum HostStorage {
     U8(Vec<u8>),
 }
 
+/// The host elements of a tensor or cache, writable in place: slices, whose length and type
+/// cannot change.
+///
+/// Kernels trust that a tensor's or cache's buffers hold what its shape or spec says: the
+/// forward gate checks shapes, not buffers, so that a call's checks take the same time
+/// whatever the sizes. That holds by construction: every constructor checks the length, and
+/// nothing hands out a tensor's, cache's or workspace's [`HostStorage`] or [`Storage`]
+/// mutably, only this view. (Re-checking lengths at every gate would leave each other path
+/// that reads a buffer — cache writes, swaps, copies, conversions — to remember it too.)
+///
+/// None of these compile:
+/// ```compile_fail,E0614
+/// # fn probe(cache: &mut pagedattn::KvCache) -> pagedattn::Result<()> {
+/// *cache.host_buffers_mut()?.0 = pagedattn::HostStorage::F32(vec![0.0; 256]);
+/// # Ok(()) }
+/// ```
+/// ```compile_fail,E0614
+/// # fn probe(t: &mut pagedattn::Tensor) -> pagedattn::Result<()> {
+/// *t.host_mut()? = pagedattn::HostStorage::F32(vec![]);
+/// # Ok(()) }
+/// ```
+/// ```compile_fail
+/// # fn probe(t: &mut pagedattn::Tensor) {
+/// let _ = t.storage_mut();
+/// # }
+/// ```
+/// ```compile_fail
+/// # fn probe(cache: &mut pagedattn::KvCache) {
+/// let _ = cache.buffers_mut();
+/// # }
+/// ```
+/// ```compile_fail,E0624
+/// # fn probe(workspace: &mut pagedattn::Workspace) {
+/// let _ = workspace.storage_mut();
+/// # }
+/// ```
+#[derive(Debug, PartialEq)]
+pub enum HostSliceMut<'a> {
+    /// f32 elements.
+    F32(&'a mut [f32]),
+    /// f16 elements.
+    F16(&'a mut [f16]),
+    /// bf16 elements.
+    BF16(&'a mut [bf16]),
+    /// Bytes (fp8 codes).
+    U8(&'a mut [u8]),
+}
+
+impl<'a> HostSliceMut<'a> {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostSliceMut::F32(_) => DType::F32,
+            HostSliceMut::F16(_) => DType::F16,
+            HostSliceMut::BF16(_) => DType::BF16,
+            HostSliceMut::U8(_) => DType::U8,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            HostSliceMut::F32(v) => v.len(),
+            HostSliceMut::F16(v) => v.len(),
+            HostSliceMut::BF16(v) => v.len(),
+            HostSliceMut::U8(v) => v.len(),
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The raw bytes.
+    pub fn into_bytes(self) -> &'a mut [u8] {
+        match self {
+            HostSliceMut::F32(v) => bytemuck::cast_slice_mut(v),
+            HostSliceMut::F16(v) => bytemuck::cast_slice_mut(v),
+            HostSliceMut::BF16(v) => bytemuck::cast_slice_mut(v),
+            HostSliceMut::U8(v) => v,
+        }
+    }
+
+    /// The elements as `T`, if `T` is their type.
+    pub fn into_slice<T: Element>(self) -> Option<&'a mut [T]> {
+        (self.dtype() == T::DTYPE).then(|| bytemuck::cast_slice_mut(self.into_bytes()))
+    }
+
+    /// The raw bytes, reborrowed.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        self.reborrow().into_bytes()
+    }
+
+    /// The elements as `T`, reborrowed, if `T` is their type.
+    pub fn as_slice_mut<T: Element>(&mut self) -> Option<&mut [T]> {
+        self.reborrow().into_slice()
+    }
+
+    /// A shorter-lived view of the same elements.
+    pub fn reborrow(&mut self) -> HostSliceMut<'_> {
+        match self {
+            HostSliceMut::F32(v) => HostSliceMut::F32(v),
+            HostSliceMut::F16(v) => HostSliceMut::F16(v),
+            HostSliceMut::BF16(v) => HostSliceMut::BF16(v),
+            HostSliceMut::U8(v) => HostSliceMut::U8(v),
+        }
+    }
+}
+
+/// `len` zeros of `T` from a zeroed allocation (the kernel's zero pages for large buffers,
+/// untouched, so that a cache can still ask for huge pages), or [`Error::OutOfMemory`].
+fn zeroed_vec<T: bytemuck::Zeroable>(len: usize) -> Result<Vec<T>> {
+    bytemuck::allocation::try_zeroed_vec(len)
+        .map_err(|()| host_out_of_memory(len.saturating_mul(std::mem::size_of::<T>())))
+}
+
+/// A vector with room for exactly `len` elements, or [`Error::OutOfMemory`]: every host
+/// allocation whose size a caller chooses goes through here or [`zeroed_vec`].
+pub(crate) fn vec_with_capacity<T>(len: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|_| host_out_of_memory(len.saturating_mul(std::mem::size_of::<T>())))?;
+    Ok(v)
+}
+
+/// The elements of `items`, collected into a vector allocated fallibly (`len` of them).
+pub(crate) fn try_collect<T>(len: usize, items: impl IntoIterator<Item = T>) -> Result<Vec<T>> {
+    let mut v = vec_with_capacity(len)?;
+    v.extend(items.into_iter().take(len));
+    Ok(v)
+}
+
+/// The error for a host allocation of `bytes` that failed.
+pub(crate) fn host_out_of_memory(bytes: usize) -> Error {
+    Error::OutOfMemory {
+        device: Device::Cpu.to_string(),
+        bytes,
+    }
+}
+
 impl HostStorage {
     /// `len` zeros of `dtype`, from zeroed allocations: large buffers come straight from the
-    /// kernel's zero pages, untouched, so that a cache can still ask for huge pages.
-    pub fn zeros(dtype: DType, len: usize) -> Self {
-        match dtype {
-            DType::F32 => HostStorage::F32(vec![0.0; len]),
-            DType::F16 => HostStorage::F16(vec![0u16; len].reinterpret_into()),
-            DType::BF16 => HostStorage::BF16(vec![0u16; len].reinterpret_into()),
-            DType::U8 => HostStorage::U8(vec![0; len]),
+    /// kernel's zero pages, untouched, so that a cache can still ask for huge pages. An
+    /// allocation the host cannot make is [`Error::OutOfMemory`].
+    pub fn zeros(dtype: DType, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => HostStorage::F32(zeroed_vec(len)?),
+            DType::F16 => HostStorage::F16(zeroed_vec(len)?),
+            DType::BF16 => HostStorage::BF16(zeroed_vec(len)?),
+            DType::U8 => HostStorage::U8(zeroed_vec(len)?),
+        })
+    }
+
+    /// A copy, or [`Error::OutOfMemory`] (`Clone` aborts the process instead).
+    pub fn try_clone(&self) -> Result<Self> {
+        fn copy<T: Clone>(v: &[T]) -> Result<Vec<T>> {
+            let mut out = vec_with_capacity(v.len())?;
+            out.extend_from_slice(v);
+            Ok(out)
+        }
+        Ok(match self {
+            HostStorage::F32(v) => HostStorage::F32(copy(v)?),
+            HostStorage::F16(v) => HostStorage::F16(copy(v)?),
+            HostStorage::BF16(v) => HostStorage::BF16(copy(v)?),
+            HostStorage::U8(v) => HostStorage::U8(copy(v)?),
+        })
+    }
+
+    /// The elements as slices: writable in place, never resized.
+    pub fn view_mut(&mut self) -> HostSliceMut<'_> {
+        match self {
+            HostStorage::F32(v) => HostSliceMut::F32(v),
+            HostStorage::F16(v) => HostSliceMut::F16(v),
+            HostStorage::BF16(v) => HostSliceMut::BF16(v),
+            HostStorage::U8(v) => HostSliceMut::U8(v),
         }
     }
 
@@ -44,17 +210,18 @@ impl HostStorage {
                 format!("a multiple of {size} for {dtype}"),
             ));
         }
-        fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
-            bytes
-                .chunks_exact(std::mem::size_of::<T>())
-                .map(bytemuck::pod_read_unaligned)
-                .collect()
+        fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<Vec<T>> {
+            let size = std::mem::size_of::<T>();
+            try_collect(
+                bytes.len() / size,
+                bytes.chunks_exact(size).map(bytemuck::pod_read_unaligned),
+            )
         }
         Ok(match dtype {
-            DType::F32 => HostStorage::F32(cast(bytes)),
-            DType::F16 => HostStorage::F16(cast(bytes)),
-            DType::BF16 => HostStorage::BF16(cast(bytes)),
-            DType::U8 => HostStorage::U8(bytes.to_vec()),
+            DType::F32 => HostStorage::F32(cast(bytes)?),
+            DType::F16 => HostStorage::F16(cast(bytes)?),
+            DType::BF16 => HostStorage::BF16(cast(bytes)?),
+            DType::U8 => HostStorage::U8(cast(bytes)?),
         })
     }
 
@@ -95,12 +262,7 @@ impl HostStorage {
 
     /// The raw bytes, mutably.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            HostStorage::F32(v) => bytemuck::cast_slice_mut(v),
-            HostStorage::F16(v) => bytemuck::cast_slice_mut(v),
-            HostStorage::BF16(v) => bytemuck::cast_slice_mut(v),
-            HostStorage::U8(v) => v,
-        }
+        self.view_mut().into_bytes()
     }
 
     /// The elements as `T`, if `T` is the storage's type.
@@ -110,16 +272,18 @@ impl HostStorage {
 
     /// The elements as mutable `T`, if `T` is the storage's type.
     pub fn as_slice_mut<T: Element>(&mut self) -> Option<&mut [T]> {
-        (self.dtype() == T::DTYPE).then(|| bytemuck::cast_slice_mut(self.as_bytes_mut()))
+        self.view_mut().into_slice()
     }
 
-    /// Every element widened to f64 (fp8 codes are not decoded here: see the KV cache).
-    pub fn to_f64_vec(&self) -> Vec<f64> {
+    /// Every element widened to f64 (fp8 codes are not decoded here: see the KV cache), or
+    /// [`Error::OutOfMemory`].
+    pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
+        let n = self.len();
         match self {
-            HostStorage::F32(v) => v.iter().map(|&x| x as f64).collect(),
-            HostStorage::F16(v) => v.iter().map(|&x| x.to_f64()).collect(),
-            HostStorage::BF16(v) => v.iter().map(|&x| x.to_f64()).collect(),
-            HostStorage::U8(v) => v.iter().map(|&x| x as f64).collect(),
+            HostStorage::F32(v) => try_collect(n, v.iter().map(|&x| x as f64)),
+            HostStorage::F16(v) => try_collect(n, v.iter().map(|&x| x.to_f64())),
+            HostStorage::BF16(v) => try_collect(n, v.iter().map(|&x| x.to_f64())),
+            HostStorage::U8(v) => try_collect(n, v.iter().map(|&x| x as f64)),
         }
     }
 }
@@ -156,8 +320,8 @@ impl Storage {
     /// `len` zeros of `dtype` on `device`.
     pub fn zeros(device: Device, dtype: DType, len: usize) -> Result<Self> {
         match device {
-            Device::Cpu => Ok(Storage::Host(HostStorage::zeros(dtype, len))),
-            _ => Storage::Host(HostStorage::zeros(dtype, 0)).to_device_empty(device, dtype, len),
+            Device::Cpu => Ok(Storage::Host(HostStorage::zeros(dtype, len)?)),
+            _ => Storage::Host(HostStorage::zeros(dtype, 0)?).to_device_empty(device, dtype, len),
         }
     }
 
@@ -230,7 +394,7 @@ impl Storage {
     /// between devices all go through here).
     pub fn to_device(&self, device: Device) -> Result<Storage> {
         match (self, device) {
-            (Storage::Host(h), Device::Cpu) => Ok(Storage::Host(h.clone())),
+            (Storage::Host(h), Device::Cpu) => Ok(Storage::Host(h.try_clone()?)),
             #[cfg(feature = "cuda")]
             (Storage::Host(h), _) => crate::cuda::CudaStorage::upload(h, device).map(Storage::Cuda),
             #[cfg(feature = "cuda")]
@@ -328,12 +492,10 @@ impl Tensor {
         Ok(Tensor { shape, storage })
     }
 
-    /// A host tensor of zeros.
-    pub fn zeros(dtype: DType, shape: &[usize]) -> Self {
-        Tensor {
-            shape: shape.to_vec(),
-            storage: Storage::Host(HostStorage::zeros(dtype, shape.iter().product())),
-        }
+    /// A host tensor of zeros: an [`Error::Invalid`] if the shape's element count overflows,
+    /// [`Error::OutOfMemory`] if the host cannot hold it.
+    pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
+        Tensor::zeros_on(Device::Cpu, dtype, shape)
     }
 
     /// A tensor of zeros on `device`.
@@ -376,8 +538,10 @@ impl Tensor {
         &self.storage
     }
 
-    /// The storage, mutably (the shape stays fixed).
-    pub fn storage_mut(&mut self) -> &mut Storage {
+    /// The storage, mutably, for the backends: never public, because a caller could put
+    /// storage of another length, dtype or device in its place (see [`HostSliceMut`]).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn storage_mut(&mut self) -> &mut Storage {
         &mut self.storage
     }
 
@@ -386,9 +550,10 @@ impl Tensor {
         self.storage.host("tensor")
     }
 
-    /// The host elements, mutably.
-    pub fn host_mut(&mut self) -> Result<&mut HostStorage> {
-        self.storage.host_mut("tensor")
+    /// The host elements, writable in place ([`Error::DeviceMismatch`] for a tensor on a
+    /// device).
+    pub fn host_mut(&mut self) -> Result<HostSliceMut<'_>> {
+        Ok(self.storage.host_mut("tensor")?.view_mut())
     }
 
     /// A copy of this tensor on `device`.
@@ -418,12 +583,8 @@ impl Tensor {
     /// the tensor lives on a device.
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         let host = self.storage.to_device(Device::Cpu)?;
-        Ok(host
-            .host("tensor")?
-            .to_f64_vec()
-            .into_iter()
-            .map(|x| x as f32)
-            .collect())
+        let wide = host.host("tensor")?.to_f64_vec()?;
+        try_collect(wide.len(), wide.into_iter().map(|x| x as f32))
     }
 
     /// Overwrites the contents with `src`'s (the same dtype and shape, on any device), keeping
@@ -441,7 +602,7 @@ impl Tensor {
     /// Fills every element with NaN (float tensors) or 0xFF (bytes), in place on whatever
     /// device the tensor lives: for poisoning outputs in tests.
     pub fn fill_nan(&mut self) -> Result<()> {
-        let mut poison = HostStorage::zeros(self.dtype(), self.numel());
+        let mut poison = HostStorage::zeros(self.dtype(), self.numel())?;
         match &mut poison {
             HostStorage::F32(v) => v.fill(f32::NAN),
             HostStorage::F16(v) => v.fill(f16::NAN),

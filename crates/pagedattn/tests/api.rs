@@ -423,7 +423,7 @@ fn call() -> Call {
         v: ramp(DType::F16, &[4, 2, 8], 2.0),
         cache: KvCache::zeros(spec(4, KvCacheDtype::Auto), CacheLayout::Nhd).unwrap(),
         md,
-        out: Tensor::zeros(DType::F16, &[4, 4, 8]),
+        out: Tensor::zeros(DType::F16, &[4, 4, 8]).unwrap(),
     }
 }
 
@@ -448,7 +448,7 @@ fn forward_errors() {
     c.q = ramp(DType::F16, &[4, 3, 8], 0.0);
     assert_invalid(c.run(), "query.shape");
     let mut c = call();
-    c.out = Tensor::zeros(DType::F32, &[4, 4, 8]);
+    c.out = Tensor::zeros(DType::F32, &[4, 4, 8]).unwrap();
     assert_invalid(c.run(), "output.dtype");
     let mut c = call();
     c.k = ramp(DType::F16, &[3, 2, 8], 0.0);
@@ -579,7 +579,7 @@ fn plan_and_workspace_errors() {
             ramp(DType::F16, &[1, 4, 8], 0.0),
             ramp(DType::F16, &[1, 2, 8], 1.0),
         );
-        let mut out = Tensor::zeros(DType::F16, &[1, 4, 8]);
+        let mut out = Tensor::zeros(DType::F16, &[1, 4, 8]).unwrap();
         let inputs = Inputs::new(&q).with_kv(&kv, &kv).with_cache(&mut cache);
         let result = attention.forward_into(&long_plan, &mut small, inputs, &mut out);
         assert_invalid(result, "workspace bytes");
@@ -651,7 +651,7 @@ fn device_memory_needs_a_device() {
             "{e:?}"
         ),
     }
-    let host = Tensor::zeros(DType::F32, &[2, 3]);
+    let host = Tensor::zeros(DType::F32, &[2, 3]).unwrap();
     assert_eq!(host.to_host().unwrap(), host);
     let overflow = Tensor::zeros_on(Device::Cpu, DType::F32, &[1 << 40, 1 << 40]);
     assert_invalid(overflow, "tensor shape");

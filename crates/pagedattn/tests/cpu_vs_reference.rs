@@ -760,8 +760,8 @@ fn zero_length_encoder_sequences() {
                 config: st.config(AttnType::EncoderDecoder),
                 query: Tensor::from_f32(dtype, &[4, 4, d], &vec![0.5; 16 * d]).unwrap(),
                 kv: Some((
-                    Tensor::zeros(dtype, &[0, 2, d]),
-                    Tensor::zeros(dtype, &[0, 2, d]),
+                    Tensor::zeros(dtype, &[0, 2, d]).unwrap(),
+                    Tensor::zeros(dtype, &[0, 2, d]).unwrap(),
                 )),
                 metadata: all_empty_encoder_metadata(),
                 scales: st.kv_scales(),

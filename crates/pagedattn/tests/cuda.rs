@@ -292,7 +292,7 @@ fn host_memory_is_no_cuda_device() {
         CudaStorage::zeros(Device::Cpu, DType::F32, 4),
         Err(Error::Invalid { .. })
     ));
-    let host = HostStorage::zeros(DType::F16, 3);
+    let host = HostStorage::zeros(DType::F16, 3).unwrap();
     assert!(matches!(
         CudaStorage::upload(&host, Device::Cpu),
         Err(Error::Invalid { .. })
@@ -322,6 +322,7 @@ fn without_a_gpu_every_entry_point_says_why() {
     same(CudaStorage::zeros(Device::CudaHost(0), DType::F32, 0).map(drop));
     same(
         Tensor::zeros(DType::BF16, &[2, 3])
+            .unwrap()
             .to_device(Device::Cuda(0))
             .map(drop),
     );

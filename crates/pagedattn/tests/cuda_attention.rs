@@ -710,8 +710,8 @@ fn zero_length_encoder_sequences() {
                 config: st.config(AttnType::EncoderDecoder),
                 query: Tensor::from_f32(dtype, &[4, 4, d], &vec![0.5; 16 * d]).unwrap(),
                 kv: Some((
-                    Tensor::zeros(dtype, &[0, 2, d]),
-                    Tensor::zeros(dtype, &[0, 2, d]),
+                    Tensor::zeros(dtype, &[0, 2, d]).unwrap(),
+                    Tensor::zeros(dtype, &[0, 2, d]).unwrap(),
                 )),
                 metadata: all_empty_encoder_metadata(),
                 scales: st.kv_scales(),
@@ -870,7 +870,7 @@ fn one_plan_serves_every_layer() {
         );
         let reference_attention = reference.attention(config).unwrap();
         let mut ref_cache = reference.allocate_kv_cache(&spec).unwrap();
-        let mut want = Tensor::zeros(DType::BF16, &[7, 6, 64]);
+        let mut want = Tensor::zeros(DType::BF16, &[7, 6, 64]).unwrap();
         forward_once(
             &*reference,
             &*reference_attention,

@@ -273,24 +273,33 @@ struct Case {
 }
 
 impl Case {
-    /// The output on `backend`, which starts poisoned with NaN.
+    /// The output on `backend`, which starts poisoned with NaN. Inputs and the cache are
+    /// built in host memory and moved to the backend's device.
     fn run(&self, backend: &dyn Backend) -> Vec<f32> {
+        let device = backend.device();
         let attention = backend.attention(&self.config).unwrap();
         let mut cache = self.cache.as_ref().map(|(dtype, blocks, k, v, slots)| {
             let block_size = self.metadata.block_size.unwrap();
             let spec = self.config.kv_cache_spec(*dtype, *blocks, block_size);
-            let mut cache = backend.allocate_kv_cache(&spec).unwrap();
+            let mut cache = KvCache::zeros(spec, backend.kv_cache_layout()).unwrap();
             cache.write(k, v, slots, self.config.kv_scales()).unwrap();
-            cache
+            backend.load_kv_cache(&cache).unwrap()
         });
         let plan = attention
             .plan(&self.metadata, cache.as_ref().map(KvCache::spec))
             .unwrap();
         let mut workspace = backend.workspace(&plan).unwrap();
-        let mut out = Tensor::zeros(self.query.dtype(), self.query.shape());
+        let mut out = Tensor::zeros_on(device, self.query.dtype(), self.query.shape()).unwrap();
         out.fill_nan().unwrap();
-        let inputs = Inputs::new(&self.query)
-            .with_kv_pair(self.kv.as_ref().map(|(key, value)| KvPair { key, value }))
+        let query = self.query.to_device(device).unwrap();
+        let kv = self.kv.as_ref().map(|(key, value)| {
+            (
+                key.to_device(device).unwrap(),
+                value.to_device(device).unwrap(),
+            )
+        });
+        let inputs = Inputs::new(&query)
+            .with_kv_pair(kv.as_ref().map(|(key, value)| KvPair { key, value }))
             .with_cache_opt(cache.as_mut());
         attention
             .forward_into(&plan, &mut workspace, inputs, &mut out)
@@ -298,17 +307,30 @@ impl Case {
         out.to_f32_vec().unwrap()
     }
 
-    /// The reference output, after checking that `cpu` on every ISA of this machine agrees
-    /// with it: the contract's NaN / Inf classes, and finite elements within `rel` of the
-    /// largest finite reference magnitude.
+    /// The reference output, after checking that `cpu` on every ISA of this machine (and
+    /// `cuda`, where a GPU is usable) agrees with it: the contract's NaN / Inf classes, and
+    /// finite elements within `rel` of the largest finite reference magnitude.
     fn agreed(&self, rel: f32) -> Vec<f32> {
         let want = self.run(&*registry::backend("reference").unwrap());
         let scale = want
             .iter()
             .filter(|x| x.is_finite())
             .fold(0.0f32, |m, x| m.max(x.abs()));
-        for isa in cpu::Isa::ALL.into_iter().filter(|i| i.is_available()) {
-            let got = self.run(&cpu::Cpu::with_isa(isa).unwrap());
+        let mut backends: Vec<(String, Box<dyn Backend>)> = cpu::Isa::ALL
+            .into_iter()
+            .filter(|i| i.is_available())
+            .map(|isa| {
+                (
+                    format!("cpu {isa}"),
+                    Box::new(cpu::Cpu::with_isa(isa).unwrap()) as _,
+                )
+            })
+            .collect();
+        // The GPU joins where it has the head size (and whatever else the case needs).
+        let gpu = gpu().filter(|g| g.attention(&self.config).is_ok());
+        backends.extend(gpu.map(|g| ("cuda".to_string(), g)));
+        for (name, backend) in backends {
+            let got = self.run(&*backend);
             for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
                 let agrees = if w.is_nan() {
                     g.is_nan()
@@ -317,11 +339,21 @@ impl Case {
                 } else {
                     g.is_finite() && (g - w).abs() <= rel * scale
                 };
-                assert!(agrees, "{isa}: output element {i} = {g}, reference {w}");
+                assert!(agrees, "{name}: output element {i} = {g}, reference {w}");
             }
         }
         want
     }
+}
+
+/// The `cuda` backend when this machine has a usable GPU (its outputs then join every
+/// comparison of this file); `None` elsewhere.
+fn gpu() -> Option<Box<dyn Backend>> {
+    #[cfg(feature = "cuda")]
+    if pagedattn::cuda::info().is_ok() {
+        return Some(Box::new(pagedattn::cuda::Cuda::new_default().unwrap()));
+    }
+    None
 }
 
 /// `n` distinct values of modest size (a fixed pseudo-random pattern).
@@ -610,13 +642,183 @@ fn nan_and_inf_reach_exactly_the_outputs_they_should() {
 fn workspace_sizes_that_overflow_are_errors() {
     // Found by the `constructors` fuzz target: the cpu plan sized a split-K record as
     // `head_size + 2` floats unchecked (an overflow panic with overflow checks, a wrapped
-    // workspace size without). Such a layer is refused when planned, whatever the batch.
-    let config = AttentionConfig::builder(1, usize::MAX).build().unwrap();
+    // workspace size without). Such a head size is refused where it enters, by the config;
+    // the largest one it accepts plans.
+    assert_invalid(AttentionConfig::builder(1, usize::MAX).build(), "head_size");
+    let config = AttentionConfig::builder(1, isize::MAX as usize / 4)
+        .build()
+        .unwrap();
     let empty = MetadataBuilder::new(1).build().unwrap();
     let cpu = registry::backend("cpu").unwrap();
-    let planned = cpu.attention(&config).unwrap().plan(&empty, None);
-    assert!(
-        matches!(planned, Err(Error::Unsupported { .. })),
-        "{planned:?}"
+    cpu.attention(&config).unwrap().plan(&empty, None).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 23: buffers a caller cannot resize, OutOfMemory, sizes checked where they enter,
+// cross-attention ALiBi as the contract says, encoder metadata refused where it is not read.
+// ---------------------------------------------------------------------------------------------
+
+/// The accessors once handed out the storage itself: a caller replaced a cache's 1024-block
+/// key buffer with 256 elements and a `cpu` decode read far outside it (SIGSEGV); shrunk
+/// outputs, queries and workspaces crashed or panicked too. Now they hand out slices of the
+/// buffers' own length (replacing a buffer does not compile: `HostSliceMut`'s examples), and
+/// what a caller writes through them — NaN in every slot here — reaches only what the
+/// contract says.
+#[test]
+fn safe_accessors_hand_out_buffers_of_their_own_length() {
+    let (h, d, bs) = (2usize, 16usize, 16usize);
+    let config = AttentionConfig::builder(h, d)
+        .num_kv_heads(1)
+        .build()
+        .unwrap();
+    for name in ["reference", "cpu"] {
+        let backend = registry::backend(name).unwrap();
+        let spec = config.kv_cache_spec(DType::F32, 1024, bs);
+        let mut cache = backend.allocate_kv_cache(&spec).unwrap();
+        {
+            let (mut key, mut value) = cache.host_buffers_mut().unwrap();
+            assert_eq!(
+                (key.len(), value.len()),
+                (spec.buffer_elems(), spec.buffer_elems())
+            );
+            assert_eq!(key.dtype(), DType::F32);
+            key.as_slice_mut::<f32>().unwrap().fill(f32::NAN);
+            value.as_bytes_mut().fill(0xFF);
+            assert!(key.as_slice_mut::<f16>().is_none());
+        }
+        // A decode of 20 tokens through blocks 1000 and 3: its context was never written (NaN
+        // is what the caller left there), its new token is.
+        let md = MetadataBuilder::new(bs)
+            .push(SequenceDesc::decode(1, vec![1000]))
+            .build()
+            .unwrap();
+        let attention = backend.attention(&config).unwrap();
+        let plan = attention.plan(&md, Some(cache.spec())).unwrap();
+        let mut workspace = backend.workspace(&plan).unwrap();
+        let mut q = f32_tensor(&[1, h, d], &pattern(h * d, 0.5));
+        let k = f32_tensor(&[1, 1, d], &pattern(d, 1.5));
+        let v = f32_tensor(&[1, 1, d], &pattern(d, 2.5));
+        {
+            let mut view = q.host_mut().unwrap();
+            assert_eq!(view.len(), h * d);
+            view.as_slice_mut::<f32>().unwrap()[0] = 0.25;
+        }
+        let mut out = Tensor::zeros(DType::F32, &[1, h, d]).unwrap();
+        out.host_mut().unwrap().as_bytes_mut().fill(0xFF);
+        let inputs = Inputs::new(&q).with_kv(&k, &v).with_cache(&mut cache);
+        attention
+            .forward_into(&plan, &mut workspace, inputs, &mut out)
+            .unwrap();
+        // One key: every head's output is that key's value.
+        let got = out.to_f32_vec().unwrap();
+        for (i, x) in got.iter().enumerate() {
+            assert_eq!(*x, pattern(d, 2.5)[i % d], "{name}: element {i}");
+        }
+    }
+}
+
+/// `allocate_kv_cache` of 70 TB once printed "memory allocation of 70368744177664 bytes
+/// failed" and aborted the process; a tensor or a host buffer that large did the same. They are
+/// `OutOfMemory` errors naming the bytes now (in a child process: an abort must fail the test,
+/// not end the harness).
+#[test]
+fn allocations_beyond_memory_are_out_of_memory() {
+    const NAME: &str = "allocations_beyond_memory_are_out_of_memory";
+    if !is_child(NAME) {
+        in_child(NAME);
+        return;
+    }
+    let out_of_memory = |result: Result<()>, bytes: usize| match result {
+        Err(Error::OutOfMemory { device, bytes: b }) => {
+            assert_eq!((device.as_str(), b), ("cpu", bytes));
+        }
+        other => panic!("expected OutOfMemory of {bytes} bytes, got {other:?}"),
+    };
+    // 2^30 blocks of 16 x 8 x 128 f32: 2^46 bytes (70 TB) per buffer.
+    let config = AttentionConfig::builder(8, 128).build().unwrap();
+    let spec = config.kv_cache_spec(DType::F32, 1 << 30, 16);
+    for name in ["reference", "cpu"] {
+        let backend = registry::backend(name).unwrap();
+        out_of_memory(backend.allocate_kv_cache(&spec).map(drop), 1 << 46);
+        out_of_memory(backend.allocate_swap_space(&spec).map(drop), 1 << 46);
+    }
+    // Beyond any address space: 2^62 bytes.
+    out_of_memory(Tensor::zeros(DType::U8, &[1 << 62]).map(drop), 1 << 62);
+    out_of_memory(
+        Tensor::zeros(DType::F32, &[1 << 30, 1 << 30]).map(drop),
+        1 << 62,
     );
+    out_of_memory(HostStorage::zeros(DType::F16, 1 << 61).map(drop), 1 << 62);
+}
+
+/// `Tensor::zeros(F32, &[2^33, 2^33, 1])` once returned a tensor of that shape holding no
+/// element (its count wrapped to 0), and configs of 2^32 heads of size 2^32 built and planned;
+/// such a tensor passed to a `cpu` forward aborted. Both are refused where they enter.
+#[test]
+fn sizes_that_overflow_are_refused_where_they_enter() {
+    assert_invalid(
+        Tensor::zeros(DType::F32, &[1 << 33, 1 << 33, 1]),
+        "tensor shape",
+    );
+    assert_invalid(
+        AttentionConfig::builder(1 << 32, 1 << 32).build(),
+        "head_size",
+    );
+    assert_invalid(
+        AttentionConfig::builder(1 << 32, 1 << 32)
+            .num_kv_heads(1)
+            .build(),
+        "head_size",
+    );
+}
+
+/// Cross attention with a slope of -1e38, one decoder token at position 5 and one encoder
+/// key: `reference` measured the distance from the decoder's position (a bias of 5e38, an
+/// infinite score, NaN outputs) where `cpu` and `cuda` measured it from the last encoder key
+/// (0, the value itself). The contract now says the last key: every backend gives the value.
+#[test]
+fn cross_alibi_is_measured_from_the_last_encoder_key() {
+    let d = 32;
+    let config = AttentionConfig::builder(1, d)
+        .attn_type(AttnType::EncoderDecoder)
+        .alibi_slopes(Some(vec![-1e38]))
+        .build()
+        .unwrap();
+    let case = Case {
+        config,
+        metadata: MetadataBuilder::new(16)
+            .push(SequenceDesc::decode(6, vec![]).with_encoder(1, vec![0]))
+            .build()
+            .unwrap(),
+        query: f32_tensor(&[1, 1, d], &vec![1.0; d]),
+        kv: None,
+        cache: Some((
+            DType::F32,
+            1,
+            f32_tensor(&[1, 1, d], &vec![1.0; d]),
+            f32_tensor(&[1, 1, d], &vec![0.5; d]),
+            vec![0],
+        )),
+    };
+    assert_eq!(case.agreed(0.0), vec![0.5; d]);
+}
+
+/// Encoder metadata given to a layer that reads none (encoder-only, encoder, decoder) is an
+/// error naming it, instead of being silently ignored.
+#[test]
+fn encoder_metadata_is_refused_where_it_is_not_read() {
+    let md = MetadataBuilder::new(16)
+        .push(SequenceDesc::prompt(0, 3, vec![]).with_encoder(2, vec![]))
+        .build()
+        .unwrap();
+    for attn_type in [AttnType::EncoderOnly, AttnType::Encoder, AttnType::Decoder] {
+        let config = AttentionConfig::builder(2, 8)
+            .attn_type(attn_type)
+            .build()
+            .unwrap();
+        for name in ["reference", "cpu"] {
+            let attention = registry::backend(name).unwrap().attention(&config).unwrap();
+            assert_invalid(attention.plan(&md, None), "metadata.encoder");
+        }
+    }
 }

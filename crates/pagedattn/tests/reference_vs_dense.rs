@@ -431,7 +431,7 @@ fn hand_case(attn_type: AttnType, slopes: Option<Vec<f32>>, cap: Option<f32>) ->
     let q = Tensor::from_f32(DType::F32, &[3, 1, 2], &[1.0, 0.0, 1.0, 0.0, 1.0, 0.0]).unwrap();
     let k = Tensor::from_f32(DType::F32, &[3, 1, 2], &[0.0, 5.0, 1.0, 7.0, 2.0, -3.0]).unwrap();
     let v = Tensor::from_f32(DType::F32, &[3, 1, 2], &[1.0, 0.0, 0.0, 1.0, 1.0, 1.0]).unwrap();
-    let mut out = Tensor::zeros(DType::F32, &[3, 1, 2]);
+    let mut out = Tensor::zeros(DType::F32, &[3, 1, 2]).unwrap();
     out.fill_nan().unwrap();
     let kv = Some(KvPair { key: &k, value: &v });
     if attn_type == AttnType::Decoder {
@@ -444,7 +444,7 @@ fn hand_case(attn_type: AttnType, slopes: Option<Vec<f32>>, cap: Option<f32>) ->
             kv_cache_dtype: KvCacheDtype::Auto,
         };
         let mut cache = backend.allocate_kv_cache(&spec).unwrap();
-        let (kb, vb) = cache.host_buffers_mut().unwrap();
+        let (mut kb, mut vb) = cache.host_buffers_mut().unwrap();
         kb.as_slice_mut::<f32>().unwrap().fill(f32::NAN);
         vb.as_slice_mut::<f32>().unwrap().fill(f32::NAN);
         let md = MetadataBuilder::new(2)
@@ -609,8 +609,8 @@ fn zero_length_encoder_sequences() {
         let attention = backend.attention(&config).unwrap();
         let md = all_empty_encoder_metadata();
         let q = Tensor::from_f32(dtype, &[4, 4, 8], &[0.5; 128]).unwrap();
-        let kv = Tensor::zeros(dtype, &[0, 2, 8]);
-        let mut out = Tensor::zeros(dtype, &[4, 4, 8]);
+        let kv = Tensor::zeros(dtype, &[0, 2, 8]).unwrap();
+        let mut out = Tensor::zeros(dtype, &[4, 4, 8]).unwrap();
         out.fill_nan().unwrap();
         let kv = Some(KvPair {
             key: &kv,
@@ -652,7 +652,7 @@ fn decoder_queries_without_keys_give_zeros() {
             let md = all_padding_metadata();
             let q = Tensor::from_f32(dtype, &[4, 4, 8], &[0.5; 128]).unwrap();
             let kv = Tensor::from_f32(dtype, &[4, 2, 8], &[0.25; 64]).unwrap();
-            let mut out = Tensor::zeros(dtype, &[4, 4, 8]);
+            let mut out = Tensor::zeros(dtype, &[4, 4, 8]).unwrap();
             out.fill_nan().unwrap();
             let kv = Some(KvPair {
                 key: &kv,

@@ -6,7 +6,7 @@
 use std::fmt;
 
 use pagedattn::{
-    AttentionConfig, AttentionImpl, Backend, DType, Device, HostStorage, Inputs, KvCache,
+    AttentionConfig, AttentionImpl, Backend, DType, Device, HostSliceMut, Inputs, KvCache,
     KvCacheDtype, KvScales, MetadataBuilder, Plan, Result, SequenceDesc, Tensor, Workspace,
 };
 use serde_json::{json, Value};
@@ -510,16 +510,16 @@ impl SplitMix {
 }
 
 /// Fills a buffer with random values of its dtype (valid fp8 codes for U8), in parallel.
-fn fill_random(buf: &mut HostStorage, seed: u64) {
+fn fill_random(buf: HostSliceMut<'_>, seed: u64) {
     // Codes of values in [-1, 1) / (1/16): a realistic spread of fp8 codes, never NaN.
     let fp8: Vec<u8> = (0..64)
         .map(|i| pagedattn::Fp8Format::E4m3.encode((i as f32 - 32.0) / 2.0))
         .collect();
     match buf {
-        HostStorage::F32(v) => fill_parallel(v, seed, |r| r.unit()),
-        HostStorage::F16(v) => fill_parallel(v, seed, |r| half::f16::from_f32(r.unit())),
-        HostStorage::BF16(v) => fill_parallel(v, seed, |r| half::bf16::from_f32(r.unit())),
-        HostStorage::U8(v) => fill_parallel(v, seed, |r| fp8[r.below(fp8.len())]),
+        HostSliceMut::F32(v) => fill_parallel(v, seed, |r| r.unit()),
+        HostSliceMut::F16(v) => fill_parallel(v, seed, |r| half::f16::from_f32(r.unit())),
+        HostSliceMut::BF16(v) => fill_parallel(v, seed, |r| half::bf16::from_f32(r.unit())),
+        HostSliceMut::U8(v) => fill_parallel(v, seed, |r| fp8[r.below(fp8.len())]),
     }
 }
 

@@ -92,7 +92,7 @@ impl Backend for Cpu {
         let mut cache = KvCache::zeros(*spec, self.kv_cache_layout())?;
         let (key, value) = cache.host_buffers_mut()?;
         for buf in [key, value] {
-            advise_huge_pages(buf.as_bytes_mut());
+            advise_huge_pages(buf.into_bytes());
         }
         Ok(cache)
     }
@@ -178,6 +178,7 @@ impl CpuAttention {
             cache.write_checked(kv.key, kv.value, slots, self.config.kv_scales())?;
         }
         let partials: &mut [f32] = match workspace.storage_mut() {
+            // A workspace holds f32 (`Workspace::reserve`; its storage is never public).
             Some(storage) => storage
                 .host_mut("workspace")?
                 .as_slice_mut()

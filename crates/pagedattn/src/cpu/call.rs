@@ -7,7 +7,7 @@ use crate::config::{AttentionConfig, AttnType};
 use crate::dtype::Element;
 use crate::kv_cache::KvCacheSpec;
 use crate::metadata::AttentionMetadata;
-use crate::semantics::{allowed_keys, query_position, KeyMap};
+use crate::semantics::{alibi_position, allowed_keys, query_position, KeyMap};
 use crate::shared::SharedMut;
 
 use super::kernel::{KvRows, RowLayout, RowStates, ScoreMods};
@@ -103,23 +103,13 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
         let group = self.group_size();
         let mut pos = Vec::with_capacity(tokens.len() * group);
         let mut slope = Vec::new();
-        // A cross-attention query sits past every encoder key: its ALiBi term
-        // `-slope * (i - j)` is `-slope * (n - 1 - j)` plus a constant of the row, which the
-        // softmax ignores. Using position n - 1 keeps the distances small integers (exact in
-        // f32) however far the decoder has run; the other types' positions are already keys'.
-        let last_key = match (self.cfg.attn_type(), &self.md.encoder) {
-            (AttnType::EncoderDecoder, Some(enc)) => {
-                (enc.encoder_seq_lens[seq] as usize).saturating_sub(1)
-            }
-            _ => usize::MAX,
-        };
+        let attn_type = self.cfg.attn_type();
+        let n = KeyMap::new(self.md, attn_type, None, false).num_positions(seq);
         for t in tokens {
-            let i = query_position(self.cfg.attn_type(), seq_len, range.len(), t - range.start);
-            let i = if self.cfg.attn_type().is_causal() {
-                i
-            } else {
-                i.min(last_key)
-            };
+            // ALiBi's position (a cross-attention query past every encoder key is measured
+            // from the last key): the masks of the non-causal types use no position.
+            let i = query_position(attn_type, seq_len, range.len(), t - range.start);
+            let i = alibi_position(attn_type, i, n);
             for gh in 0..group {
                 pos.push(i);
                 if let Some(slopes) = self.cfg.alibi_slopes() {

@@ -8,7 +8,7 @@ use crate::dtype::Element;
 use crate::kv_cache::{KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
 use crate::shared::SharedMut;
-use crate::tensor::HostStorage;
+use crate::tensor::{HostSliceMut, HostStorage};
 
 use super::kernel::ScoreMods;
 use super::plan::Plan;
@@ -43,7 +43,7 @@ pub(super) struct ForwardCall<'a> {
 pub(super) fn run_isa<T: Element + Load>(
     isa: Isa,
     call: &ForwardCall<'_>,
-    output: &mut HostStorage,
+    output: HostSliceMut<'_>,
     partials: &mut [f32],
 ) {
     isa.vectorize_dividing(
@@ -60,7 +60,7 @@ pub(super) fn run_isa<T: Element + Load>(
 /// [`run_kv`] as an operation on the token [`Isa::vectorize_dividing`] picks.
 struct RunKv<'r, 'a, T> {
     call: &'r ForwardCall<'a>,
-    output: &'r mut HostStorage,
+    output: HostSliceMut<'r>,
     partials: &'r mut [f32],
     element: std::marker::PhantomData<T>,
 }
@@ -77,7 +77,7 @@ impl<T: Element + Load> WithSimd for RunKv<'_, '_, T> {
 fn run_kv<S: Simd, T: Element + Load>(
     s: S,
     call: &ForwardCall<'_>,
-    output: &mut HostStorage,
+    output: HostSliceMut<'_>,
     partials: &mut [f32],
 ) {
     /// Views bytes as fp8 codes.
@@ -112,7 +112,7 @@ fn run<S: Simd, T: Element + Load, E: Load>(
     call: &ForwardCall<'_>,
     keys: &[E],
     values: &[E],
-    output: &mut HostStorage,
+    output: HostSliceMut<'_>,
     partials: &mut [f32],
 ) {
     let cfg = call.config;
@@ -142,7 +142,7 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         // Validated to be a normal f32 (`AttentionConfig`).
         score_scale: (cfg.scale() as f64 * k_scale as f64) as f32,
         v_scale,
-        out: SharedMut(output.as_slice_mut::<T>().expect("validated").as_mut_ptr()),
+        out: SharedMut(output.into_slice::<T>().expect("validated").as_mut_ptr()),
         partials: SharedMut(partials.as_mut_ptr()),
         plan,
         #[cfg(target_arch = "x86_64")]

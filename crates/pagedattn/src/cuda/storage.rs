@@ -129,7 +129,7 @@ impl CudaStorage {
 
     /// A copy in host memory. Synchronizes: waits for the work queued on the GPU before it.
     pub fn download(&self) -> Result<HostStorage> {
-        let mut host = HostStorage::zeros(self.dtype, self.len);
+        let mut host = HostStorage::zeros(self.dtype, self.len)?;
         match &self.memory {
             Memory::Empty { .. } => {}
             Memory::Pinned(pinned) => host.as_bytes_mut().copy_from_slice(pinned.bytes()?),

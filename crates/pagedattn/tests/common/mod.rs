@@ -335,7 +335,7 @@ impl Call {
             what,
         )?;
         let mut workspace = ok(backend.workspace(&plan), "workspace")?;
-        let mut out = Tensor::zeros(self.query.dtype(), self.query.shape());
+        let mut out = Tensor::zeros(self.query.dtype(), self.query.shape()).unwrap();
         ok(out.fill_nan(), "poisoning the output")?;
         let inputs = Inputs::new(&self.query)
             .with_kv_pair(self.kv.as_ref().map(|(key, value)| KvPair { key, value }))
