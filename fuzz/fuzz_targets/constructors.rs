@@ -496,9 +496,15 @@ fn accepted(c: &Config) -> bool {
     let kv_scale = |s: f32| s.is_finite() && s > 0.0 && (fp8 || s == 1.0);
     // Exact in f64 (two 24-bit significands).
     let product = scale.abs() as f64 * c.k_scale as f64;
+    // A query row, H x D elements of up to 4 bytes, must be an allocation that can exist.
+    let row_fits = h
+        .checked_mul(d)
+        .and_then(|n| n.checked_mul(4))
+        .is_some_and(|n| n <= isize::MAX as usize);
     h > 0
         && d > 0
         && hkv > 0
+        && row_fits
         && h.is_multiple_of(hkv)
         && scale.is_finite()
         && scale != 0.0

@@ -172,7 +172,9 @@ fn bytes(t: &Tensor) -> Result<&[u8], String> {
 }
 
 fn values(t: &Tensor) -> Result<Vec<f64>, String> {
-    Ok(t.host().map_err(|e| e.to_string())?.to_f64_vec())
+    t.host()
+        .and_then(HostStorage::to_f64_vec)
+        .map_err(|e| e.to_string())
 }
 
 /// The largest finite magnitude in `xs` (0 for none).
@@ -343,6 +345,6 @@ fn decoded(t: &Tensor, fp8: Option<Fp8Format>, scale: f32) -> Result<Vec<f64>, S
             .iter()
             .map(|&c| f.decode(c) as f64 * scale as f64)
             .collect(),
-        _ => host.to_f64_vec(),
+        _ => host.to_f64_vec().map_err(|e| e.to_string())?,
     })
 }

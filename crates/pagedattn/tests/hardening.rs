@@ -346,6 +346,16 @@ impl Case {
     }
 }
 
+/// `reference`, `cpu` (its best instruction set) and, where a GPU is usable, `cuda`.
+fn host_backends_and_gpu() -> Vec<Box<dyn Backend>> {
+    let mut backends = vec![
+        registry::backend("reference").unwrap(),
+        registry::backend("cpu").unwrap(),
+    ];
+    backends.extend(gpu());
+    backends
+}
+
 /// The `cuda` backend when this machine has a usable GPU (its outputs then join every
 /// comparison of this file); `None` elsewhere.
 fn gpu() -> Option<Box<dyn Backend>> {
@@ -728,27 +738,30 @@ fn allocations_beyond_memory_are_out_of_memory() {
         in_child(NAME);
         return;
     }
-    let out_of_memory = |result: Result<()>, bytes: usize| match result {
+    let out_of_memory = |result: Result<()>, on: Device, bytes: usize| match result {
         Err(Error::OutOfMemory { device, bytes: b }) => {
-            assert_eq!((device.as_str(), b), ("cpu", bytes));
+            assert_eq!((device, b), (on.to_string(), bytes));
         }
-        other => panic!("expected OutOfMemory of {bytes} bytes, got {other:?}"),
+        other => panic!("expected OutOfMemory of {bytes} bytes on {on}, got {other:?}"),
     };
     // 2^30 blocks of 16 x 8 x 128 f32: 2^46 bytes (70 TB) per buffer.
     let config = AttentionConfig::builder(8, 128).build().unwrap();
     let spec = config.kv_cache_spec(DType::F32, 1 << 30, 16);
-    for name in ["reference", "cpu"] {
-        let backend = registry::backend(name).unwrap();
-        out_of_memory(backend.allocate_kv_cache(&spec).map(drop), 1 << 46);
-        out_of_memory(backend.allocate_swap_space(&spec).map(drop), 1 << 46);
+    for backend in host_backends_and_gpu() {
+        let (device, swap) = (backend.device(), backend.swap_device());
+        out_of_memory(backend.allocate_kv_cache(&spec).map(drop), device, 1 << 46);
+        out_of_memory(backend.allocate_swap_space(&spec).map(drop), swap, 1 << 46);
     }
     // Beyond any address space: 2^62 bytes.
-    out_of_memory(Tensor::zeros(DType::U8, &[1 << 62]).map(drop), 1 << 62);
+    let cpu = Device::Cpu;
+    let huge = Tensor::zeros(DType::F32, &[1 << 30, 1 << 30]);
+    out_of_memory(huge.map(drop), cpu, 1 << 62);
+    out_of_memory(Tensor::zeros(DType::U8, &[1 << 62]).map(drop), cpu, 1 << 62);
     out_of_memory(
-        Tensor::zeros(DType::F32, &[1 << 30, 1 << 30]).map(drop),
+        HostStorage::zeros(DType::F16, 1 << 61).map(drop),
+        cpu,
         1 << 62,
     );
-    out_of_memory(HostStorage::zeros(DType::F16, 1 << 61).map(drop), 1 << 62);
 }
 
 /// `Tensor::zeros(F32, &[2^33, 2^33, 1])` once returned a tensor of that shape holding no
@@ -812,12 +825,12 @@ fn encoder_metadata_is_refused_where_it_is_not_read() {
         .build()
         .unwrap();
     for attn_type in [AttnType::EncoderOnly, AttnType::Encoder, AttnType::Decoder] {
-        let config = AttentionConfig::builder(2, 8)
+        let config = AttentionConfig::builder(2, 32)
             .attn_type(attn_type)
             .build()
             .unwrap();
-        for name in ["reference", "cpu"] {
-            let attention = registry::backend(name).unwrap().attention(&config).unwrap();
+        for backend in host_backends_and_gpu() {
+            let attention = backend.attention(&config).unwrap();
             assert_invalid(attention.plan(&md, None), "metadata.encoder");
         }
     }

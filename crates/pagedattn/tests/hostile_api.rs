@@ -19,9 +19,7 @@ mod common;
 
 use common::*;
 use pagedattn::cpu::{Cpu, Isa};
-use pagedattn::{
-    registry, Backend, CacheLayout, DType, Error, Inputs, KvCache, KvPair, Tensor, Workspace,
-};
+use pagedattn::{registry, Backend, CacheLayout, DType, Error, Inputs, KvPair, Tensor, Workspace};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
