@@ -186,12 +186,14 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     }
 
     /// What a finished row's weighted sum is multiplied by: `v_scale / l`, or, for a row whose
-    /// running max stayed -inf, NaN where it attended a key and 0 where it had none.
-    pub(super) fn output_norm(&self, m: f32, l: f32, seq: usize, t: usize) -> f32 {
+    /// running max stayed -inf, NaN where it attended a key and 0 where it had none. In f64:
+    /// `v_scale / l` in f32 underflows for an fp8 `v_scale` near f32's smallest values (any
+    /// positive `v_scale` is accepted), where `acc · v_scale / l` is in range.
+    pub(super) fn output_norm(&self, m: f32, l: f32, seq: usize, t: usize) -> f64 {
         if m > f32::NEG_INFINITY || l.is_nan() {
-            self.v_scale / l
+            self.v_scale as f64 / l as f64
         } else if self.attends_a_key(seq, t) {
-            f32::NAN
+            f64::NAN
         } else {
             0.0
         }
@@ -227,7 +229,7 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
         let dst =
             unsafe { std::slice::from_raw_parts_mut(self.out.ptr().add((t * h + head) * d), d) };
         for (o, a) in dst.iter_mut().zip(acc) {
-            *o = T::from_f32(a * norm);
+            *o = T::from_f32((*a as f64 * norm) as f32);
         }
     }
 }

@@ -6,7 +6,7 @@ use std::ops::Range;
 use super::micro::{accumulate_rows, for_row_blocks, qk_partial, score_group};
 use super::prefetch::{PrefetchStream, TileRows, ValuesAhead};
 use super::rows::KvRows;
-use super::tile_loop::{RowStates, TileSource};
+use super::tile_loop::{RowStates, TileSource, KEY_TILE};
 use crate::cpu::simd::{Load, Simd};
 
 /// Scores and values read straight from the cache rows (decode: a few rows per key).
@@ -18,8 +18,14 @@ pub struct RowsSource<'a, E> {
     pub q: &'a [f32],
     /// Score scale: softmax scale × fp8 k_scale × the ISA's [`Load::load_scale`] (applied to
     /// each dot product, so that the score overflows only where the product itself leaves
-    /// f32's range).
+    /// f32's range) where that product is finite; else the load scale alone, and
+    /// `after_scale` applies the score scale.
     scale: f32,
+    /// The score scale, where folding the load scale into it would overflow (a score scale
+    /// within a factor `load_scale` of f32's largest value, which the contract accepts); 1
+    /// elsewhere. The scores are then `(dot · load_scale) · score_scale`: exact dot product
+    /// first, one rounding, as with the single factor.
+    after_scale: f32,
     /// What this ISA's loads divide the cache elements by ([`Load::load_scale`]): the P·V
     /// sums are multiplied back by it in [`TileSource::finish`].
     load_scale: f32,
@@ -37,10 +43,16 @@ impl<'a, E: Load> RowsSource<'a, E> {
         stream: PrefetchStream,
     ) -> Self {
         let load_scale = E::load_scale::<S>();
+        let (scale, after_scale) = if (score_scale * load_scale).is_finite() {
+            (score_scale * load_scale, 1.0)
+        } else {
+            (load_scale, score_scale)
+        };
         RowsSource {
             kv,
             q,
-            scale: score_scale * load_scale,
+            scale,
+            after_scale,
             load_scale,
             stream,
         }
@@ -88,6 +100,16 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
                 scores,
                 |k0, k1| qk_partial::<S, E, R>(s, &self.q[r0 * d..(r0 + R) * d], k0, k1)
             ));
+        }
+        if self.after_scale != 1.0 {
+            let after = s.splat(self.after_scale);
+            for c in (0..rows * KEY_TILE).step_by(S::LANES) {
+                // SAFETY: scores holds rows × KEY_TILE f32, a multiple of LANES.
+                unsafe {
+                    let at = scores.as_mut_ptr().add(c);
+                    s.store(at, s.mul(s.load(at), after));
+                }
+            }
         }
     }
 

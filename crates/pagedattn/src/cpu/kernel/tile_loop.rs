@@ -41,15 +41,32 @@ pub struct QueryRows<'a> {
     pub absent: &'a [usize],
 }
 
+/// Tiles whose terms a row's f32 running sums (`l` and each element of `acc`) take before
+/// [`RowStates::fold`] moves them into the f64 totals: it bounds how many terms any f32 sum
+/// holds, and so its rounding error, whatever the number of keys (docs/semantics.md,
+/// "Accuracy at any length"): 2 keeps the worst case of a 128-term f32 sum under 1e-5.
+pub const FOLD_TILES: usize = 2;
+
 /// Online-softmax state of a group's rows: running max, running sum, unnormalized output.
+///
+/// The tile loop keeps `l` and `acc` in f32 (the kernels' accumulators) for at most
+/// [`FOLD_TILES`] tiles, then folds them into f64 totals that carry their own max and are
+/// merged log-sum-exp style; `m` and the f32 path are as without the totals. After
+/// [`attend`], `l` and `acc` hold the whole sums again (rounded once to f32).
 #[derive(Debug, Clone)]
 pub struct RowStates {
     /// Running maximum score per row.
     pub m: Vec<f32>,
-    /// Running sum of `exp(score - m)` per row.
+    /// Running sum of `exp(score - m)` per row (since the last fold, during [`attend`]).
     pub l: Vec<f32>,
-    /// Rows × D weighted sums of values.
+    /// Rows × D weighted sums of values (since the last fold, during [`attend`]).
     pub acc: AlignedF32,
+    /// The max the f64 totals are relative to, per row (at most `m`).
+    total_m: Vec<f32>,
+    /// f64 total of the folded `l`, per row.
+    total_l: Vec<f64>,
+    /// Rows × D f64 totals of the folded `acc`.
+    total_acc: Vec<f64>,
 }
 
 impl RowStates {
@@ -59,6 +76,53 @@ impl RowStates {
             m: vec![f32::NEG_INFINITY; rows],
             l: vec![0.0; rows],
             acc: AlignedF32::zeros(rows * d),
+            total_m: vec![f32::NEG_INFINITY; rows],
+            total_l: vec![0.0; rows],
+            total_acc: vec![0.0; rows * d],
+        }
+    }
+
+    /// Adds the f32 sums to the f64 totals and restarts them at 0 (keeping `m`): the totals
+    /// are rescaled to the current max by `exp(total_m - m)` in f64, as the f32 path rescales
+    /// on a new max, and a NaN or an infinity in the f32 sums reaches the totals as IEEE
+    /// arithmetic carries it (a rescale by 1 where the max did not change, so that
+    /// `-inf - -inf` never makes a NaN).
+    #[inline(always)]
+    pub fn fold(&mut self) {
+        let d = self.acc.len() / self.m.len().max(1);
+        for r in 0..self.m.len() {
+            let (m, total_m) = (self.m[r], self.total_m[r]);
+            let acc = &mut self.acc[r * d..(r + 1) * d];
+            let total = &mut self.total_acc[r * d..(r + 1) * d];
+            if total_m == m {
+                for (t, a) in total.iter_mut().zip(acc.iter_mut()) {
+                    *t += *a as f64;
+                    *a = 0.0;
+                }
+                self.total_l[r] += self.l[r] as f64;
+            } else {
+                // total_m < m (the max only grows): w is in [0, 1).
+                let w = (total_m as f64 - m as f64).exp();
+                for (t, a) in total.iter_mut().zip(acc.iter_mut()) {
+                    *t = *t * w + *a as f64;
+                    *a = 0.0;
+                }
+                self.total_l[r] = self.total_l[r] * w + self.l[r] as f64;
+                self.total_m[r] = m;
+            }
+            self.l[r] = 0.0;
+        }
+    }
+
+    /// Folds what is left and puts the totals back into `l` and `acc`, rounded to f32.
+    #[inline(always)]
+    fn settle(&mut self) {
+        self.fold();
+        for (l, &t) in self.l.iter_mut().zip(&self.total_l) {
+            *l = t as f32;
+        }
+        for (a, &t) in self.acc.iter_mut().zip(&self.total_acc) {
+            *a = t as f32;
         }
     }
 }
@@ -170,7 +234,13 @@ pub fn attend<S: Simd, Src: TileSource>(
     let last_row = first.pos.iter().copied().max().unwrap_or(0);
     let keys = first.keys.clone();
     let mut start = keys.start - (keys.start - origin) % step;
+    let mut tiles = 0;
     while start < keys.end {
+        if tiles == FOLD_TILES {
+            states.iter_mut().for_each(RowStates::fold);
+            tiles = 0;
+        }
+        tiles += 1;
         let end = (start + KEY_TILE).min(keys.end);
         let n = end - start;
         // Positions in this tile that are not keys: masked for every row, skipped in P·V.
@@ -250,6 +320,7 @@ pub fn attend<S: Simd, Src: TileSource>(
         start = end;
     }
     for (source, state) in sources.iter().zip(states.iter_mut()) {
+        state.settle();
         source.finish(state);
     }
 }

@@ -1,0 +1,334 @@
+//! Accuracy at the lengths the contract allows, and fp8 caches with extreme scales.
+//!
+//! The long decodes read two physical blocks reused through the block table, so that every
+//! key contributes comparably over 2^24 + 1000 and i32::MAX positions; the exact answer is
+//! computed here in f64 from each distinct key's multiplicity (the softmax over repeated keys
+//! is a short weighted sum). `cpu` runs on every instruction set this machine has, `cuda`
+//! where a GPU is usable. The fp8 probes hold `cpu` to `reference` with `k_scale` near f32's
+//! largest values and `v_scale` near its smallest normal ones.
+
+mod common;
+
+use std::time::Instant;
+
+use pagedattn::*;
+
+/// One call with a hand-made cache: zeros plus the rows written before the call.
+struct Call {
+    config: AttentionConfig,
+    metadata: AttentionMetadata,
+    query: Tensor,
+    kv: Option<(Tensor, Tensor)>,
+    /// The cache's dtype and block count, and the rows written before the call
+    /// (`[rows, Hkv, D]` keys and values, their slots).
+    cache: Option<(DType, usize, Tensor, Tensor, Vec<i64>)>,
+}
+
+impl Call {
+    /// The output on `backend` (any device), which starts poisoned with NaN.
+    fn run(&self, backend: &dyn Backend) -> Vec<f32> {
+        let device = backend.device();
+        let attention = backend.attention(&self.config).unwrap();
+        let mut cache = self.cache.as_ref().map(|(dtype, blocks, k, v, slots)| {
+            let block_size = self.metadata.block_size.unwrap();
+            let spec = self.config.kv_cache_spec(*dtype, *blocks, block_size);
+            let mut host = KvCache::zeros(spec, backend.kv_cache_layout()).unwrap();
+            host.write(k, v, slots, self.config.kv_scales()).unwrap();
+            backend.load_kv_cache(&host).unwrap()
+        });
+        let plan = attention
+            .plan(&self.metadata, cache.as_ref().map(KvCache::spec))
+            .unwrap();
+        let mut workspace = backend.workspace(&plan).unwrap();
+        let query = self.query.to_device(device).unwrap();
+        let kv = self
+            .kv
+            .as_ref()
+            .map(|(k, v)| (k.to_device(device).unwrap(), v.to_device(device).unwrap()));
+        let mut out = Tensor::zeros_on(device, query.dtype(), query.shape()).unwrap();
+        out.fill_nan().unwrap();
+        let mut inputs = Inputs::new(&query).with_cache_opt(cache.as_mut());
+        if let Some((k, v)) = &kv {
+            inputs = inputs.with_kv(k, v);
+        }
+        attention
+            .forward_into(&plan, &mut workspace, inputs, &mut out)
+            .unwrap();
+        out.to_f32_vec().unwrap()
+    }
+}
+
+/// The `cpu` backend on every instruction set this machine has.
+fn cpu_isas() -> impl Iterator<Item = (cpu::Isa, cpu::Cpu)> {
+    cpu::Isa::ALL
+        .into_iter()
+        .filter(|isa| isa.is_available())
+        .map(|isa| (isa, cpu::Cpu::with_isa(isa).unwrap()))
+}
+
+/// `n` values `offset + amplitude * sin(0.731 i + phase)`: distinct, of modest size.
+fn pattern(n: usize, phase: f32, offset: f32, amplitude: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| offset + amplitude * (i as f32 * 0.731 + phase).sin())
+        .collect()
+}
+
+fn tensor(dtype: DType, shape: &[usize], values: &[f32]) -> Tensor {
+    Tensor::from_f32(dtype, shape, values).unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long decodes against the exact answer.
+// ---------------------------------------------------------------------------------------------
+
+/// Head size: a multiple of every ISA's vector width, so that each ISA runs its own kernels.
+const D: usize = 16;
+/// The soft cap.
+const CAP: f32 = 50.0;
+
+/// A decode at position `seq_len - 1` over two physical blocks of `block_size` keys, block `b`
+/// of the sequence being physical block `b % 2`: the call, and the exact output in f64.
+fn long_decode(seq_len: usize, block_size: usize) -> (Call, Vec<f64>) {
+    let config = AttentionConfig::builder(1, D)
+        .scale(1.0)
+        .logits_soft_cap(Some(CAP))
+        .build()
+        .unwrap();
+    let blocks = seq_len.div_ceil(block_size);
+    let table: Vec<i32> = (0..blocks).map(|b| (b % 2) as i32).collect();
+    // Scores in about [-4, 4] (every key weighs within e^8 of every other), values near 1
+    // (the output is far from 0, so a relative error means what it says).
+    let rows = 2 * block_size;
+    let q = pattern(D, 0.3, 0.0, 1.0);
+    let mut k = pattern(rows * D, 1.0, 0.0, 1.0);
+    let mut v = pattern(rows * D, 2.0, 1.0, 0.5);
+    let (new_k, new_v) = (pattern(D, 4.0, 0.0, 1.0), pattern(D, 5.0, 1.0, 0.5));
+    // The new token overwrites its slot before the keys are read.
+    let last = seq_len - 1;
+    let slot = table[last / block_size] as usize * block_size + last % block_size;
+    k[slot * D..(slot + 1) * D].copy_from_slice(&new_k);
+    v[slot * D..(slot + 1) * D].copy_from_slice(&new_v);
+    let metadata = MetadataBuilder::new(block_size)
+        .push(SequenceDesc::decode(seq_len, table.clone()))
+        .build()
+        .unwrap();
+    let call = Call {
+        config,
+        metadata,
+        query: tensor(DType::F32, &[1, 1, D], &q),
+        kv: Some((
+            tensor(DType::F32, &[1, 1, D], &new_k),
+            tensor(DType::F32, &[1, 1, D], &new_v),
+        )),
+        cache: Some((
+            DType::F32,
+            2,
+            tensor(DType::F32, &[rows, 1, D], &k),
+            tensor(DType::F32, &[rows, 1, D], &v),
+            (0..rows as i64).collect(),
+        )),
+    };
+    // How many positions read each slot.
+    let mut count = vec![0u64; rows];
+    for (b, &p) in table.iter().enumerate() {
+        let n = block_size.min(seq_len - b * block_size);
+        for c in &mut count[p as usize * block_size..][..n] {
+            *c += 1;
+        }
+    }
+    let score = |row: &[f32]| {
+        let dot: f64 = q.iter().zip(row).map(|(&a, &b)| a as f64 * b as f64).sum();
+        CAP as f64 * (dot / CAP as f64).tanh()
+    };
+    let scores: Vec<f64> = k.chunks_exact(D).map(score).collect();
+    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let (mut l, mut acc) = (0.0f64, vec![0.0f64; D]);
+    for ((&s, &c), row) in scores.iter().zip(&count).zip(v.chunks_exact(D)) {
+        let w = c as f64 * (s - max).exp();
+        l += w;
+        for (a, &x) in acc.iter_mut().zip(row) {
+            *a += w * x as f64;
+        }
+    }
+    (call, acc.iter().map(|a| a / l).collect())
+}
+
+/// The largest `|got - want|` over the output, relative to the largest `|want|`.
+fn relative_error(got: &[f32], want: &[f64]) -> f64 {
+    let scale = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(&g, &w)| {
+            if g.is_finite() {
+                (g as f64 - w).abs() / scale
+            } else {
+                f64::INFINITY
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Checks `backend`'s output of `call` against `want` within 1e-5 relative.
+fn check(what: &str, backend: &dyn Backend, call: &Call, want: &[f64]) {
+    let start = Instant::now();
+    let got = call.run(backend);
+    let err = relative_error(&got, want);
+    println!("{what}: relative error {err:.2e} ({:.1?})", start.elapsed());
+    assert!(
+        err <= 1e-5,
+        "{what}: relative error {err:.2e}: {got:?} vs {want:?}"
+    );
+}
+
+/// The decode: 2^24 + 1000 keys with soft cap 50, f32 (`cpu` was 1.3e-3 off on every
+/// instruction set).
+#[test]
+fn decode_over_2_pow_24_keys_is_accurate() {
+    let (call, want) = long_decode((1 << 24) + 1000, 1 << 12);
+    check(
+        "reference",
+        &*registry::backend("reference").unwrap(),
+        &call,
+        &want,
+    );
+    for (isa, cpu) in cpu_isas() {
+        check(&format!("cpu {isa}"), &cpu, &call, &want);
+    }
+}
+
+/// The longest sequence the contract allows, decoding at its last position over all its keys
+/// (`reference` is left out: it takes minutes there).
+#[test]
+fn decode_over_i32_max_keys_is_accurate() {
+    let (call, want) = long_decode(i32::MAX as usize, 1 << 16);
+    for (isa, cpu) in cpu_isas() {
+        check(&format!("cpu {isa}"), &cpu, &call, &want);
+    }
+}
+
+/// Both long decodes on the GPU (skipped without a usable one).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_long_decodes_are_accurate() {
+    let Some(cuda) = common::gpu("cuda_long_decodes_are_accurate") else {
+        return;
+    };
+    for (seq_len, block_size) in [((1 << 24) + 1000, 1 << 12), (i32::MAX as usize, 1 << 16)] {
+        let (call, want) = long_decode(seq_len, block_size);
+        check(&format!("cuda, {seq_len} keys"), &cuda, &call, &want);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp8 caches with extreme scales.
+// ---------------------------------------------------------------------------------------------
+
+/// Checks every `cpu` ISA against `reference` on `call`: the contract's NaN / Inf classes,
+/// and finite elements within `rel` of the largest finite reference magnitude (or equal
+/// where that is 0).
+fn agrees_with_reference(what: &str, call: &Call, rel: f32) {
+    let want = call.run(&*registry::backend("reference").unwrap());
+    let scale = want
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0.0f32, |m, x| m.max(x.abs()));
+    for (isa, cpu) in cpu_isas() {
+        let got = call.run(&cpu);
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let agrees = if w.is_nan() {
+                g.is_nan()
+            } else if w.is_infinite() {
+                g == w || g.is_nan()
+            } else {
+                g.is_finite() && (g - w).abs() <= rel * scale
+            };
+            assert!(
+                agrees,
+                "{what}, {isa}: output element {i} = {g:e}, reference {w:e}"
+            );
+        }
+    }
+}
+
+/// fp8 caches with `k_scale` near 1e38 and `v_scale` near 1e-38 (`|scale| * k_scale` near 1,
+/// in range): keys of order 1e38 and values of order 1e-38 stored as codes of order 1, read
+/// by decodes and prefills, f32 and bf16 queries (the AVX512-BF16 and AMX kernels take bf16),
+/// both fp8 formats. `cpu` gave NaN where `reference` gives values of order 1e-38.
+#[test]
+fn fp8_caches_with_extreme_scales_follow_the_reference() {
+    let (h, d, n) = (2usize, 64usize, 40usize);
+    let formats = [KvCacheDtype::Fp8E4m3, KvCacheDtype::Fp8E5m2];
+    // (softmax scale, k_scale, v_scale, key amplitude, value amplitude): keys and values of
+    // order 1 stored as code 0 and as the saturated code with the scales of the report; codes
+    // of order 1 with scales near f32's limits.
+    let scales = [
+        (3.0f32, 1e38f32, 1e-40f32, 1.0f32, 1.0f32),
+        (3.0, 1e38, 1e-38, 0.9e38, 1e-38),
+        (1e-38, 1e38, 1e-38, 0.9e38, 1e-38),
+        (3e-38, 3e37, 1.5e-38, 2.7e37, 1.5e-38),
+        (1e-37, 3.4e38, 1.2e-38, 3e38, 1.2e-38),
+    ];
+    for kv_cache_dtype in formats {
+        for (scale, k_scale, v_scale, k_amp, v_amp) in scales {
+            for dtype in [DType::F32, DType::BF16] {
+                let config = AttentionConfig::builder(h, d)
+                    .num_kv_heads(1)
+                    .scale(scale)
+                    .kv_cache_dtype(kv_cache_dtype)
+                    .kv_scales(k_scale, v_scale)
+                    .build()
+                    .unwrap();
+                let k = pattern(n * d, 1.0, 0.0, k_amp);
+                let v: Vec<f32> = pattern(n * d, 2.0, 0.5, 1.0)
+                    .iter()
+                    .map(|x| x * v_amp)
+                    .collect();
+                // bf16 outputs round to 2^-8 relative.
+                let rel = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                let q = pattern(n * h * d, 0.0, 0.0, 1.0);
+                // A prompt of n tokens written into the cache, then a decode of one more.
+                let prompt = MetadataBuilder::new(16)
+                    .push(SequenceDesc::prompt(0, n, vec![0, 1, 2]))
+                    .build()
+                    .unwrap();
+                let what = format!(
+                    "{kv_cache_dtype:?} {dtype:?} scales {scale:e} {k_scale:e} {v_scale:e}"
+                );
+                let prefill = Call {
+                    config: config.clone(),
+                    metadata: prompt,
+                    query: tensor(dtype, &[n, h, d], &q),
+                    kv: Some((tensor(dtype, &[n, 1, d], &k), tensor(dtype, &[n, 1, d], &v))),
+                    cache: Some((
+                        dtype,
+                        3,
+                        tensor(dtype, &[0, 1, d], &[]),
+                        tensor(dtype, &[0, 1, d], &[]),
+                        vec![],
+                    )),
+                };
+                agrees_with_reference(&format!("prefill {what}"), &prefill, rel);
+                let decode = Call {
+                    config,
+                    metadata: MetadataBuilder::new(16)
+                        .push(SequenceDesc::decode(n, vec![0, 1, 2]))
+                        .build()
+                        .unwrap(),
+                    query: tensor(dtype, &[1, h, d], &q[..h * d]),
+                    kv: Some((
+                        tensor(dtype, &[1, 1, d], &k[(n - 1) * d..]),
+                        tensor(dtype, &[1, 1, d], &v[(n - 1) * d..]),
+                    )),
+                    cache: Some((
+                        dtype,
+                        3,
+                        tensor(dtype, &[n - 1, 1, d], &k[..(n - 1) * d]),
+                        tensor(dtype, &[n - 1, 1, d], &v[..(n - 1) * d]),
+                        (0..n as i64 - 1).collect(),
+                    )),
+                };
+                agrees_with_reference(&format!("decode {what}"), &decode, rel);
+            }
+        }
+    }
+}
