@@ -133,7 +133,7 @@ impl<'a> HostSliceMut<'a> {
 
 /// `len` zeros of `T` from a zeroed allocation (the kernel's zero pages for large buffers,
 /// untouched, so that a cache can still ask for huge pages), or [`Error::OutOfMemory`].
-fn zeroed_vec<T: bytemuck::Zeroable>(len: usize) -> Result<Vec<T>> {
+pub(crate) fn zeroed_vec<T: bytemuck::Zeroable>(len: usize) -> Result<Vec<T>> {
     bytemuck::allocation::try_zeroed_vec(len)
         .map_err(|()| host_out_of_memory(len.saturating_mul(std::mem::size_of::<T>())))
 }

@@ -9,6 +9,7 @@
 
 mod common;
 
+use std::process::Command;
 use std::time::Instant;
 
 use pagedattn::*;
@@ -87,9 +88,10 @@ const D: usize = 16;
 const CAP: f32 = 50.0;
 
 /// A decode at position `seq_len - 1` over two physical blocks of `block_size` keys, block `b`
-/// of the sequence being physical block `b % 2`: the call, and the exact output in f64.
-fn long_decode(seq_len: usize, block_size: usize) -> (Call, Vec<f64>) {
-    let config = AttentionConfig::builder(1, D)
+/// of the sequence being physical block `b % 2`, head size `d`: the call, and the exact output
+/// in f64.
+fn long_decode(seq_len: usize, block_size: usize, d: usize) -> (Call, Vec<f64>) {
+    let config = AttentionConfig::builder(1, d)
         .scale(1.0)
         .logits_soft_cap(Some(CAP))
         .build()
@@ -99,15 +101,15 @@ fn long_decode(seq_len: usize, block_size: usize) -> (Call, Vec<f64>) {
     // Scores in about [-4, 4] (every key weighs within e^8 of every other), values near 1
     // (the output is far from 0, so a relative error means what it says).
     let rows = 2 * block_size;
-    let q = pattern(D, 0.3, 0.0, 1.0);
-    let mut k = pattern(rows * D, 1.0, 0.0, 1.0);
-    let mut v = pattern(rows * D, 2.0, 1.0, 0.5);
-    let (new_k, new_v) = (pattern(D, 4.0, 0.0, 1.0), pattern(D, 5.0, 1.0, 0.5));
+    let q = pattern(d, 0.3, 0.0, 1.0);
+    let mut k = pattern(rows * d, 1.0, 0.0, 1.0);
+    let mut v = pattern(rows * d, 2.0, 1.0, 0.5);
+    let (new_k, new_v) = (pattern(d, 4.0, 0.0, 1.0), pattern(d, 5.0, 1.0, 0.5));
     // The new token overwrites its slot before the keys are read.
     let last = seq_len - 1;
     let slot = table[last / block_size] as usize * block_size + last % block_size;
-    k[slot * D..(slot + 1) * D].copy_from_slice(&new_k);
-    v[slot * D..(slot + 1) * D].copy_from_slice(&new_v);
+    k[slot * d..(slot + 1) * d].copy_from_slice(&new_k);
+    v[slot * d..(slot + 1) * d].copy_from_slice(&new_v);
     let metadata = MetadataBuilder::new(block_size)
         .push(SequenceDesc::decode(seq_len, table.clone()))
         .build()
@@ -115,16 +117,16 @@ fn long_decode(seq_len: usize, block_size: usize) -> (Call, Vec<f64>) {
     let call = Call {
         config,
         metadata,
-        query: tensor(DType::F32, &[1, 1, D], &q),
+        query: tensor(DType::F32, &[1, 1, d], &q),
         kv: Some((
-            tensor(DType::F32, &[1, 1, D], &new_k),
-            tensor(DType::F32, &[1, 1, D], &new_v),
+            tensor(DType::F32, &[1, 1, d], &new_k),
+            tensor(DType::F32, &[1, 1, d], &new_v),
         )),
         cache: Some((
             DType::F32,
             2,
-            tensor(DType::F32, &[rows, 1, D], &k),
-            tensor(DType::F32, &[rows, 1, D], &v),
+            tensor(DType::F32, &[rows, 1, d], &k),
+            tensor(DType::F32, &[rows, 1, d], &v),
             (0..rows as i64).collect(),
         )),
     };
@@ -140,10 +142,10 @@ fn long_decode(seq_len: usize, block_size: usize) -> (Call, Vec<f64>) {
         let dot: f64 = q.iter().zip(row).map(|(&a, &b)| a as f64 * b as f64).sum();
         CAP as f64 * (dot / CAP as f64).tanh()
     };
-    let scores: Vec<f64> = k.chunks_exact(D).map(score).collect();
+    let scores: Vec<f64> = k.chunks_exact(d).map(score).collect();
     let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let (mut l, mut acc) = (0.0f64, vec![0.0f64; D]);
-    for ((&s, &c), row) in scores.iter().zip(&count).zip(v.chunks_exact(D)) {
+    let (mut l, mut acc) = (0.0f64, vec![0.0f64; d]);
+    for ((&s, &c), row) in scores.iter().zip(&count).zip(v.chunks_exact(d)) {
         let w = c as f64 * (s - max).exp();
         l += w;
         for (a, &x) in acc.iter_mut().zip(row) {
@@ -184,7 +186,7 @@ fn check(what: &str, backend: &dyn Backend, call: &Call, want: &[f64]) {
 /// instruction set).
 #[test]
 fn decode_over_2_pow_24_keys_is_accurate() {
-    let (call, want) = long_decode((1 << 24) + 1000, 1 << 12);
+    let (call, want) = long_decode((1 << 24) + 1000, 1 << 12, D);
     check(
         "reference",
         &*registry::backend("reference").unwrap(),
@@ -197,12 +199,27 @@ fn decode_over_2_pow_24_keys_is_accurate() {
 }
 
 /// The longest sequence the contract allows, decoding at its last position over all its keys
-/// (`reference` is left out: it takes minutes there).
+/// (`reference` is left out: it takes minutes there). Each distinct kernel path once, at the
+/// head size of one vector of its own width (the cheapest key it has; the long-context folding
+/// is the generic attend's, shared by every path): AVX-512 at 16, AVX2 at 8, scalar at 1 (and
+/// NEON at 4). AVX512-BF16 and AMX are skipped: with f32 queries they run AVX-512's kernels
+/// (their own take bf16 queries), which would only repeat its 2^31 keys.
 #[test]
 fn decode_over_i32_max_keys_is_accurate() {
-    let (call, want) = long_decode(i32::MAX as usize, 1 << 16);
+    let mut calls: Vec<(usize, (Call, Vec<f64>))> = Vec::new();
     for (isa, cpu) in cpu_isas() {
-        check(&format!("cpu {isa}"), &cpu, &call, &want);
+        let d = match isa {
+            cpu::Isa::Amx | cpu::Isa::Avx512Bf16 => continue,
+            cpu::Isa::Avx512 => 16,
+            cpu::Isa::Avx2 => 8,
+            cpu::Isa::Neon => 4,
+            _ => 1,
+        };
+        if !calls.iter().any(|(dd, _)| *dd == d) {
+            calls.push((d, long_decode(i32::MAX as usize, 1 << 16, d)));
+        }
+        let (call, want) = &calls.iter().find(|(dd, _)| *dd == d).unwrap().1;
+        check(&format!("cpu {isa}, head size {d}"), &cpu, call, want);
     }
 }
 
@@ -214,8 +231,114 @@ fn cuda_long_decodes_are_accurate() {
         return;
     };
     for (seq_len, block_size) in [((1 << 24) + 1000, 1 << 12), (i32::MAX as usize, 1 << 16)] {
-        let (call, want) = long_decode(seq_len, block_size);
+        let (call, want) = long_decode(seq_len, block_size, D);
         check(&format!("cuda, {seq_len} keys"), &cuda, &call, &want);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scratch the host cannot allocate.
+// ---------------------------------------------------------------------------------------------
+
+/// The environment variable naming the scenario a child process runs.
+const CHILD: &str = "PAGEDATTN_LONG_CONTEXT_CHILD";
+
+/// Runs `scenario` in a child process, which must exit normally with status 0 (an abort
+/// fails the test instead of killing the harness).
+fn in_child(scenario: &str) {
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(exe)
+        .args([scenario, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, scenario)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{scenario} ended with {:?} (a signal means a crash):\n{text}",
+        out.status
+    );
+    println!("{text}");
+}
+
+/// Whether this process is the child running `scenario`.
+fn is_child(scenario: &str) -> bool {
+    std::env::var(CHILD).is_ok_and(|s| s == scenario)
+}
+
+/// Why an allocation of `bytes` might succeed on this host (so that the test would not show
+/// what it means to), if it might: Linux's default heuristic overcommit
+/// (`vm.overcommit_memory = 0`) refuses a single allocation larger than RAM plus swap, and
+/// `2` refuses it too; `1` grants anything (the packing would then fill it, page by page).
+fn allocation_might_succeed(bytes: u64) -> Option<String> {
+    let overcommit = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").ok()?;
+    if overcommit.trim() == "1" {
+        return Some("vm.overcommit_memory is 1".into());
+    }
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = |field: &str| -> u64 {
+        meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let total = (kib("MemTotal:") + kib("SwapTotal:")) * 1024;
+    (total >= bytes).then(|| format!("RAM + swap is {total} bytes"))
+}
+
+/// A prefill chunk of 2 tokens at the end of an i32::MAX-token sequence packs its whole key
+/// range per (sequence, kv head): with head size 64, 512 GiB of f32 keys and as much of
+/// values, or 256 GiB of bf16 keys (the AVX512-BF16 packing, bf16 queries). On every
+/// instruction set and both query types that is `Error::OutOfMemory`, not an abort inside a
+/// thread-pool task. Meaningful where a 256 GiB allocation fails: RAM plus swap below it,
+/// with Linux's default overcommit (skipped otherwise, saying why).
+#[test]
+fn prefill_packing_too_large_for_the_host_is_out_of_memory() {
+    let scenario = "prefill_packing_too_large_for_the_host_is_out_of_memory";
+    if let Some(why) = allocation_might_succeed(256 << 30) {
+        println!("skipped: a 256 GiB allocation might succeed here ({why})");
+        return;
+    }
+    if !is_child(scenario) {
+        in_child(scenario);
+        return;
+    }
+    let (d, block_size, n) = (64usize, 1usize << 16, 2usize);
+    let seq_len = i32::MAX as usize;
+    // Every block of the table is physical block 0 (the cache is one block).
+    let table = vec![0i32; seq_len.div_ceil(block_size)];
+    for dtype in [DType::F32, DType::BF16] {
+        let config = AttentionConfig::builder(1, d).build().unwrap();
+        let spec = config.kv_cache_spec(dtype, 1, block_size);
+        let md = MetadataBuilder::for_cache(&spec)
+            .push(SequenceDesc::prompt(seq_len - n, n, table.clone()))
+            .build()
+            .unwrap();
+        let q = tensor(dtype, &[n, 1, d], &pattern(n * d, 0.3, 0.0, 1.0));
+        let k = tensor(dtype, &[n, 1, d], &pattern(n * d, 1.0, 0.0, 1.0));
+        let v = tensor(dtype, &[n, 1, d], &pattern(n * d, 2.0, 0.0, 1.0));
+        for (isa, cpu) in cpu_isas() {
+            let attention = cpu.attention(&config).unwrap();
+            let mut cache = cpu.allocate_kv_cache(&spec).unwrap();
+            let plan = attention.plan(&md, Some(&spec)).unwrap();
+            let mut workspace = cpu.workspace(&plan).unwrap();
+            let mut out = Tensor::zeros(dtype, &[n, 1, d]).unwrap();
+            let inputs = Inputs::new(&q).with_kv(&k, &v).with_cache(&mut cache);
+            let result = attention.forward_into(&plan, &mut workspace, inputs, &mut out);
+            println!("{dtype:?} {isa}: {result:?}");
+            match result {
+                Err(Error::OutOfMemory { device, bytes }) => {
+                    assert_eq!(device, "cpu");
+                    assert!(bytes >= 256 << 30, "{dtype:?} {isa}: {bytes} bytes");
+                }
+                other => panic!("{dtype:?} {isa}: expected OutOfMemory, got {other:?}"),
+            }
+        }
     }
 }
 

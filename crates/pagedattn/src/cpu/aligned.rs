@@ -30,12 +30,21 @@ pub struct AlignedF32 {
 }
 
 impl AlignedF32 {
-    /// `len` zeros.
+    /// `len` zeros. For sizes the configuration bounds (rows × D, a key tile); a size that
+    /// follows the caller's metadata goes through [`AlignedF32::try_zeros`].
     pub fn zeros(len: usize) -> Self {
         AlignedF32 {
             lines: vec![Line([0.0; 16]); len.div_ceil(16)],
             len,
         }
+    }
+
+    /// `len` zeros, or [`Error::OutOfMemory`](crate::Error::OutOfMemory) naming the bytes
+    /// where the host cannot allocate them.
+    pub(crate) fn try_zeros(len: usize) -> crate::Result<Self> {
+        let mut lines = crate::tensor::vec_with_capacity(len.div_ceil(16))?;
+        lines.resize(len.div_ceil(16), Line([0.0; 16]));
+        Ok(AlignedF32 { lines, len })
     }
 }
 

@@ -13,6 +13,9 @@ use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
+use crate::error::Result;
+use crate::tensor::zeroed_vec;
+
 use super::kernel::{
     attend, for_row_blocks, score_group, KvRows, PrefetchStream, QueryRows, RowStates, ScoreMods,
     TileRows, TileSource, ValuesAhead, KEY_TILE, PACK_PREFETCH_KEYS,
@@ -33,13 +36,19 @@ pub struct PackedBf16 {
     v: Vec<u32>,
 }
 
-/// Packs positions `keys` (positions that are not keys become zeros).
-pub fn pack_bf16<E: Load>(kv: &KvRows<'_, E>, keys: Range<usize>, absent: &[usize]) -> PackedBf16 {
+/// Packs positions `keys` (positions that are not keys become zeros): 4 × keys × D bytes,
+/// sized by the caller's metadata, so [`Error::OutOfMemory`](crate::Error::OutOfMemory)
+/// where the host cannot allocate them.
+pub fn pack_bf16<E: Load>(
+    kv: &KvRows<'_, E>,
+    keys: Range<usize>,
+    absent: &[usize],
+) -> Result<PackedBf16> {
     debug_assert!(E::BF16_EXACT);
     let d = kv.head_size;
     let half = d / 2;
-    let mut kt = vec![0u32; keys.len().div_ceil(LANES) * half * LANES];
-    let mut v = vec![0u32; keys.len().div_ceil(2) * d];
+    let mut kt = zeroed_vec::<u32>(keys.len().div_ceil(LANES).saturating_mul(half * LANES))?;
+    let mut v = zeroed_vec::<u32>(keys.len().div_ceil(2).saturating_mul(d))?;
     let mut pairs = vec![0u32; half];
     // SAFETY: only called where AVX512-BF16 was detected (the token only prefetches here).
     let s = unsafe { Avx512::assume_bf16() };
@@ -65,12 +74,12 @@ pub fn pack_bf16<E: Load>(kv: &KvRows<'_, E>, keys: Range<usize>, absent: &[usiz
             *x |= (e.bf16_bits() as u32) << shift;
         }
     }
-    PackedBf16 {
+    Ok(PackedBf16 {
         origin: keys.start,
         d,
         kt,
         v,
-    }
+    })
 }
 
 impl PackedBf16 {

@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use crate::config::AttentionConfig;
 use crate::dtype::Element;
+use crate::error::Result;
 use crate::kv_cache::{KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
 use crate::shared::SharedMut;
@@ -39,13 +40,14 @@ pub(super) struct ForwardCall<'a> {
 }
 
 /// Runs the call on the widest vectors of `isa` whose width divides the head size (so kernels
-/// need no tails).
+/// need no tails). [`Error::OutOfMemory`](crate::Error::OutOfMemory) where scratch sized by
+/// the metadata (a prefill group's packed keys) cannot be allocated.
 pub(super) fn run_isa<T: Element + Load>(
     isa: Isa,
     call: &ForwardCall<'_>,
     output: HostSliceMut<'_>,
     partials: &mut [f32],
-) {
+) -> Result<()> {
     isa.vectorize_dividing(
         call.config.head_size(),
         RunKv::<T> {
@@ -66,9 +68,9 @@ struct RunKv<'r, 'a, T> {
 }
 
 impl<T: Element + Load> WithSimd for RunKv<'_, '_, T> {
-    type Output = ();
+    type Output = Result<()>;
     #[inline(always)]
-    fn with_simd<S: Simd>(self, s: S) {
+    fn with_simd<S: Simd>(self, s: S) -> Result<()> {
         run_kv::<S, T>(s, self.call, self.output, self.partials)
     }
 }
@@ -79,7 +81,7 @@ fn run_kv<S: Simd, T: Element + Load>(
     call: &ForwardCall<'_>,
     output: HostSliceMut<'_>,
     partials: &mut [f32],
-) {
+) -> Result<()> {
     /// Views bytes as fp8 codes.
     fn codes<C>(bytes: &[u8]) -> &[C] {
         // SAFETY: E4m3 and E5m2 are repr(transparent) over u8.
@@ -106,7 +108,9 @@ fn run_kv<S: Simd, T: Element + Load>(
     }
 }
 
-/// Runs the plan: prefill groups and decode units in parallel, then the split-K merges.
+/// Runs the plan: prefill groups and decode units in parallel, then the split-K merges. A
+/// prefill group whose packing cannot be allocated ends the call with its error (decode units
+/// and merges allocate only what the configuration bounds: rows × D, a key tile).
 fn run<S: Simd, T: Element + Load, E: Load>(
     s: S,
     call: &ForwardCall<'_>,
@@ -114,7 +118,7 @@ fn run<S: Simd, T: Element + Load, E: Load>(
     values: &[E],
     output: HostSliceMut<'_>,
     partials: &mut [f32],
-) {
+) -> Result<()> {
     let cfg = call.config;
     let md = call.metadata;
     let plan = call.plan;
@@ -150,10 +154,12 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         #[cfg(target_arch = "x86_64")]
         amx: call.amx,
     };
-    rayon::join(
-        || plan.prefill.par_iter().for_each(|pg| ctx.prefill(pg)),
+    let (prefill, ()) = rayon::join(
+        || plan.prefill.par_iter().try_for_each(|pg| ctx.prefill(pg)),
         || plan.units.par_iter().for_each(|unit| ctx.decode(unit)),
     );
+    prefill?;
     let partials = &*partials;
     plan.merges.par_iter().for_each(|m| ctx.merge(m, partials));
+    Ok(())
 }

@@ -7,6 +7,8 @@
 
 use std::ops::Range;
 
+use crate::error::Result;
+
 use super::aligned::AlignedF32;
 use super::kernel::{
     accumulate_rows, block_end, for_row_blocks, KvRows, RowStates, TileSource, KEY_TILE,
@@ -35,25 +37,27 @@ pub struct PackF32<'a, 'b, E> {
 }
 
 impl<E: Load> WithSimd for PackF32<'_, '_, E> {
-    type Output = PackedF32;
+    type Output = Result<PackedF32>;
     #[inline(always)]
-    fn with_simd<S: Simd>(self, s: S) -> PackedF32 {
+    fn with_simd<S: Simd>(self, s: S) -> Result<PackedF32> {
         pack_f32(s, self.kv, self.keys, self.absent)
     }
 }
 
-/// Packs positions `keys` (the column groups start at `keys.start`).
+/// Packs positions `keys` (the column groups start at `keys.start`): 8 × keys × D bytes,
+/// sized by the caller's metadata, so [`Error::OutOfMemory`](crate::Error::OutOfMemory)
+/// where the host cannot allocate them.
 #[inline(always)]
 pub fn pack_f32<S: Simd, E: Load>(
     s: S,
     kv: &KvRows<'_, E>,
     keys: Range<usize>,
     absent: &[usize],
-) -> PackedF32 {
+) -> Result<PackedF32> {
     let (d, lanes) = (kv.head_size, S::LANES);
     let groups = keys.len().div_ceil(lanes);
-    let mut kt = AlignedF32::zeros(groups * d * lanes);
-    let mut v = AlignedF32::zeros(keys.len() * d);
+    let mut kt = AlignedF32::try_zeros(groups.saturating_mul(d * lanes))?;
+    let mut v = AlignedF32::try_zeros(keys.len().saturating_mul(d))?;
     let mut widened = [0.0f32; 16];
     // Packed rows hold the exact values (undoing a scaled widening once here).
     let scale = s.splat(E::load_scale::<S>());
@@ -84,13 +88,13 @@ pub fn pack_f32<S: Simd, E: Load>(
             }
         }
     }
-    PackedF32 {
+    Ok(PackedF32 {
         origin: keys.start,
         lanes,
         d,
         kt,
         v,
-    }
+    })
 }
 
 /// A query tile against packed f32 keys and values.

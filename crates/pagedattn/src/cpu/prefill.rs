@@ -6,6 +6,7 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use crate::dtype::DType;
 use crate::dtype::Element;
+use crate::error::Result;
 
 #[cfg(target_arch = "x86_64")]
 use super::kernel::ScoreMods;
@@ -20,7 +21,11 @@ use super::call::TypedCall;
 
 impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     /// Packs one prefill group's keys and values, then runs its query tiles in parallel.
-    pub(super) fn prefill(&self, pg: &PrefillGroup) {
+    /// The packing is the one allocation sized by the caller's metadata (the group's keys):
+    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) where the host cannot make it. The
+    /// tiles' scratch (query rows, row states, scores) is sized by the configuration (rows ×
+    /// D, a key tile) and allocated as usual.
+    pub(super) fn prefill(&self, pg: &PrefillGroup) -> Result<()> {
         let d = self.cfg.head_size();
         let kv = self.kv_rows(pg.seq, pg.kv_head);
         let absent = &self.plan.absent[pg.seq];
@@ -31,7 +36,7 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
                 && E::BF16_EXACT
                 && (amx || (self.bf16_dot && d.is_multiple_of(16)))
             {
-                let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent);
+                let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent)?;
                 pg.tiles.par_iter().for_each(|tile| {
                     let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
                     let group = QueryRows {
@@ -65,14 +70,14 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
                     };
                     self.finish(pg.seq, pg.kv_head, tile.tokens.clone(), &state);
                 });
-                return;
+                return Ok(());
             }
         }
         let packed = self.s.vectorize(packed::PackF32 {
             kv: &kv,
             keys: pg.keys.clone(),
             absent,
-        });
+        })?;
         pg.tiles.par_iter().for_each(|tile| {
             let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
             let q = self.q_f32(pg.kv_head, tile.tokens.clone());
@@ -96,6 +101,7 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
             });
             self.finish(pg.seq, pg.kv_head, tile.tokens.clone(), &state);
         });
+        Ok(())
     }
 }
 
