@@ -3,9 +3,10 @@
 //! The long decodes read two physical blocks reused through the block table, so that every
 //! key contributes comparably over 2^24 + 1000 and i32::MAX positions; the exact answer is
 //! computed here in f64 from each distinct key's multiplicity (the softmax over repeated keys
-//! is a short weighted sum). `cpu` runs on every instruction set this machine has, `cuda`
-//! where a GPU is usable. The fp8 probes hold `cpu` to `reference` with `k_scale` near f32's
-//! largest values and `v_scale` near its smallest normal ones.
+//! is a short weighted sum). `cpu` runs on every instruction set this machine has (at
+//! i32::MAX, each distinct kernel path once), `cuda` where a GPU is usable. The fp8 probes
+//! hold `cpu` to `reference` with `k_scale` near f32's largest values and `v_scale` near its
+//! smallest normal ones. A prefill whose packed keys cannot be allocated is `OutOfMemory`.
 
 mod common;
 
