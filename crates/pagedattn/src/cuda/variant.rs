@@ -143,8 +143,8 @@ impl Variant {
     /// Dynamic shared memory of the decode kernel of `rows` rows (1, 4 or 8):
     /// `DecodeShape<C, D, ROWS>::BYTES` of attention.cu, computed the same way (the kernel
     /// traps if a launch gives less). Each of the 4 warps keeps a ring of chunks of keys and
-    /// values staged in flight (about 16 KiB ahead, at most 8 chunks); the merge of the warps'
-    /// accumulators reuses the bytes.
+    /// values staged in flight (about 16 KiB ahead, at most 8 chunks), then its f64
+    /// accumulators (rows x D), into which its f32 sums are folded every few chunks.
     pub(crate) fn decode_shared_bytes(&self, rows: usize) -> u32 {
         let stored = match self.storage {
             KvCacheDtype::Auto => self.dtype.size_bytes(),
@@ -158,8 +158,8 @@ impl Variant {
         let stage = per_lane * 2 * 32 * 4 * words;
         let stages = 8.min(1 + 16384usize.div_ceil(stage));
         let staging = WARPS * stages * stage;
-        let merge = WARPS * rows * d * 4;
-        staging.max(merge) as u32
+        let outer = WARPS * rows * d * 8;
+        (staging + outer) as u32
     }
 
     /// The program's name, e.g. `attention_bf16_e4m3_d128_causal_alibi`; its kernels are
