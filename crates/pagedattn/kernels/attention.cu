@@ -215,24 +215,23 @@ __device__ __forceinline__ float modify_score(const Params& p, float s, i64 dist
 
 // The finished row: normalized with v_scale applied, NaN for a row that attended only -Inf
 // (or NaN) scores, exactly 0 for a row that attended no key. `finish_by` takes the row's
-// factor v_scale / l computed once.
+// factor v_scale / l computed once; `finish_f64` the same for f64 sums (rounded once).
 __device__ __forceinline__ float finish_by(float acc, float m, bool attended, float factor) {
     return m == -f32_inf() ? (attended ? f32_nan() : 0.0f) : acc * factor;
 }
-__device__ __forceinline__ float finish(float acc, float m, float l, bool attended,
-                                        float out_scale) {
-    return finish_by(acc, m, attended, out_scale / l);
+__device__ __forceinline__ float finish_f64(double acc, float m, bool attended, double factor) {
+    return m == -f32_inf() ? (attended ? f32_nan() : 0.0f) : (float)(acc * factor);
 }
 
 // ---------------------------------------------------------------------------------------------
 // The scalar prefill: f32 activations and fp8 caches.
 // ---------------------------------------------------------------------------------------------
 
-// Static shared memory of the scalar prefill's tiles, in floats: queries and accumulators,
-// keys (rows padded by one float, so that threads scoring different keys hit different
-// banks), values, probabilities.
+// Static shared memory of the scalar prefill's tiles, in floats: queries, keys (rows padded
+// by one float, so that threads scoring different keys hit different banks), values,
+// probabilities.
 constexpr int tile_floats(int rows, int d, int keys) {
-    return 2 * rows * d + keys * (d + 1) + keys * d + rows * keys;
+    return rows * d + keys * (d + 1) + keys * d + rows * keys;
 }
 // Keys per tile: the most of 32, 16, 8, 4 whose tiles fit in 44 KiB (static shared memory is
 // limited to 48 KiB per block; the rest holds the per-row state).
@@ -247,15 +246,21 @@ constexpr int key_tile(int rows, int d) {
 // in tiles, decodes each tile's keys and values into shared memory as f32 (the query rows
 // too, once), scores every (row, key) pair, folds each row's scores into its online softmax
 // state (running max m, running sum l) and adds the weighted values into the rows'
-// accumulators (in shared memory: every loop but the dot product and P.V stays a plain loop,
-// which keeps each variant's code, and NVRTC's time per variant, small).
+// accumulators (every loop but the dot product and P.V stays a plain loop, which keeps each
+// variant's code, and NVRTC's time per variant, small).
+//
+// The running sums are f64 (l in shared memory, the accumulators in registers: thread tid
+// owns elements tid + i THREADS of the rows' ROWS x D); a tile's weighted values are summed in
+// f32 from 0 and then added, so an f32 sum takes at most KT <= 32 keys (31 2^-24 = 1.8e-6
+// of its magnitudes' sum at worst) and an f64 one a term per tile of KT >= 8 keys (at most
+// 2^28: 2^-25 at worst). Accumulated in f32 across tiles, l took a term per tile and the
+// accumulators every key of the row: up to 2^31 terms, whose bound (n - 1) 2^-24 exceeds 1.
 template <class E, class C, int D, int MASK, bool ALIBI, bool CAP>
 __device__ __forceinline__ void prefill_scalar(const Params& p) {
     constexpr int ROWS = SCALAR_ROWS;
     constexpr int KT = key_tile(ROWS, D);
     static_assert(KT <= 32 && fits(ROWS, D, KT), "one lane per key in the softmax step");
     __shared__ float q_s[ROWS][D];
-    __shared__ float o_s[ROWS][D];  // the rows' weighted sums of values
     __shared__ float k_s[KT][D + 1];
     __shared__ float v_s[KT][D];
     __shared__ float p_s[ROWS][KT];
@@ -265,8 +270,8 @@ __device__ __forceinline__ void prefill_scalar(const Params& p) {
     __shared__ i64 pos_s[ROWS];  // the row's query position
     __shared__ float slope_s[ROWS];
     __shared__ float m_s[ROWS];  // online softmax: running max, running sum, rescale factor
-    __shared__ float l_s[ROWS];
-    __shared__ float alpha_s[ROWS];
+    __shared__ double l_s[ROWS];
+    __shared__ double alpha_s[ROWS];
     __shared__ int attended_s[ROWS];  // whether the row attended at least one key
     __shared__ u32 mask_s[ROWS];      // bit t: the row attends the tile's key t
 
@@ -305,7 +310,7 @@ __device__ __forceinline__ void prefill_scalar(const Params& p) {
         pos_s[r] = row.pos;
         slope_s[r] = row.slope;
         m_s[r] = -f32_inf();
-        l_s[r] = 0.0f;
+        l_s[r] = 0.0;
         attended_s[r] = 0;
     }
 #pragma unroll 1
@@ -318,7 +323,14 @@ __device__ __forceinline__ void prefill_scalar(const Params& p) {
             q = E::to_f32(query[(token * p.num_heads + head) * D + d]);
         }
         q_s[r][d] = q;
-        o_s[r][d] = 0.0f;
+    }
+    // This thread's accumulators: element x = tid + i THREADS is row x / D, dimension x % D.
+    constexpr int PER_THREAD = ROWS * D / THREADS;
+    static_assert(ROWS * D % THREADS == 0, "head sizes are multiples of 8");
+    double o[PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        o[i] = 0.0;
     }
     // The rows' state is read by other threads from here on (also when there is no tile).
     __syncthreads();
@@ -395,9 +407,12 @@ __device__ __forceinline__ void prefill_scalar(const Params& p) {
             const u32 mask = __ballot_sync(FULL, attends);
             if (lane == 0) {
                 // An unchanged max rescales by exactly 1 (also -Inf to -Inf and +Inf to +Inf).
-                const float alpha = m_old == m_new ? 1.0f : expf(m_old - m_new);
+                // In f64: a max that grows a little at every tile rescales the older keys
+                // once per tile, and f32 factors would distort their weight against the
+                // newer keys' by up to a rounding per tile.
+                const double alpha = m_old == m_new ? 1.0 : exp((double)m_old - (double)m_new);
                 alpha_s[r] = alpha;
-                l_s[r] = l_s[r] * alpha + sum;
+                l_s[r] = fma(l_s[r], alpha, (double)sum);
                 m_s[r] = m_new;
                 attended_s[r] |= mask != 0 ? 1 : 0;
                 mask_s[r] = mask;
@@ -406,27 +421,30 @@ __device__ __forceinline__ void prefill_scalar(const Params& p) {
         __syncthreads();
 
         // P.V: only the keys each row attends enter its sum (a select, not a product by 0).
-#pragma unroll 1
-        for (int x = tid; x < ROWS * D; x += THREADS) {
-            const int r = x / D, d = x % D;
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int x = tid + i * THREADS, r = x / D, d = x % D;
             const u32 mask = mask_s[r];
-            float acc = o_s[r][d] * alpha_s[r];
+            float acc = 0.0f;
+#pragma unroll 1
             for (int t = 0; t < KT; ++t) {
                 const float a = fmaf(p_s[r][t], v_s[t][d], acc);
                 acc = (mask >> t) & 1u ? a : acc;
             }
-            o_s[r][d] = acc;
+            o[i] = fma(o[i], alpha_s[r], (double)acc);
         }
         __syncthreads();
     }
 
-#pragma unroll 1
-    for (int x = tid; x < rows * D; x += THREADS) {
-        const int r = x / D, d = x % D;
-        const i64 token = first_token + (row_base + r) / heads;
-        const i64 head = first_head + (row_base + r) % heads;
-        output[(token * p.num_heads + head) * D + d] =
-            E::from_f32(finish(o_s[r][d], m_s[r], l_s[r], attended_s[r] != 0, p.out_scale));
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int x = tid + i * THREADS, r = x / D, d = x % D;
+        if (r < rows) {
+            const i64 token = first_token + (row_base + r) / heads;
+            const i64 head = first_head + (row_base + r) % heads;
+            output[(token * p.num_heads + head) * D + d] = E::from_f32(finish_f64(
+                o[i], m_s[r], attended_s[r] != 0, (double)p.out_scale / l_s[r]));
+        }
     }
 }
 
@@ -731,7 +749,10 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     // Key positions fit in an int (below 2^31 - 1).
     const int key_start = (int)unit[UNIT_KEY_START];
     const int key_end = (int)unit[UNIT_KEY_END];
-    const int tiles = (key_end - key_start + KT - 1) / KT;
+    // (In 64 bits: key_end - key_start + KT - 1 overflows an int past 2^31 - KT keys. Below,
+    // key positions j0 + t of a tile are likewise never formed in an int: the last tile's
+    // may pass 2^31 - 1; they are compared as t against bounds minus j0.)
+    const int tiles = (int)(((i64)key_end - key_start + KT - 1) / KT);
     const u32 block_div = block_divisor(p);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
@@ -947,7 +968,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         __syncthreads();
         const int j0 = key_start + i * KT;
         const u64 absent = (u64)invalid_s[i % 3][1] << 32 | invalid_s[i % 3][0];
-        const bool rows_full = range_s[0] <= j0 && range_s[1] >= min(j0 + KT, key_end);
+        const bool rows_full = range_s[0] <= j0 && range_s[1] - j0 >= min(KT, key_end - j0);
         const bool masked = !rows_full || absent != 0;
         const u32 k_tile = base + (i % 2) * S::TILE_BYTES;
         const u32 v_tile = k_tile + 2 * S::TILE_BYTES;
@@ -1035,11 +1056,10 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                         float x = UNSCALED ? s[mt][n][e]
                                            : modify_score<MASK, ALIBI, CAP>(
                                                  p, s[mt][n][e] * p.score_scale,
-                                                 j0 + t - pos[mt][ri], slope[mt][ri]);
+                                                 (i64)j0 + t - pos[mt][ri], slope[mt][ri]);
                         if (MASKED) {
-                            const int j = j0 + t;
-                            const bool a = (((absent >> t) & 1) == 0) & (j >= row_lo[ri]) &
-                                           (j < row_hi[ri]);
+                            const bool a = (((absent >> t) & 1) == 0) &
+                                           (t >= row_lo[ri] - j0) & (t < row_hi[ri] - j0);
                             x = a ? x : -f32_inf();
                             attended |= (u32)a << (2 * mt + ri);
                         }
@@ -1221,11 +1241,10 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                 __syncwarp();
 #pragma unroll 1
                 for (int t = 0; t < KT; ++t) {
-                    const int j = j0 + t;
                     const bool key = !((absent >> t) & 1);
                     const int r0 = row_index(mt, 0) - row_base, r1 = r0 + 8;
-                    const bool a0 = key && j >= lo_s[r0] && j < hi_s[r0];
-                    const bool a1 = key && j >= lo_s[r1] && j < hi_s[r1];
+                    const bool a0 = key && t >= lo_s[r0] - j0 && t < hi_s[r0] - j0;
+                    const bool a1 = key && t >= lo_s[r1] - j0 && t < hi_s[r1] - j0;
                     const float p0 = ps[g * KT + t], p1 = ps[(g + 8) * KT + t];
 #pragma unroll
                     for (int n = 0; n < DT; ++n) {
@@ -1355,8 +1374,8 @@ __device__ __forceinline__ void elements(const u32 (&w)[W], float (&x)[8]) {
 // bytes: no barrier orders the copies (a thread's wait_group covers its own), and the layout
 // (each piece of the 32 lanes side by side) is free of bank conflicts. The ring holds STAGES
 // chunks, so that the loads of the chunks ahead (about AHEAD bytes per warp) are in flight
-// while one is computed, without registers held for them. At the end the same bytes hold
-// the warps' accumulators for their merge. src/cuda/variant.rs computes BYTES the same way
+// while one is computed, without registers held for them. After the ring, each warp's f64
+// accumulators (`decode`'s fold). src/cuda/variant.rs computes BYTES the same way
 // (`decode_shared_bytes`).
 template <class C, int D, int ROWS>
 struct DecodeShape {
@@ -1374,8 +1393,13 @@ struct DecodeShape {
     static constexpr int AHEAD = 16384;
     static constexpr int STAGES = min_of(8, 1 + (AHEAD + STAGE_BYTES - 1) / STAGE_BYTES);
     static constexpr int STAGING = WARPS * STAGES * STAGE_BYTES;
-    static constexpr int MERGE = WARPS * ROWS * D * 4;
-    static constexpr int BYTES = STAGING > MERGE ? STAGING : MERGE;
+    // Chunks between folds of a warp's f32 state into its f64 one (`decode`): FOLD_TERMS
+    // keys per lane's sum.
+    static constexpr int FOLD_TERMS = 64;
+    static constexpr int FOLD = FOLD_TERMS / U;
+    // The warps' f64 accumulators, after the staging ring.
+    static constexpr int OUTER = WARPS * ROWS * D * 8;
+    static constexpr int BYTES = STAGING + OUTER;
 };
 
 // The W words one lane staged for one key's keys or values: COPIES copies of COPY bytes,
@@ -1420,9 +1444,13 @@ __device__ __forceinline__ void decode(const Params& p) {
     constexpr int STAGES = S::STAGES;
     constexpr int QW = 2 * (int)sizeof(typename E::Bits);
     static_assert(LANES <= 32 && CHUNK <= 32, "one lane per key of a chunk");
-    __shared__ float m_w[WARPS][ROWS];
-    __shared__ float l_w[WARPS][ROWS];
+    // Each warp's f64 state (see `fold`): its base, its sums of weights, its accumulators
+    // (after the staging ring); at the end, the merge's factors replace the sums.
+    __shared__ float base_w[WARPS][ROWS];
+    __shared__ double l_w[WARPS][ROWS];
     __shared__ int attended_w[WARPS];
+    __shared__ float big_r[ROWS];
+    __shared__ double total_r[ROWS];  // the row's L, or v_scale / L for the output
     u8* const smem = dynamic_shared(S::BYTES);
 
     const T* keys = (const T*)p.key;
@@ -1481,6 +1509,79 @@ __device__ __forceinline__ void decode(const Params& p) {
         }
     }
     bool attended = false;
+    // The f64 state of this warp: lane (group g, li) owns dimensions 8 li .. 8 li + 7 of the
+    // rows r with r % KPW == g (no other lane reads or writes them until the merge); lane 0
+    // owns the bases and sums.
+    double* const acc_o = (double*)(smem + S::STAGING) + warp * ROWS * D;  // [ROWS][D]
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (r % KPW == group && dims) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                acc_o[r * D + li * 8 + e] = 0.0;
+            }
+        }
+        if (lane == 0) {
+            base_w[warp][r] = -f32_inf();
+            l_w[warp][r] = 0.0;
+        }
+    }
+    // The fold: the warp's f32 state (m, l, acc, summed over its key groups) added into its
+    // f64 state, which keeps its own base (the max m at its last fold: m only grows), and
+    // the f32 sums restart from 0 under the same max. Why, in terms counted per running sum
+    // (recursive summation of n terms errs by up to (n - 1) 2^-24 of their magnitudes' sum in
+    // f32, (n - 1) 2^-53 in f64):
+    // * without it, a lane's l and acc took every key its group saw: the unit's keys over
+    //   WARPS x KPW, e.g. 2^24 keys in the 264 partitions of one kv head on an H100 give
+    //   2K (D = 32) to 16K (D = 256) terms per sum, an unsplit unit (a busy GPU) or 2^31 keys
+    //   up to 2^29;
+    // * with it, an f32 sum takes at most FOLD_TERMS = 64 keys (FOLD chunks of U; the chunks'
+    //   rescales by alpha add at most FOLD roundings to those terms): 63 2^-24 = 3.8e-6 at
+    //   worst, ~8 2^-24 for independent roundings; the f64 sums take one term per fold, at
+    //   most 2^31 / (WARPS x 64) = 2^23 (2^-30 relative), and their rescale factor is one f64
+    //   exp of the exact difference of two f32 maxima. Per FOLD chunks this costs each lane
+    //   ROWS x 9 log2(KPW) shuffles and ROWS x 8 / KPW f64 FMAs on shared memory, against
+    //   FOLD x U x ROWS x 16 FMAs of QK and P.V.
+    auto fold = [&]() {
+        __syncwarp();  // lane 0's last bases are visible to every lane
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+            for (int o = LANES; o < 32; o *= 2) {
+                l[r] += __shfl_xor_sync(FULL, l[r], o);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    acc[r][e] += __shfl_xor_sync(FULL, acc[r][e], o);
+                }
+            }
+            // m only grows, so the f64 state rescales by at most 1; an unchanged base
+            // (-Inf or +Inf included) by exactly 1.
+            const float base = base_w[warp][r];
+            const double scale = base == m[r] ? 1.0 : exp((double)base - (double)m[r]);
+            if (r % KPW == group && dims) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    double* const o = acc_o + r * D + li * 8 + e;
+                    *o = fma(*o, scale, (double)acc[r][e]);
+                }
+            }
+            if (lane == 0) {
+                l_w[warp][r] = fma(l_w[warp][r], scale, (double)l[r]);
+            }
+            l[r] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                acc[r][e] = 0.0f;
+            }
+        }
+        __syncwarp();  // every lane has read the bases
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                base_w[warp][r] = m[r];
+            }
+        }
+    };
     const int chunks = (int)((key_end - key_start + CHUNK - 1) / CHUNK);
     const int count = chunks > warp ? (chunks - warp + WARPS - 1) / WARPS : 0;  // this warp's
     const u32 ring = smem_address(smem) + warp * STAGES * S::STAGE_BYTES + lane * COPY;
@@ -1605,70 +1706,63 @@ __device__ __forceinline__ void decode(const Params& p) {
                 }
             }
         }
+        if ((k + 1) % S::FOLD == 0) {
+            fold();
+        }
     }
+    fold();
     cp_async_wait<0>();
-    // Every warp is done with its ring: the merge takes the bytes over.
-    __syncthreads();
-    float* const acc_w = (float*)smem;  // [WARPS][ROWS][D]
-
-    // The warp's state: sums over its key groups, into shared memory.
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int o = LANES; o < 32; o *= 2) {
-            l[r] += __shfl_xor_sync(FULL, l[r], o);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                acc[r][e] += __shfl_xor_sync(FULL, acc[r][e], o);
-            }
-        }
-        if (group == 0 && dims) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                acc_w[(warp * ROWS + r) * D + li * 8 + e] = acc[r][e];
-            }
-        }
-        if (lane == 0) {
-            m_w[warp][r] = m[r];
-            l_w[warp][r] = l[r];
-        }
-    }
     if (lane == 0) {
         attended_w[warp] = attended ? 1 : 0;
     }
     __syncthreads();
 
-    // The warps merged: M = max m_w, L = sum l_w e^(m_w - M), acc likewise (with M = -Inf
-    // every weight is 0 and NaN survives, as in attention_merge.cu).
+    // The warps merged in f64: M = max base_w, L = sum l_w e^(base_w - M), acc likewise
+    // (with M = -Inf every weight is 0 and NaN survives, as in attention_merge.cu). Thread r
+    // makes row r's factors once (they replace l_w), then every thread sums its elements.
     const i64 part_base = unit[UNIT_PART_BASE];
-    const bool any = (attended_w[0] | attended_w[1] | attended_w[2] | attended_w[3]) != 0;
-#pragma unroll 1
-    for (int x = tid; x < heads * D; x += THREADS) {
-        const int r = x / D, d = x % D;
+    if (tid < heads) {
+        const int r = tid;
         float big = -f32_inf();
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
-            big = fmaxf(big, m_w[w][r]);
+            big = fmaxf(big, base_w[w][r]);
         }
-        float sum = 0.0f, a = 0.0f;
+        double sum = 0.0;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
-            const float f = big == -f32_inf() ? 0.0f : exp2f((m_w[w][r] - big) * LOG2E);
-            sum = fmaf(l_w[w][r], f, sum);
-            a = fmaf(acc_w[(w * ROWS + r) * D + d], f, a);
+            const double f =
+                big == -f32_inf() ? 0.0 : exp((double)base_w[w][r] - (double)big);
+            sum = fma(l_w[w][r], f, sum);
+            l_w[w][r] = f;
         }
+        big_r[r] = big;
+        total_r[r] = part_base < 0 ? (double)p.out_scale / sum : sum;
+    }
+    __syncthreads();
+    const bool any = (attended_w[0] | attended_w[1] | attended_w[2] | attended_w[3]) != 0;
+    const double* const acc_all = (const double*)(smem + S::STAGING);  // [WARPS][ROWS][D]
+#pragma unroll 1
+    for (int x = tid; x < heads * D; x += THREADS) {
+        const int r = x / D, d = x % D;
+        double a = 0.0;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            a = fma(acc_all[(w * ROWS + r) * D + d], l_w[w][r], a);
+        }
+        const float big = big_r[r];
         if (part_base < 0) {
             Bits* out = (Bits*)p.output + (token * p.num_heads + first_head + r) * D;
-            out[d] = E::from_f32(finish(a, big, sum, any, p.out_scale));
+            out[d] = E::from_f32(finish_f64(a, big, any, total_r[r]));
         } else {
             float* record =
                 p.partials + (part_base + r * unit[UNIT_PARTS] + unit[UNIT_PART]) * (D + 4);
             if (d == 0) {
                 record[0] = big;
-                record[1] = sum;
+                record[1] = (float)total_r[r];
                 record[2] = any ? 1.0f : 0.0f;
             }
-            record[4 + d] = a;
+            record[4 + d] = (float)a;
         }
     }
 }

@@ -1071,6 +1071,49 @@ fn decode_positions_are_exact_past_2_pow_24() {
     .agreed(&cuda, 1e-5);
 }
 
+/// A long f32 decode where every key weighs about the same: 2^21 + 1000 keys of two physical
+/// blocks taken in turn through the block table, four query heads of one kv head (the
+/// decode's f32 sums folded into f64 every few chunks, split-K merged in f64), values near 1
+/// so that the tolerance is relative to the output itself.
+#[test]
+fn long_decodes_keep_f32_accuracy() {
+    let Some(cuda) = gpu("long_decodes_keep_f32_accuracy") else {
+        return;
+    };
+    let (h, bs, d) = (4usize, 1024usize, 64usize);
+    let seq_len: usize = (1 << 21) + 1000;
+    let table: Vec<i32> = (0..seq_len.div_ceil(bs)).map(|b| (b % 2) as i32).collect();
+    let config = AttentionConfig::builder(h, d)
+        .num_kv_heads(1)
+        .scale(0.05)
+        .logits_soft_cap(Some(50.0))
+        .build()
+        .unwrap();
+    let rows = 2 * bs;
+    let values: Vec<f32> = wave(rows * d, 1.0).iter().map(|x| 1.0 + 0.5 * x).collect();
+    let new_v: Vec<f32> = wave(d, 3.0).iter().map(|x| 1.0 + 0.5 * x).collect();
+    Edge {
+        config,
+        metadata: MetadataBuilder::new(bs)
+            .push(SequenceDesc::decode(seq_len, table))
+            .build()
+            .unwrap(),
+        query: f32_tensor(&[1, h, d], &wave(h * d, 0.5)),
+        kv: Some((
+            f32_tensor(&[1, 1, d], &wave(d, 2.0)),
+            f32_tensor(&[1, 1, d], &new_v),
+        )),
+        cache: Some((
+            DType::F32,
+            2,
+            f32_tensor(&[rows, 1, d], &wave(rows * d, 4.0)),
+            f32_tensor(&[rows, 1, d], &values),
+            (0..rows as i64).collect(),
+        )),
+    }
+    .agreed(&cuda, 1e-5);
+}
+
 /// Cross attention with ALiBi far into the decoder, at decoder positions 2^24 + 1 and
 /// i32::MAX - 1: the distances must be exact.
 #[test]
