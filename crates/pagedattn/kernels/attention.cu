@@ -1395,7 +1395,7 @@ struct DecodeShape {
     static constexpr int STAGING = WARPS * STAGES * STAGE_BYTES;
     // Chunks between folds of a warp's f32 state into its f64 one (`decode`): FOLD_TERMS
     // keys per lane's sum.
-    static constexpr int FOLD_TERMS = 64;
+    static constexpr int FOLD_TERMS = 128;
     static constexpr int FOLD = FOLD_TERMS / U;
     // The warps' f64 accumulators, after the staging ring.
     static constexpr int OUTER = WARPS * ROWS * D * 8;
@@ -1535,10 +1535,11 @@ __device__ __forceinline__ void decode(const Params& p) {
     //   WARPS x KPW, e.g. 2^24 keys in the 264 partitions of one kv head on an H100 give
     //   2K (D = 32) to 16K (D = 256) terms per sum, an unsplit unit (a busy GPU) or 2^31 keys
     //   up to 2^29;
-    // * with it, an f32 sum takes at most FOLD_TERMS = 64 keys (FOLD chunks of U; the chunks'
-    //   rescales by alpha add at most FOLD roundings to those terms): 63 2^-24 = 3.8e-6 at
-    //   worst, ~8 2^-24 for independent roundings; the f64 sums take one term per fold, at
-    //   most 2^31 / (WARPS x 64) = 2^23 (2^-30 relative), and their rescale factor is one f64
+    // * with it, an f32 sum takes at most FOLD_TERMS = 128 keys (FOLD chunks of U; the chunks'
+    //   rescales by alpha add at most FOLD roundings to those terms): 127 2^-24 = 7.6e-6 at
+    //   worst, ~11 2^-24 for independent roundings (under 1e-5 either way; folding twice as
+    //   often costs time on every decode, NOTES.md); the f64 sums take one term per fold, at
+    //   most 2^31 / (WARPS x 128) = 2^22 (2^-31 relative), and their rescale factor is one f64
     //   exp of the exact difference of two f32 maxima. Per FOLD chunks this costs each lane
     //   ROWS x 9 log2(KPW) shuffles and ROWS x 8 / KPW f64 FMAs on shared memory, against
     //   FOLD x U x ROWS x 16 FMAs of QK and P.V.
