@@ -343,9 +343,13 @@ fn cpus() -> Vec<Cpu> {
         .collect()
 }
 
-/// Whether `got` agrees with `want` as the contract's "Agreement between backends" says, with
-/// a loose tolerance for finite elements (relative to the largest finite reference value).
-fn agrees(want: &[f32], got: &[f32], dtype: DType) -> Result<(), String> {
+/// Whether `got` agrees with `want` as the contract's "Agreement between backends" says: the
+/// same NaN / Inf classes and, where `values` (the call's inputs were all finite and modest),
+/// finite elements within a loose tolerance of the largest finite reference value. (With
+/// infinities in the inputs, an fp8 cache saturates them to its largest value, and the scores'
+/// f32 rounding at that magnitude is within the contract's tolerance, which
+/// `cpu_vs_reference` models, but beyond a fixed relative one.)
+fn agrees(want: &[f32], got: &[f32], dtype: DType, values: bool) -> Result<(), String> {
     let scale = want
         .iter()
         .filter(|x| x.is_finite())
@@ -362,7 +366,7 @@ fn agrees(want: &[f32], got: &[f32], dtype: DType) -> Result<(), String> {
             g == w || g.is_nan()
         } else {
             // Rounding may give Inf on one backend near the dtype's largest value.
-            g.is_finite() && (g - w).abs() <= rel * scale || g.is_infinite()
+            g.is_infinite() || g.is_finite() && (!values || (g - w).abs() <= rel * scale)
         };
         if !ok {
             return Err(format!("output element {i}: {g}, reference {w}"));
@@ -388,6 +392,18 @@ proptest! {
             prop_assert!(want.forward.is_err(), "reference ran a mismatched call");
         }
         let dtype = paged.call.query.dtype();
+        let finite_inputs = case.settings.specials == 0.0
+            && ops.iter().all(|op| match op {
+                Op::WriteQuery { value, .. } | Op::WriteNewKv { value, .. } => {
+                    matches!(value, Value::Finite(_))
+                }
+                // An fp8 cache gets an arbitrary code: its largest values or NaN.
+                Op::WriteCache { value, .. } => {
+                    matches!(value, Value::Finite(_))
+                        && case.settings.kv_cache_dtype == pagedattn::KvCacheDtype::Auto
+                }
+                _ => true,
+            });
         for cpu in cpus() {
             let isa = cpu.isa();
             let got = answer(&paged, &cpu, &ops, how)?;
@@ -401,7 +417,7 @@ proptest! {
             match (&want.forward, &got.forward) {
                 (Ok((wo, wc)), Ok((go, gc))) => {
                     prop_assert!(wc == gc, "isa {}: the caches differ after the call", isa);
-                    if let Err(e) = agrees(wo, go, dtype) {
+                    if let Err(e) = agrees(wo, go, dtype, finite_inputs) {
                         return Err(TestCaseError::fail(format!("isa {isa}: {e}")));
                     }
                 }
