@@ -349,17 +349,27 @@ fn prefill_packing_too_large_for_the_host_is_out_of_memory() {
 // fp8 caches with extreme scales.
 // ---------------------------------------------------------------------------------------------
 
-/// Checks every `cpu` ISA against `reference` on `call`: the contract's NaN / Inf classes,
-/// and finite elements within `rel` of the largest finite reference magnitude (or equal
-/// where that is 0).
+/// Checks every `cpu` ISA (and `cuda`, where a GPU is usable) against `reference` on `call`:
+/// the contract's NaN / Inf classes, and finite elements within `rel` of the largest finite
+/// reference magnitude (or equal where that is 0).
 fn agrees_with_reference(what: &str, call: &Call, rel: f32) {
     let want = call.run(&*registry::backend("reference").unwrap());
     let scale = want
         .iter()
         .filter(|x| x.is_finite())
         .fold(0.0f32, |m, x| m.max(x.abs()));
-    for (isa, cpu) in cpu_isas() {
-        let got = call.run(&cpu);
+    let mut backends: Vec<(String, Box<dyn Backend>)> = cpu_isas()
+        .map(|(isa, cpu)| (isa.to_string(), Box::new(cpu) as Box<dyn Backend>))
+        .collect();
+    #[cfg(feature = "cuda")]
+    if pagedattn::cuda::info().is_ok() {
+        backends.push((
+            "cuda".into(),
+            Box::new(pagedattn::cuda::Cuda::new_default().unwrap()),
+        ));
+    }
+    for (isa, backend) in backends {
+        let got = call.run(&*backend);
         for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
             let agrees = if w.is_nan() {
                 g.is_nan()
@@ -379,7 +389,8 @@ fn agrees_with_reference(what: &str, call: &Call, rel: f32) {
 /// fp8 caches with `k_scale` near 1e38 and `v_scale` near 1e-38 (`|scale| * k_scale` near 1,
 /// in range): keys of order 1e38 and values of order 1e-38 stored as codes of order 1, read
 /// by decodes and prefills, f32 and bf16 queries (the AVX512-BF16 and AMX kernels take bf16),
-/// both fp8 formats. `cpu` gave NaN where `reference` gives values of order 1e-38.
+/// both fp8 formats, on every `cpu` ISA and `cuda`. `cpu` gave NaN where `reference` gives
+/// values of order 1e-38.
 #[test]
 fn fp8_caches_with_extreme_scales_follow_the_reference() {
     let (h, d, n) = (2usize, 64usize, 40usize);
