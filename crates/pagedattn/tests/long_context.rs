@@ -358,16 +358,16 @@ fn agrees_with_reference(what: &str, call: &Call, rel: f32) {
         .iter()
         .filter(|x| x.is_finite())
         .fold(0.0f32, |m, x| m.max(x.abs()));
-    let mut backends: Vec<(String, Box<dyn Backend>)> = cpu_isas()
-        .map(|(isa, cpu)| (isa.to_string(), Box::new(cpu) as Box<dyn Backend>))
-        .collect();
     #[cfg(feature = "cuda")]
-    if pagedattn::cuda::info().is_ok() {
-        backends.push((
-            "cuda".into(),
-            Box::new(pagedattn::cuda::Cuda::new_default().unwrap()),
-        ));
-    }
+    let gpu = pagedattn::cuda::info().is_ok().then(|| {
+        let cuda = pagedattn::cuda::Cuda::new_default().unwrap();
+        ("cuda".to_string(), Box::new(cuda) as Box<dyn Backend>)
+    });
+    #[cfg(not(feature = "cuda"))]
+    let gpu = None;
+    let backends = cpu_isas()
+        .map(|(isa, cpu)| (isa.to_string(), Box::new(cpu) as Box<dyn Backend>))
+        .chain(gpu);
     for (isa, backend) in backends {
         let got = call.run(&*backend);
         for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
