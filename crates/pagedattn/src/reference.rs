@@ -13,7 +13,7 @@ use crate::semantics::{
     alibi_bias, alibi_position, allowed_keys, query_position, soft_cap, KeyLocation, KeyMap,
 };
 use crate::step::{ForwardCheck, Inputs, KvPair, Plan, Workspace};
-use crate::tensor::{try_collect, HostSliceMut, HostStorage, Tensor};
+use crate::tensor::{zeroed_vec, HostSliceMut, HostStorage, Tensor};
 
 /// The reference backend (registry name `reference`).
 #[derive(Debug, Clone, Copy, Default)]
@@ -170,7 +170,7 @@ impl AttentionImpl for ReferenceAttention {
         // 3. Attend.
         let q = query.host()?.to_f64_vec()?;
         let (h_count, d) = (cfg.num_heads(), cfg.head_size());
-        let mut out = try_collect(q.len(), std::iter::repeat(0.0f64))?;
+        let mut out = zeroed_vec::<f64>(q.len())?;
         for s in 0..metadata.num_seqs() {
             let range = metadata.query_range(s);
             let seq_len = metadata.seq_lens[s] as usize;

@@ -945,66 +945,16 @@ fn unsupported_head_sizes_answer_unsupported() {
 // ---------------------------------------------------------------------------------------------
 
 /// One call with a hand-made cache: zeros plus the rows written before the call.
-struct Edge {
-    config: AttentionConfig,
-    metadata: pagedattn::AttentionMetadata,
-    query: Tensor,
-    kv: Option<(Tensor, Tensor)>,
-    /// The cache's dtype and block count, and the rows written before the call
-    /// (`[rows, Hkv, D]` keys and values, their slots).
-    cache: Option<(DType, usize, Tensor, Tensor, Vec<i64>)>,
-}
+type Edge = HandmadeCall;
 
-impl Edge {
-    /// The output on `backend`, which starts poisoned with NaN.
-    fn run(&self, backend: &dyn Backend) -> Vec<f32> {
-        let device = backend.device();
-        let attention = backend.attention(&self.config).unwrap();
-        let mut cache = self.cache.as_ref().map(|(dtype, blocks, k, v, slots)| {
-            let block_size = self.metadata.block_size.unwrap();
-            let spec = self.config.kv_cache_spec(*dtype, *blocks, block_size);
-            let mut host = KvCache::zeros(spec, backend.kv_cache_layout()).unwrap();
-            host.write(k, v, slots, self.config.kv_scales()).unwrap();
-            backend.load_kv_cache(&host).unwrap()
-        });
-        let plan = attention
-            .plan(&self.metadata, cache.as_ref().map(KvCache::spec))
-            .unwrap();
-        let mut workspace = backend.workspace(&plan).unwrap();
-        let query = self.query.to_device(device).unwrap();
-        let kv = self
-            .kv
-            .as_ref()
-            .map(|(k, v)| (k.to_device(device).unwrap(), v.to_device(device).unwrap()));
-        let mut out = Tensor::zeros_on(device, query.dtype(), query.shape()).unwrap();
-        out.fill_nan().unwrap();
-        let mut inputs = Inputs::new(&query).with_cache_opt(cache.as_mut());
-        if let Some((k, v)) = &kv {
-            inputs = inputs.with_kv(k, v);
-        }
-        attention
-            .forward_into(&plan, &mut workspace, inputs, &mut out)
-            .unwrap();
-        out.to_f32_vec().unwrap()
-    }
-
+impl HandmadeCall {
     /// The reference output, after checking that the GPU agrees with it: the contract's NaN /
     /// Inf classes, and finite elements within `rel` of the largest finite reference
     /// magnitude.
     fn agreed(&self, cuda: &Cuda, rel: f32) -> Vec<f32> {
         let want = self.run(&*reference());
-        let got = self.run(cuda);
-        let largest = want
-            .iter()
-            .filter(|x| x.is_finite())
-            .fold(0.0f32, |m, x| m.max(x.abs()));
-        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-            let agrees = if w.is_finite() {
-                g.is_finite() && (g - w).abs() <= rel * largest
-            } else {
-                same_class(g as f64, w as f64)
-            };
-            assert!(agrees, "output element {i} = {g}, reference {w}");
+        if let Some(e) = disagreement(&want, &self.run(cuda), rel) {
+            panic!("{e}");
         }
         want
     }

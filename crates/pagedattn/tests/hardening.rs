@@ -3,8 +3,11 @@
 //! memory run in a child process (this test executable, re-run with `HARDENING_CHILD` set), so
 //! that a regression fails the test instead of killing the harness.
 
+mod common;
+
 use std::process::Command;
 
+use common::{disagreement, HandmadeCall};
 use pagedattn::*;
 
 /// The environment variable that makes this executable run one scenario as a child.
@@ -262,60 +265,14 @@ fn replay_headers_with_a_repeated_key_are_refused() {
 // ---------------------------------------------------------------------------------------------
 
 /// One call to run on every backend: its cache (if any) starts as zeros plus `fill`.
-struct Case {
-    config: AttentionConfig,
-    metadata: AttentionMetadata,
-    query: Tensor,
-    kv: Option<(Tensor, Tensor)>,
-    /// The cache's dtype and block count, and the rows written before the call
-    /// (`[rows, Hkv, D]` keys and values, their slots).
-    cache: Option<(DType, usize, Tensor, Tensor, Vec<i64>)>,
-}
+type Case = HandmadeCall;
 
-impl Case {
-    /// The output on `backend`, which starts poisoned with NaN. Inputs and the cache are
-    /// built in host memory and moved to the backend's device.
-    fn run(&self, backend: &dyn Backend) -> Vec<f32> {
-        let device = backend.device();
-        let attention = backend.attention(&self.config).unwrap();
-        let mut cache = self.cache.as_ref().map(|(dtype, blocks, k, v, slots)| {
-            let block_size = self.metadata.block_size.unwrap();
-            let spec = self.config.kv_cache_spec(*dtype, *blocks, block_size);
-            let mut cache = KvCache::zeros(spec, backend.kv_cache_layout()).unwrap();
-            cache.write(k, v, slots, self.config.kv_scales()).unwrap();
-            backend.load_kv_cache(&cache).unwrap()
-        });
-        let plan = attention
-            .plan(&self.metadata, cache.as_ref().map(KvCache::spec))
-            .unwrap();
-        let mut workspace = backend.workspace(&plan).unwrap();
-        let mut out = Tensor::zeros_on(device, self.query.dtype(), self.query.shape()).unwrap();
-        out.fill_nan().unwrap();
-        let query = self.query.to_device(device).unwrap();
-        let kv = self.kv.as_ref().map(|(key, value)| {
-            (
-                key.to_device(device).unwrap(),
-                value.to_device(device).unwrap(),
-            )
-        });
-        let inputs = Inputs::new(&query)
-            .with_kv_pair(kv.as_ref().map(|(key, value)| KvPair { key, value }))
-            .with_cache_opt(cache.as_mut());
-        attention
-            .forward_into(&plan, &mut workspace, inputs, &mut out)
-            .unwrap();
-        out.to_f32_vec().unwrap()
-    }
-
+impl HandmadeCall {
     /// The reference output, after checking that `cpu` on every ISA of this machine (and
     /// `cuda`, where a GPU is usable) agrees with it: the contract's NaN / Inf classes, and
     /// finite elements within `rel` of the largest finite reference magnitude.
     fn agreed(&self, rel: f32) -> Vec<f32> {
         let want = self.run(&*registry::backend("reference").unwrap());
-        let scale = want
-            .iter()
-            .filter(|x| x.is_finite())
-            .fold(0.0f32, |m, x| m.max(x.abs()));
         let mut backends: Vec<(String, Box<dyn Backend>)> = cpu::Isa::ALL
             .into_iter()
             .filter(|i| i.is_available())
@@ -330,16 +287,8 @@ impl Case {
         let gpu = gpu().filter(|_| gpu_has_head_size(self.config.head_size()));
         backends.extend(gpu.map(|g| ("cuda".to_string(), g)));
         for (name, backend) in backends {
-            let got = self.run(&*backend);
-            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                let agrees = if w.is_nan() {
-                    g.is_nan()
-                } else if w.is_infinite() {
-                    g == w || g.is_nan()
-                } else {
-                    g.is_finite() && (g - w).abs() <= rel * scale
-                };
-                assert!(agrees, "{name}: output element {i} = {g}, reference {w}");
+            if let Some(e) = disagreement(&want, &self.run(&*backend), rel) {
+                panic!("{name}: {e}");
             }
         }
         want

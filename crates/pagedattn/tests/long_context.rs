@@ -13,52 +13,11 @@ mod common;
 use std::process::Command;
 use std::time::Instant;
 
+use common::{disagreement, HandmadeCall};
 use pagedattn::*;
 
 /// One call with a hand-made cache: zeros plus the rows written before the call.
-struct Call {
-    config: AttentionConfig,
-    metadata: AttentionMetadata,
-    query: Tensor,
-    kv: Option<(Tensor, Tensor)>,
-    /// The cache's dtype and block count, and the rows written before the call
-    /// (`[rows, Hkv, D]` keys and values, their slots).
-    cache: Option<(DType, usize, Tensor, Tensor, Vec<i64>)>,
-}
-
-impl Call {
-    /// The output on `backend` (any device), which starts poisoned with NaN.
-    fn run(&self, backend: &dyn Backend) -> Vec<f32> {
-        let device = backend.device();
-        let attention = backend.attention(&self.config).unwrap();
-        let mut cache = self.cache.as_ref().map(|(dtype, blocks, k, v, slots)| {
-            let block_size = self.metadata.block_size.unwrap();
-            let spec = self.config.kv_cache_spec(*dtype, *blocks, block_size);
-            let mut host = KvCache::zeros(spec, backend.kv_cache_layout()).unwrap();
-            host.write(k, v, slots, self.config.kv_scales()).unwrap();
-            backend.load_kv_cache(&host).unwrap()
-        });
-        let plan = attention
-            .plan(&self.metadata, cache.as_ref().map(KvCache::spec))
-            .unwrap();
-        let mut workspace = backend.workspace(&plan).unwrap();
-        let query = self.query.to_device(device).unwrap();
-        let kv = self
-            .kv
-            .as_ref()
-            .map(|(k, v)| (k.to_device(device).unwrap(), v.to_device(device).unwrap()));
-        let mut out = Tensor::zeros_on(device, query.dtype(), query.shape()).unwrap();
-        out.fill_nan().unwrap();
-        let mut inputs = Inputs::new(&query).with_cache_opt(cache.as_mut());
-        if let Some((k, v)) = &kv {
-            inputs = inputs.with_kv(k, v);
-        }
-        attention
-            .forward_into(&plan, &mut workspace, inputs, &mut out)
-            .unwrap();
-        out.to_f32_vec().unwrap()
-    }
-}
+type Call = HandmadeCall;
 
 /// The `cpu` backend on every instruction set this machine has.
 fn cpu_isas() -> impl Iterator<Item = (cpu::Isa, cpu::Cpu)> {
@@ -354,10 +313,6 @@ fn prefill_packing_too_large_for_the_host_is_out_of_memory() {
 /// reference magnitude (or equal where that is 0).
 fn agrees_with_reference(what: &str, call: &Call, rel: f32) {
     let want = call.run(&*registry::backend("reference").unwrap());
-    let scale = want
-        .iter()
-        .filter(|x| x.is_finite())
-        .fold(0.0f32, |m, x| m.max(x.abs()));
     #[cfg(feature = "cuda")]
     let gpu = pagedattn::cuda::info().is_ok().then(|| {
         let cuda = pagedattn::cuda::Cuda::new_default().unwrap();
@@ -369,19 +324,8 @@ fn agrees_with_reference(what: &str, call: &Call, rel: f32) {
         .map(|(isa, cpu)| (isa.to_string(), Box::new(cpu) as Box<dyn Backend>))
         .chain(gpu);
     for (isa, backend) in backends {
-        let got = call.run(&*backend);
-        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-            let agrees = if w.is_nan() {
-                g.is_nan()
-            } else if w.is_infinite() {
-                g == w || g.is_nan()
-            } else {
-                g.is_finite() && (g - w).abs() <= rel * scale
-            };
-            assert!(
-                agrees,
-                "{what}, {isa}: output element {i} = {g:e}, reference {w:e}"
-            );
+        if let Some(e) = disagreement(&want, &call.run(&*backend), rel) {
+            panic!("{what}, {isa}: {e}");
         }
     }
 }

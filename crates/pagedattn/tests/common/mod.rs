@@ -365,6 +365,77 @@ pub fn forward_once(
 }
 
 // ---------------------------------------------------------------------------------------------
+// One call with a hand-made cache (the edge cases of `hardening`, `cuda_attention` and
+// `long_context`), and the contract's agreement of two outputs.
+// ---------------------------------------------------------------------------------------------
+
+/// One call with a hand-made cache: zeros plus the rows written before the call.
+#[derive(Debug)]
+pub struct HandmadeCall {
+    pub config: AttentionConfig,
+    pub metadata: AttentionMetadata,
+    pub query: Tensor,
+    pub kv: Option<(Tensor, Tensor)>,
+    /// The cache's dtype and block count, and the rows written before the call
+    /// (`[rows, Hkv, D]` keys and values, their slots).
+    pub cache: Option<(DType, usize, Tensor, Tensor, Vec<i64>)>,
+}
+
+impl HandmadeCall {
+    /// The output on `backend`, which starts poisoned with NaN. Inputs and the cache are
+    /// built in host memory and moved to the backend's device.
+    pub fn run(&self, backend: &dyn Backend) -> Vec<f32> {
+        let device = backend.device();
+        let attention = backend.attention(&self.config).unwrap();
+        let mut cache = self.cache.as_ref().map(|(dtype, blocks, k, v, slots)| {
+            let block_size = self.metadata.block_size.unwrap();
+            let spec = self.config.kv_cache_spec(*dtype, *blocks, block_size);
+            let mut host = KvCache::zeros(spec, backend.kv_cache_layout()).unwrap();
+            host.write(k, v, slots, self.config.kv_scales()).unwrap();
+            backend.load_kv_cache(&host).unwrap()
+        });
+        let plan = attention
+            .plan(&self.metadata, cache.as_ref().map(KvCache::spec))
+            .unwrap();
+        let mut workspace = backend.workspace(&plan).unwrap();
+        let query = self.query.to_device(device).unwrap();
+        let kv = self
+            .kv
+            .as_ref()
+            .map(|(k, v)| (k.to_device(device).unwrap(), v.to_device(device).unwrap()));
+        let mut out = Tensor::zeros_on(device, query.dtype(), query.shape()).unwrap();
+        out.fill_nan().unwrap();
+        let inputs = Inputs::new(&query)
+            .with_kv_pair(kv.as_ref().map(|(key, value)| KvPair { key, value }))
+            .with_cache_opt(cache.as_mut());
+        attention
+            .forward_into(&plan, &mut workspace, inputs, &mut out)
+            .unwrap();
+        out.to_f32_vec().unwrap()
+    }
+}
+
+/// The first output element where `got` disagrees with `want` (`reference`'s) as the
+/// contract says: NaN exactly where `want` is NaN, the same infinity (or NaN) where it is
+/// infinite, and finite elements within `rel` of the largest finite magnitude of `want`.
+pub fn disagreement(want: &[f32], got: &[f32], rel: f32) -> Option<String> {
+    let largest = want
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0.0f32, |m, x| m.max(x.abs()));
+    want.iter().zip(got).enumerate().find_map(|(i, (&w, &g))| {
+        let agrees = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() {
+            g == w || g.is_nan()
+        } else {
+            g.is_finite() && (g - w).abs() <= rel * largest
+        };
+        (!agrees).then(|| format!("output element {i} = {g:e}, reference {w:e}"))
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
 // A model of the paged cache: the canonical bytes it must hold.
 // ---------------------------------------------------------------------------------------------
 
