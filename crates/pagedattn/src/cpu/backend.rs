@@ -209,6 +209,6 @@ impl CpuAttention {
             amx: self.backend.isa == Isa::Amx,
         };
         let output = output.host_mut()?;
-        crate::with_element!(query.dtype(), T => run_isa::<T>(self.backend.isa, &call, output, partials))
+        run_isa(self.backend.isa, &call, output, partials)
     }
 }

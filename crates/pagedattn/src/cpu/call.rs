@@ -1,7 +1,10 @@
-//! [`TypedCall`]: a forward call with its ISA and element types fixed, and what its units of
-//! work share: where the key and value rows are, the query rows, and writing finished rows.
+//! [`TypedCall`]: a forward call with its ISA and key/value element type fixed, and what its
+//! units of work share: where the key and value rows are, the query rows, and writing
+//! finished rows.
 
 use std::ops::Range;
+
+use half::{bf16, f16};
 
 use crate::config::{AttentionConfig, AttnType};
 use crate::dtype::Element;
@@ -12,27 +15,43 @@ use crate::shared::SharedMut;
 
 use super::kernel::{KvRows, RowLayout, RowStates, ScoreMods};
 use super::plan::Plan;
-use super::simd::{Load, Simd};
+use super::simd::{prefetch, Load, Simd};
 
-/// A [`ForwardCall`](super::dispatch::ForwardCall) with its ISA `S`, query/output element `T`
-/// and key/value element `E` fixed: everything a unit of work (decode unit, prefill group,
-/// merge) reads.
-pub(super) struct TypedCall<'a, S, T, E> {
-    pub(super) s: S,
+/// The query rows of a call in the caller's element type. The kernels read them once per
+/// unit of work, converted to f32 or bf16 pairs, so they are not generic over it: an element
+/// type parameter would multiply every kernel body by three for a conversion of rows × D
+/// elements per unit.
+#[derive(Clone, Copy)]
+pub(super) enum Queries<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+/// Where finished output rows go, in the caller's element type (see [`Queries`]).
+#[derive(Clone, Copy)]
+pub(super) enum OutRows {
+    F32(SharedMut<f32>),
+    F16(SharedMut<f16>),
+    Bf16(SharedMut<bf16>),
+}
+
+/// What every unit of work of a forward call shares, apart from the ISA and the key/value
+/// element type: the query and output rows and what decides them (configuration, metadata,
+/// plan). Its methods are compiled once, not once per kernel instantiation.
+pub(super) struct CallRows<'a> {
     pub(super) cfg: &'a AttentionConfig,
     pub(super) md: &'a AttentionMetadata,
-    pub(super) query: &'a [T],
-    pub(super) keys: &'a [E],
-    pub(super) values: &'a [E],
+    pub(super) plan: &'a Plan,
+    pub(super) query: Queries<'a>,
+    pub(super) out: OutRows,
+    pub(super) partials: SharedMut<f32>,
     pub(super) cache_geometry: Option<KvCacheSpec>,
     pub(super) mods: ScoreMods,
     /// Multiplies q·k: the softmax scale times the fp8 k_scale.
     pub(super) score_scale: f32,
     /// Multiplies the output: the fp8 v_scale.
     pub(super) v_scale: f32,
-    pub(super) out: SharedMut<T>,
-    pub(super) partials: SharedMut<f32>,
-    pub(super) plan: &'a Plan,
     /// Whether the AVX512-BF16 kernels may be used.
     #[cfg(target_arch = "x86_64")]
     pub(super) bf16_dot: bool,
@@ -41,16 +60,44 @@ pub(super) struct TypedCall<'a, S, T, E> {
     pub(super) amx: bool,
 }
 
-impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
+/// A forward call with its ISA `S` and key/value element `E` fixed: the [`CallRows`] (through
+/// `Deref`) and where the keys and values are read.
+pub(super) struct TypedCall<'a, S, E> {
+    pub(super) s: S,
+    pub(super) call: &'a CallRows<'a>,
+    pub(super) keys: &'a [E],
+    pub(super) values: &'a [E],
+}
+
+impl<'a, S, E> std::ops::Deref for TypedCall<'a, S, E> {
+    type Target = CallRows<'a>;
+    fn deref(&self) -> &CallRows<'a> {
+        self.call
+    }
+}
+
+impl<S: Simd, E: Load> TypedCall<'_, S, E> {
+    /// Where sequence `seq`'s keys and values for `kv_head` are.
+    pub(super) fn kv_rows(&self, seq: usize, kv_head: usize) -> KvRows<'_, E> {
+        KvRows {
+            key: self.keys,
+            value: self.values,
+            layout: self.call.kv_layout(seq, kv_head),
+            head_size: self.cfg.head_size(),
+        }
+    }
+}
+
+impl CallRows<'_> {
     pub(super) fn group_size(&self) -> usize {
         self.cfg.num_queries_per_kv()
     }
 
-    /// Where sequence `seq`'s keys and values for `kv_head` are.
-    pub(super) fn kv_rows(&self, seq: usize, kv_head: usize) -> KvRows<'_, E> {
+    /// Where sequence `seq`'s keys and values for `kv_head` are in the key and value buffers.
+    fn kv_layout(&self, seq: usize, kv_head: usize) -> RowLayout<'_> {
         let (d, hkv) = (self.cfg.head_size(), self.cfg.num_kv_heads());
         let cross = self.cfg.attn_type() == AttnType::EncoderDecoder;
-        let layout = match self.cache_geometry {
+        match self.cache_geometry {
             Some(spec) => {
                 let table = if cross {
                     self.md
@@ -81,12 +128,6 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
                     token_stride: hkv * d,
                 }
             }
-        };
-        KvRows {
-            key: self.keys,
-            value: self.values,
-            layout,
-            head_size: d,
         }
     }
 
@@ -124,17 +165,22 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     /// with every line of them prefetched first: a token's heads lie `H × D` elements after
     /// the previous token's, a stride the hardware prefetchers do not follow across pages, so
     /// without it each row is a serial trip to memory.
-    fn query_heads(&self, kv_head: usize, tokens: Range<usize>) -> impl Iterator<Item = &[T]> {
+    fn query_heads<'q, T>(
+        &self,
+        query: &'q [T],
+        kv_head: usize,
+        tokens: Range<usize>,
+    ) -> impl Iterator<Item = &'q [T]> {
         let (d, h, group) = (
             self.cfg.head_size(),
             self.cfg.num_heads(),
             self.group_size(),
         );
-        let heads = move |t: usize| &self.query[(t * h + kv_head * group) * d..][..group * d];
+        let heads = move |t: usize| &query[(t * h + kv_head * group) * d..][..group * d];
         let line = 64 / std::mem::size_of::<T>();
         for t in tokens.clone() {
             for x in heads(t).iter().step_by(line) {
-                self.s.prefetch(x);
+                prefetch(x);
             }
         }
         tokens.map(heads)
@@ -142,24 +188,46 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
 
     /// The query rows of `kv_head` for `tokens` in f32 (unscaled).
     pub(super) fn q_f32(&self, kv_head: usize, tokens: Range<usize>) -> Vec<f32> {
-        let len = tokens.len() * self.group_size() * self.cfg.head_size();
-        let mut q = Vec::with_capacity(len);
-        for heads in self.query_heads(kv_head, tokens) {
-            q.extend(heads.iter().map(|&x| Element::to_f32(x)));
+        fn widen<T: Element>(
+            rows: &CallRows<'_>,
+            query: &[T],
+            kv_head: usize,
+            tokens: Range<usize>,
+        ) -> Vec<f32> {
+            let len = tokens.len() * rows.group_size() * rows.cfg.head_size();
+            let mut q = Vec::with_capacity(len);
+            for heads in rows.query_heads(query, kv_head, tokens) {
+                q.extend(heads.iter().map(|&x| x.to_f32()));
+            }
+            q
         }
-        q
+        match self.query {
+            Queries::F32(q) => widen(self, q, kv_head, tokens),
+            Queries::F16(q) => widen(self, q, kv_head, tokens),
+            Queries::Bf16(q) => widen(self, q, kv_head, tokens),
+        }
     }
 
-    /// The query rows of `kv_head` for `tokens` as bf16 pairs (unscaled).
+    /// Whether the queries are bf16 (what the AVX512-BF16 and AMX kernels take).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn bf16_queries(&self) -> bool {
+        matches!(self.query, Queries::Bf16(_))
+    }
+
+    /// The query rows of `kv_head` for `tokens` as bf16 pairs (unscaled). Only for bf16
+    /// queries ([`TypedCall::bf16_queries`]).
     #[cfg(target_arch = "x86_64")]
     pub(super) fn q_bf16_pairs(&self, kv_head: usize, tokens: Range<usize>) -> Vec<u32> {
+        let Queries::Bf16(query) = self.query else {
+            unreachable!("the bf16 kernels run on bf16 queries only")
+        };
         let len = tokens.len() * self.group_size() * self.cfg.head_size();
         let mut q = Vec::with_capacity(len / 2);
-        for heads in self.query_heads(kv_head, tokens) {
+        for heads in self.query_heads(query, kv_head, tokens) {
             q.extend(
                 heads
                     .chunks_exact(2)
-                    .map(|p| p[0].bf16_bits() as u32 | (p[1].bf16_bits() as u32) << 16),
+                    .map(|p| p[0].to_bits() as u32 | (p[1].to_bits() as u32) << 16),
             );
         }
         q
@@ -224,12 +292,21 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     pub(super) fn write_row(&self, seq: usize, t: usize, head: usize, m: f32, l: f32, acc: &[f32]) {
         let (d, h) = (self.cfg.head_size(), self.cfg.num_heads());
         let norm = self.output_norm(m, l, seq, t);
-        // SAFETY: the output is `[tokens, H, D]` (validated), and each (token, head) row is
-        // written by exactly one unit of work (a unit or prefill tile, or a split-K merge).
-        let dst =
-            unsafe { std::slice::from_raw_parts_mut(self.out.ptr().add((t * h + head) * d), d) };
-        for (o, a) in dst.iter_mut().zip(acc) {
-            *o = T::from_f32((*a as f64 * norm) as f32);
+        /// Writes `acc · norm` rounded to `T` at `out + at`.
+        fn write<T: Element>(out: SharedMut<T>, at: usize, acc: &[f32], norm: f64) {
+            // SAFETY: the output is `[tokens, H, D]` (validated), and each (token, head) row
+            // is written by exactly one unit of work (a unit or prefill tile, or a split-K
+            // merge); `at` is such a row's start and `acc` has D elements.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr().add(at), acc.len()) };
+            for (o, a) in dst.iter_mut().zip(acc) {
+                *o = T::from_f32((*a as f64 * norm) as f32);
+            }
+        }
+        let at = (t * h + head) * d;
+        match self.out {
+            OutRows::F32(out) => write(out, at, acc, norm),
+            OutRows::F16(out) => write(out, at, acc, norm),
+            OutRows::Bf16(out) => write(out, at, acc, norm),
         }
     }
 }

@@ -1,10 +1,6 @@
 //! Decode units: every kv head of one sequence over a key range, on the cache rows in place
 //! (the portable kernels, or AVX512-BF16's).
 
-#[cfg(target_arch = "x86_64")]
-use crate::dtype::DType;
-use crate::dtype::Element;
-
 use super::kernel::{Attend, KvRows, PrefetchStream, QueryRows, RowStates, RowsSource};
 use super::plan::DecodeUnit;
 use super::simd::{Load, Simd};
@@ -23,7 +19,7 @@ struct DecodeHeads<'a, 'b, E> {
     streams: &'a [PrefetchStream],
 }
 
-impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
+impl<S: Simd, E: Load> TypedCall<'_, S, E> {
     /// Runs one decode unit: every kv head of one sequence, over the unit's keys.
     pub(super) fn decode(&self, unit: &DecodeUnit) {
         let (d, hkv) = (self.cfg.head_size(), self.cfg.num_kv_heads());
@@ -47,16 +43,22 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
         let streams: Vec<PrefetchStream> = (0..hkv)
             .map(|h| PrefetchStream::of_head(h, hkv, kvs[h].head_stride(), unit.keys.end))
             .collect();
+        // An `if` on the constants alone: the compiler then builds the bf16 kernels only for
+        // the ISA token and the element types that can run them.
         #[cfg(target_arch = "x86_64")]
-        let done = self.decode_bf16(
-            DecodeHeads {
-                unit,
-                groups: &groups,
-                kvs: &kvs,
-                streams: &streams,
-            },
-            &mut states,
-        );
+        let done = if S::BF16_KERNELS && E::BF16_EXACT {
+            self.decode_bf16(
+                DecodeHeads {
+                    unit,
+                    groups: &groups,
+                    kvs: &kvs,
+                    streams: &streams,
+                },
+                &mut states,
+            )
+        } else {
+            false
+        };
         #[cfg(not(target_arch = "x86_64"))]
         let done = false;
         if !done {
@@ -102,7 +104,7 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
     #[cfg(target_arch = "x86_64")]
     fn decode_bf16(&self, rows: DecodeHeads<'_, '_, E>, states: &mut [RowStates]) -> bool {
         use widen::Bf16Rows;
-        if !(self.bf16_dot && T::DTYPE == DType::BF16 && self.cfg.head_size().is_multiple_of(32)) {
+        if !(self.bf16_dot && self.bf16_queries() && self.cfg.head_size().is_multiple_of(32)) {
             return false;
         }
         match (E::as_bf16_rows(self.keys), E::as_bf16_rows(self.values)) {

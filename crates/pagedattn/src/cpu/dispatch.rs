@@ -1,11 +1,12 @@
-//! From one forward call to typed kernels: the ISA ([`run_isa`]), the element types of the
+//! From one forward call to typed kernels: the ISA ([`run_isa`]), the element type of the
 //! keys and values ([`run_kv`]), then the plan's work in parallel ([`run`]).
-
-use rayon::prelude::*;
+//!
+//! Only these two are type parameters of the kernels (three ISA tokens on x86 × five key/value
+//! element types); the query and output element type is read through an enum
+//! ([`Queries`], [`OutRows`]), so that it does not multiply the compiled kernels.
 
 use crate::config::AttentionConfig;
-use crate::dtype::Element;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv_cache::{KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
 use crate::shared::SharedMut;
@@ -16,7 +17,8 @@ use super::plan::Plan;
 use super::simd::{E4m3, E5m2, Load, Simd, WithSimd};
 use super::Isa;
 
-use super::call::TypedCall;
+use super::call::{CallRows, OutRows, Queries, TypedCall};
+use super::parallel;
 
 /// Everything one forward call reads, with the storage's element types still open (see
 /// [`TypedCall`]).
@@ -42,86 +44,13 @@ pub(super) struct ForwardCall<'a> {
 /// Runs the call on the widest vectors of `isa` whose width divides the head size (so kernels
 /// need no tails). [`Error::OutOfMemory`](crate::Error::OutOfMemory) where scratch sized by
 /// the metadata (a prefill group's packed keys) cannot be allocated.
-pub(super) fn run_isa<T: Element + Load>(
+pub(super) fn run_isa(
     isa: Isa,
     call: &ForwardCall<'_>,
     output: HostSliceMut<'_>,
     partials: &mut [f32],
 ) -> Result<()> {
-    isa.vectorize_dividing(
-        call.config.head_size(),
-        RunKv::<T> {
-            call,
-            output,
-            partials,
-            element: std::marker::PhantomData,
-        },
-    )
-}
-
-/// [`run_kv`] as an operation on the token [`Isa::vectorize_dividing`] picks.
-struct RunKv<'r, 'a, T> {
-    call: &'r ForwardCall<'a>,
-    output: HostSliceMut<'r>,
-    partials: &'r mut [f32],
-    element: std::marker::PhantomData<T>,
-}
-
-impl<T: Element + Load> WithSimd for RunKv<'_, '_, T> {
-    type Output = Result<()>;
-    #[inline(always)]
-    fn with_simd<S: Simd>(self, s: S) -> Result<()> {
-        run_kv::<S, T>(s, self.call, self.output, self.partials)
-    }
-}
-
-/// Dispatches on the element type the keys and values are read from.
-fn run_kv<S: Simd, T: Element + Load>(
-    s: S,
-    call: &ForwardCall<'_>,
-    output: HostSliceMut<'_>,
-    partials: &mut [f32],
-) -> Result<()> {
-    /// Views bytes as fp8 codes.
-    fn codes<C>(bytes: &[u8]) -> &[C] {
-        // SAFETY: E4m3 and E5m2 are repr(transparent) over u8.
-        unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const C, bytes.len()) }
-    }
-    let fp8 = call
-        .cache_geometry
-        .and_then(|_| call.config.kv_cache_dtype().fp8_format());
-    match (call.keys, call.values, fp8) {
-        (HostStorage::U8(k), HostStorage::U8(v), Some(crate::Fp8Format::E4m3)) => {
-            run::<S, T, E4m3>(s, call, codes(k), codes(v), output, partials)
-        }
-        (HostStorage::U8(k), HostStorage::U8(v), Some(crate::Fp8Format::E5m2)) => {
-            run::<S, T, E5m2>(s, call, codes(k), codes(v), output, partials)
-        }
-        (k, v, _) => run::<S, T, T>(
-            s,
-            call,
-            k.as_slice().expect("validated"),
-            v.as_slice().expect("validated"),
-            output,
-            partials,
-        ),
-    }
-}
-
-/// Runs the plan: prefill groups and decode units in parallel, then the split-K merges. A
-/// prefill group whose packing cannot be allocated ends the call with its error (decode units
-/// and merges allocate only what the configuration bounds: rows × D, a key tile).
-fn run<S: Simd, T: Element + Load, E: Load>(
-    s: S,
-    call: &ForwardCall<'_>,
-    keys: &[E],
-    values: &[E],
-    output: HostSliceMut<'_>,
-    partials: &mut [f32],
-) -> Result<()> {
     let cfg = call.config;
-    let md = call.metadata;
-    let plan = call.plan;
     let fp8 = call.cache_geometry.is_some() && cfg.kv_cache_dtype().fp8_format().is_some();
     let (k_scale, v_scale) = if fp8 {
         (call.scales.k_scale, call.scales.v_scale)
@@ -129,13 +58,23 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         (1.0, 1.0)
     };
     let attn_type = cfg.attn_type();
-    let ctx = TypedCall {
-        s,
+    let rows = CallRows {
         cfg,
-        md,
-        query: call.query.as_slice::<T>().expect("validated"),
-        keys,
-        values,
+        md: call.metadata,
+        plan: call.plan,
+        query: match call.query {
+            HostStorage::F32(q) => Queries::F32(q),
+            HostStorage::F16(q) => Queries::F16(q),
+            HostStorage::BF16(q) => Queries::Bf16(q),
+            HostStorage::U8(_) => unreachable!("validated: queries are f32, f16 or bf16"),
+        },
+        out: match output {
+            HostSliceMut::F32(o) => OutRows::F32(SharedMut(o.as_mut_ptr())),
+            HostSliceMut::F16(o) => OutRows::F16(SharedMut(o.as_mut_ptr())),
+            HostSliceMut::BF16(o) => OutRows::Bf16(SharedMut(o.as_mut_ptr())),
+            HostSliceMut::U8(_) => unreachable!("validated: outputs are f32, f16 or bf16"),
+        },
+        partials: SharedMut(partials.as_mut_ptr()),
         cache_geometry: call.cache_geometry,
         mods: ScoreMods {
             causal: attn_type.is_causal(),
@@ -146,20 +85,74 @@ fn run<S: Simd, T: Element + Load, E: Load>(
         // Validated to be a normal f32 (`AttentionConfig`).
         score_scale: (cfg.scale() as f64 * k_scale as f64) as f32,
         v_scale,
-        out: SharedMut(output.into_slice::<T>().expect("validated").as_mut_ptr()),
-        partials: SharedMut(partials.as_mut_ptr()),
-        plan,
         #[cfg(target_arch = "x86_64")]
         bf16_dot: call.bf16_dot,
         #[cfg(target_arch = "x86_64")]
         amx: call.amx,
     };
-    let (prefill, ()) = rayon::join(
-        || plan.prefill.par_iter().try_for_each(|pg| ctx.prefill(pg)),
-        || plan.units.par_iter().for_each(|unit| ctx.decode(unit)),
-    );
-    prefill?;
+    isa.vectorize_dividing(cfg.head_size(), RunKv { call, rows: &rows })?;
+    // The split-K merges, once every partition is written.
     let partials = &*partials;
-    plan.merges.par_iter().for_each(|m| ctx.merge(m, partials));
+    let merges = &call.plan.merges;
+    parallel::for_each(merges.len(), &|i| rows.merge(&merges[i], partials));
     Ok(())
+}
+
+/// [`run_kv`] as an operation on the token [`Isa::vectorize_dividing`] picks.
+struct RunKv<'r, 'a> {
+    call: &'r ForwardCall<'a>,
+    rows: &'r CallRows<'r>,
+}
+
+impl WithSimd for RunKv<'_, '_> {
+    type Output = Result<()>;
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, s: S) -> Result<()> {
+        run_kv::<S>(s, self.call, self.rows)
+    }
+}
+
+/// Dispatches on the element type the keys and values are read from.
+fn run_kv<S: Simd>(s: S, call: &ForwardCall<'_>, rows: &CallRows<'_>) -> Result<()> {
+    /// Views bytes as fp8 codes.
+    fn codes<C>(bytes: &[u8]) -> &[C] {
+        // SAFETY: E4m3 and E5m2 are repr(transparent) over u8.
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const C, bytes.len()) }
+    }
+    let fp8 = call
+        .cache_geometry
+        .and_then(|_| call.config.kv_cache_dtype().fp8_format());
+    match (call.keys, call.values, fp8) {
+        (HostStorage::U8(k), HostStorage::U8(v), Some(crate::Fp8Format::E4m3)) => {
+            run::<S, E4m3>(s, rows, codes(k), codes(v))
+        }
+        (HostStorage::U8(k), HostStorage::U8(v), Some(crate::Fp8Format::E5m2)) => {
+            run::<S, E5m2>(s, rows, codes(k), codes(v))
+        }
+        (HostStorage::F32(k), HostStorage::F32(v), None) => run::<S, f32>(s, rows, k, v),
+        (HostStorage::F16(k), HostStorage::F16(v), None) => run::<S, half::f16>(s, rows, k, v),
+        (HostStorage::BF16(k), HostStorage::BF16(v), None) => run::<S, half::bf16>(s, rows, k, v),
+        (k, v, _) => Err(Error::invalid(
+            "key / value",
+            format!("{} keys and {} values", k.dtype(), v.dtype()),
+            "keys and values of the query's element type, or fp8 codes in an fp8 cache",
+        )),
+    }
+}
+
+/// Runs the plan's prefill groups and decode units in parallel. A prefill group whose packing
+/// cannot be allocated ends the call with its error (decode units allocate only what the
+/// configuration bounds: rows × D, a key tile).
+fn run<S: Simd, E: Load>(s: S, rows: &CallRows<'_>, keys: &[E], values: &[E]) -> Result<()> {
+    let ctx = TypedCall {
+        s,
+        call: rows,
+        keys,
+        values,
+    };
+    let plan = rows.plan;
+    parallel::join(
+        &|| parallel::try_for_each(plan.prefill.len(), &|i| ctx.prefill(&plan.prefill[i])),
+        &|| parallel::for_each(plan.units.len(), &|i| ctx.decode(&plan.units[i])),
+    )
 }

@@ -1,13 +1,10 @@
 //! Split-K merges: the partitions of one (token, kv head) combined into its output rows.
 
-use crate::dtype::Element;
-
 use super::plan::Merge;
-use super::simd::{Load, Simd};
 
-use super::call::TypedCall;
+use super::call::CallRows;
 
-impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
+impl CallRows<'_> {
     /// Combines the split-K partitions of one (token, kv head) and writes the output rows.
     pub(super) fn merge(&self, merge: &Merge, partials: &[f32]) {
         let (d, group) = (self.cfg.head_size(), self.group_size());

@@ -31,6 +31,7 @@ mod isa;
 pub(crate) mod kernel;
 mod merge;
 pub(crate) mod packed;
+mod parallel;
 pub mod peak;
 pub(crate) mod plan;
 mod prefill;

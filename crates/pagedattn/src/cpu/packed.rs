@@ -11,8 +11,8 @@ use crate::error::Result;
 
 use super::aligned::AlignedF32;
 use super::kernel::{
-    accumulate_rows, block_end, for_row_blocks, KvRows, RowStates, TileSource, KEY_TILE,
-    PACK_PREFETCH_KEYS,
+    accumulate_consecutive, accumulate_rows, block_end, for_row_blocks, KvRows, RowStates,
+    TileSource, KEY_TILE, PACK_PREFETCH_KEYS,
 };
 use super::simd::{Load, Simd, WithSimd};
 
@@ -170,11 +170,16 @@ impl TileSource for PackedF32Source<'_> {
         state: &mut RowStates,
     ) {
         let p = self.packed;
-        let mut rows = [0usize; KEY_TILE];
-        for (t, j) in keys.clone().enumerate() {
-            rows[t] = (j - p.origin) * p.d;
+        let first_row = (keys.start - p.origin) * p.d;
+        if absent.iter().any(|&a| a) {
+            let mut rows = [0usize; KEY_TILE];
+            for (t, row) in rows[..absent.len()].iter_mut().enumerate() {
+                *row = first_row + t * p.d;
+            }
+            accumulate_rows(s, &p.v, &rows[..absent.len()], cols, absent, probs, state);
+        } else {
+            accumulate_consecutive(s, &p.v, first_row, cols, probs, state);
         }
-        accumulate_rows(s, &p.v, &rows[..absent.len()], cols, absent, probs, state);
     }
 
     fn value_row(&self, keys: &Range<usize>, t: usize, out: &mut [f32]) {

@@ -1,17 +1,13 @@
 //! Prefill groups: one (sequence, kv head)'s keys and values packed once, then its query
 //! tiles in parallel.
 
-use rayon::prelude::*;
-
-#[cfg(target_arch = "x86_64")]
-use crate::dtype::DType;
-use crate::dtype::Element;
 use crate::error::Result;
 
 #[cfg(target_arch = "x86_64")]
 use super::kernel::ScoreMods;
 use super::kernel::{Attend, QueryRows, RowStates};
 use super::packed;
+use super::parallel;
 use super::plan::PrefillGroup;
 use super::simd::{Load, Simd};
 #[cfg(target_arch = "x86_64")]
@@ -19,7 +15,7 @@ use super::{amx, bf16};
 
 use super::call::TypedCall;
 
-impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
+impl<S: Simd, E: Load> TypedCall<'_, S, E> {
     /// Packs one prefill group's keys and values, then runs its query tiles in parallel.
     /// The packing is the one allocation sized by the caller's metadata (the group's keys):
     /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) where the host cannot make it. The
@@ -32,12 +28,16 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
         #[cfg(target_arch = "x86_64")]
         {
             let amx = self.amx && d.is_multiple_of(32);
-            if T::DTYPE == DType::BF16
+            // An `if` on the constants alone first: the compiler then builds the bf16
+            // kernels only for the ISA token and the element types that can run them.
+            if S::BF16_KERNELS
                 && E::BF16_EXACT
+                && self.bf16_queries()
                 && (amx || (self.bf16_dot && d.is_multiple_of(16)))
             {
                 let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent)?;
-                pg.tiles.par_iter().for_each(|tile| {
+                parallel::for_each(pg.tiles.len(), &|i| {
+                    let tile = &pg.tiles[i];
                     let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
                     let group = QueryRows {
                         pos: &pos,
@@ -78,7 +78,8 @@ impl<S: Simd, T: Element + Load, E: Load> TypedCall<'_, S, T, E> {
             keys: pg.keys.clone(),
             absent,
         })?;
-        pg.tiles.par_iter().for_each(|tile| {
+        parallel::for_each(pg.tiles.len(), &|i| {
+            let tile = &pg.tiles[i];
             let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
             let q = self.q_f32(pg.kv_head, tile.tokens.clone());
             let source = packed::PackedF32Source {

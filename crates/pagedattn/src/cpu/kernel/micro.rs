@@ -1,6 +1,7 @@
 //! The micro-kernels the tile loop and the sources run on a block of rows: scores of a tile
 //! ([`score_group`], [`qk_partial`]), the score modifiers ([`apply_mods`]), the online-softmax
-//! step ([`softmax_step`]) and P·V ([`accumulate_rows`], `pv_chunks`).
+//! step ([`softmax_step`]) and P·V ([`accumulate_rows`], [`accumulate_consecutive`],
+//! `pv_chunks`).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -22,7 +23,7 @@ macro_rules! for_row_blocks {
         $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 8, [1 2 3 4 5 6 7], |$r0, $n| $body)
     };
     ($rows:expr, for $s:ty, |$r0:ident, $n:ident| $body:expr) => {
-        if <$s as $crate::cpu::simd::Simd>::REGISTERS >= 32 {
+        if <$s as $crate::cpu::simd::Simd>::MANY_REGISTERS {
             $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 8, [1 2 3 4 5 6 7], |$r0, $n| $body)
         } else {
             $crate::cpu::kernel::for_row_blocks!(@blocks $rows, 6, [1 2 3 4 5], |$r0, $n| $body)
@@ -282,14 +283,6 @@ pub fn block_end(cols: &[Range<usize>], r0: usize, n: usize) -> usize {
 
 /// `acc[r] += Σ_t p[r][t] · values[value_rows[t]..]` for every row, skipping absent keys
 /// and, per block of rows, the columns past [`block_end`] (their probabilities are 0).
-///
-/// Chunk-major: one pass over the tile's keys per group of `W` vector chunks of the head
-/// (4 where the 4·R accumulators of a block of all the rows, 4 value vectors and a broadcast
-/// fit the registers, e.g. a decode's 4 query heads on AVX-512: fewer passes, so fewer
-/// broadcasts and key lookups per FMA; else 2: R·W independent FMA chains per row block,
-/// enough to hide the FMA latency), with every row block in turn. The value columns a pass
-/// reads (keys × W·LANES) then stay in L1 across the row blocks, where a row-major order
-/// streams the whole value tile from L2 once per row block.
 #[inline(always)]
 pub fn accumulate_rows<S: Simd, E: Load>(
     s: S,
@@ -300,7 +293,6 @@ pub fn accumulate_rows<S: Simd, E: Load>(
     probs: &[f32],
     state: &mut RowStates,
 ) {
-    let d = state.acc.len() / state.m.len();
     let mut present = [(0usize, 0usize); KEY_TILE];
     // before[j]: how many present keys lie before tile column j.
     let mut before = [0usize; KEY_TILE + 1];
@@ -313,14 +305,85 @@ pub fn accumulate_rows<S: Simd, E: Load>(
         }
     }
     before[value_rows.len()..].fill(count);
-    let consecutive = value_rows.windows(2).all(|w| w[1] == w[0] + d);
-    let pass = PvPass {
-        values,
+    let keys = Listed {
         present: &present[..count],
         before: &before,
-        run_start: (count == value_rows.len() && consecutive)
-            .then(|| value_rows.first().copied())
-            .flatten(),
+    };
+    accumulate(s, values, keys, cols, probs, state);
+}
+
+/// [`accumulate_rows`] where every column of the tile is present and its value rows are
+/// consecutive from `first_row` (a packed prefill's): the passes step through them by
+/// arithmetic instead of loading each key's (column, row) pair.
+#[inline(always)]
+pub fn accumulate_consecutive<S: Simd>(
+    s: S,
+    values: &[f32],
+    first_row: usize,
+    cols: &[Range<usize>],
+    probs: &[f32],
+    state: &mut RowStates,
+) {
+    let d = state.acc.len() / state.m.len();
+    accumulate(s, values, Consecutive { first_row, d }, cols, probs, state);
+}
+
+/// The keys a P·V pass visits: (tile column, value row offset) pairs in column order.
+trait PassKeys: Copy {
+    /// Those before tile column `end`.
+    fn before(self, end: usize) -> impl Iterator<Item = (usize, usize)>;
+}
+
+/// The keys present, listed.
+#[derive(Clone, Copy)]
+struct Listed<'a> {
+    /// (tile column, value row offset) of the keys present, in column order.
+    present: &'a [(usize, usize)],
+    /// How many of them lie before each tile column (and before the tile's end).
+    before: &'a [usize; KEY_TILE + 1],
+}
+
+impl PassKeys for Listed<'_> {
+    #[inline(always)]
+    fn before(self, end: usize) -> impl Iterator<Item = (usize, usize)> {
+        self.present[..self.before[end]].iter().copied()
+    }
+}
+
+/// Every column, its value row `d` after the previous one's.
+#[derive(Clone, Copy)]
+struct Consecutive {
+    first_row: usize,
+    d: usize,
+}
+
+impl PassKeys for Consecutive {
+    #[inline(always)]
+    fn before(self, end: usize) -> impl Iterator<Item = (usize, usize)> {
+        (0..end).map(move |t| (t, self.first_row + t * self.d))
+    }
+}
+
+/// P·V over `keys`, chunk-major: one pass over the tile's keys per group of `W` vector
+/// chunks of the head (4 where the 4·R accumulators of a block of all the rows, 4 value
+/// vectors and a broadcast fit the registers, e.g. a decode's 4 query heads on AVX-512: fewer
+/// passes, so fewer broadcasts and key lookups per FMA; else 2: R·W independent FMA chains
+/// per row block, enough to hide the FMA latency), with every row block in turn. The value
+/// columns a pass reads (keys × W·LANES) then stay in L1 across the row blocks, where a
+/// row-major order streams the whole value tile from L2 once per row block.
+#[inline(always)]
+fn accumulate<S: Simd, E: Load>(
+    s: S,
+    values: &[E],
+    keys: impl PassKeys,
+    cols: &[Range<usize>],
+    probs: &[f32],
+    state: &mut RowStates,
+) {
+    let d = state.acc.len() / state.m.len();
+    let pass = PvPass {
+        values,
+        keys,
         cols,
         probs,
         rows: state.m.len(),
@@ -343,42 +406,26 @@ pub fn accumulate_rows<S: Simd, E: Load>(
     }
 }
 
-/// What every pass of [`accumulate_rows`] over a tile's keys shares.
-struct PvPass<'a, E> {
+/// What every pass of [`accumulate`] over a tile's keys shares.
+struct PvPass<'a, E, K> {
     values: &'a [E],
-    /// (tile column, value row offset) of the keys present, in column order.
-    present: &'a [(usize, usize)],
-    /// How many of them lie before each tile column (and before the tile's end).
-    before: &'a [usize; KEY_TILE + 1],
-    /// The first value row where every column is present and the rows are consecutive,
-    /// `d` apart (a packed prefill's): the passes then step through them by arithmetic
-    /// instead of loading each key's (column, row) pair.
-    run_start: Option<usize>,
+    keys: K,
     cols: &'a [Range<usize>],
     probs: &'a [f32],
     rows: usize,
     d: usize,
 }
 
-impl<E: Load> PvPass<'_, E> {
+impl<E: Load, K: PassKeys> PvPass<'_, E, K> {
     /// The pass for the `W` vector chunks from dimension `c`, every row block in turn.
     #[inline(always)]
     fn run<S: Simd, const W: usize>(&self, s: S, acc: &mut [f32], c: usize) {
         let d = self.d;
         for_row_blocks!(self.rows, for S, |r0, R| {
-            let n = self.before[block_end(self.cols, r0, R)];
+            let keys = self.keys.before(block_end(self.cols, r0, R));
             let probs = &self.probs[r0 * KEY_TILE..(r0 + R) * KEY_TILE];
             let acc = &mut acc[r0 * d..(r0 + R) * d];
-            match self.run_start {
-                Some(first) => {
-                    let keys = (0..n).map(|t| (t, first + t * d));
-                    pv_chunks::<S, E, R, W>(s, self.values, keys, probs, acc, d, c)
-                }
-                None => {
-                    let keys = self.present[..n].iter().copied();
-                    pv_chunks::<S, E, R, W>(s, self.values, keys, probs, acc, d, c)
-                }
-            }
+            pv_chunks::<S, E, R, W>(s, self.values, keys, probs, acc, d, c)
         });
     }
 }

@@ -15,7 +15,9 @@ mod rows;
 mod rows_source;
 mod tile_loop;
 
-pub(crate) use micro::{accumulate_rows, block_end, for_row_blocks, ROW_BLOCK};
+pub(crate) use micro::{
+    accumulate_consecutive, accumulate_rows, block_end, for_row_blocks, ROW_BLOCK,
+};
 pub(crate) use prefetch::PrefetchStream;
 pub(crate) use rows::{KvRows, RowLayout, PACK_PREFETCH_KEYS};
 pub(crate) use rows_source::RowsSource;

@@ -33,6 +33,19 @@ pub trait WithSimd {
     fn with_simd<S: Simd>(self, s: S) -> Self::Output;
 }
 
+/// Hints that the cache line holding `p` will be read soon, outside the kernels (with no ISA
+/// token at hand): SSE's prefetch, which every x86_64 CPU has; a no-op elsewhere.
+#[inline(always)]
+pub fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching never faults, whatever the address; SSE is part of x86_64.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// One instruction set's f32 vector operations. Values of `Self` are tokens proving that the
 /// instruction set is available on this CPU (they are only built after detection).
 pub trait Simd: Copy + Send + Sync + 'static {
@@ -41,8 +54,14 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// Vector registers the ISA has (16 for AVX2, 32 for AVX-512 and NEON): how many
     /// accumulators a micro-kernel can keep without spilling.
     const REGISTERS: usize;
+    /// Whether the ISA has 32 vector registers or more (micro-kernels then block 8 rows, else
+    /// 6): a constant of its own so that an `if` on it compiles only the branch taken.
+    const MANY_REGISTERS: bool = Self::REGISTERS >= 32;
     /// A vector of `LANES` f32.
     type V: Copy;
+    /// Whether tokens of this ISA can carry AVX512-BF16 (and AMX): the bf16 kernels are
+    /// compiled only for such a token, behind an `if` on this constant.
+    const BF16_KERNELS: bool = false;
 
     /// Runs `op` with this instruction set's target features enabled; kernels are
     /// `#[inline(always)]` so that they compile inside it.

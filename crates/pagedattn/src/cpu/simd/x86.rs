@@ -273,6 +273,7 @@ unsafe fn with_avx512<Op: WithSimd>(s: Avx512, op: Op) -> Op::Output {
 impl Simd for Avx512 {
     const LANES: usize = 16;
     const REGISTERS: usize = 32;
+    const BF16_KERNELS: bool = true;
     type V = __m512;
 
     #[inline(always)]
