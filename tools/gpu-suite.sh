@@ -16,13 +16,18 @@
 #                                  the CUDA-graph test (test-cuda_graph), the replay cases
 #                                  through `pagedattn run --backend cuda`, the three binaries
 #                                  under compute-sanitizer (memcheck, initcheck, racecheck); with
-#                                  `all`, every other test executable too.
+#                                  `all`, every other test executable too (test-long_context's
+#                                  GPU tests among them).
+#
+# The tests that need a GPU are `#[ignore]`d (`cargo test` without one lists them as ignored,
+# and they fail saying why where no GPU is usable): `run` passes `--include-ignored` to every
+# test executable, so that they run with the others.
 #
 # `run` writes each part's full log to $OUT/ (else /tmp/pagedattn-gpu-suite/): at most 8
 # files (each sanitizer's log holds the three binaries' runs; the other test executables share
 # other-tests.log). It prints one summary line per part last and exits non-zero if any part
-# failed. A cuda test that skips (no usable GPU) fails the suite: this half exists to exercise
-# the GPU.
+# failed. A test left ignored, or an NVRTC test that skips (no libnvrtc), fails its part: this
+# half exists to exercise the GPU.
 #
 # Settings of `run`: GPU_SUITE_TIMEOUT (seconds per part, default 400: the kernel cache takes
 # ~210-240 s on an H100 with 16 cores; a sanitizer part runs
@@ -107,21 +112,25 @@ record() {
 
 # The verdict of a libtest run from its log and exit status: "VERDICT|detail".
 test_verdict() {
-    local log=$1 status=$2 result passed failed skipped
+    local log=$1 status=$2 result passed failed ignored skipped
     result=$(grep -E '^test result: ' "$log" | tail -1)
     passed=$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<"$result")
     failed=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<"$result")
-    # Skips for want of a GPU or of NVRTC; a test written for machines without a GPU skips
-    # here by design and does not count.
-    skipped=$(grep -c 'SKIPPED (no usable CUDA GPU\|SKIPPED (libnvrtc' "$log")
+    # Ignored tests did not run (a run without --include-ignored). A GPU test that finds no
+    # usable GPU fails by itself; an NVRTC test skips for want of libnvrtc, which counts here.
+    # (A test written for machines without a GPU skips here by design and does not count.)
+    ignored=$(sed -nE 's/.* ([0-9]+) ignored.*/\1/p' <<<"$result")
+    skipped=$(grep -c 'SKIPPED (libnvrtc' "$log")
     if [ "$status" = 124 ]; then
         echo "FAIL|timed out after ${TIMEOUT}s"
     elif [ -z "$result" ]; then
         echo "FAIL|no test result, exit status $status"
     elif [ "$status" != 0 ] || [ "${failed:-1}" != 0 ]; then
         echo "FAIL|${passed:-?} passed, ${failed:-?} failed"
+    elif [ "${ignored:-0}" != 0 ]; then
+        echo "FAIL|${passed} passed, $ignored ignored (not run)"
     elif [ "$skipped" != 0 ]; then
-        echo "FAIL|${passed} passed, $skipped skipped: $(grep -m1 -o 'SKIPPED (no usable.*\|SKIPPED (libnvrtc.*' "$log")"
+        echo "FAIL|${passed} passed, $skipped skipped: $(grep -m1 -o 'SKIPPED (libnvrtc.*' "$log")"
     else
         echo "PASS|${passed} passed"
     fi
@@ -175,20 +184,20 @@ run() {
     # compiled every program for this GPU, and CI's compile-kernels compiles both
     # architectures (here it would take minutes of GPU time).
     log="$out/cuda-tests.log"
-    timeout "$TIMEOUT" "$BIN/test-cuda" --test-threads=1 \
+    timeout "$TIMEOUT" "$BIN/test-cuda" --include-ignored --test-threads=1 \
         --skip kernels_compile_for_sm80_and_sm90a >"$log" 2>&1
     status=$?
     verdict=$(test_verdict "$log" "$status")
     record "cuda tests" "${verdict%%|*}" "${verdict#*|}"
 
     log="$out/cuda-attention-tests.log"
-    timeout "$TIMEOUT" "$BIN/test-cuda_attention" --test-threads=1 >"$log" 2>&1
+    timeout "$TIMEOUT" "$BIN/test-cuda_attention" --include-ignored --test-threads=1 >"$log" 2>&1
     status=$?
     verdict=$(test_verdict "$log" "$status")
     record "cuda attention tests" "${verdict%%|*}" "${verdict#*|}"
 
     log="$out/cuda-graph-test.log"
-    timeout "$TIMEOUT" "$BIN/test-cuda_graph" --test-threads=1 >"$log" 2>&1
+    timeout "$TIMEOUT" "$BIN/test-cuda_graph" --include-ignored --test-threads=1 >"$log" 2>&1
     status=$?
     verdict=$(test_verdict "$log" "$status")
     record "cuda graph test" "${verdict%%|*}" "${verdict#*|}"
@@ -231,7 +240,7 @@ run() {
             part_log=$(mktemp)
             PAGEDATTN_TEST_CASES=${GPU_SUITE_SANITIZER_CASES:-6} timeout "$TIMEOUT" \
                 "$sanitizer" --tool "$tool" --error-exitcode 99 \
-                "$BIN/$part" --test-threads=1 --skip allocation_failures_are_errors \
+                "$BIN/$part" --include-ignored --test-threads=1 --skip allocation_failures_are_errors \
                 --skip kernels_compile_for_sm80_and_sm90a \
                 --skip disk_cache_reuses_images_and_recompiles_corrupt_entries \
                 --skip decode_positions_are_exact_past_2_pow_24 >"$part_log" 2>&1
@@ -264,7 +273,7 @@ run() {
         for exe in "$BIN"/test-*; do
             name=${exe#"$BIN"/}
             case "$name" in test-cuda | test-cuda_attention | test-cuda_graph) continue ;; esac
-            timeout "$TIMEOUT" "$exe" >"$log" 2>&1
+            timeout "$TIMEOUT" "$exe" --include-ignored >"$log" 2>&1
             status=$?
             verdict=$(test_verdict "$log" "$status")
             record "$name" "${verdict%%|*}" "${verdict#*|}"

@@ -60,8 +60,8 @@ enum Command {
     },
     /// Lists the backends available here, their capabilities, and the CPU's SIMD features.
     Info,
-    /// Benchmarks a backend (decode, prefill, mixed batch, paging) against this machine's
-    /// measured ceilings (memory read bandwidth; f32 FMA, bf16 dot or AMX peaks).
+    /// Benchmarks the `cpu` or `cuda` backend (decode, prefill, mixed batch, paging) against
+    /// this machine's measured ceilings (memory read bandwidth; f32 FMA, bf16 dot or AMX peaks).
     Bench(bench::BenchArgs),
     /// Compiles every CUDA kernel (every attention variant included) through NVRTC for the
     /// given architectures, without a GPU (needs libnvrtc), one program per CPU at a time: the
@@ -405,8 +405,73 @@ fn print_ignoring_closed_pipe(text: &str) {
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }
 
+/// Parses the command line. `--help` and `--version` print as clap prints them (exit code 0);
+/// a usage error is one line on stderr and exit code 2, like every other bad input (README),
+/// instead of clap's usage block of 3-6 lines.
+fn parse_command_line() -> std::result::Result<Cli, ExitCode> {
+    Cli::try_parse().map_err(|e| {
+        if !e.use_stderr() {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        let cli = <Cli as clap::CommandFactory>::command();
+        // Top-level options take no value, so the first word that is no option is the command.
+        let command = match std::env::args().skip(1).find(|a| !a.starts_with('-')) {
+            Some(name) if cli.find_subcommand(&name).is_some() => format!("pagedattn {name}"),
+            _ => "pagedattn".to_string(),
+        };
+        let message =
+            if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                // (No command at all: clap would print the whole help.)
+                let names: Vec<&str> = cli.get_subcommands().map(|c| c.get_name()).collect();
+                format!("error: a command is needed: {}", names.join(", "))
+            } else {
+                one_line(&e.render().to_string())
+            };
+        eprintln!("{message}; try '{command} --help'");
+        ExitCode::from(2)
+    })
+}
+
+/// clap's rendering of a usage error as one line: the message, then its notes (the arguments
+/// missing, the possible values, tips), without the usage and the pointer to `--help`.
+fn one_line(rendered: &str) -> String {
+    let mut message = String::new();
+    // Whether the lines are a list of items (after a line that ends with a colon).
+    let mut listing = false;
+    for line in rendered.lines().map(str::trim) {
+        if line.is_empty()
+            || line.starts_with("Usage: ")
+            || line.starts_with("For more information")
+        {
+            continue;
+        }
+        let separator = if message.is_empty() {
+            ""
+        } else if message.ends_with(':') {
+            listing = true;
+            " "
+        } else if line.starts_with('[') {
+            " "
+        } else if line.starts_with("tip:") {
+            listing = false;
+            "; "
+        } else if listing {
+            ", "
+        } else {
+            "; "
+        };
+        message.push_str(separator);
+        message.push_str(line);
+    }
+    message
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse_command_line() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     let result = match cli.command {
         Command::Run {
             input,

@@ -233,3 +233,73 @@ fn cuda_without_attention_or_gpu_is_one_line() {
         assert!(text.contains("compute capability"), "{text}");
     }
 }
+
+/// Usage errors that clap finds (an unknown flag or command, a flag without its value, a value
+/// a typed option cannot parse, no command) are one line too, naming the help to read.
+#[test]
+fn usage_errors_are_one_line() {
+    for (args, needle, help) in [
+        (&["--foo"][..], "'--foo'", "try 'pagedattn --help'"),
+        (&["run", "--foo"], "'--foo'", "try 'pagedattn run --help'"),
+        (
+            &["forward", "--input"],
+            "'--input <INPUT>'",
+            "pagedattn forward --help",
+        ),
+        (
+            &["example", "--output", "/tmp/x", "--seed", "abc"],
+            "'abc'",
+            "pagedattn example --help",
+        ),
+        (
+            &["bench", "--suite", "nope"],
+            "possible values",
+            "pagedattn bench --help",
+        ),
+        (&["nope"], "'nope'", "try 'pagedattn --help'"),
+        (
+            &[],
+            "a command is needed: run, forward",
+            "try 'pagedattn --help'",
+        ),
+    ] {
+        let out = run(args, None, "usage");
+        assert_one_line_error(&out, needle);
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(help),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
+
+/// `--help`, `--version` and `help` print on stdout as clap prints them, with exit code 0.
+#[test]
+fn help_and_version_print_normally() {
+    for args in [
+        &["--help"][..],
+        &["--version"],
+        &["bench", "--help"],
+        &["help"],
+    ] {
+        let out = run(args, None, "help");
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        assert!(out.stderr.is_empty(), "{args:?}");
+        assert!(!out.stdout.is_empty(), "{args:?}");
+    }
+}
+
+/// `bench` refuses the `reference` backend (the f64 oracle: even `--quick` took over 10 minutes
+/// on it, timing nothing an engine runs) at once, naming the backends it takes.
+#[test]
+fn bench_refuses_the_reference_backend() {
+    let out = run(
+        &["bench", "--backend", "reference", "--quick"],
+        None,
+        "bench",
+    );
+    assert_one_line_error(&out, "reference backend is the f64 oracle");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cpu, cuda or auto"));
+    assert!(out.stdout.is_empty());
+}

@@ -23,7 +23,9 @@
 //! past 2^24 and at i32::MAX, huge soft caps and scales, overflowing scores, and exactly where
 //! NaN and Inf may reach.
 //!
-//! Without a usable GPU every test prints `SKIPPED (no usable CUDA GPU: <reason>)` and passes.
+//! Every test needs a GPU and is `#[ignore]`d: a run without one lists them as ignored;
+//! `tools/gpu-suite.sh` (or `--include-ignored` on a GPU machine) runs them, and run where no
+//! GPU is usable they fail saying why.
 //! Seeds are fresh every run; a failing case prints its `settings.seed`. Cases per property:
 //! `PAGEDATTN_TEST_CASES` (the GPU suite lowers it under the sanitizers), else the default
 //! below, which `PROPTEST_CASES` overrides. `CUDA_ATTENTION_STATS=1` prints the largest error
@@ -610,10 +612,9 @@ fn cross_no_cache_case_gpu() -> impl Strategy<Value = CrossNoCacheCase> {
 /// decodes in one batch (long ones split along the keys), padding slots, GQA / MQA, ALiBi,
 /// windows, soft cap, fp8.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn decoder_paged_matches_reference() {
-    let Some(cuda) = gpu("decoder_paged_matches_reference") else {
-        return;
-    };
+    let cuda = gpu();
     proptest!(cases(96), |(case in decoder_case_gpu())| {
         run_decoder_paged(&cuda, &case)?;
     });
@@ -623,10 +624,9 @@ fn decoder_paged_matches_reference() {
 /// Cross attention with a cross cache: a prefill call that writes the encoder K/V, then a
 /// call without key/value that reads them back.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn cross_attention_paged_matches_reference() {
-    let Some(cuda) = gpu("cross_attention_paged_matches_reference") else {
-        return;
-    };
+    let cuda = gpu();
     proptest!(cases(64), |(case in cross_case_gpu())| {
         run_cross_paged(&cuda, &case)?;
     });
@@ -635,10 +635,9 @@ fn cross_attention_paged_matches_reference() {
 
 /// Decoder without a cache: fresh prompts (and 1-token decodes), keys from the inputs.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn decoder_without_cache_matches_reference() {
-    let Some(cuda) = gpu("decoder_without_cache_matches_reference") else {
-        return;
-    };
+    let cuda = gpu();
     proptest!(cases(48), |(case in decoder_no_cache_case_gpu())| {
         run_uncached_self(&cuda, &case.settings, AttnType::Decoder, &case.prompts, case.decodes)?;
     });
@@ -647,10 +646,9 @@ fn decoder_without_cache_matches_reference() {
 
 /// Encoder and encoder-only: bidirectional over each sequence's own tokens, no cache.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn encoder_types_match_reference() {
-    let Some(cuda) = gpu("encoder_types_match_reference") else {
-        return;
-    };
+    let cuda = gpu();
     proptest!(cases(48), |(case in encoder_case_gpu())| {
         run_uncached_self(&cuda, &case.settings, case.attn_type, &case.lens, 0)?;
     });
@@ -659,10 +657,9 @@ fn encoder_types_match_reference() {
 
 /// Cross attention without a cache: encoder K/V from the inputs.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn cross_attention_without_cache_matches_reference() {
-    let Some(cuda) = gpu("cross_attention_without_cache_matches_reference") else {
-        return;
-    };
+    let cuda = gpu();
     proptest!(cases(48), |(case in cross_no_cache_case_gpu())| {
         run_cross_no_cache(&cuda, &case)?;
     });
@@ -691,10 +688,9 @@ fn all_zeros(cuda: &Cuda, call: &Call, cache: Option<&mut KvCache>, what: &str) 
 }
 
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn zero_length_encoder_sequences() {
-    let Some(cuda) = gpu("zero_length_encoder_sequences") else {
-        return;
-    };
+    let cuda = gpu();
     for dtype in DType::FLOATS {
         for d in FIXED_HEAD_SIZES {
             let what = format!("{dtype} D={d}");
@@ -728,10 +724,9 @@ fn zero_length_encoder_sequences() {
 }
 
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn decoder_queries_without_keys_give_zeros() {
-    let Some(cuda) = gpu("decoder_queries_without_keys_give_zeros") else {
-        return;
-    };
+    let cuda = gpu();
     for dtype in DType::FLOATS {
         for kv_cache_dtype in [
             KvCacheDtype::Auto,
@@ -767,10 +762,9 @@ fn decoder_queries_without_keys_give_zeros() {
 /// group of 8, with and without a window spanning several partitions, with the decode's own
 /// token as padding, and a window of 3 (one partition).
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn long_decodes_split_along_the_keys() {
-    let Some(cuda) = gpu("long_decodes_split_along_the_keys") else {
-        return;
-    };
+    let cuda = gpu();
     for dtype in DType::FLOATS {
         for d in FIXED_HEAD_SIZES {
             for (window, pad) in [(None, false), (Some(700), true), (Some(3), false)] {
@@ -802,10 +796,9 @@ fn long_decodes_split_along_the_keys() {
 /// One plan serves layers that differ in scale, ALiBi, soft cap and fp8 scales; a forward
 /// repeated on the same inputs gives the same bits (the kernels are deterministic).
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn one_plan_serves_every_layer() {
-    let Some(cuda) = gpu("one_plan_serves_every_layer") else {
-        return;
-    };
+    let cuda = gpu();
     let reference = reference();
     let spec = pagedattn::KvCacheSpec {
         num_blocks: 12,
@@ -895,10 +888,9 @@ fn one_plan_serves_every_layer() {
 /// Head sizes without kernels answer `Unsupported` from the forward, before writing the
 /// cache; the cache write alone works for them.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn unsupported_head_sizes_answer_unsupported() {
-    let Some(cuda) = gpu("unsupported_head_sizes_answer_unsupported") else {
-        return;
-    };
+    let cuda = gpu();
     for d in [8, 48, 72, 100, 160, 512] {
         let config = AttentionConfig::builder(4, d)
             .num_kv_heads(2)
@@ -939,6 +931,31 @@ fn unsupported_head_sizes_answer_unsupported() {
     }
 }
 
+/// Encoder metadata given to a layer that reads none (encoder-only, encoder, decoder) is an
+/// error naming it, as on the host backends (`hardening.rs`).
+#[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
+fn encoder_metadata_is_refused_where_it_is_not_read() {
+    let cuda = gpu();
+    let md = MetadataBuilder::new(16)
+        .push(SequenceDesc::prompt(0, 3, vec![]).with_encoder(2, vec![]))
+        .build()
+        .unwrap();
+    for attn_type in [AttnType::EncoderOnly, AttnType::Encoder, AttnType::Decoder] {
+        let config = AttentionConfig::builder(2, 32)
+            .attn_type(attn_type)
+            .build()
+            .unwrap();
+        let attention = cuda.attention(&config).unwrap();
+        match attention.plan(&md, None) {
+            Err(Error::Invalid { field, .. }) => {
+                assert!(field.contains("metadata.encoder"), "{attn_type:?}: {field}")
+            }
+            other => panic!("{attn_type:?}: expected Invalid(metadata.encoder), got {other:?}"),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The contract's edges (the cases `hardening.rs` holds `cpu` to): exact positions, soft caps,
 // scales, overflow, NaN and Inf, on the GPU against `reference`.
@@ -974,10 +991,9 @@ fn f32_tensor(shape: &[usize], values: &[f32]) -> Tensor {
 /// newest one above all) dominate. (Sixteen million keys: split-K over every partition the
 /// GPU takes.)
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn decode_positions_are_exact_past_2_pow_24() {
-    let Some(cuda) = gpu("decode_positions_are_exact_past_2_pow_24") else {
-        return;
-    };
+    let cuda = gpu();
     let (bs, d) = (1024usize, 32usize);
     let seq_len: usize = (1 << 24) + 1000;
     let blocks = seq_len.div_ceil(bs);
@@ -1026,10 +1042,9 @@ fn decode_positions_are_exact_past_2_pow_24() {
 /// decode's f32 sums folded into f64 every few chunks, split-K merged in f64), values near 1
 /// so that the tolerance is relative to the output itself.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn long_decodes_keep_f32_accuracy() {
-    let Some(cuda) = gpu("long_decodes_keep_f32_accuracy") else {
-        return;
-    };
+    let cuda = gpu();
     let (h, bs, d) = (4usize, 1024usize, 64usize);
     let seq_len: usize = (1 << 21) + 1000;
     let table: Vec<i32> = (0..seq_len.div_ceil(bs)).map(|b| (b % 2) as i32).collect();
@@ -1067,10 +1082,9 @@ fn long_decodes_keep_f32_accuracy() {
 /// Cross attention with ALiBi far into the decoder, at decoder positions 2^24 + 1 and
 /// i32::MAX - 1: the distances must be exact.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn cross_alibi_is_exact_at_any_decoder_position() {
-    let Some(cuda) = gpu("cross_alibi_is_exact_at_any_decoder_position") else {
-        return;
-    };
+    let cuda = gpu();
     let (h, d, enc) = (4usize, 32usize, 6usize);
     for seq_len in [(1usize << 24) + 2, i32::MAX as usize] {
         let config = AttentionConfig::builder(h, d)
@@ -1099,6 +1113,38 @@ fn cross_alibi_is_exact_at_any_decoder_position() {
     }
 }
 
+/// Cross attention with a slope of -1e38, one decoder token at position 5 and one encoder
+/// key: the ALiBi distance is measured from the last encoder key (0, the value itself), not
+/// from the decoder's position (an infinite score, NaN outputs).
+#[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
+fn cross_alibi_is_measured_from_the_last_encoder_key() {
+    let cuda = gpu();
+    let d = 32;
+    let config = AttentionConfig::builder(1, d)
+        .attn_type(AttnType::EncoderDecoder)
+        .alibi_slopes(Some(vec![-1e38]))
+        .build()
+        .unwrap();
+    let edge = Edge {
+        config,
+        metadata: MetadataBuilder::new(16)
+            .push(SequenceDesc::decode(6, vec![]).with_encoder(1, vec![0]))
+            .build()
+            .unwrap(),
+        query: f32_tensor(&[1, 1, d], &vec![1.0; d]),
+        kv: None,
+        cache: Some((
+            DType::F32,
+            1,
+            f32_tensor(&[1, 1, d], &vec![1.0; d]),
+            f32_tensor(&[1, 1, d], &vec![0.5; d]),
+            vec![0],
+        )),
+    };
+    assert_eq!(edge.agreed(&cuda, 0.0), vec![0.5; d]);
+}
+
 /// A prefill of `n` tokens (one sequence, no cache) with `config` and `dtype` queries, keys
 /// and values from `q`, `k`, `v`.
 fn prefill_edge(config: AttentionConfig, dtype: DType, q: &[f32], k: &[f32], v: &[f32]) -> Edge {
@@ -1123,10 +1169,9 @@ fn prefill_edge(config: AttentionConfig, dtype: DType, q: &[f32], k: &[f32], v: 
 
 /// Soft caps far above the scores stay accurate (no cancellation in tanh).
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn huge_soft_caps_are_accurate() {
-    let Some(cuda) = gpu("huge_soft_caps_are_accurate") else {
-        return;
-    };
+    let cuda = gpu();
     let (n, d) = (40usize, 64usize);
     for cap in [1e5f32, 1e8, 3e38] {
         let config = AttentionConfig::builder(2, d)
@@ -1142,10 +1187,9 @@ fn huge_soft_caps_are_accurate() {
 /// `scale = 3e38` multiplies the dot product (small scores stay finite); the same through an
 /// fp8 `k_scale` of 3e38.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn scales_apply_to_the_dot_product() {
-    let Some(cuda) = gpu("scales_apply_to_the_dot_product") else {
-        return;
-    };
+    let cuda = gpu();
     let (n, d) = (20usize, 64usize);
     let config = AttentionConfig::builder(1, d).scale(3e38).build().unwrap();
     let k: Vec<f32> = wave(n * d, 1.0).iter().map(|v| v * 3e-38).collect();
@@ -1186,10 +1230,9 @@ fn scales_apply_to_the_dot_product() {
 /// A score beyond f32's range is infinite: +Inf makes its query's output NaN; a soft cap maps
 /// it to the cap and the output stays finite.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn overflowing_scores_follow_the_contract() {
-    let Some(cuda) = gpu("overflowing_scores_follow_the_contract") else {
-        return;
-    };
+    let cuda = gpu();
     let (n, d) = (6usize, 64usize);
     let (q, k, v) = (wave(n * d, 0.0), wave(n * d, 0.0), wave(n * d, 2.0));
     let config = AttentionConfig::builder(1, d).scale(1e38).build().unwrap();
@@ -1209,10 +1252,9 @@ fn overflowing_scores_follow_the_contract() {
 /// NaN, a NaN value reaches the rows that attend it in its dimension only (never a row for
 /// which that key is masked: 0 * NaN).
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn nan_and_inf_reach_exactly_the_outputs_they_should() {
-    let Some(cuda) = gpu("nan_and_inf_reach_exactly_the_outputs_they_should") else {
-        return;
-    };
+    let cuda = gpu();
     // 200 tokens: units of 32 tokens x 2 heads, and tiles of 64 keys in the tensor-core
     // prefill (bf16, f16), whose diagonal tiles hold the masked NaN values below.
     let (n, h, d) = (200usize, 2usize, 64usize);
@@ -1288,10 +1330,9 @@ fn nan_and_inf_reach_exactly_the_outputs_they_should() {
 /// last tile of one key), padding slots, windows, ALiBi, soft caps; the cache's unused slots
 /// hold NaN and infinities.
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn tensor_core_prefill_tiles_and_blocks() {
-    let Some(cuda) = gpu("tensor_core_prefill_tiles_and_blocks") else {
-        return;
-    };
+    let cuda = gpu();
     let block_sizes = [8, 16, 32, 64, 128];
     for dtype in [DType::BF16, DType::F16] {
         for (i, &d) in ATTENTION_HEAD_SIZES.iter().enumerate() {

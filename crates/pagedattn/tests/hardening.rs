@@ -268,62 +268,28 @@ fn replay_headers_with_a_repeated_key_are_refused() {
 type Case = HandmadeCall;
 
 impl HandmadeCall {
-    /// The reference output, after checking that `cpu` on every ISA of this machine (and
-    /// `cuda`, where a GPU is usable) agrees with it: the contract's NaN / Inf classes, and
-    /// finite elements within `rel` of the largest finite reference magnitude.
+    /// The reference output, after checking that `cpu` on every ISA of this machine agrees
+    /// with it: the contract's NaN / Inf classes, and finite elements within `rel` of the
+    /// largest finite reference magnitude. (`cuda_attention.rs` holds the GPU to these edges.)
     fn agreed(&self, rel: f32) -> Vec<f32> {
         let want = self.run(&*registry::backend("reference").unwrap());
-        let mut backends: Vec<(String, Box<dyn Backend>)> = cpu::Isa::ALL
-            .into_iter()
-            .filter(|i| i.is_available())
-            .map(|isa| {
-                (
-                    format!("cpu {isa}"),
-                    Box::new(cpu::Cpu::with_isa(isa).unwrap()) as _,
-                )
-            })
-            .collect();
-        // The GPU joins where it has the head size.
-        let gpu = gpu().filter(|_| gpu_has_head_size(self.config.head_size()));
-        backends.extend(gpu.map(|g| ("cuda".to_string(), g)));
-        for (name, backend) in backends {
-            if let Some(e) = disagreement(&want, &self.run(&*backend), rel) {
-                panic!("{name}: {e}");
+        for isa in cpu::Isa::ALL.into_iter().filter(|i| i.is_available()) {
+            let cpu = cpu::Cpu::with_isa(isa).unwrap();
+            if let Some(e) = disagreement(&want, &self.run(&cpu), rel) {
+                panic!("cpu {isa}: {e}");
             }
         }
         want
     }
 }
 
-/// Whether the `cuda` backend has kernels for head size `d`.
-fn gpu_has_head_size(d: usize) -> bool {
-    #[cfg(feature = "cuda")]
-    return pagedattn::cuda::ATTENTION_HEAD_SIZES.contains(&d);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = d;
-        false
-    }
-}
-
-/// `reference`, `cpu` (its best instruction set) and, where a GPU is usable, `cuda`.
-fn host_backends_and_gpu() -> Vec<Box<dyn Backend>> {
-    let mut backends = vec![
+/// `reference` and `cpu` (its best instruction set). (The GPU's versions of the tests that
+/// use these are in `cuda.rs` and `cuda_attention.rs`.)
+fn host_backends() -> Vec<Box<dyn Backend>> {
+    vec![
         registry::backend("reference").unwrap(),
         registry::backend("cpu").unwrap(),
-    ];
-    backends.extend(gpu());
-    backends
-}
-
-/// The `cuda` backend when this machine has a usable GPU (its outputs then join every
-/// comparison of this file); `None` elsewhere.
-fn gpu() -> Option<Box<dyn Backend>> {
-    #[cfg(feature = "cuda")]
-    if pagedattn::cuda::info().is_ok() {
-        return Some(Box::new(pagedattn::cuda::Cuda::new_default().unwrap()));
-    }
-    None
+    ]
 }
 
 /// `n` distinct values of modest size (a fixed pseudo-random pattern).
@@ -707,7 +673,7 @@ fn allocations_beyond_memory_are_out_of_memory() {
     // 2^30 blocks of 16 x 8 x 128 f32: 2^46 bytes (70 TB) per buffer.
     let config = AttentionConfig::builder(8, 128).build().unwrap();
     let spec = config.kv_cache_spec(DType::F32, 1 << 30, 16);
-    for backend in host_backends_and_gpu() {
+    for backend in host_backends() {
         let (device, swap) = (backend.device(), backend.swap_device());
         out_of_memory(backend.allocate_kv_cache(&spec).map(drop), device, 1 << 46);
         out_of_memory(backend.allocate_swap_space(&spec).map(drop), swap, 1 << 46);
@@ -789,7 +755,7 @@ fn encoder_metadata_is_refused_where_it_is_not_read() {
             .attn_type(attn_type)
             .build()
             .unwrap();
-        for backend in host_backends_and_gpu() {
+        for backend in host_backends() {
             let attention = backend.attention(&config).unwrap();
             assert_invalid(attention.plan(&md, None), "metadata.encoder");
         }

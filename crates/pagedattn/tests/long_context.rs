@@ -4,9 +4,14 @@
 //! key contributes comparably over 2^24 + 1000 and i32::MAX positions; the exact answer is
 //! computed here in f64 from each distinct key's multiplicity (the softmax over repeated keys
 //! is a short weighted sum). `cpu` runs on every instruction set this machine has (at
-//! i32::MAX, each distinct kernel path once), `cuda` where a GPU is usable. The fp8 probes
-//! hold `cpu` to `reference` with `k_scale` near f32's largest values and `v_scale` near its
-//! smallest normal ones. A prefill whose packed keys cannot be allocated is `OutOfMemory`.
+//! i32::MAX, each distinct kernel path once). The fp8 probes hold `cpu` to `reference` with
+//! `k_scale` near f32's largest values and `v_scale` near its smallest normal ones. A prefill
+//! whose packed keys cannot be allocated is `OutOfMemory`.
+//!
+//! The same long decodes and fp8 probes on `cuda` are separate tests that need a GPU and are
+//! `#[ignore]`d: a run without one lists them as ignored; `tools/gpu-suite.sh run all` (or
+//! `--include-ignored` on a GPU machine) runs them, and run where no GPU is usable they fail
+//! saying why.
 
 mod common;
 
@@ -183,13 +188,12 @@ fn decode_over_i32_max_keys_is_accurate() {
     }
 }
 
-/// Both long decodes on the GPU (skipped without a usable one).
+/// Both long decodes on the GPU.
 #[cfg(feature = "cuda")]
 #[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn cuda_long_decodes_are_accurate() {
-    let Some(cuda) = common::gpu("cuda_long_decodes_are_accurate") else {
-        return;
-    };
+    let cuda = common::gpu();
     // The smallest head size the GPU has (it has no 16).
     let d = pagedattn::cuda::ATTENTION_HEAD_SIZES[0];
     for (seq_len, block_size) in [((1 << 24) + 1000, 1 << 12), (i32::MAX as usize, 1 << 16)] {
@@ -308,24 +312,17 @@ fn prefill_packing_too_large_for_the_host_is_out_of_memory() {
 // fp8 caches with extreme scales.
 // ---------------------------------------------------------------------------------------------
 
-/// Checks every `cpu` ISA (and `cuda`, where a GPU is usable) against `reference` on `call`:
-/// the contract's NaN / Inf classes, and finite elements within `rel` of the largest finite
-/// reference magnitude (or equal where that is 0).
-fn agrees_with_reference(what: &str, call: &Call, rel: f32) {
-    let want = call.run(&*registry::backend("reference").unwrap());
-    #[cfg(feature = "cuda")]
-    let gpu = pagedattn::cuda::info().is_ok().then(|| {
-        let cuda = pagedattn::cuda::Cuda::new_default().unwrap();
-        ("cuda".to_string(), Box::new(cuda) as Box<dyn Backend>)
-    });
-    #[cfg(not(feature = "cuda"))]
-    let gpu = None;
-    let backends = cpu_isas()
-        .map(|(isa, cpu)| (isa.to_string(), Box::new(cpu) as Box<dyn Backend>))
-        .chain(gpu);
-    for (isa, backend) in backends {
-        if let Some(e) = disagreement(&want, &call.run(&*backend), rel) {
-            panic!("{what}, {isa}: {e}");
+/// Checks each of `backends` against `reference` on every call of
+/// [`fp8_extreme_scale_calls`]: the contract's NaN / Inf classes, and finite elements within
+/// the call's tolerance of the largest finite reference magnitude (or equal where that is 0).
+fn fp8_probes_agree(backends: &[(String, Box<dyn Backend>)]) {
+    let reference = registry::backend("reference").unwrap();
+    for (what, call, rel) in fp8_extreme_scale_calls() {
+        let want = call.run(&*reference);
+        for (name, backend) in backends {
+            if let Some(e) = disagreement(&want, &call.run(&**backend), rel) {
+                panic!("{what}, {name}: {e}");
+            }
         }
     }
 }
@@ -333,10 +330,9 @@ fn agrees_with_reference(what: &str, call: &Call, rel: f32) {
 /// fp8 caches with `k_scale` near 1e38 and `v_scale` near 1e-38 (`|scale| * k_scale` near 1,
 /// in range): keys of order 1e38 and values of order 1e-38 stored as codes of order 1, read
 /// by decodes and prefills, f32 and bf16 queries (the AVX512-BF16 and AMX kernels take bf16),
-/// both fp8 formats, on every `cpu` ISA and `cuda`. `cpu` gave NaN where `reference` gives
-/// values of order 1e-38.
-#[test]
-fn fp8_caches_with_extreme_scales_follow_the_reference() {
+/// both fp8 formats. Each call is named, with the tolerance of its outputs.
+fn fp8_extreme_scale_calls() -> Vec<(String, Call, f32)> {
+    let mut calls = Vec::new();
     let (h, d, n) = (2usize, 64usize, 40usize);
     let formats = [KvCacheDtype::Fp8E4m3, KvCacheDtype::Fp8E5m2];
     // (softmax scale, k_scale, v_scale, key amplitude, value amplitude): keys and values of
@@ -388,7 +384,7 @@ fn fp8_caches_with_extreme_scales_follow_the_reference() {
                         vec![],
                     )),
                 };
-                agrees_with_reference(&format!("prefill {what}"), &prefill, rel);
+                calls.push((format!("prefill {what}"), prefill, rel));
                 let decode = Call {
                     config,
                     metadata: MetadataBuilder::new(16)
@@ -408,8 +404,27 @@ fn fp8_caches_with_extreme_scales_follow_the_reference() {
                         (0..n as i64 - 1).collect(),
                     )),
                 };
-                agrees_with_reference(&format!("decode {what}"), &decode, rel);
+                calls.push((format!("decode {what}"), decode, rel));
             }
         }
     }
+    calls
+}
+
+/// The fp8 probes on every `cpu` ISA: `cpu` gave NaN where `reference` gives values of order
+/// 1e-38.
+#[test]
+fn fp8_caches_with_extreme_scales_follow_the_reference() {
+    let isas: Vec<(String, Box<dyn Backend>)> = cpu_isas()
+        .map(|(isa, cpu)| (format!("cpu {isa}"), Box::new(cpu) as _))
+        .collect();
+    fp8_probes_agree(&isas);
+}
+
+/// The fp8 probes on the GPU.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
+fn cuda_fp8_caches_with_extreme_scales_follow_the_reference() {
+    fp8_probes_agree(&[("cuda".to_string(), Box::new(common::gpu()))]);
 }

@@ -54,7 +54,8 @@ pub enum SuiteArg {
 /// Options of `pagedattn bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Backend name, or `auto` for the best one available.
+    /// `cpu`, `cuda`, or `auto` for the best one available (not `reference`: the f64 oracle
+    /// is no benchmark target).
     #[arg(long, default_value = "auto")]
     pub backend: String,
     /// Which benchmarks to run (the ceilings are always measured).
@@ -81,8 +82,7 @@ pub struct BenchArgs {
     /// matches.
     #[arg(long)]
     pub rows: Option<String>,
-    /// Toy shapes (4 heads, D = 32, short sequences): a smoke test, and the way to run the slow
-    /// `reference` backend in seconds.
+    /// Toy shapes (4 heads, D = 32, short sequences): a smoke test.
     #[arg(long, hide = true)]
     pub tiny: bool,
 }
@@ -212,16 +212,21 @@ impl Out {
 /// Runs `pagedattn bench`.
 pub fn run(args: &BenchArgs) -> Result<()> {
     let backend = registry::backend(&args.backend)?;
+    // `reference` computes one element at a time in f64 to be the others' oracle: even
+    // --quick rows take 6-10 s each on it (over 10 minutes in all), timing nothing an engine
+    // would run.
+    if backend.name() == "reference" {
+        return Err(pagedattn::Error::invalid(
+            "--backend",
+            "reference",
+            "cpu, cuda or auto (the reference backend is the f64 oracle, not a benchmark target)",
+        ));
+    }
     let out = Out {
         to_stderr: args.json,
     };
     let scale = args.scale();
     let machine = Machine::probe();
-    if backend.name() == "reference" && scale != Scale::Tiny {
-        eprintln!(
-            "note: `reference` is the slow oracle; full-size rows take minutes each (add --tiny for toy shapes)"
-        );
-    }
     let scale_name = match scale {
         Scale::Full => "full",
         Scale::Quick => "quick",

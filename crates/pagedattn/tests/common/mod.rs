@@ -1491,22 +1491,17 @@ pub fn skip(test: &str, reason: &str) {
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
-/// The backend on GPU 0, or `None` after printing why no GPU is usable. A GPU that is usable
-/// but whose backend does not start (no NVRTC, a driver error) fails the test.
+/// The backend on GPU 0, for the tests that need one. Those are `#[ignore]`d, so that a run
+/// without a GPU lists them as ignored instead of passing them (`tools/gpu-suite.sh` runs them
+/// with `--include-ignored`); run where no GPU is usable, or where the backend does not start
+/// (no NVRTC, a driver error), they fail saying why.
 #[cfg(feature = "cuda")]
-pub fn gpu(test: &str) -> Option<pagedattn::cuda::Cuda> {
-    match pagedattn::cuda::info() {
-        Ok(_) => {
-            Some(pagedattn::cuda::Cuda::new_default().unwrap_or_else(|e| {
-                panic!("the GPU is usable but the backend does not start: {e}")
-            }))
-        }
-        Err(pagedattn::Error::Driver(reason)) if reason.starts_with("no usable CUDA GPU") => {
-            skip(test, &reason);
-            None
-        }
-        Err(e) => panic!("cuda::info failed on a machine with a driver: {e}"),
+pub fn gpu() -> pagedattn::cuda::Cuda {
+    if let Err(e) = pagedattn::cuda::info() {
+        panic!("this test needs a usable CUDA GPU: {e}");
     }
+    pagedattn::cuda::Cuda::new_default()
+        .unwrap_or_else(|e| panic!("the GPU is usable but the backend does not start: {e}"))
 }
 
 /// A fresh seed (or `PAGEDATTN_TEST_SEED`), for a test to print when it fails.
