@@ -11,9 +11,9 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedattn::{
-    AttentionConfig, AttentionMetadata, AttnType, Backend, BlockTables, CacheLayout, DType, Device,
-    EncoderMetadata, Error, HostStorage, KvCache, KvCacheDtype, KvCacheSpec, MetadataBuilder,
-    SequenceDesc, Tensor,
+    AttentionConfig, AttentionMetadata, AttnType, Backend, BlockId, BlockTables, CacheLayout,
+    DType, Device, EncoderMetadata, Error, HostStorage, KvCache, KvCacheDtype, KvCacheSpec,
+    MetadataBuilder, SequenceDesc, Tensor,
 };
 use pagedattn_fuzz::size::Size;
 use pagedattn_fuzz::{compare_backends, fail, run, Answer, Rows};
@@ -55,7 +55,7 @@ enum Op {
     Metadata(Box<Metadata>),
     Cache {
         spec: Spec,
-        pairs: Vec<(Size, Size)>,
+        pairs: Vec<(Id, Id)>,
     },
     FromCanonical {
         spec: Spec,
@@ -420,7 +420,24 @@ fn valid(spec: &KvCacheSpec) -> bool {
         && block.saturating_mul(spec.num_blocks as u128) <= isize::MAX as u128
 }
 
-fn cache(spec: KvCacheSpec, pairs: &[(Size, Size)]) {
+/// A block id of a swap or copy pair: mostly an index near a small cache's blocks, sometimes
+/// any `i32` (negative ones included).
+#[derive(Debug, Clone, Copy, Arbitrary)]
+enum Id {
+    Index(Size),
+    Any(i32),
+}
+
+impl Id {
+    fn get(self) -> BlockId {
+        match self {
+            Id::Index(size) => BlockId::try_from(size.get()).unwrap_or(BlockId::MAX),
+            Id::Any(id) => id,
+        }
+    }
+}
+
+fn cache(spec: KvCacheSpec, pairs: &[(Id, Id)]) {
     assert_eq!(spec.validate().is_ok(), valid(&spec), "{spec:?}");
     let backends = run::host_backends();
     if spec.validate().is_err() {
@@ -435,27 +452,25 @@ fn cache(spec: KvCacheSpec, pairs: &[(Size, Size)]) {
     if bytes > CACHE_BYTES {
         return;
     }
-    let pairs: Vec<(usize, usize)> = pairs.iter().map(|(s, d)| (s.get(), d.get())).collect();
-    let in_range = pairs
-        .iter()
-        .all(|&(s, d)| s < spec.num_blocks && d < spec.num_blocks);
+    let pairs: Vec<(BlockId, BlockId)> = pairs.iter().map(|(s, d)| (s.get(), d.get())).collect();
+    let inside = |id: BlockId| usize::try_from(id).is_ok_and(|b| b < spec.num_blocks);
+    let in_range = pairs.iter().all(|&(s, d)| inside(s) && inside(d));
     let mut seen = vec![false; spec.num_blocks];
     let distinct = in_range
         && pairs
             .iter()
-            .all(|&(_, d)| !std::mem::replace(&mut seen[d], true));
+            .all(|&(_, d)| !std::mem::replace(&mut seen[d as usize], true));
     for b in &backends {
-        let mut cache = b.allocate_kv_cache(&spec).expect("a small valid cache");
+        let cache = b.allocate_kv_cache(&spec).expect("a small valid cache");
         assert_eq!(cache.spec(), &spec);
         assert_eq!(cache.shape(), b.kv_cache_shape(&spec).expect("valid"));
-        let mut swap = b.allocate_swap_space(&spec).expect("a small valid cache");
-        assert_eq!(
-            b.copy_blocks(std::slice::from_mut(&mut cache), &pairs)
-                .is_ok(),
-            in_range
-        );
-        assert_eq!(b.swap_out(&cache, &mut swap, &pairs).is_ok(), distinct);
-        assert_eq!(b.swap_in(&swap, &mut cache, &pairs).is_ok(), distinct);
+        let swap = (b.allocate_swap_space(&spec, spec.num_blocks)).expect("a small valid cache");
+        assert_eq!(swap.spec(), &spec);
+        let (mut caches, mut swaps) = ([cache], [swap]);
+        assert_eq!(b.copy_blocks(&mut caches, &pairs).is_ok(), in_range);
+        assert_eq!(b.swap_out(&caches, &mut swaps, &pairs).is_ok(), distinct);
+        assert_eq!(b.swap_in(&swaps, &mut caches, &pairs).is_ok(), distinct);
+        let [cache] = caches;
         let (k, v) = cache.to_canonical().expect("host cache");
         assert_eq!(k.len(), spec.buffer_elems());
         assert!(k.as_bytes().iter().chain(v.as_bytes()).all(|&x| x == 0));
@@ -578,9 +593,9 @@ fn small_call(config: AttentionConfig, seed: u8) -> pagedattn::replay::ReplayCas
     let mut builder = MetadataBuilder::new(1);
     let (mut tk, mut t) = (0, 0);
     for (n, e) in [(5, 3), (2, 6)] {
-        let desc = SequenceDesc::prompt(0, n, Vec::new());
+        let desc = SequenceDesc::prompt(0, n, &[]);
         builder.push(if cross {
-            desc.with_encoder(e, Vec::new())
+            desc.with_encoder(e, &[])
         } else {
             desc
         });

@@ -10,8 +10,8 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedattn::{
-    AttentionConfig, AttentionMetadata, AttnType, Backend, DType, KvCacheDtype, KvCacheSpec,
-    MetadataBuilder, SequenceDesc,
+    AttentionConfig, AttentionMetadata, AttnType, Backend, BlockId, DType, KvCacheDtype,
+    KvCacheSpec, MetadataBuilder, SequenceDesc,
 };
 use pagedattn_fuzz::run;
 use pagedattn_fuzz::size::Size;
@@ -40,12 +40,12 @@ struct Input {
 
 #[derive(Debug, Arbitrary)]
 struct Seq {
-    /// Context (a prompt) or the sequence length (a decode).
+    /// Tokens already in the cache.
     len: Size,
     query_len: Size,
     make: Make,
-    table: Vec<i32>,
-    encoder: Option<(Size, Vec<i32>)>,
+    table: Vec<BlockId>,
+    encoder: Option<(Size, Vec<BlockId>)>,
 }
 
 /// Which constructor describes the sequence.
@@ -61,38 +61,50 @@ enum Make {
 
 fuzz_target!(|input: Input| {
     let b = input.block_size.get();
-    let mut descs: Vec<SequenceDesc> = input.seqs.iter().map(describe).collect();
-    // Tables that cover each sequence with blocks no other sequence has (one block space for
-    // the decoder's cache, one for the cross cache).
+    // The tables as given, or ones that cover each sequence with blocks no other sequence has
+    // (one block space for the decoder's cache, one for the cross cache).
+    let mut tables: Vec<Vec<BlockId>> = input.seqs.iter().map(|s| s.table.clone()).collect();
+    let mut cross_tables: Vec<Vec<BlockId>> = (input.seqs.iter())
+        .map(|s| s.encoder.as_ref().map_or(Vec::new(), |(_, t)| t.clone()))
+        .collect();
     let mut covered = !input.own_tables && b > 0;
     if covered {
         let (mut next, mut next_cross) = (0usize, 0usize);
-        for d in &mut descs {
+        for (s, seq) in input.seqs.iter().enumerate() {
+            let d = describe(seq, &[], &[]);
             let len = d.context_len.checked_add(d.query_len);
-            covered &= allocate(&mut d.block_table, len, b, &mut next);
-            if let Some(e) = &mut d.encoder {
-                covered &= allocate(&mut e.cross_block_table, Some(e.len), b, &mut next_cross);
+            covered &= allocate(&mut tables[s], len, b, &mut next);
+            if let Some(e) = &d.encoder {
+                covered &= allocate(&mut cross_tables[s], Some(e.len), b, &mut next_cross);
             }
         }
     }
+    let descs: Vec<SequenceDesc> = (input.seqs.iter().zip(&tables).zip(&cross_tables))
+        .map(|((seq, table), cross)| describe(seq, table, cross))
+        .collect();
     if entries(&descs, input.write_cross_kv) > ENTRIES {
         return;
     }
     let mut builder = MetadataBuilder::new(b);
     builder.write_cross_kv(input.write_cross_kv);
     for d in &descs {
-        builder.push(d.clone());
+        builder.push(*d);
     }
-    let Ok(md) = builder.build() else {
+    let built = builder.build();
+    // A sequence with no new token has nothing to compute: always refused.
+    if descs.iter().any(|d| d.query_len == 0) {
+        assert!(built.is_err(), "a sequence without new tokens was accepted");
+    }
+    let Ok(md) = built else {
         return;
     };
     check_fields(&md, &descs, b, input.write_cross_kv);
     check_plans(&md, &descs, b, covered, &input);
 });
 
-fn describe(seq: &Seq) -> SequenceDesc {
-    let table = seq.table.clone();
-    let mut desc = match seq.make {
+/// `seq` through its constructor, with `table` and (if it has an encoder side) `cross_table`.
+fn describe<'a>(seq: &Seq, table: &'a [BlockId], cross_table: &'a [BlockId]) -> SequenceDesc<'a> {
+    let desc = match seq.make {
         Make::Prompt => SequenceDesc::prompt(seq.len.get(), seq.query_len.get(), table),
         Make::Decode => SequenceDesc::decode(seq.len.get(), table),
         Make::Raw { is_decode } => SequenceDesc {
@@ -103,22 +115,22 @@ fn describe(seq: &Seq) -> SequenceDesc {
             encoder: None,
         },
     };
-    if let Some((len, table)) = &seq.encoder {
-        desc = desc.with_encoder(len.get(), table.clone());
+    match &seq.encoder {
+        Some((len, _)) => desc.with_encoder(len.get(), cross_table),
+        None => desc,
     }
-    desc
 }
 
 /// Replaces `table` with the next `ceil(len / b)` fresh blocks; false (the table left as
-/// given) when that is more than [`TABLE`] blocks or more than i32 block numbers.
-fn allocate(table: &mut Vec<i32>, len: Option<usize>, b: usize, next: &mut usize) -> bool {
+/// given) when that is more than [`TABLE`] blocks or more than [`BlockId`] numbers.
+fn allocate(table: &mut Vec<BlockId>, len: Option<usize>, b: usize, next: &mut usize) -> bool {
     let Some(n) = len.map(|l| l.div_ceil(b)).filter(|&n| n <= TABLE) else {
         return false;
     };
-    if *next + n > i32::MAX as usize {
+    if *next + n > BlockId::MAX as usize {
         return false;
     }
-    *table = (*next..*next + n).map(|x| x as i32).rev().collect();
+    *table = (*next..*next + n).map(|x| x as BlockId).rev().collect();
     *next += n;
     true
 }
@@ -163,10 +175,10 @@ fn check_fields(md: &AttentionMetadata, descs: &[SequenceDesc], b: usize, write_
         assert_eq!(md.seq_lens[s] as usize, d.context_len + d.query_len);
         assert_eq!(md.context_lens[s] as usize, d.context_len);
         let row = md.block_tables.row(s);
-        assert_eq!(&row[..d.block_table.len()], d.block_table.as_slice());
+        assert_eq!(&row[..d.block_table.len()], d.block_table);
         assert!(row[d.block_table.len()..].iter().all(|&x| x == 0));
         for p in d.context_len..d.context_len + d.query_len {
-            assert_eq!(md.slot_mapping[t], slot(&d.block_table, b, p), "token {t}");
+            assert_eq!(md.slot_mapping[t], slot(d.block_table, b, p), "token {t}");
             t += 1;
         }
     }
@@ -181,7 +193,7 @@ fn check_fields(md: &AttentionMetadata, descs: &[SequenceDesc], b: usize, write_
             for (s, e) in with_encoder.iter().enumerate() {
                 assert_eq!(enc.encoder_seq_lens[s] as usize, e.len);
                 if write_cross_kv {
-                    slots.extend((0..e.len).map(|p| slot(&e.cross_block_table, b, p)));
+                    slots.extend((0..e.len).map(|p| slot(e.cross_block_table, b, p)));
                 }
             }
             assert_eq!(enc.cross_slot_mapping, slots);
@@ -190,7 +202,7 @@ fn check_fields(md: &AttentionMetadata, descs: &[SequenceDesc], b: usize, write_
 }
 
 /// The slot of position `p` through `table` (-1 without a table: no cache).
-fn slot(table: &[i32], b: usize, p: usize) -> i64 {
+fn slot(table: &[BlockId], b: usize, p: usize) -> i64 {
     if table.is_empty() {
         -1
     } else {
@@ -224,7 +236,7 @@ fn check_plans(
         .build()
         .expect("a valid config");
     // A cache holding every block the tables name.
-    let tables: Vec<&[i32]> = match &md.encoder {
+    let tables: Vec<&[BlockId]> = match &md.encoder {
         Some(enc) => (0..md.num_seqs())
             .map(|s| enc.cross_block_tables.row(s))
             .collect(),

@@ -11,8 +11,9 @@
 use arbitrary::{Result, Unstructured};
 use pagedattn::replay::ReplayCase;
 use pagedattn::{
-    alibi_slopes_bloom, bf16, f16, AttentionConfig, AttnType, CacheLayout, DType, Fp8Format,
-    HostStorage, KvCache, KvCacheDtype, KvCacheSpec, MetadataBuilder, SequenceDesc, Tensor,
+    alibi_slopes_bloom, bf16, f16, AttentionConfig, AttnType, BlockId, CacheLayout, DType,
+    Fp8Format, HostStorage, KvCache, KvCacheDtype, KvCacheSpec, MetadataBuilder, SequenceDesc,
+    Tensor,
 };
 
 use crate::rng::Rng;
@@ -413,7 +414,7 @@ struct Paged {
     k_scale: f32,
     v_scale: f32,
     /// Per sequence: its blocks, then entries past its end (never read).
-    tables: Vec<Vec<i32>>,
+    tables: Vec<Vec<BlockId>>,
     key: Vec<u8>,
     value: Vec<u8>,
     /// Slots written before the call.
@@ -429,15 +430,15 @@ impl Paged {
         let b = layer.block_size;
         let needed: Vec<usize> = lens.iter().map(|l| l.div_ceil(b)).collect();
         let num_blocks = (needed.iter().sum::<usize>() + rng.below(4)).max(1);
-        let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
+        let mut perm: Vec<BlockId> = (0..num_blocks as BlockId).collect();
         rng.shuffle(&mut perm);
         let mut next = perm.into_iter();
         let tables = needed
             .iter()
             .map(|&n| {
-                let mut table: Vec<i32> = next.by_ref().take(n).collect();
+                let mut table: Vec<BlockId> = next.by_ref().take(n).collect();
                 let extra = rng.below(3);
-                table.extend((0..extra).map(|_| rng.below(num_blocks) as i32));
+                table.extend((0..extra).map(|_| rng.below(num_blocks) as BlockId));
                 table
             })
             .collect();
@@ -606,31 +607,20 @@ fn build(
         }
         _ => None,
     };
-    let mut builder = MetadataBuilder::new(layer.block_size);
-    builder.write_cross_kv(kind == Kind::CrossPrefill);
-    // The key/value rows of the call: new tokens, or the encoder's.
-    let (mut keys, mut values) = (Vec::new(), Vec::new());
+    // The key/value rows of the call: new tokens, or the encoder's; each sequence's decoder
+    // table (the builder borrows them once all are drawn).
+    let (mut keys, mut values, mut tables) = (Vec::new(), Vec::new(), Vec::new());
     for (s, seq) in seqs.iter().enumerate() {
-        let table = match (&paged, kind) {
+        tables.push(match (&paged, kind) {
             (Some(p), Kind::DecoderPaged) => p.tables[s].clone(),
             // Cross attention ignores the decoder's own block tables: sometimes give some.
             (Some(p), _) if rng.chance(1, 2) => {
                 let n = (seq.context + seq.new).div_ceil(layer.block_size);
                 (0..n)
-                    .map(|_| rng.below(p.spec.num_blocks) as i32)
+                    .map(|_| rng.below(p.spec.num_blocks) as BlockId)
                     .collect()
             }
             _ => Vec::new(),
-        };
-        let desc = if seq.decode {
-            SequenceDesc::decode(seq.context + 1, table)
-        } else {
-            SequenceDesc::prompt(seq.context, seq.new, table)
-        };
-        builder.push(match (&paged, kind.is_cross()) {
-            (Some(p), true) => desc.with_encoder(seq.encoder, p.tables[s].clone()),
-            (None, true) => desc.with_encoder(seq.encoder, Vec::new()),
-            _ => desc,
         });
         match (kind, paged.as_mut()) {
             (Kind::DecoderPaged, Some(p)) => {
@@ -656,6 +646,20 @@ fn build(
                 values.extend(random(rng, dtype, seq.new * row, amp));
             }
         }
+    }
+    let mut builder = MetadataBuilder::new(layer.block_size);
+    builder.write_cross_kv(kind == Kind::CrossPrefill);
+    for (s, (seq, table)) in seqs.iter().zip(&tables).enumerate() {
+        let desc = if seq.decode {
+            SequenceDesc::decode(seq.context, table)
+        } else {
+            SequenceDesc::prompt(seq.context, seq.new, table)
+        };
+        builder.push(match (&paged, kind.is_cross()) {
+            (Some(p), true) => desc.with_encoder(seq.encoder, &p.tables[s]),
+            (None, true) => desc.with_encoder(seq.encoder, &[]),
+            _ => desc,
+        });
     }
     let mut metadata = builder
         .build()

@@ -3,7 +3,7 @@
 use half::bf16;
 use pagedattn::replay::ReplayCase;
 use pagedattn::{
-    AttentionConfig, CacheLayout, DType, HostStorage, KvCache, KvScales, MetadataBuilder,
+    AttentionConfig, BlockId, CacheLayout, DType, HostStorage, KvCache, KvScales, MetadataBuilder,
     SequenceDesc, Tensor,
 };
 use rand::seq::SliceRandom;
@@ -29,16 +29,19 @@ pub fn mixed_batch(seed: u64) -> ReplayCase {
         (128, 1, true),
         (15, 1, true),
     ];
-    let mut free: Vec<i32> = (0..NUM_BLOCKS as i32).collect();
+    let mut free: Vec<BlockId> = (0..NUM_BLOCKS as BlockId).collect();
     free.shuffle(&mut rng);
+    let tables: Vec<Vec<BlockId>> = seqs
+        .iter()
+        .map(|&(ctx, new, _)| free.drain(..(ctx + new).div_ceil(BLOCK)).collect())
+        .collect();
     let mut builder = MetadataBuilder::new(BLOCK);
     let mut context_slots = Vec::new();
-    for &(ctx, new, decode) in &seqs {
-        let table: Vec<i32> = free.drain(..(ctx + new).div_ceil(BLOCK)).collect();
+    for (&(ctx, new, decode), table) in seqs.iter().zip(&tables) {
         context_slots
             .extend((0..ctx).map(|p| table[p / BLOCK] as i64 * BLOCK as i64 + (p % BLOCK) as i64));
         builder.push(if decode {
-            SequenceDesc::decode(ctx + 1, table)
+            SequenceDesc::decode(ctx, table)
         } else {
             SequenceDesc::prompt(ctx, new, table)
         });

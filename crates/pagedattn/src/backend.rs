@@ -6,8 +6,8 @@ use std::fmt;
 use crate::config::{AttentionConfig, AttnType};
 use crate::device::Device;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
-use crate::kv_cache::{self, CacheLayout, KvCache, KvCacheSpec};
+use crate::error::{ensure, Error, Result};
+use crate::kv_cache::{self, BlockId, CacheLayout, KvCache, KvCacheSpec};
 use crate::metadata::AttentionMetadata;
 use crate::step::{Inputs, Plan, Workspace};
 use crate::tensor::Tensor;
@@ -280,11 +280,14 @@ pub trait Backend: Send + Sync {
         KvCache::zeros_on(self.device(), *spec, self.kv_cache_layout())
     }
 
-    /// Allocates zero-filled swap space for blocks of `spec`'s geometry, in host memory the
-    /// device copies to and from ([`Backend::swap_device`]).
-    fn allocate_swap_space(&self, spec: &KvCacheSpec) -> Result<KvCache> {
-        self.capabilities().check_cache(self.name(), spec)?;
-        KvCache::zeros_on(self.swap_device(), *spec, self.kv_cache_layout())
+    /// Allocates zero-filled swap space of `num_blocks` blocks for a cache of `spec` (the same
+    /// block geometry and dtypes: `spec.with_num_blocks(num_blocks)`), in host memory the
+    /// device copies to and from ([`Backend::swap_device`]) and in this backend's layout: what
+    /// [`swap_out`](Self::swap_out) and [`swap_in`](Self::swap_in) expect. One per layer.
+    fn allocate_swap_space(&self, spec: &KvCacheSpec, num_blocks: usize) -> Result<KvCache> {
+        let spec = spec.with_num_blocks(num_blocks);
+        self.capabilities().check_cache(self.name(), &spec)?;
+        KvCache::zeros_on(self.swap_device(), spec, self.kv_cache_layout())
     }
 
     /// A copy of `cache` (any layout, any device) in this backend's layout on its device.
@@ -303,46 +306,111 @@ pub trait Backend: Send + Sync {
         Ok(workspace)
     }
 
-    /// Swaps blocks out: copies `(cache block, swap block)` pairs from a device cache to swap
-    /// space (vLLM's `swap_blocks` towards the CPU).
+    /// Swaps blocks out of every layer: copies `(cache block, swap block)` pairs from each
+    /// layer's device cache `caches[l]` to its swap space `swaps[l]` (vLLM's `swap_blocks`
+    /// towards the CPU). Every layer is checked before any is copied.
     fn swap_out(
         &self,
-        cache: &KvCache,
-        swap: &mut KvCache,
-        pairs: &[(usize, usize)],
+        caches: &[KvCache],
+        swaps: &mut [KvCache],
+        pairs: &[(BlockId, BlockId)],
     ) -> Result<()> {
-        check_sides(cache, self.device(), "cache", ON_DEVICE)?;
-        check_sides(swap, self.swap_device(), "swap", IN_SWAP_SPACE)?;
-        self.copy_swap_blocks(cache, swap, pairs)
+        check_swap_layers(self, caches, swaps, pairs, Towards::Swap)?;
+        for (cache, swap) in caches.iter().zip(swaps) {
+            self.copy_swap_blocks(cache, swap, pairs)?;
+        }
+        Ok(())
     }
 
-    /// Swaps blocks in: copies `(swap block, cache block)` pairs from swap space to a device
-    /// cache.
-    fn swap_in(&self, swap: &KvCache, cache: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
-        check_sides(swap, self.swap_device(), "swap", IN_SWAP_SPACE)?;
-        check_sides(cache, self.device(), "cache", ON_DEVICE)?;
-        self.copy_swap_blocks(swap, cache, pairs)
+    /// Swaps blocks in to every layer: copies `(swap block, cache block)` pairs from each
+    /// layer's swap space `swaps[l]` to its device cache `caches[l]`. Every layer is checked
+    /// before any is copied.
+    fn swap_in(
+        &self,
+        swaps: &[KvCache],
+        caches: &mut [KvCache],
+        pairs: &[(BlockId, BlockId)],
+    ) -> Result<()> {
+        check_swap_layers(self, caches, swaps, pairs, Towards::Cache)?;
+        for (swap, cache) in swaps.iter().zip(caches) {
+            self.copy_swap_blocks(swap, cache, pairs)?;
+        }
+        Ok(())
     }
 
-    /// The copy behind [`swap_out`](Self::swap_out) and [`swap_in`](Self::swap_in), once they
-    /// have checked where both caches live: between host caches by default; a GPU backend
-    /// queues copies between its memory and pinned host memory.
+    /// The copy behind [`swap_out`](Self::swap_out) and [`swap_in`](Self::swap_in), one layer
+    /// at a time, once they have checked where every cache lives: between host caches by
+    /// default; a GPU backend queues copies between its memory and pinned host memory.
     fn copy_swap_blocks(
         &self,
         src: &KvCache,
         dst: &mut KvCache,
-        pairs: &[(usize, usize)],
+        pairs: &[(BlockId, BlockId)],
     ) -> Result<()> {
         kv_cache::swap_blocks(src, dst, pairs)
     }
 
-    /// Copies blocks `(src, dst)` inside every layer's cache (copy-on-write).
-    fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
+    /// Copies blocks `(src, dst)` inside every layer's cache (copy-on-write), pair by pair in
+    /// order.
+    fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(BlockId, BlockId)]) -> Result<()> {
         for (i, cache) in caches.iter().enumerate() {
             check_sides(cache, self.device(), &format!("caches[{i}]"), ON_DEVICE)?;
         }
         kv_cache::copy_blocks(caches, pairs)
     }
+}
+
+/// Which way a swap copies.
+#[derive(Clone, Copy)]
+enum Towards {
+    /// From the caches to the swap spaces (`swap_out`).
+    Swap,
+    /// From the swap spaces to the caches (`swap_in`).
+    Cache,
+}
+
+/// Checks a swap of every layer before any copy: one swap space per layer, each cache on the
+/// backend's device and each swap space in its swap space, and each layer's pairs (errors
+/// name the layer).
+fn check_swap_layers<B: Backend + ?Sized>(
+    backend: &B,
+    caches: &[KvCache],
+    swaps: &[KvCache],
+    pairs: &[(BlockId, BlockId)],
+    towards: Towards,
+) -> Result<()> {
+    ensure(
+        swaps.len() == caches.len(),
+        || "swaps.len()".into(),
+        swaps.len(),
+        || format!("caches.len() = {}: one swap space per layer", caches.len()),
+    )?;
+    for (l, (cache, swap)) in caches.iter().zip(swaps).enumerate() {
+        check_sides(cache, backend.device(), &format!("caches[{l}]"), ON_DEVICE)?;
+        check_sides(
+            swap,
+            backend.swap_device(),
+            &format!("swaps[{l}]"),
+            IN_SWAP_SPACE,
+        )?;
+        let (src, dst) = match towards {
+            Towards::Swap => (cache, swap),
+            Towards::Cache => (swap, cache),
+        };
+        kv_cache::check_swap(src, dst, pairs).map_err(|e| match e {
+            Error::Invalid {
+                field,
+                value,
+                expected,
+            } => Error::Invalid {
+                field: format!("{field} of layer {l}"),
+                value,
+                expected,
+            },
+            other => other,
+        })?;
+    }
+    Ok(())
 }
 
 /// What a device cache of a swap must be on.

@@ -3,10 +3,12 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::fp8::Fp8Format;
 use crate::kv_cache::{KvCacheSpec, KvScales};
+use crate::tensor::Tensor;
 
 /// What a layer attends over (vLLM's `AttentionType`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -219,6 +221,33 @@ impl AttentionConfig {
             dtype,
             kv_cache_dtype: self.kv_cache_dtype,
         }
+    }
+
+    /// The shape of a step's queries and of its attention output: `[num_tokens, H, D]`, for
+    /// the step's `num_tokens` query tokens ([`AttentionMetadata::num_tokens`]).
+    ///
+    /// [`AttentionMetadata::num_tokens`]: crate::AttentionMetadata::num_tokens
+    pub fn query_shape(&self, num_tokens: usize) -> [usize; 3] {
+        [num_tokens, self.num_heads, self.head_size]
+    }
+
+    /// The shape of a step's new keys and of its new values: `[num_tokens, Hkv, D]`, for
+    /// `num_tokens` key tokens (the query tokens for self-attention, the encoder's tokens for
+    /// cross-attention).
+    pub fn kv_shape(&self, num_tokens: usize) -> [usize; 3] {
+        [num_tokens, self.num_kv_heads, self.head_size]
+    }
+
+    /// A zero-filled `[num_tokens, H, D]` tensor of `dtype` on `device`: a step's queries to
+    /// fill in, or the output [`forward_into`](crate::AttentionImpl::forward_into) writes.
+    pub fn zeros_query(&self, device: Device, dtype: DType, num_tokens: usize) -> Result<Tensor> {
+        Tensor::zeros_on(device, dtype, &self.query_shape(num_tokens))
+    }
+
+    /// A zero-filled `[num_tokens, Hkv, D]` tensor of `dtype` on `device`: a step's new keys
+    /// or values to fill in.
+    pub fn zeros_kv(&self, device: Device, dtype: DType, num_tokens: usize) -> Result<Tensor> {
+        Tensor::zeros_on(device, dtype, &self.kv_shape(num_tokens))
     }
 
     fn validate(&self) -> Result<()> {

@@ -1,8 +1,13 @@
 //! The one error type of the library.
 
-/// Everything that can go wrong in pagedattn. Messages name the field, the value and what was
-/// expected, so that a caller can print them as they are.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+use std::fmt;
+
+/// Everything that can go wrong in pagedattn. Each message is one line that names the field,
+/// the value and what was expected (specs and configs described in words, never dumped as
+/// structs), so that a caller can print it as it is. `Debug` prints the same line, so that
+/// `fn main() -> Result<(), pagedattn::Error>` reports an error readably; match on the
+/// variants to tell errors apart.
+#[derive(Clone, PartialEq, thiserror::Error)]
 pub enum Error {
     /// An argument, tensor or metadata field has a value the contract does not allow.
     #[error("{field} = {value}: expected {expected}")]
@@ -89,6 +94,13 @@ impl Error {
             found: found.to_string(),
             expected: expected.into(),
         }
+    }
+}
+
+impl fmt::Debug for Error {
+    /// The message, as `Display` writes it: what `main` prints of a returned error.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 

@@ -4,6 +4,8 @@
 //! A slot is `block * block_size + offset`. Every layout keeps a block contiguous (block-major),
 //! so swapping and copying move whole blocks as one byte range whatever the layout inside.
 
+use std::fmt;
+
 use crate::config::KvCacheDtype;
 use crate::dtype::{DType, Element};
 use rayon::prelude::*;
@@ -13,6 +15,10 @@ use crate::error::{ensure, Error, Result};
 use crate::fp8::Fp8Format;
 use crate::shared::SharedMut;
 use crate::tensor::{try_collect, HostSliceMut, HostStorage, Storage, Tensor};
+
+/// A block's index in a cache: the entries of block tables and of swap and copy pairs. `i32`,
+/// as vLLM's block tables and the tables the kernels read; a valid id is in `[0, num_blocks)`.
+pub type BlockId = i32;
 
 /// Dequantization scales of an fp8 cache (vLLM's `k_scale`, `v_scale`); 1.0 for other caches.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -77,6 +83,12 @@ impl KvCacheSpec {
         }
     }
 
+    /// The same geometry and dtypes with `num_blocks` blocks: the spec of a swap space (or of
+    /// any other cache whose blocks a swap or copy moves to and from this one's).
+    pub fn with_num_blocks(self, num_blocks: usize) -> KvCacheSpec {
+        KvCacheSpec { num_blocks, ..self }
+    }
+
     /// Number of token slots (NB * B).
     pub fn num_slots(&self) -> usize {
         self.num_blocks * self.block_size
@@ -137,6 +149,31 @@ impl KvCacheSpec {
     }
 }
 
+impl fmt::Display for KvCacheSpec {
+    /// One phrase, e.g. `cache spec of 16 blocks of 16 slots, 8 kv heads, head size 128, bf16`
+    /// (`bf16 stored as fp8_e4m3` for an fp8 cache): what error messages show of a spec.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let plural =
+            |n: usize, one: &'static str, many: &'static str| if n == 1 { one } else { many };
+        write!(
+            f,
+            "cache spec of {} {} of {} {}, {} kv {}, head size {}, {}",
+            self.num_blocks,
+            plural(self.num_blocks, "block", "blocks"),
+            self.block_size,
+            plural(self.block_size, "slot", "slots"),
+            self.num_kv_heads,
+            plural(self.num_kv_heads, "head", "heads"),
+            self.head_size,
+            self.dtype,
+        )?;
+        match self.kv_cache_dtype {
+            KvCacheDtype::Auto => Ok(()),
+            stored => write!(f, " stored as {stored}"),
+        }
+    }
+}
+
 /// How one block's elements are ordered inside the key and value buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CacheLayout {
@@ -145,6 +182,15 @@ pub enum CacheLayout {
     /// `[NB, Hkv, B, D]`, head-major: one kv head's keys of a block are contiguous, so a kernel
     /// that walks one kv head streams `B * D` contiguous elements per block.
     Hnd,
+}
+
+impl fmt::Display for CacheLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CacheLayout::Nhd => "Nhd",
+            CacheLayout::Hnd => "Hnd",
+        })
+    }
 }
 
 impl CacheLayout {
@@ -540,31 +586,44 @@ fn write_tokens<T: Element>(
     }
 }
 
-/// Checks a list of (source block, destination block) pairs against two block counts.
+/// Checks a list of (source block, destination block) pairs against two block counts and
+/// returns them as indices: an id that is negative or past its cache is an error naming it.
 pub(crate) fn check_pairs(
-    pairs: &[(usize, usize)],
+    pairs: &[(BlockId, BlockId)],
     src_blocks: usize,
     dst_blocks: usize,
-) -> Result<()> {
-    for (i, &(s, d)) in pairs.iter().enumerate() {
-        ensure(
-            s < src_blocks,
-            || format!("pairs[{i}].src"),
-            s,
-            || format!("a block in [0, {src_blocks})"),
-        )?;
-        ensure(
-            d < dst_blocks,
-            || format!("pairs[{i}].dst"),
-            d,
-            || format!("a block in [0, {dst_blocks})"),
-        )?;
-    }
-    Ok(())
+) -> Result<Vec<(usize, usize)>> {
+    let index = |i: usize, side: &str, id: BlockId, blocks: usize| {
+        usize::try_from(id)
+            .ok()
+            .filter(|&b| b < blocks)
+            .ok_or_else(|| {
+                Error::invalid(
+                    format!("pairs[{i}].{side}"),
+                    id,
+                    format!("a block in [0, {blocks})"),
+                )
+            })
+    };
+    pairs
+        .iter()
+        .enumerate()
+        .map(|(i, &(s, d))| {
+            Ok((
+                index(i, "src", s, src_blocks)?,
+                index(i, "dst", d, dst_blocks)?,
+            ))
+        })
+        .collect()
 }
 
-/// Checks a swap: same block geometry, dtype and layout, pairs in range, distinct destinations.
-pub(crate) fn check_swap(src: &KvCache, dst: &KvCache, pairs: &[(usize, usize)]) -> Result<()> {
+/// Checks a swap: same block geometry, dtype and layout, pairs in range, distinct destinations;
+/// returns the pairs as indices.
+pub(crate) fn check_swap(
+    src: &KvCache,
+    dst: &KvCache,
+    pairs: &[(BlockId, BlockId)],
+) -> Result<Vec<(usize, usize)>> {
     let (a, b) = (src.spec, dst.spec);
     ensure(
         (
@@ -581,17 +640,17 @@ pub(crate) fn check_swap(src: &KvCache, dst: &KvCache, pairs: &[(usize, usize)])
             b.kv_cache_dtype,
         ) && src.layout == dst.layout,
         || "dst cache".into(),
-        format!("{b:?} {:?}", dst.layout),
+        format!("a {b} in layout {}", dst.layout),
         || {
             format!(
-                "the source's block geometry, dtype and layout: {a:?} {:?}",
+                "the source's block geometry, dtype and layout (a {a} in layout {})",
                 src.layout
             )
         },
     )?;
-    check_pairs(pairs, a.num_blocks, b.num_blocks)?;
+    let indices = check_pairs(pairs, a.num_blocks, b.num_blocks)?;
     let mut seen = vec![false; b.num_blocks];
-    for (i, &(_, d)) in pairs.iter().enumerate() {
+    for (i, &(_, d)) in indices.iter().enumerate() {
         ensure(
             !std::mem::replace(&mut seen[d], true),
             || format!("pairs[{i}].dst"),
@@ -599,19 +658,20 @@ pub(crate) fn check_swap(src: &KvCache, dst: &KvCache, pairs: &[(usize, usize)])
             || "a block not already a destination of this swap".into(),
         )?;
     }
-    Ok(())
+    Ok(indices)
 }
 
-/// Copies whole blocks between two host caches (vLLM's `swap_blocks`). Both caches must have
-/// the same block geometry, dtype and layout; their block counts may differ; each destination
-/// block appears once. Backends wrap it as [`Backend::swap_out`](crate::Backend::swap_out)
-/// and [`Backend::swap_in`](crate::Backend::swap_in).
-pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
-    check_swap(src, dst, pairs)?;
+/// Copies whole blocks between two host caches (vLLM's `swap_blocks`), `(src block, dst
+/// block)` pairs. Both caches must have the same block geometry, dtype and layout; their block
+/// counts may differ; each destination block appears once. Backends wrap it as
+/// [`Backend::swap_out`](crate::Backend::swap_out) and
+/// [`Backend::swap_in`](crate::Backend::swap_in), over every layer.
+pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(BlockId, BlockId)]) -> Result<()> {
+    let pairs = check_swap(src, dst, pairs)?;
     let block_bytes = src.spec.block_elems() * src.spec.storage_dtype().size_bytes();
     // Destinations are distinct, so each destination block has at most one source.
     let mut source_of = vec![None; dst.spec.num_blocks];
-    for &(sb, db) in pairs {
+    for (sb, db) in pairs {
         source_of[db] = Some(sb);
     }
     let (src_key, src_value) = src.host_buffers()?;
@@ -632,9 +692,13 @@ pub fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -
 
 /// Copies block `src` to block `dst` inside every layer's host cache, keys and values, pair by
 /// pair in order (vLLM's `copy_blocks`, used for copy-on-write); the layers in parallel.
-pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
+pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(BlockId, BlockId)]) -> Result<()> {
+    // Every layer is checked before any is written: a refused copy changes nothing. The
+    // indices are the same numbers for every layer; each layer's check bounds them by its own
+    // block count.
+    let mut indices = Vec::new();
     for cache in caches.iter() {
-        check_pairs(pairs, cache.spec.num_blocks, cache.spec.num_blocks)?;
+        indices = check_pairs(pairs, cache.spec.num_blocks, cache.spec.num_blocks)?;
         cache.host_buffers()?;
     }
     caches.par_iter_mut().for_each(|cache| {
@@ -644,7 +708,7 @@ pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<(
             .expect("checked above: host buffers");
         for buf in [key, value] {
             let bytes = buf.into_bytes();
-            for &(s, d) in pairs {
+            for &(s, d) in &indices {
                 bytes.copy_within(s * block_bytes..(s + 1) * block_bytes, d * block_bytes);
             }
         }

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use crate::config::AttnType;
 use crate::error::{ensure, Error, Result};
-use crate::kv_cache::{check_distinct_slots, KvCacheSpec};
+use crate::kv_cache::{check_distinct_slots, BlockId, KvCacheSpec};
 
 /// Per-sequence block tables: row `s` lists the physical blocks of sequence `s`, padded to a
 /// common width (vLLM pads with block 0; padding past a sequence's length is never read).
@@ -13,12 +13,12 @@ use crate::kv_cache::{check_distinct_slots, KvCacheSpec};
 pub struct BlockTables {
     num_rows: usize,
     width: usize,
-    data: Vec<i32>,
+    data: Vec<BlockId>,
 }
 
 impl BlockTables {
     /// A `[num_rows, width]` table from row-major data.
-    pub fn new(num_rows: usize, width: usize, data: Vec<i32>) -> Result<Self> {
+    pub fn new(num_rows: usize, width: usize, data: Vec<BlockId>) -> Result<Self> {
         let elems = num_rows.checked_mul(width);
         ensure(
             elems == Some(data.len()),
@@ -33,11 +33,13 @@ impl BlockTables {
         })
     }
 
-    /// A table from ragged rows, padded with 0 to the longest.
-    pub fn from_rows(rows: &[Vec<i32>]) -> Self {
-        let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+    /// A table from ragged rows (`Vec<BlockId>`s or `&[BlockId]`s), padded with 0 to the
+    /// longest.
+    pub fn from_rows<R: AsRef<[BlockId]>>(rows: &[R]) -> Self {
+        let width = rows.iter().map(|r| r.as_ref().len()).max().unwrap_or(0);
         let mut data = Vec::with_capacity(rows.len() * width);
         for row in rows {
+            let row = row.as_ref();
             data.extend_from_slice(row);
             data.resize(data.len() + width - row.len(), 0);
         }
@@ -57,11 +59,11 @@ impl BlockTables {
         self.width
     }
     /// Row `s`.
-    pub fn row(&self, s: usize) -> &[i32] {
+    pub fn row(&self, s: usize) -> &[BlockId] {
         &self.data[s * self.width..(s + 1) * self.width]
     }
     /// All entries, row-major.
-    pub fn as_slice(&self) -> &[i32] {
+    pub fn as_slice(&self) -> &[BlockId] {
         &self.data
     }
 }
@@ -518,47 +520,50 @@ fn check_paged(
     check_distinct_slots(slots, &format!("metadata.{slot_field}"))
 }
 
-/// One sequence of a batch, as a scheduler sees it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SequenceDesc {
-    /// Tokens already in the cache (prefix-cache hit or earlier chunks).
+/// One sequence of a batch, as a scheduler sees it: the tokens already in the cache and the
+/// new tokens of this step (at least one), with the sequence's block table borrowed for the
+/// step (the builder copies it into the metadata's flat table).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SequenceDesc<'a> {
+    /// Tokens already in the cache (prefix-cache hit, earlier chunks or earlier steps).
     pub context_len: usize,
-    /// New tokens computed in this step.
+    /// New tokens computed in this step: at least 1 ([`MetadataBuilder::build`] refuses 0).
     pub query_len: usize,
     /// Whether this is a decode step (exactly one new token).
     pub is_decode: bool,
     /// The sequence's physical blocks; empty when no cache is used (slots become -1).
-    pub block_table: Vec<i32>,
+    pub block_table: &'a [BlockId],
     /// The encoder side, for cross-attention.
-    pub encoder: Option<EncoderDesc>,
+    pub encoder: Option<EncoderDesc<'a>>,
 }
 
 /// The encoder side of a sequence in an encoder-decoder model.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EncoderDesc {
-    /// Number of encoder tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EncoderDesc<'a> {
+    /// Number of encoder tokens (0 allowed: the decoder's queries then see no key).
     pub len: usize,
     /// Blocks of the encoder K/V in the cross cache.
-    pub cross_block_table: Vec<i32>,
+    pub cross_block_table: &'a [BlockId],
 }
 
-impl SequenceDesc {
-    /// A prompt chunk of `query_len` tokens after `context_len` cached ones (chunked prefill,
-    /// prefix caching, or a fresh prompt with `context_len = 0`).
-    pub fn prompt(context_len: usize, query_len: usize, block_table: Vec<i32>) -> Self {
+impl<'a> SequenceDesc<'a> {
+    /// A prompt chunk: `new_len` new tokens after `cached_len` tokens already in the cache
+    /// (chunked prefill, prefix caching, or a fresh prompt with `cached_len = 0`).
+    pub fn prompt(cached_len: usize, new_len: usize, block_table: &'a [BlockId]) -> Self {
         SequenceDesc {
-            context_len,
-            query_len,
+            context_len: cached_len,
+            query_len: new_len,
             is_decode: false,
             block_table,
             encoder: None,
         }
     }
 
-    /// A decode step of a sequence that will hold `seq_len` tokens (the new one included).
-    pub fn decode(seq_len: usize, block_table: Vec<i32>) -> Self {
+    /// A decode step: one new token after `cached_len` tokens already in the cache (the
+    /// sequence holds `cached_len + 1` tokens after the step).
+    pub fn decode(cached_len: usize, block_table: &'a [BlockId]) -> Self {
         SequenceDesc {
-            context_len: seq_len.saturating_sub(1),
+            context_len: cached_len,
             query_len: 1,
             is_decode: true,
             block_table,
@@ -566,8 +571,8 @@ impl SequenceDesc {
         }
     }
 
-    /// Attaches an encoder sequence (cross-attention).
-    pub fn with_encoder(mut self, len: usize, cross_block_table: Vec<i32>) -> Self {
+    /// Attaches an encoder sequence of `len` tokens (cross-attention).
+    pub fn with_encoder(mut self, len: usize, cross_block_table: &'a [BlockId]) -> Self {
         self.encoder = Some(EncoderDesc {
             len,
             cross_block_table,
@@ -578,13 +583,13 @@ impl SequenceDesc {
 
 /// Derives [`AttentionMetadata`] (slots included) from per-sequence descriptions.
 #[derive(Debug, Clone)]
-pub struct MetadataBuilder {
+pub struct MetadataBuilder<'a> {
     block_size: usize,
     write_cross_kv: bool,
-    seqs: Vec<SequenceDesc>,
+    seqs: Vec<SequenceDesc<'a>>,
 }
 
-impl MetadataBuilder {
+impl<'a> MetadataBuilder<'a> {
     /// A builder for `cache`'s block size.
     pub fn for_cache(cache: &KvCacheSpec) -> Self {
         Self::new(cache.block_size)
@@ -600,7 +605,7 @@ impl MetadataBuilder {
     }
 
     /// Adds a sequence (prefills must come before decodes).
-    pub fn push(&mut self, seq: SequenceDesc) -> &mut Self {
+    pub fn push(&mut self, seq: SequenceDesc<'a>) -> &mut Self {
         self.seqs.push(seq);
         self
     }
@@ -612,7 +617,9 @@ impl MetadataBuilder {
         self
     }
 
-    /// Builds the metadata.
+    /// Builds the metadata. Refused: a sequence with no new token (nothing to compute: leave
+    /// it out of the step), a decode of other than one, a prefill after a decode, a table too
+    /// short for its sequence, lengths past i32.
     pub fn build(&self) -> Result<AttentionMetadata> {
         let b = self.block_size;
         ensure(
@@ -633,6 +640,14 @@ impl MetadataBuilder {
         let (mut seq_lens, mut slots) = (Vec::new(), Vec::new());
         for (s, seq) in self.seqs.iter().enumerate() {
             ensure(
+                seq.query_len > 0,
+                || format!("sequence {s} query_len"),
+                seq.query_len,
+                || {
+                    "at least 1 new token (leave a sequence with nothing to compute out of the step)".into()
+                },
+            )?;
+            ensure(
                 !seq.is_decode || seq.query_len == 1,
                 || format!("sequence {s} query_len"),
                 seq.query_len,
@@ -645,7 +660,7 @@ impl MetadataBuilder {
             seq_lens.push(len);
             let len = len as usize;
             slots.extend(slots_of(
-                &seq.block_table,
+                seq.block_table,
                 b,
                 seq.context_len..len,
                 s,
@@ -676,7 +691,7 @@ impl MetadataBuilder {
             if self.write_cross_kv {
                 for (s, e) in encs.iter().enumerate() {
                     cross_slots.extend(slots_of(
-                        &e.cross_block_table,
+                        e.cross_block_table,
                         b,
                         0..e.len,
                         s,
@@ -687,15 +702,12 @@ impl MetadataBuilder {
             Some(EncoderMetadata {
                 encoder_seq_lens,
                 cross_block_tables: BlockTables::from_rows(
-                    &encs
-                        .iter()
-                        .map(|e| e.cross_block_table.clone())
-                        .collect::<Vec<_>>(),
+                    &encs.iter().map(|e| e.cross_block_table).collect::<Vec<_>>(),
                 ),
                 cross_slot_mapping: cross_slots,
             })
         };
-        let tables: Vec<Vec<i32>> = self.seqs.iter().map(|s| s.block_table.clone()).collect();
+        let tables: Vec<&[BlockId]> = self.seqs.iter().map(|s| s.block_table).collect();
         let mut metadata = AttentionMetadata::from_parts(
             num_prefills,
             qsl,
@@ -711,7 +723,7 @@ impl MetadataBuilder {
 
 /// Slots of `positions` through `table` (all -1 when the table is empty: no cache).
 fn slots_of(
-    table: &[i32],
+    table: &[BlockId],
     b: usize,
     positions: Range<usize>,
     s: usize,

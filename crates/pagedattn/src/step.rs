@@ -3,6 +3,7 @@
 //! layer's call, and [`ForwardCheck`], the one gate every input passes.
 
 use std::any::Any;
+use std::fmt;
 
 use crate::backend::Capabilities;
 use crate::config::{AttentionConfig, AttnType, KvCacheDtype};
@@ -91,6 +92,27 @@ struct PlanShape {
     head_size: usize,
     sliding_window: Option<usize>,
     kv_cache_dtype: KvCacheDtype,
+}
+
+impl fmt::Display for PlanShape {
+    /// E.g. `decoder layer of 8 heads (2 kv heads) of size 64, window 128, cache fp8_e4m3`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = |n: usize| if n == 1 { "" } else { "s" };
+        write!(
+            f,
+            "{} layer of {} head{} ({} kv head{}) of size {}",
+            self.attn_type,
+            self.num_heads,
+            s(self.num_heads),
+            self.num_kv_heads,
+            s(self.num_kv_heads),
+            self.head_size
+        )?;
+        if let Some(w) = self.sliding_window {
+            write!(f, ", window {w}")?;
+        }
+        write!(f, ", cache {}", self.kv_cache_dtype)
+    }
 }
 
 impl PlanShape {
@@ -423,8 +445,8 @@ impl ForwardCheck<'_> {
         ensure(
             plan.shape == shape,
             || "plan".into(),
-            format!("{:?}", plan.shape),
-            || format!("a plan made for this layer's shape, {shape:?}"),
+            format!("a plan for a {}", plan.shape),
+            || format!("a plan made for this layer's shape (a {shape})"),
         )
     }
 
@@ -462,8 +484,8 @@ impl ForwardCheck<'_> {
             ensure(
                 cache.spec() == spec,
                 || "kv_cache".into(),
-                format!("{:?}", cache.spec()),
-                || format!("{spec:?}, the geometry the plan was made for"),
+                format!("a {}", cache.spec()),
+                || format!("a {spec}: the geometry the plan was made for"),
             )?;
         }
         ensure(
@@ -475,10 +497,10 @@ impl ForwardCheck<'_> {
         ensure(
             cache.layout() == self.layout,
             || "kv_cache.layout".into(),
-            format!("{:?}", cache.layout()),
+            cache.layout(),
             || {
                 format!(
-                    "{:?}: allocate the cache with backend {}",
+                    "{}: allocate the cache with backend {}",
                     self.layout, self.backend
                 )
             },

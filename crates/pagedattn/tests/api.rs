@@ -311,7 +311,11 @@ fn swap_round_trip() {
         assert_eq!(block(&host, 1).0, vec![0; 128], "untouched block stays");
         let mut back = KvCache::zeros(spec(6, KvCacheDtype::Auto), layout).unwrap();
         backend
-            .swap_in(&host, &mut back, &[(0, 4), (2, 1)])
+            .swap_in(
+                std::slice::from_ref(&host),
+                std::slice::from_mut(&mut back),
+                &[(0, 4), (2, 1)],
+            )
             .unwrap();
         assert_eq!(block(&back, 4), block(&device, 4));
         assert_eq!(block(&back, 1), block(&device, 1));
@@ -358,9 +362,9 @@ fn copy_blocks_in_every_layer() {
 #[test]
 fn builder_derives_slots_and_checks_order() {
     let md = MetadataBuilder::new(4)
-        .push(SequenceDesc::prompt(3, 2, vec![7, 2]))
-        .push(SequenceDesc::prompt(0, 1, vec![5]))
-        .push(SequenceDesc::decode(9, vec![1, 0, 3]))
+        .push(SequenceDesc::prompt(3, 2, &[7, 2]))
+        .push(SequenceDesc::prompt(0, 1, &[5]))
+        .push(SequenceDesc::decode(8, &[1, 0, 3]))
         .build()
         .unwrap();
     assert_eq!(md.num_prefills, 2);
@@ -374,17 +378,17 @@ fn builder_derives_slots_and_checks_order() {
     assert_eq!((md.max_query_len, md.max_seq_len), (2, 9));
 
     let late_prefill = MetadataBuilder::new(4)
-        .push(SequenceDesc::decode(3, vec![0]))
-        .push(SequenceDesc::prompt(0, 2, vec![1]))
+        .push(SequenceDesc::decode(2, &[0]))
+        .push(SequenceDesc::prompt(0, 2, &[1]))
         .build();
     assert_invalid(late_prefill, "sequence 1");
     let short = MetadataBuilder::new(4)
-        .push(SequenceDesc::prompt(3, 3, vec![1]))
+        .push(SequenceDesc::prompt(3, 3, &[1]))
         .build();
     assert_invalid(short, "block_table.len()");
     let cross = MetadataBuilder::new(4)
         .write_cross_kv(true)
-        .push(SequenceDesc::prompt(0, 2, vec![]).with_encoder(5, vec![3, 1]))
+        .push(SequenceDesc::prompt(0, 2, &[]).with_encoder(5, &[3, 1]))
         .build()
         .unwrap();
     let enc = cross.encoder.unwrap();
@@ -409,8 +413,8 @@ struct Call {
 
 fn call() -> Call {
     let md = MetadataBuilder::new(4)
-        .push(SequenceDesc::prompt(2, 3, vec![1, 0]))
-        .push(SequenceDesc::decode(6, vec![2, 3]))
+        .push(SequenceDesc::prompt(2, 3, &[1, 0]))
+        .push(SequenceDesc::decode(5, &[2, 3]))
         .build()
         .unwrap();
     Call {
@@ -555,8 +559,8 @@ fn plan_and_workspace_errors() {
 
     // The plan made without a cache, used with one.
     let encoder_md = MetadataBuilder::new(4)
-        .push(SequenceDesc::prompt(0, 3, vec![]))
-        .push(SequenceDesc::decode(1, vec![]))
+        .push(SequenceDesc::prompt(0, 3, &[]))
+        .push(SequenceDesc::decode(0, &[]))
         .build()
         .unwrap();
     let uncached_plan = attention.plan(&encoder_md, None).unwrap();
@@ -564,7 +568,7 @@ fn plan_and_workspace_errors() {
 
     // A workspace smaller than a split-K decode plan needs.
     let long = MetadataBuilder::new(4)
-        .push(SequenceDesc::decode(4096, (0..1024).collect()))
+        .push(SequenceDesc::decode(4095, &(0..1024).collect::<Vec<_>>()))
         .build()
         .unwrap();
     let long_plan = attention
@@ -655,4 +659,441 @@ fn device_memory_needs_a_device() {
     assert_eq!(host.to_host().unwrap(), host);
     let overflow = Tensor::zeros_on(Device::Cpu, DType::F32, &[1 << 40, 1 << 40]);
     assert_invalid(overflow, "tensor shape");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The smoothings of issue 24: one type for block ids, borrowed tables, one way of counting,
+// swap spaces from the cache's spec, swaps of every layer, shapes from the config, errors
+// that read as one sentence.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn block_ids_are_one_type_and_bad_ones_are_named() {
+    // Tables and pairs hold the same `BlockId`: a table's entries are pairs' ids as they are.
+    let table: Vec<BlockId> = vec![4, 1];
+    let md = MetadataBuilder::new(4)
+        .push(SequenceDesc::prompt(0, 6, &table))
+        .build()
+        .unwrap();
+    let row: &[BlockId] = md.block_tables.row(0);
+    let pairs: Vec<(BlockId, BlockId)> = row.iter().map(|&b| (b, b + 1)).collect();
+    assert_eq!(pairs, [(4, 5), (1, 2)]);
+
+    let backend = registry::backend("reference").unwrap();
+    let mut layers = vec![
+        filled(6, CacheLayout::Nhd, 0.0),
+        filled(6, CacheLayout::Nhd, 1.0),
+    ];
+    let before: Vec<KvCache> = layers.iter().map(|c| c.try_clone().unwrap()).collect();
+    let refused = |result: Result<()>, field: &str, value: &str| match result {
+        Err(Error::Invalid {
+            field: f, value: v, ..
+        }) => assert_eq!((f.as_str(), v.as_str()), (field, value)),
+        other => panic!("expected Invalid({field} = {value}), got {other:?}"),
+    };
+    refused(
+        backend.copy_blocks(&mut layers, &[(0, 1), (-1, 2)]),
+        "pairs[1].src",
+        "-1",
+    );
+    refused(
+        backend.copy_blocks(&mut layers, &[(0, 6)]),
+        "pairs[0].dst",
+        "6",
+    );
+    refused(
+        backend.copy_blocks(&mut layers, &[(BlockId::MIN, 0)]),
+        "pairs[0].src",
+        &BlockId::MIN.to_string(),
+    );
+    assert_eq!(layers, before, "a refused copy changes nothing");
+    let mut host = KvCache::zeros(spec(3, KvCacheDtype::Auto), CacheLayout::Nhd).unwrap();
+    refused(
+        swap_blocks(&layers[0], &mut host, &[(2, -3)]),
+        "pairs[0].dst",
+        "-3",
+    );
+    let mut swaps = vec![backend.allocate_swap_space(layers[0].spec(), 3).unwrap()];
+    refused(
+        backend.swap_out(&layers[..1], &mut swaps, &[(-2, 0)]),
+        "pairs[0].src of layer 0",
+        "-2",
+    );
+    refused(
+        backend.swap_in(&swaps, &mut layers[..1], &[(0, 0), (3, 1)]),
+        "pairs[1].src of layer 0",
+        "3",
+    );
+}
+
+#[test]
+fn sequences_borrow_their_tables_step_after_step() {
+    // The engine's tables live across steps; each step's descriptions borrow them.
+    let mut tables: Vec<Vec<BlockId>> = vec![vec![7], vec![2]];
+    let (mut cached, mut free) = ([0usize, 0], 10..);
+    for step in 0..6 {
+        let new = if step == 0 { [3, 4] } else { [1, 1] };
+        for ((table, &c), n) in tables.iter_mut().zip(&cached).zip(new) {
+            // Block growth: a new block when the step's tokens pass the last one.
+            if table.len() * 4 < c + n {
+                table.push(free.next().unwrap());
+            }
+        }
+        let mut builder = MetadataBuilder::new(4);
+        for ((table, &c), n) in tables.iter().zip(&cached).zip(new) {
+            builder.push(if step == 0 {
+                SequenceDesc::prompt(c, n, table)
+            } else {
+                SequenceDesc::decode(c, table)
+            });
+        }
+        let md = builder.build().unwrap();
+        for (s, table) in tables.iter().enumerate() {
+            assert_eq!(&md.block_tables.row(s)[..table.len()], table.as_slice());
+            assert_eq!(md.context_lens[s] as usize, cached[s]);
+        }
+        for (c, n) in cached.iter_mut().zip(new) {
+            *c += n;
+        }
+    }
+    assert_eq!(tables, [vec![7, 11], vec![2, 10, 12]]);
+    assert_eq!(cached, [8, 9]);
+}
+
+#[test]
+fn prompt_and_decode_count_cached_then_new_tokens() {
+    let table: [BlockId; 3] = [5, 0, 2];
+    let build = |seq: SequenceDesc<'_>| MetadataBuilder::new(4).push(seq).build();
+    // decode(c) is one new token after c cached ones: prompt(c, 1) but for the decode flag.
+    for cached in [0, 3, 4, 11] {
+        let decode = build(SequenceDesc::decode(cached, &table)).unwrap();
+        let prompt = build(SequenceDesc::prompt(cached, 1, &table)).unwrap();
+        assert_eq!(
+            (decode.context_lens[0], decode.seq_lens[0]),
+            (cached as i32, cached as i32 + 1)
+        );
+        assert_eq!(decode.slot_mapping, prompt.slot_mapping);
+        assert_eq!(
+            decode.slot_mapping[0],
+            table[cached / 4] as i64 * 4 + (cached % 4) as i64
+        );
+        assert_eq!((decode.num_prefills, prompt.num_prefills), (0, 1));
+    }
+    // decode(0): a sequence's first token; a decode needing a 4th block is too long a table.
+    assert_eq!(
+        build(SequenceDesc::decode(0, &[9])).unwrap().slot_mapping,
+        [36]
+    );
+    assert_invalid(
+        build(SequenceDesc::decode(12, &table)),
+        "sequence 0 block_table.len()",
+    );
+
+    // No new token: nothing to compute, refused whichever way it is described.
+    let empty = |result: Result<AttentionMetadata>| match result {
+        Err(e @ Error::Invalid { .. }) => {
+            let Error::Invalid { field, value, .. } = &e else {
+                unreachable!()
+            };
+            assert_eq!(
+                (field.as_str(), value.as_str()),
+                ("sequence 1 query_len", "0")
+            );
+            assert!(e.to_string().contains("at least 1 new token"), "{e}");
+        }
+        other => panic!("an empty sequence was not refused: {other:?}"),
+    };
+    let two = |seq: SequenceDesc<'_>| {
+        MetadataBuilder::new(4)
+            .push(SequenceDesc::prompt(0, 2, &[1]))
+            .push(seq)
+            .build()
+    };
+    empty(two(SequenceDesc::prompt(5, 0, &table)));
+    empty(two(SequenceDesc::prompt(0, 0, &[])));
+    empty(two(SequenceDesc {
+        query_len: 0,
+        ..SequenceDesc::decode(3, &table)
+    }));
+    empty(two(SequenceDesc::prompt(0, 0, &[]).with_encoder(3, &[])));
+
+    // The encoder variants: an empty encoder side is fine (its queries see no key), and an
+    // encoder-only batch is prompts without tables.
+    let cross = MetadataBuilder::new(4)
+        .write_cross_kv(true)
+        .push(SequenceDesc::prompt(0, 2, &[]).with_encoder(0, &[]))
+        .push(SequenceDesc::decode(6, &[]).with_encoder(5, &[3, 1]))
+        .build()
+        .unwrap();
+    let enc = cross.encoder.as_ref().unwrap();
+    assert_eq!(enc.encoder_seq_lens, [0, 5]);
+    assert_eq!(enc.cross_slot_mapping, [12, 13, 14, 15, 4]);
+    assert_eq!(
+        (cross.seq_lens.as_slice(), cross.num_prefills),
+        ([2, 7].as_slice(), 1)
+    );
+    let backend = registry::backend("reference").unwrap();
+    let config = AttentionConfig::builder(2, 8)
+        .attn_type(AttnType::EncoderOnly)
+        .build()
+        .unwrap();
+    let md = MetadataBuilder::new(4)
+        .push(SequenceDesc::prompt(0, 3, &[]))
+        .push(SequenceDesc::prompt(0, 1, &[]))
+        .build()
+        .unwrap();
+    let attention = backend.attention(&config).unwrap();
+    let plan = attention.plan(&md, None).unwrap();
+    let mut workspace = backend.workspace(&plan).unwrap();
+    let q = ramp(DType::F32, &config.query_shape(4), 0.0);
+    let kv = ramp(DType::F32, &config.kv_shape(4), 1.0);
+    let out = attention
+        .forward(&plan, &mut workspace, Inputs::new(&q).with_kv(&kv, &kv))
+        .unwrap();
+    // The second sequence's one token sees only itself: its output is its value.
+    assert_eq!(
+        out.to_f32_vec().unwrap()[48..],
+        kv.to_f32_vec().unwrap()[48..]
+    );
+}
+
+#[test]
+fn swap_spaces_come_from_the_cache_spec() {
+    let spec = spec(6, KvCacheDtype::Fp8E4m3);
+    assert_eq!(
+        spec.with_num_blocks(2),
+        KvCacheSpec {
+            num_blocks: 2,
+            ..spec
+        }
+    );
+    for name in ["reference", "cpu"] {
+        let backend = registry::backend(name).unwrap();
+        let cache = backend.allocate_kv_cache(&spec).unwrap();
+        let swap = backend.allocate_swap_space(cache.spec(), 2).unwrap();
+        assert_eq!(swap.spec(), &spec.with_num_blocks(2), "{name}");
+        assert_eq!(swap.layout(), backend.kv_cache_layout(), "{name}");
+        assert_eq!(swap.device(), backend.swap_device(), "{name}");
+        // The spec is checked as a cache's is.
+        let bytes = KvCacheSpec {
+            dtype: DType::U8,
+            ..spec
+        };
+        assert_invalid(backend.allocate_swap_space(&bytes, 2), "kv_cache.dtype");
+    }
+}
+
+#[test]
+fn swaps_move_every_layer_in_one_call() {
+    for name in ["reference", "cpu"] {
+        let backend = registry::backend(name).unwrap();
+        let layout = backend.kv_cache_layout();
+        // Three layers of 6 blocks, each with its own contents; swap spaces of 3 blocks.
+        let originals: Vec<KvCache> = (0..3).map(|l| filled(6, layout, l as f32 * 5.0)).collect();
+        let mut caches: Vec<KvCache> = originals.iter().map(|c| c.try_clone().unwrap()).collect();
+        let mut swaps: Vec<KvCache> = caches
+            .iter()
+            .map(|c| backend.allocate_swap_space(c.spec(), 3).unwrap())
+            .collect();
+        backend
+            .swap_out(&caches, &mut swaps, &[(4, 0), (1, 2)])
+            .unwrap();
+        for (swap, original) in swaps.iter().zip(&originals) {
+            assert_eq!(block(swap, 0), block(original, 4), "{name}");
+            assert_eq!(block(swap, 2), block(original, 1), "{name}");
+            assert_eq!(block(swap, 1).0, vec![0; 128], "{name}: untouched");
+        }
+        // The sequence's blocks come back elsewhere: blocks 0 and 5 of every layer.
+        backend
+            .swap_in(&swaps, &mut caches, &[(0, 0), (2, 5)])
+            .unwrap();
+        for (cache, original) in caches.iter().zip(&originals) {
+            assert_eq!(block(cache, 0), block(original, 4), "{name}");
+            assert_eq!(block(cache, 5), block(original, 1), "{name}");
+            for b in 1..5 {
+                assert_eq!(block(cache, b), block(original, b), "{name}");
+            }
+        }
+
+        // One swap space per layer, or an error naming both counts.
+        match backend.swap_out(&caches, &mut swaps[..2], &[(0, 0)]) {
+            Err(Error::Invalid {
+                field,
+                value,
+                expected,
+            }) => {
+                assert_eq!((field.as_str(), value.as_str()), ("swaps.len()", "2"));
+                assert!(expected.contains("caches.len() = 3"), "{expected}");
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        // Every layer is checked before any is copied: a swap space of 1 block in layer 2
+        // refuses the whole swap, and layers 0 and 1 keep what they had.
+        let before: Vec<KvCache> = swaps.iter().map(|s| s.try_clone().unwrap()).collect();
+        swaps[2] = backend.allocate_swap_space(caches[2].spec(), 1).unwrap();
+        let mut expected = before;
+        expected[2] = swaps[2].try_clone().unwrap();
+        assert_invalid(
+            backend.swap_out(&caches, &mut swaps, &[(3, 1)]),
+            "pairs[0].dst of layer 2",
+        );
+        assert_eq!(swaps, expected, "{name}: a refused swap changes nothing");
+    }
+}
+
+#[test]
+fn shapes_and_zeroed_tensors_come_from_the_config() {
+    let config = AttentionConfig::builder(8, 16)
+        .num_kv_heads(2)
+        .build()
+        .unwrap();
+    assert_eq!(config.query_shape(5), [5, 8, 16]);
+    assert_eq!(config.kv_shape(5), [5, 2, 16]);
+    let q = config.zeros_query(Device::Cpu, DType::BF16, 5).unwrap();
+    let k = config.zeros_kv(Device::Cpu, DType::BF16, 5).unwrap();
+    assert_eq!(
+        (q.shape(), q.dtype(), q.device()),
+        (&[5, 8, 16][..], DType::BF16, Device::Cpu)
+    );
+    assert_eq!((k.shape(), k.dtype()), (&[5, 2, 16][..], DType::BF16));
+    assert!(q.to_f32_vec().unwrap().iter().all(|&x| x == 0.0));
+    assert_invalid(
+        config.zeros_query(Device::Cpu, DType::F32, usize::MAX),
+        "tensor shape",
+    );
+    // They are what a forward takes: a decode of one token writes its output in place.
+    let backend = registry::backend("cpu").unwrap();
+    let spec = config.kv_cache_spec(DType::BF16, 2, 4);
+    let mut cache = backend.allocate_kv_cache(&spec).unwrap();
+    let md = MetadataBuilder::for_cache(&spec)
+        .push(SequenceDesc::decode(0, &[1]))
+        .build()
+        .unwrap();
+    let attention = backend.attention(&config).unwrap();
+    let plan = attention.plan(&md, Some(&spec)).unwrap();
+    let mut workspace = backend.workspace(&plan).unwrap();
+    let q = ramp(DType::BF16, &config.query_shape(1), 0.0);
+    let v = ramp(DType::BF16, &config.kv_shape(1), 3.0);
+    let mut out = config
+        .zeros_query(backend.device(), DType::BF16, 1)
+        .unwrap();
+    let inputs = Inputs::new(&q).with_kv(&v, &v).with_cache(&mut cache);
+    attention
+        .forward_into(&plan, &mut workspace, inputs, &mut out)
+        .unwrap();
+    // One key: every query head's output is its kv head's value.
+    let (out, v) = (out.to_f32_vec().unwrap(), v.to_f32_vec().unwrap());
+    for h in 0..8 {
+        assert_eq!(out[h * 16..][..16], v[(h / 4) * 16..][..16]);
+    }
+}
+
+#[test]
+fn errors_read_as_one_sentence() {
+    let reference = registry::backend("reference").unwrap();
+    let f16_cache = |blocks| KvCache::zeros(spec(blocks, KvCacheDtype::Auto), CacheLayout::Nhd);
+    let mut errors: Vec<Error> = Vec::new();
+    // A swap between caches of other geometries: both specs described.
+    let mut other = KvCache::zeros(
+        KvCacheSpec {
+            head_size: 4,
+            ..spec(3, KvCacheDtype::Fp8E5m2)
+        },
+        CacheLayout::Nhd,
+    )
+    .unwrap();
+    errors.push(swap_blocks(&f16_cache(6).unwrap(), &mut other, &[(0, 0)]).unwrap_err());
+    // A cache of another geometry than the plan's (made for the call's cache of 4 blocks).
+    let c = call();
+    let attention = reference.attention(&c.config).unwrap();
+    let plan = attention.plan(&c.md, Some(c.cache.spec())).unwrap();
+    let mut workspace = reference.workspace(&plan).unwrap();
+    let mut five = f16_cache(5).unwrap();
+    let mut out = c.out;
+    let inputs = Inputs::new(&c.q).with_kv(&c.k, &c.v).with_cache(&mut five);
+    errors.push(
+        attention
+            .forward_into(&plan, &mut workspace, inputs, &mut out)
+            .unwrap_err(),
+    );
+    // A plan of another layer shape.
+    let c = call();
+    let window = AttentionConfig::builder(4, 8)
+        .num_kv_heads(2)
+        .sliding_window(Some(3))
+        .build()
+        .unwrap();
+    let plan = reference
+        .attention(&window)
+        .unwrap()
+        .plan(&c.md, Some(c.cache.spec()))
+        .unwrap();
+    let mut c = call();
+    let attention = reference.attention(&c.config).unwrap();
+    let mut workspace = reference.workspace(&plan).unwrap();
+    let inputs = Inputs::new(&c.q)
+        .with_kv(&c.k, &c.v)
+        .with_cache(&mut c.cache);
+    errors.push(
+        attention
+            .forward_into(&plan, &mut workspace, inputs, &mut c.out)
+            .unwrap_err(),
+    );
+    // A cache in another layout, a device mismatch, an unsupported feature, a bad file.
+    let mut c = call();
+    c.cache = c.cache.to_layout(CacheLayout::Hnd).unwrap();
+    errors.push(c.run().unwrap_err());
+    errors.push(Error::device_mismatch(
+        "swaps[0]",
+        Device::Cuda(0),
+        "cpu (the backend's swap space)",
+    ));
+    errors.push(
+        registry::backend("cuda")
+            .and_then(|b| b.attention(&AttentionConfig::builder(4, 72).build().unwrap()))
+            .map(drop)
+            .unwrap_err(),
+    );
+    errors.push(pagedattn::replay::read_case(b"not a safetensors file").unwrap_err());
+    errors.push(
+        MetadataBuilder::new(4)
+            .push(SequenceDesc::prompt(2, 0, &[0]))
+            .build()
+            .unwrap_err(),
+    );
+
+    for e in &errors {
+        let (display, debug) = (e.to_string(), format!("{e:?}"));
+        // Debug is what `fn main() -> Result<(), pagedattn::Error>` prints of an error.
+        assert_eq!(debug, display, "Debug prints the message");
+        assert!(!display.contains('\n'), "one line: {display}");
+        assert!(!display.contains("{ "), "no struct dump: {display}");
+        assert!(
+            !display.contains("KvCacheSpec"),
+            "no struct dump: {display}"
+        );
+        assert!(!display.is_empty());
+    }
+    let swap = errors[0].to_string();
+    assert!(
+        swap.contains("cache spec of 3 blocks of 4 slots, 2 kv heads, head size 4, f16 stored as fp8_e5m2 in layout Nhd")
+            && swap.contains("cache spec of 6 blocks of 4 slots, 2 kv heads, head size 8, f16 in layout Nhd"),
+        "{swap}"
+    );
+    let geometry = errors[1].to_string();
+    assert!(
+        geometry.contains("cache spec of 5 blocks") && geometry.contains("cache spec of 4 blocks"),
+        "{geometry}"
+    );
+    let shape = errors[2].to_string();
+    assert!(
+        shape.contains("decoder layer of 4 heads (2 kv heads) of size 8, window 3, cache auto:")
+            && shape.contains("decoder layer of 4 heads (2 kv heads) of size 8, cache auto"),
+        "{shape}"
+    );
+    assert!(
+        errors[3].to_string().contains("kv_cache.layout = Hnd"),
+        "{}",
+        errors[3]
+    );
 }

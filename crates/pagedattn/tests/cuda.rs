@@ -519,13 +519,13 @@ fn write_case(
     builder.write_cross_kv(cross);
     let mut next = 0;
     for s in &seqs {
-        let table = blocks[next..next + blocks_of(s)].to_vec();
+        let table = &blocks[next..next + blocks_of(s)];
         next += blocks_of(s);
         let desc = match (cross, s.2) {
             (true, _) => {
-                SequenceDesc::prompt(0, rng.random_range(1..=4), vec![]).with_encoder(s.1, table)
+                SequenceDesc::prompt(0, rng.random_range(1..=4), &[]).with_encoder(s.1, table)
             }
-            (false, true) => SequenceDesc::decode(s.0 + 1, table),
+            (false, true) => SequenceDesc::decode(s.0, table),
             (false, false) => SequenceDesc::prompt(s.0, s.1, table),
         };
         builder.push(desc);
@@ -690,15 +690,20 @@ fn swaps_and_block_copies_match_the_host() {
         let cache = cuda.load_kv_cache(&host).unwrap();
 
         // Out: distinct swap blocks, any cache blocks.
-        let mut swap = cuda.allocate_swap_space(&spec(7)).unwrap();
+        let mut swap = cuda.allocate_swap_space(&spec(12), 7).unwrap();
         assert_eq!(swap.device(), Device::CudaHost(0));
         let mut targets: Vec<usize> = (0..7).collect();
         targets.shuffle(&mut rng);
-        let out: Vec<(usize, usize)> = targets[..5]
+        let out: Vec<(BlockId, BlockId)> = targets[..5]
             .iter()
-            .map(|&d| (rng.random_range(0..12), d))
+            .map(|&d| (rng.random_range(0..12usize) as BlockId, d as BlockId))
             .collect();
-        cuda.swap_out(&cache, &mut swap, &out).unwrap();
+        cuda.swap_out(
+            std::slice::from_ref(&cache),
+            std::slice::from_mut(&mut swap),
+            &out,
+        )
+        .unwrap();
         let mut expected = KvCache::zeros(spec(7), CacheLayout::Hnd).unwrap();
         swap_blocks(&host, &mut expected, &out).unwrap();
         assert_eq!(
@@ -712,11 +717,16 @@ fn swaps_and_block_copies_match_the_host() {
         let mut cache_in = cuda.load_kv_cache(&host_in).unwrap();
         let mut targets: Vec<usize> = (0..12).collect();
         targets.shuffle(&mut rng);
-        let back: Vec<(usize, usize)> = targets[..6]
+        let back: Vec<(BlockId, BlockId)> = targets[..6]
             .iter()
-            .map(|&d| (rng.random_range(0..7), d))
+            .map(|&d| (rng.random_range(0..7usize) as BlockId, d as BlockId))
             .collect();
-        cuda.swap_in(&swap, &mut cache_in, &back).unwrap();
+        cuda.swap_in(
+            std::slice::from_ref(&swap),
+            std::slice::from_mut(&mut cache_in),
+            &back,
+        )
+        .unwrap();
         let mut expected_in = host_in.to_device(Device::Cpu).unwrap();
         swap_blocks(&expected, &mut expected_in, &back).unwrap();
         assert_eq!(
@@ -727,16 +737,28 @@ fn swaps_and_block_copies_match_the_host() {
 
         // Devices are checked.
         assert!(matches!(
-            cuda.swap_out(&host, &mut swap, &out),
+            cuda.swap_out(
+                std::slice::from_ref(&host),
+                std::slice::from_mut(&mut swap),
+                &out
+            ),
             Err(Error::DeviceMismatch { .. })
         ));
         let mut misplaced = cuda.allocate_kv_cache(&spec(7)).unwrap();
         assert!(matches!(
-            cuda.swap_out(&cache, &mut misplaced, &out),
+            cuda.swap_out(
+                std::slice::from_ref(&cache),
+                std::slice::from_mut(&mut misplaced),
+                &out
+            ),
             Err(Error::DeviceMismatch { .. })
         ));
         assert!(matches!(
-            cuda.swap_out(&cache, &mut swap, &[(0, 7)]),
+            cuda.swap_out(
+                std::slice::from_ref(&cache),
+                std::slice::from_mut(&mut swap),
+                &[(0, 7)]
+            ),
             Err(Error::Invalid { .. })
         ));
     }
@@ -779,8 +801,13 @@ fn swaps_and_block_copies_match_the_host() {
             .iter()
             .map(|h| h.to_device(Device::Cpu).unwrap())
             .collect();
-        let mut pairs: Vec<(usize, usize)> = (0..rng.random_range(1..=12))
-            .map(|_| (rng.random_range(0..9), rng.random_range(0..9)))
+        let mut pairs: Vec<(BlockId, BlockId)> = (0..rng.random_range(1..=12))
+            .map(|_| {
+                (
+                    rng.random_range(0..9usize) as BlockId,
+                    rng.random_range(0..9usize) as BlockId,
+                )
+            })
             .collect();
         if round % 2 == 0 {
             // A chain: 0 -> 1 -> 2 -> 3.
@@ -827,7 +854,7 @@ fn forward_answers_unsupported_and_writes_nothing() {
     let start = random_cache(&mut rng, spec);
     let mut cache = cuda.load_kv_cache(&start).unwrap();
     let metadata = MetadataBuilder::for_cache(&spec)
-        .push(SequenceDesc::prompt(0, 3, vec![2, 0]))
+        .push(SequenceDesc::prompt(0, 3, &[2, 0]))
         .build()
         .unwrap();
     let attention = cuda.attention(&config).unwrap();

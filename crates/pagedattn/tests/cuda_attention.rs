@@ -809,8 +809,8 @@ fn one_plan_serves_every_layer() {
         kv_cache_dtype: KvCacheDtype::Fp8E5m2,
     };
     let metadata = MetadataBuilder::for_cache(&spec)
-        .push(SequenceDesc::prompt(3, 6, vec![7, 2, 9]))
-        .push(SequenceDesc::decode(11, vec![0, 5, 11]))
+        .push(SequenceDesc::prompt(3, 6, &[7, 2, 9]))
+        .push(SequenceDesc::decode(10, &[0, 5, 11]))
         .build()
         .unwrap();
     let layer = |scale: f32, alibi: bool, cap: Option<f32>, k_scale: f32| {
@@ -899,7 +899,7 @@ fn unsupported_head_sizes_answer_unsupported() {
         let spec = config.kv_cache_spec(DType::F16, 4, 2);
         let mut cache = cuda.allocate_kv_cache(&spec).unwrap();
         let metadata = MetadataBuilder::for_cache(&spec)
-            .push(SequenceDesc::prompt(0, 3, vec![2, 0]))
+            .push(SequenceDesc::prompt(0, 3, &[2, 0]))
             .build()
             .unwrap();
         let attention = cuda.attention(&config).unwrap();
@@ -1018,7 +1018,7 @@ fn decode_positions_are_exact_past_2_pow_24() {
     Edge {
         config,
         metadata: MetadataBuilder::new(bs)
-            .push(SequenceDesc::decode(seq_len, table))
+            .push(SequenceDesc::decode(seq_len - 1, &table))
             .build()
             .unwrap(),
         query: f32_tensor(&[1, 1, d], &q),
@@ -1060,7 +1060,7 @@ fn long_decodes_keep_f32_accuracy() {
     Edge {
         config,
         metadata: MetadataBuilder::new(bs)
-            .push(SequenceDesc::decode(seq_len, table))
+            .push(SequenceDesc::decode(seq_len - 1, &table))
             .build()
             .unwrap(),
         query: f32_tensor(&[1, h, d], &wave(h * d, 0.5)),
@@ -1096,7 +1096,7 @@ fn cross_alibi_is_exact_at_any_decoder_position() {
         Edge {
             config,
             metadata: MetadataBuilder::new(8)
-                .push(SequenceDesc::decode(seq_len, vec![]).with_encoder(enc, vec![0]))
+                .push(SequenceDesc::decode(seq_len - 1, &[]).with_encoder(enc, &[0]))
                 .build()
                 .unwrap(),
             query: f32_tensor(&[1, h, d], &wave(h * d, 0.5)),
@@ -1157,7 +1157,7 @@ fn prefill_edge(config: AttentionConfig, dtype: DType, q: &[f32], k: &[f32], v: 
     let tensor = |shape: &[usize], x: &[f32]| Tensor::from_f32(dtype, shape, x).unwrap();
     Edge {
         metadata: MetadataBuilder::new(16)
-            .push(SequenceDesc::prompt(0, n, vec![]))
+            .push(SequenceDesc::prompt(0, n, &[]))
             .build()
             .unwrap(),
         query: tensor(&[n, h, d], q),
@@ -1207,7 +1207,7 @@ fn scales_apply_to_the_dot_product() {
     let out = Edge {
         config,
         metadata: MetadataBuilder::new(16)
-            .push(SequenceDesc::prompt(0, n, vec![0, 1]))
+            .push(SequenceDesc::prompt(0, n, &[0, 1]))
             .build()
             .unwrap(),
         query: f32_tensor(&[n, 1, d], &q),

@@ -71,7 +71,7 @@ impl Step {
     fn metadata(&self) -> AttentionMetadata {
         let mut builder = MetadataBuilder::new(BLOCK);
         for (len, table) in self.lens.iter().zip(&self.tables) {
-            builder.push(SequenceDesc::decode(*len, table.clone()));
+            builder.push(SequenceDesc::decode(*len - 1, table));
         }
         builder.build().expect("valid decode metadata")
     }

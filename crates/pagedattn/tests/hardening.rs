@@ -71,7 +71,7 @@ fn cache_size_overflow_is_an_error_not_a_segfault() {
         // A plan for that geometry is refused too (the decode through block 2^30 that once
         // crashed never starts).
         let md = MetadataBuilder::new(8)
-            .push(SequenceDesc::decode(9, vec![1 << 30, 0]))
+            .push(SequenceDesc::decode(8, &[1 << 30, 0]))
             .build()
             .unwrap();
         assert_invalid(attention.plan(&md, Some(&spec)), "kv_cache.num_blocks");
@@ -110,17 +110,17 @@ fn lengths_that_do_not_fit_the_i32_fields_are_errors() {
     let table = vec![0; 4];
     for context in [1usize << 32, (1 << 31) + 5, i32::MAX as usize] {
         let md = MetadataBuilder::new(1 << 31)
-            .push(SequenceDesc::prompt(context, 1, table.clone()))
+            .push(SequenceDesc::prompt(context, 1, &table))
             .build();
         assert_invalid(md, "context_len + query_len");
     }
     let cross = MetadataBuilder::new(16)
         .write_cross_kv(true)
-        .push(SequenceDesc::prompt(0, 1, vec![]).with_encoder(1 << 40, vec![]))
+        .push(SequenceDesc::prompt(0, 1, &[]).with_encoder(1 << 40, &[]))
         .build();
     assert_invalid(cross, "encoder len");
     let negative_block = MetadataBuilder::new(1)
-        .push(SequenceDesc::prompt(0, 2, vec![0, -1]))
+        .push(SequenceDesc::prompt(0, 2, &[0, -1]))
         .build();
     assert_invalid(negative_block, "block_table[1]");
     // seq_lens of i32::MIN with one query token: an error, not an overflow panic.
@@ -154,7 +154,7 @@ fn a_huge_sliding_window_is_no_window() {
             .build()
             .unwrap();
         let md = MetadataBuilder::new(4)
-            .push(SequenceDesc::prompt(0, 6, vec![]))
+            .push(SequenceDesc::prompt(0, 6, &[]))
             .build()
             .unwrap();
         let values = |n: usize, k: f32| -> Vec<f32> {
@@ -209,7 +209,7 @@ fn reference_decodes_long_sequences_in_bounded_memory() {
     let spec = config.kv_cache_spec(DType::F32, 2, block_size);
     let table: Vec<i32> = (0..seq_len / block_size).map(|b| (b % 2) as i32).collect();
     let md = MetadataBuilder::for_cache(&spec)
-        .push(SequenceDesc::decode(seq_len, table))
+        .push(SequenceDesc::decode(seq_len - 1, &table))
         .build()
         .unwrap();
     let backend = registry::backend("reference").unwrap();
@@ -330,7 +330,7 @@ fn cpu_decode_positions_are_exact_past_2_pow_24() {
     let case = Case {
         config,
         metadata: MetadataBuilder::new(bs)
-            .push(SequenceDesc::decode(seq_len, table))
+            .push(SequenceDesc::decode(seq_len - 1, &table))
             .build()
             .unwrap(),
         query: f32_tensor(&[1, 1, d], &q),
@@ -364,7 +364,7 @@ fn cpu_cross_alibi_is_exact_at_any_decoder_position() {
         let case = Case {
             config,
             metadata: MetadataBuilder::new(8)
-                .push(SequenceDesc::decode(seq_len, vec![]).with_encoder(enc, vec![0]))
+                .push(SequenceDesc::decode(seq_len - 1, &[]).with_encoder(enc, &[0]))
                 .build()
                 .unwrap(),
             query: f32_tensor(&[1, h, d], &pattern(h * d, 0.5)),
@@ -393,7 +393,7 @@ fn prefill(config: AttentionConfig, dtype: DType, q: &[f32], k: &[f32], v: &[f32
     let tensor = |shape: &[usize], x: &[f32]| Tensor::from_f32(dtype, shape, x).unwrap();
     Case {
         metadata: MetadataBuilder::new(16)
-            .push(SequenceDesc::prompt(0, n, vec![]))
+            .push(SequenceDesc::prompt(0, n, &[]))
             .build()
             .unwrap(),
         query: tensor(&[n, h, d], q),
@@ -439,7 +439,7 @@ fn scales_apply_to_the_dot_product_and_are_range_checked() {
     let k: Vec<f32> = pattern(n * d, 1.0).iter().map(|v| v * 1e38).collect();
     let q: Vec<f32> = pattern(n * d, 0.0).iter().map(|v| v * 1e-37).collect();
     let md = MetadataBuilder::new(16)
-        .push(SequenceDesc::prompt(0, n, vec![0, 1]))
+        .push(SequenceDesc::prompt(0, n, &[0, 1]))
         .build()
         .unwrap();
     let case = Case {
@@ -622,10 +622,10 @@ fn safe_accessors_hand_out_buffers_of_their_own_length() {
             value.as_bytes_mut().fill(0xFF);
             assert!(key.as_slice_mut::<f16>().is_none());
         }
-        // A decode of 20 tokens through blocks 1000 and 3: its context was never written (NaN
-        // is what the caller left there), its new token is.
+        // A sequence's first token, decoded into block 1000 over the NaN the caller left
+        // there: its one key is the token itself.
         let md = MetadataBuilder::new(bs)
-            .push(SequenceDesc::decode(1, vec![1000]))
+            .push(SequenceDesc::decode(0, &[1000]))
             .build()
             .unwrap();
         let attention = backend.attention(&config).unwrap();
@@ -676,7 +676,13 @@ fn allocations_beyond_memory_are_out_of_memory() {
     for backend in host_backends() {
         let (device, swap) = (backend.device(), backend.swap_device());
         out_of_memory(backend.allocate_kv_cache(&spec).map(drop), device, 1 << 46);
-        out_of_memory(backend.allocate_swap_space(&spec).map(drop), swap, 1 << 46);
+        out_of_memory(
+            backend
+                .allocate_swap_space(&spec, spec.num_blocks)
+                .map(drop),
+            swap,
+            1 << 46,
+        );
     }
     // Beyond any address space: 2^62 bytes.
     let cpu = Device::Cpu;
@@ -726,7 +732,7 @@ fn cross_alibi_is_measured_from_the_last_encoder_key() {
     let case = Case {
         config,
         metadata: MetadataBuilder::new(16)
-            .push(SequenceDesc::decode(6, vec![]).with_encoder(1, vec![0]))
+            .push(SequenceDesc::decode(5, &[]).with_encoder(1, &[0]))
             .build()
             .unwrap(),
         query: f32_tensor(&[1, 1, d], &vec![1.0; d]),
@@ -747,7 +753,7 @@ fn cross_alibi_is_measured_from_the_last_encoder_key() {
 #[test]
 fn encoder_metadata_is_refused_where_it_is_not_read() {
     let md = MetadataBuilder::new(16)
-        .push(SequenceDesc::prompt(0, 3, vec![]).with_encoder(2, vec![]))
+        .push(SequenceDesc::prompt(0, 3, &[]).with_encoder(2, &[]))
         .build()
         .unwrap();
     for attn_type in [AttnType::EncoderOnly, AttnType::Encoder, AttnType::Decoder] {

@@ -19,7 +19,9 @@ mod common;
 
 use common::*;
 use pagedattn::cpu::{Cpu, Isa};
-use pagedattn::{registry, Backend, CacheLayout, DType, Error, Inputs, KvPair, Tensor, Workspace};
+use pagedattn::{
+    registry, Backend, BlockId, CacheLayout, DType, Error, Inputs, KvPair, Tensor, Workspace,
+};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
@@ -81,11 +83,11 @@ enum Op {
     /// `swap_out` into a swap space of `swap_blocks` blocks, then `swap_in` back.
     SwapRoundTrip {
         swap_blocks: usize,
-        out: Vec<(usize, usize)>,
-        back: Vec<(usize, usize)>,
+        out: Vec<(BlockId, BlockId)>,
+        back: Vec<(BlockId, BlockId)>,
     },
     /// `copy_blocks` on the layer's cache.
-    CopyBlocks { pairs: Vec<(usize, usize)> },
+    CopyBlocks { pairs: Vec<(BlockId, BlockId)> },
     /// `Tensor::copy_from` of the query into the new keys: an error unless their shapes and
     /// dtypes match (H == Hkv), which must leave the keys as they were.
     CopyQueryIntoKey,
@@ -94,7 +96,8 @@ enum Op {
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    let pairs = || prop::collection::vec((0..40usize, 0..40usize), 0..4);
+    // Block ids below 0 too: a negative id is an error like one past the cache.
+    let pairs = || prop::collection::vec((-2..40 as BlockId, -2..40 as BlockId), 0..4);
     prop_oneof![
         3 => (any::<usize>(), value()).prop_map(|(at, value)| Op::WriteQuery { at, value }),
         2 => (any::<bool>(), any::<usize>(), value())
@@ -255,18 +258,13 @@ fn answer(
                 swap_blocks,
                 out,
                 back,
-            } => {
-                let swap_spec = pagedattn::KvCacheSpec {
-                    num_blocks: *swap_blocks,
-                    ..spec
-                };
-                backend
-                    .allocate_swap_space(&swap_spec)
-                    .and_then(|mut swap| {
-                        backend.swap_out(&cache, &mut swap, out)?;
-                        backend.swap_in(&swap, &mut cache, back)
-                    })
-            }
+            } => backend
+                .allocate_swap_space(&spec, *swap_blocks)
+                .and_then(|swap| {
+                    let mut swaps = [swap];
+                    backend.swap_out(std::slice::from_ref(&cache), &mut swaps, out)?;
+                    backend.swap_in(&swaps, std::slice::from_mut(&mut cache), back)
+                }),
             Op::CopyBlocks { pairs } => {
                 backend.copy_blocks(std::slice::from_mut(&mut cache), pairs)
             }

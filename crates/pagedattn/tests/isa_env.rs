@@ -22,7 +22,7 @@ fn fingerprint(backend: &dyn Backend) -> Vec<u32> {
             .build()
             .unwrap();
         let md = MetadataBuilder::new(16)
-            .push(SequenceDesc::prompt(0, t, vec![]))
+            .push(SequenceDesc::prompt(0, t, &[]))
             .build()
             .unwrap();
         // Deterministic values with plenty of rounding in their products and sums.

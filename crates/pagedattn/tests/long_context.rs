@@ -76,7 +76,7 @@ fn long_decode(seq_len: usize, block_size: usize, d: usize) -> (Call, Vec<f64>) 
     k[slot * d..(slot + 1) * d].copy_from_slice(&new_k);
     v[slot * d..(slot + 1) * d].copy_from_slice(&new_v);
     let metadata = MetadataBuilder::new(block_size)
-        .push(SequenceDesc::decode(seq_len, table.clone()))
+        .push(SequenceDesc::decode(seq_len - 1, &table))
         .build()
         .unwrap();
     let call = Call {
@@ -282,7 +282,7 @@ fn prefill_packing_too_large_for_the_host_is_out_of_memory() {
         let config = AttentionConfig::builder(1, d).build().unwrap();
         let spec = config.kv_cache_spec(dtype, 1, block_size);
         let md = MetadataBuilder::for_cache(&spec)
-            .push(SequenceDesc::prompt(seq_len - n, n, table.clone()))
+            .push(SequenceDesc::prompt(seq_len - n, n, &table))
             .build()
             .unwrap();
         let q = tensor(dtype, &[n, 1, d], &pattern(n * d, 0.3, 0.0, 1.0));
@@ -363,9 +363,10 @@ fn fp8_extreme_scale_calls() -> Vec<(String, Call, f32)> {
                 // bf16 outputs round to 2^-8 relative.
                 let rel = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
                 let q = pattern(n * h * d, 0.0, 0.0, 1.0);
-                // A prompt of n tokens written into the cache, then a decode of one more.
+                // A prompt of n tokens written into the cache; then, on its own, the last of
+                // them as a decode over the n - 1 before it.
                 let prompt = MetadataBuilder::new(16)
-                    .push(SequenceDesc::prompt(0, n, vec![0, 1, 2]))
+                    .push(SequenceDesc::prompt(0, n, &[0, 1, 2]))
                     .build()
                     .unwrap();
                 let what = format!(
@@ -388,7 +389,7 @@ fn fp8_extreme_scale_calls() -> Vec<(String, Call, f32)> {
                 let decode = Call {
                     config,
                     metadata: MetadataBuilder::new(16)
-                        .push(SequenceDesc::decode(n, vec![0, 1, 2]))
+                        .push(SequenceDesc::decode(n - 1, &[0, 1, 2]))
                         .build()
                         .unwrap(),
                     query: tensor(dtype, &[1, h, d], &q[..h * d]),

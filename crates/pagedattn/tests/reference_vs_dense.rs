@@ -448,7 +448,7 @@ fn hand_case(attn_type: AttnType, slopes: Option<Vec<f32>>, cap: Option<f32>) ->
         kb.as_slice_mut::<f32>().unwrap().fill(f32::NAN);
         vb.as_slice_mut::<f32>().unwrap().fill(f32::NAN);
         let md = MetadataBuilder::new(2)
-            .push(SequenceDesc::prompt(0, 3, vec![1, 0]))
+            .push(SequenceDesc::prompt(0, 3, &[1, 0]))
             .build()
             .unwrap();
         let attention = backend.attention(&config).unwrap();
@@ -464,7 +464,7 @@ fn hand_case(attn_type: AttnType, slopes: Option<Vec<f32>>, cap: Option<f32>) ->
         .unwrap();
     } else {
         let md = MetadataBuilder::new(2)
-            .push(SequenceDesc::prompt(0, 3, vec![]))
+            .push(SequenceDesc::prompt(0, 3, &[]))
             .build()
             .unwrap();
         let attention = backend.attention(&config).unwrap();

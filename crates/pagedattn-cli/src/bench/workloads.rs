@@ -6,7 +6,7 @@
 use std::fmt;
 
 use pagedattn::{
-    AttentionConfig, AttentionImpl, Backend, DType, Device, HostSliceMut, Inputs, KvCache,
+    AttentionConfig, AttentionImpl, Backend, BlockId, DType, Device, HostSliceMut, Inputs, KvCache,
     KvCacheDtype, KvScales, MetadataBuilder, Plan, Result, SequenceDesc, Tensor, Workspace,
 };
 use serde_json::{json, Value};
@@ -556,8 +556,8 @@ pub fn shuffle<T>(items: &mut [T], seed: u64) {
 }
 
 /// The block table of every sequence under `mapping`.
-pub fn block_tables(w: &Workload, seed: u64) -> Vec<Vec<i32>> {
-    let mut blocks: Vec<i32> = (0..w.num_blocks() as i32).collect();
+pub fn block_tables(w: &Workload, seed: u64) -> Vec<Vec<BlockId>> {
+    let mut blocks: Vec<BlockId> = (0..w.num_blocks() as BlockId).collect();
     if w.mapping == Mapping::Shuffled {
         shuffle(&mut blocks, seed);
     }
@@ -595,10 +595,11 @@ impl Prepared {
             .build()?;
         let attention = backend.attention(&config)?;
         let spec = config.kv_cache_spec(w.dtype, w.num_blocks(), w.block_size);
+        let tables = block_tables(w, seed);
         let mut builder = MetadataBuilder::for_cache(&spec);
-        for (s, table) in w.seqs.iter().zip(block_tables(w, seed)) {
+        for (s, table) in w.seqs.iter().zip(&tables) {
             builder.push(if s.is_decode {
-                SequenceDesc::decode(s.seq_len(), table)
+                SequenceDesc::decode(s.context_len, table)
             } else {
                 SequenceDesc::prompt(s.context_len, s.query_len, table)
             });
@@ -720,12 +721,12 @@ mod tests {
             let mut w = suite(Suite::Mixed, Scale::Tiny, Target::Cpu).remove(0);
             w.mapping = mapping;
             let tables = block_tables(&w, 7);
-            let mut all: Vec<i32> = tables.concat();
+            let mut all: Vec<BlockId> = tables.concat();
             if mapping == Mapping::Contiguous {
-                assert_eq!(tables[1][0], tables[0].len() as i32);
+                assert_eq!(tables[1][0], tables[0].len() as BlockId);
             }
             all.sort();
-            assert_eq!(all, (0..w.num_blocks() as i32).collect::<Vec<_>>());
+            assert_eq!(all, (0..w.num_blocks() as BlockId).collect::<Vec<_>>());
         }
     }
 }

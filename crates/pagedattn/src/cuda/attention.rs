@@ -416,12 +416,17 @@ impl AttentionImpl for CudaAttention {
         let new = self.gate().plan(metadata, cache, |md, has_new_kv| {
             let now = (cache.copied(), md.num_tokens(), has_new_kv);
             if (now.0, now.1) != (captured.0, captured.1) || now.2 != captured.2.is_some() {
+                // A cache spec in words, or "no cache": the error is one sentence.
+                let over = |spec: Option<KvCacheSpec>| {
+                    spec.map_or("no cache".to_string(), |spec| format!("a {spec}"))
+                };
                 return Err(Error::invalid(
                     "metadata",
-                    format!("a step of {} query tokens over cache {:?}", now.1, now.0),
+                    format!("a step of {} query tokens over {}", now.1, over(now.0)),
                     format!(
-                        "{} query tokens over cache {:?} (what the graph plan was made for)",
-                        captured.1, captured.0
+                        "{} query tokens over {} (what the graph plan was made for)",
+                        captured.1,
+                        over(captured.0)
                     ),
                 ));
             }

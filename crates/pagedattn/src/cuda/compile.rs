@@ -399,10 +399,11 @@ fn compile_to(source: &KernelSource, arch: &str, output: Output) -> Result<Vec<u
             Err(e) => format!("failed ({:?})", e.0),
             Ok(()) => "warned (warnings are errors)".to_string(),
         };
-        let first: Vec<&str> = log.lines().take(12).collect();
+        // The log's first lines on one line: an error reads as one sentence.
+        let first: Vec<&str> = log.lines().take(12).map(str::trim).collect();
         return Err(Error::Driver(format!(
-            "NVRTC {verdict} compiling {file} for {arch}:\n{}",
-            first.join("\n")
+            "NVRTC {verdict} compiling {file} for {arch}: {}",
+            first.join(" | ")
         )));
     }
     let (image, delimiters) = match output {

@@ -45,7 +45,7 @@ use crate::backend::{check_sides, AttentionImpl, Backend, Capabilities};
 use crate::config::AttentionConfig;
 use crate::device::Device;
 use crate::error::Result;
-use crate::kv_cache::{check_pairs, check_swap, CacheLayout, KvCache};
+use crate::kv_cache::{check_pairs, check_swap, BlockId, CacheLayout, KvCache};
 use device::Gpu;
 use kernels::CopyLayer;
 use storage::{cuda_storage, cuda_storage_mut};
@@ -163,18 +163,20 @@ impl Backend for Cuda {
         &self,
         src: &KvCache,
         dst: &mut KvCache,
-        pairs: &[(usize, usize)],
+        pairs: &[(BlockId, BlockId)],
     ) -> Result<()> {
         swap_blocks(src, dst, pairs)
     }
 
-    fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(usize, usize)]) -> Result<()> {
+    fn copy_blocks(&self, caches: &mut [KvCache], pairs: &[(BlockId, BlockId)]) -> Result<()> {
         let mut layers = Vec::with_capacity(caches.len());
+        // The same numbers for every layer, each layer's check bounding them by its own size.
+        let mut indices = Vec::new();
         for (i, cache) in caches.iter().enumerate() {
             let what = format!("caches[{i}]");
             check_sides(cache, self.device(), &what, "the backend's device")?;
             let spec = cache.spec();
-            check_pairs(pairs, spec.num_blocks, spec.num_blocks)?;
+            indices = check_pairs(pairs, spec.num_blocks, spec.num_blocks)?;
             let block_bytes = spec.block_elems() * spec.storage_dtype().size_bytes();
             let address = |buffer, name| -> Result<u64> {
                 let what = format!("{what}.{name}");
@@ -188,14 +190,14 @@ impl Backend for Cuda {
                 block_bytes: block_bytes as u64,
             });
         }
-        kernels::copy_blocks(&self.gpu, &layers, pairs)
+        kernels::copy_blocks(&self.gpu, &layers, &indices)
     }
 }
 
 /// Queues one copy per pair of whole blocks, keys and values, from `src` to `dst` (a GPU's
 /// cache and its swap space: the caller checks the devices).
-fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(usize, usize)]) -> Result<()> {
-    check_swap(src, dst, pairs)?;
+fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(BlockId, BlockId)]) -> Result<()> {
+    let pairs = check_swap(src, dst, pairs)?;
     let spec = src.spec();
     let block_bytes = spec.block_elems() * spec.storage_dtype().size_bytes();
     let ranges = || {

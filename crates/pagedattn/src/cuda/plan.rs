@@ -274,6 +274,7 @@ pub(crate) fn build(
 mod tests {
     use super::*;
     use crate::config::KvCacheDtype;
+    use crate::kv_cache::BlockId;
     use crate::metadata::{MetadataBuilder, SequenceDesc};
 
     fn config(heads: usize, kv_heads: usize, window: Option<usize>) -> AttentionConfig {
@@ -327,9 +328,9 @@ mod tests {
     fn long_decodes_are_split_and_merged() {
         let cfg = config(8, 2, None);
         let md = MetadataBuilder::new(16)
-            .push(SequenceDesc::prompt(5, 20, (0..2).collect()))
-            .push(SequenceDesc::decode(3000, (2..190).collect()))
-            .push(SequenceDesc::decode(100, (190..197).collect()))
+            .push(SequenceDesc::prompt(5, 20, &[0, 1]))
+            .push(SequenceDesc::decode(2999, &(2..190).collect::<Vec<_>>()))
+            .push(SequenceDesc::decode(99, &(190..197).collect::<Vec<_>>()))
             .build()
             .unwrap();
         let work = build(&cfg, &md, Some(16), true, Split::Auto { sm_count: 132 });
@@ -358,12 +359,16 @@ mod tests {
         // keys but its new token, one shorter than a partition per part).
         let cfg = config(8, 2, None);
         let step = |lens: [usize; 3]| {
+            let tables: Vec<Vec<BlockId>> = (lens.iter().enumerate())
+                .map(|(i, n)| {
+                    (i * 200..i * 200 + n.div_ceil(16))
+                        .map(|x| x as BlockId)
+                        .collect()
+                })
+                .collect();
             let mut b = MetadataBuilder::new(16);
-            for (i, n) in lens.into_iter().enumerate() {
-                let blocks = (i * 200..i * 200 + n.div_ceil(16))
-                    .map(|x| x as i32)
-                    .collect();
-                b.push(SequenceDesc::decode(n, blocks));
+            for (n, blocks) in lens.into_iter().zip(&tables) {
+                b.push(SequenceDesc::decode(n - 1, blocks));
             }
             b.build().unwrap()
         };
@@ -390,9 +395,9 @@ mod tests {
         for (heads, kv_heads) in [(6, 2), (20, 1), (32, 2)] {
             let cfg = config(heads, kv_heads, Some(7));
             let md = MetadataBuilder::new(4)
-                .push(SequenceDesc::prompt(9, 23, (0..8).collect()))
-                .push(SequenceDesc::prompt(0, 2, vec![8]))
-                .push(SequenceDesc::decode(1, vec![9]))
+                .push(SequenceDesc::prompt(9, 23, &[0, 1, 2, 3, 4, 5, 6, 7]))
+                .push(SequenceDesc::prompt(0, 2, &[8]))
+                .push(SequenceDesc::decode(0, &[9]))
                 .build()
                 .unwrap();
             let work = build(&cfg, &md, Some(4), true, Split::Auto { sm_count: 1 });
@@ -419,8 +424,8 @@ mod tests {
     fn sequences_say_where_their_keys_are() {
         let cfg = config(4, 2, None);
         let mut md = MetadataBuilder::new(4)
-            .push(SequenceDesc::prompt(6, 3, vec![3, 1, 0]))
-            .push(SequenceDesc::decode(2, vec![2]))
+            .push(SequenceDesc::prompt(6, 3, &[3, 1, 0]))
+            .push(SequenceDesc::decode(1, &[2]))
             .build()
             .unwrap();
         md.slot_mapping[1] = -1;
@@ -429,8 +434,8 @@ mod tests {
         assert_eq!(work.tables, [3, 1, 0, 2]);
         // Without a cache, the keys are the inputs' rows of each sequence.
         let md = MetadataBuilder::new(4)
-            .push(SequenceDesc::prompt(0, 3, vec![]))
-            .push(SequenceDesc::prompt(0, 2, vec![]))
+            .push(SequenceDesc::prompt(0, 3, &[]))
+            .push(SequenceDesc::prompt(0, 2, &[]))
             .build()
             .unwrap();
         let work = build(&cfg, &md, None, true, Split::Auto { sm_count: 1 });

@@ -14,9 +14,9 @@ use std::ops::RangeInclusive;
 
 use half::{bf16, f16};
 use pagedattn::{
-    alibi_slopes_bloom, AttentionConfig, AttentionMetadata, AttnType, Backend, CacheLayout, DType,
-    Fp8Format, HostStorage, Inputs, KvCache, KvCacheDtype, KvCacheSpec, KvPair, KvScales,
-    MetadataBuilder, SequenceDesc, Tensor,
+    alibi_slopes_bloom, AttentionConfig, AttentionMetadata, AttnType, Backend, BlockTables,
+    CacheLayout, DType, Fp8Format, HostStorage, Inputs, KvCache, KvCacheDtype, KvCacheSpec, KvPair,
+    KvScales, MetadataBuilder, SequenceDesc, Tensor,
 };
 use proptest::prelude::*;
 use proptest::strategy::BoxedStrategy;
@@ -791,9 +791,9 @@ impl DecoderPaged {
         let mut builder = MetadataBuilder::new(b);
         for (s, seq) in seqs.iter().enumerate() {
             builder.push(if seq.decode {
-                SequenceDesc::decode(lens[s], tables[s].clone())
+                SequenceDesc::decode(seq.context, &tables[s])
             } else {
-                SequenceDesc::prompt(seq.context, seq.new, tables[s].clone())
+                SequenceDesc::prompt(seq.context, seq.new, &tables[s])
             });
         }
         let mut md = ok(builder.build(), "MetadataBuilder::build")?;
@@ -947,17 +947,27 @@ impl UncachedSelf {
         let (h, hkv, d, dtype) = (st.num_heads(), st.num_kv_heads, st.head_size, st.dtype);
         let row = hkv * d;
         let config = st.config(attn_type);
-        let mut builder = MetadataBuilder::new(st.block_size);
-        for &n in lens {
-            builder.push(SequenceDesc::prompt(0, n, vec![]));
-        }
-        for _ in 0..decodes {
-            builder.push(SequenceDesc::decode(1, vec![]));
-        }
         let mut all_lens = lens.to_vec();
         all_lens.resize(lens.len() + decodes, 1);
-        let md = ok(builder.build(), "MetadataBuilder::build")?;
+        // From the parts, not `MetadataBuilder`: the encoder suites hold empty sequences on
+        // purpose (the backends must handle them), which the builder refuses as a scheduler's
+        // mistake. Prompts, then decodes of one token and no context; no cache, no slots.
+        let mut query_start_loc = vec![0i32];
+        for &n in &all_lens {
+            query_start_loc.push(query_start_loc[query_start_loc.len() - 1] + n as i32);
+        }
         let num_tokens: usize = all_lens.iter().sum();
+        let md = ok(
+            AttentionMetadata::from_parts(
+                lens.len(),
+                query_start_loc,
+                all_lens.iter().map(|&n| n as i32).collect(),
+                vec![-1; num_tokens],
+                BlockTables::from_rows(&vec![[0; 0]; all_lens.len()]),
+                None,
+            ),
+            "AttentionMetadata::from_parts",
+        )?;
         let q = st.values(&mut rng, num_tokens * h * d);
         let k = st.values(&mut rng, num_tokens * row);
         let v = st.values(&mut rng, num_tokens * row);
@@ -1157,12 +1167,8 @@ impl CrossPaged {
         builder.write_cross_kv(true);
         for (s, seq) in seqs.iter().enumerate() {
             builder.push(
-                SequenceDesc::prompt(
-                    seq.decoder_context,
-                    seq.first_len,
-                    decoder_tables[s].clone(),
-                )
-                .with_encoder(seq.encoder_len, cross_tables[s].clone()),
+                SequenceDesc::prompt(seq.decoder_context, seq.first_len, &decoder_tables[s])
+                    .with_encoder(seq.encoder_len, &cross_tables[s]),
             );
         }
         let md1 = ok(builder.build(), "MetadataBuilder::build (call 1)")?;
@@ -1228,11 +1234,11 @@ impl CrossPaged {
         for step in &steps2 {
             q2[step.s] = st.values(&mut rng, step.new * h * d);
             let desc = if step.decode {
-                SequenceDesc::decode(step.context + 1, decoder_tables[step.s].clone())
+                SequenceDesc::decode(step.context, &decoder_tables[step.s])
             } else {
-                SequenceDesc::prompt(step.context, step.new, decoder_tables[step.s].clone())
+                SequenceDesc::prompt(step.context, step.new, &decoder_tables[step.s])
             };
-            builder.push(desc.with_encoder(enc_lens[step.s], cross_tables[step.s].clone()));
+            builder.push(desc.with_encoder(enc_lens[step.s], &cross_tables[step.s]));
         }
         let md2 = ok(builder.build(), "MetadataBuilder::build (call 2)")?;
         let t2: usize = steps2.iter().map(|s| s.new).sum();
@@ -1316,7 +1322,7 @@ impl CrossNoCache {
         let mut enc_lens = Vec::new();
         let mut builder = MetadataBuilder::new(st.block_size);
         for &(e, context, new) in &case.prefills {
-            builder.push(SequenceDesc::prompt(context, new, vec![]).with_encoder(e, vec![]));
+            builder.push(SequenceDesc::prompt(context, new, &[]).with_encoder(e, &[]));
             steps.push(CrossStep {
                 s: steps.len(),
                 context,
@@ -1326,7 +1332,7 @@ impl CrossNoCache {
             enc_lens.push(e);
         }
         for &(e, context) in &case.decodes {
-            builder.push(SequenceDesc::decode(context + 1, vec![]).with_encoder(e, vec![]));
+            builder.push(SequenceDesc::decode(context, &[]).with_encoder(e, &[]));
             steps.push(CrossStep {
                 s: steps.len(),
                 context,
@@ -1438,8 +1444,8 @@ pub fn empty_encoder_cases(st: &Settings) -> (CrossCase, CrossNoCacheCase) {
 /// A 3-token prompt and a decode, both with an empty encoder side (block size 4).
 pub fn all_empty_encoder_metadata() -> AttentionMetadata {
     MetadataBuilder::new(4)
-        .push(SequenceDesc::prompt(0, 3, vec![]).with_encoder(0, vec![]))
-        .push(SequenceDesc::decode(4, vec![]).with_encoder(0, vec![]))
+        .push(SequenceDesc::prompt(0, 3, &[]).with_encoder(0, &[]))
+        .push(SequenceDesc::decode(3, &[]).with_encoder(0, &[]))
         .build()
         .unwrap()
 }
@@ -1472,8 +1478,8 @@ pub fn keyless_decoder_case(st: &Settings) -> DecoderCase {
 /// -1): no query has a key.
 pub fn all_padding_metadata() -> AttentionMetadata {
     let mut md = MetadataBuilder::new(4)
-        .push(SequenceDesc::prompt(0, 3, vec![2]))
-        .push(SequenceDesc::decode(1, vec![0]))
+        .push(SequenceDesc::prompt(0, 3, &[2]))
+        .push(SequenceDesc::decode(0, &[0]))
         .build()
         .unwrap();
     md.slot_mapping.fill(-1);
