@@ -457,7 +457,10 @@ fn allocation_failures_are_errors() {
     let spec = config.kv_cache_spec(DType::F32, 1 << 30, 16);
     for (device, result) in [
         (Device::Cuda(0), backend.allocate_kv_cache(&spec)),
-        (Device::CudaHost(0), backend.allocate_swap_space(&spec)),
+        (
+            Device::CudaHost(0),
+            backend.allocate_swap_space(&spec, spec.num_blocks),
+        ),
     ] {
         match result {
             Err(Error::OutOfMemory { device: d, bytes }) => {

@@ -938,7 +938,7 @@ fn unsupported_head_sizes_answer_unsupported() {
 fn encoder_metadata_is_refused_where_it_is_not_read() {
     let cuda = gpu();
     let md = MetadataBuilder::new(16)
-        .push(SequenceDesc::prompt(0, 3, vec![]).with_encoder(2, vec![]))
+        .push(SequenceDesc::prompt(0, 3, &[]).with_encoder(2, &[]))
         .build()
         .unwrap();
     for attn_type in [AttnType::EncoderOnly, AttnType::Encoder, AttnType::Decoder] {
@@ -1129,7 +1129,7 @@ fn cross_alibi_is_measured_from_the_last_encoder_key() {
     let edge = Edge {
         config,
         metadata: MetadataBuilder::new(16)
-            .push(SequenceDesc::decode(6, vec![]).with_encoder(1, vec![0]))
+            .push(SequenceDesc::decode(5, &[]).with_encoder(1, &[0]))
             .build()
             .unwrap(),
         query: f32_tensor(&[1, 1, d], &vec![1.0; d]),
