@@ -11,7 +11,8 @@
 //!    sampling: the child shares its full blocks and gets a copy of the last one);
 //! 6. two decode steps of all four sequences.
 //!
-//! `cargo run --release -p pagedattn --example engine_steps -- [BACKEND]`
+//! `cargo run --release --example engine_steps -- [BACKEND]` (from the workspace root, without
+//! `-p`: it then reuses the library `cargo test --workspace --release` built)
 
 use std::process::ExitCode;
 

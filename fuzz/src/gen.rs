@@ -359,12 +359,13 @@ fn sequences(u: &mut Unstructured<'_>, layer: &Layer) -> Result<Vec<Seq>> {
                 }
             }
             // Self-attention without a cache: each sequence's new tokens are its keys.
+            // At least one token: `MetadataBuilder` refuses empty sequences (the tests cover
+            // them through `AttentionMetadata::from_parts`).
             Kind::DecoderNoCache | Kind::Encoder | Kind::EncoderOnly => {
-                let lowest = usize::from(layer.kind == Kind::DecoderNoCache);
                 let new = if decode {
                     1
                 } else {
-                    u.int_in_range(lowest..=per_seq.isqrt().clamp(lowest, 100))?
+                    u.int_in_range(1..=per_seq.isqrt().clamp(1, 100))?
                 };
                 Seq {
                     context: 0,

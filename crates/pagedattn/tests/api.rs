@@ -1048,12 +1048,14 @@ fn errors_read_as_one_sentence() {
         Device::Cuda(0),
         "cpu (the backend's swap space)",
     ));
-    errors.push(
-        registry::backend("cuda")
-            .and_then(|b| b.attention(&AttentionConfig::builder(4, 72).build().unwrap()))
-            .map(drop)
-            .unwrap_err(),
-    );
+    // (An instruction set of the other architecture: unsupported on every machine, GPU or
+    // not.)
+    let foreign = if cfg!(target_arch = "aarch64") {
+        cpu::Isa::Avx2
+    } else {
+        cpu::Isa::Neon
+    };
+    errors.push(cpu::Cpu::with_isa(foreign).map(drop).unwrap_err());
     errors.push(pagedattn::replay::read_case(b"not a safetensors file").unwrap_err());
     errors.push(
         MetadataBuilder::new(4)
