@@ -1121,27 +1121,7 @@ fn cross_alibi_is_exact_at_any_decoder_position() {
 fn cross_alibi_is_measured_from_the_last_encoder_key() {
     let cuda = gpu();
     let d = 32;
-    let config = AttentionConfig::builder(1, d)
-        .attn_type(AttnType::EncoderDecoder)
-        .alibi_slopes(Some(vec![-1e38]))
-        .build()
-        .unwrap();
-    let edge = Edge {
-        config,
-        metadata: MetadataBuilder::new(16)
-            .push(SequenceDesc::decode(5, &[]).with_encoder(1, &[0]))
-            .build()
-            .unwrap(),
-        query: f32_tensor(&[1, 1, d], &vec![1.0; d]),
-        kv: None,
-        cache: Some((
-            DType::F32,
-            1,
-            f32_tensor(&[1, 1, d], &vec![1.0; d]),
-            f32_tensor(&[1, 1, d], &vec![0.5; d]),
-            vec![0],
-        )),
-    };
+    let edge = Edge::cross_alibi_probe();
     assert_eq!(edge.agreed(&cuda, 0.0), vec![0.5; d]);
 }
 

@@ -724,27 +724,7 @@ fn sizes_that_overflow_are_refused_where_they_enter() {
 #[test]
 fn cross_alibi_is_measured_from_the_last_encoder_key() {
     let d = 32;
-    let config = AttentionConfig::builder(1, d)
-        .attn_type(AttnType::EncoderDecoder)
-        .alibi_slopes(Some(vec![-1e38]))
-        .build()
-        .unwrap();
-    let case = Case {
-        config,
-        metadata: MetadataBuilder::new(16)
-            .push(SequenceDesc::decode(5, &[]).with_encoder(1, &[0]))
-            .build()
-            .unwrap(),
-        query: f32_tensor(&[1, 1, d], &vec![1.0; d]),
-        kv: None,
-        cache: Some((
-            DType::F32,
-            1,
-            f32_tensor(&[1, 1, d], &vec![1.0; d]),
-            f32_tensor(&[1, 1, d], &vec![0.5; d]),
-            vec![0],
-        )),
-    };
+    let case = Case::cross_alibi_probe();
     assert_eq!(case.agreed(0.0), vec![0.5; d]);
 }
 

@@ -382,6 +382,29 @@ pub struct HandmadeCall {
 }
 
 impl HandmadeCall {
+    /// Cross attention with an ALiBi slope of -1e38, one decoder token at position 5 and one
+    /// encoder key of value 0.5: the contract measures the distance from the last encoder key
+    /// (0: the output is the value), not from the decoder's position (an infinite score, NaN
+    /// outputs). Shared by the host backends' test (`hardening.rs`) and `cuda`'s.
+    pub fn cross_alibi_probe() -> HandmadeCall {
+        let d = 32;
+        let rows = |x: f32| Tensor::from_f32(DType::F32, &[1, 1, d], &vec![x; d]).unwrap();
+        HandmadeCall {
+            config: AttentionConfig::builder(1, d)
+                .attn_type(AttnType::EncoderDecoder)
+                .alibi_slopes(Some(vec![-1e38]))
+                .build()
+                .unwrap(),
+            metadata: MetadataBuilder::new(16)
+                .push(SequenceDesc::decode(5, &[]).with_encoder(1, &[0]))
+                .build()
+                .unwrap(),
+            query: rows(1.0),
+            kv: None,
+            cache: Some((DType::F32, 1, rows(1.0), rows(0.5), vec![0])),
+        }
+    }
+
     /// The output on `backend`, which starts poisoned with NaN. Inputs and the cache are
     /// built in host memory and moved to the backend's device.
     pub fn run(&self, backend: &dyn Backend) -> Vec<f32> {
