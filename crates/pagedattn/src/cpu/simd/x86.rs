@@ -164,8 +164,7 @@ impl Simd for Avx2 {
     }
     #[inline(always)]
     fn prefetch<T>(self, p: *const T) {
-        // SAFETY: prefetching never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        super::prefetch(p)
     }
     #[inline(always)]
     fn prefetch_l2<T>(self, p: *const T) {
@@ -415,8 +414,7 @@ impl Simd for Avx512 {
     }
     #[inline(always)]
     fn prefetch<T>(self, p: *const T) {
-        // SAFETY: prefetching never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        super::prefetch(p)
     }
     #[inline(always)]
     fn prefetch_l2<T>(self, p: *const T) {
