@@ -1,0 +1,45 @@
+//! What the scheduler hands the model runner for one step, and what the runner hands back.
+
+use pagedattn::BlockId;
+
+/// A sequence's id, unique for the engine's lifetime (a request with `n` samples has `n`).
+pub type SeqId = u64;
+
+/// A request's id, unique for the engine's lifetime.
+pub type RequestId = u64;
+
+/// One step's work: block moves first (in this order: `swap_out`, `swap_in`, `copies`), then
+/// one forward over `seqs`, then sampling.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepBatch {
+    /// The sequences computed this step, in metadata order: prompt chunks first, then decodes
+    /// (one new token each).
+    pub seqs: Vec<ScheduledSeq>,
+    /// (device block, host swap block) pairs to copy out, every layer.
+    pub swap_out: Vec<(BlockId, BlockId)>,
+    /// (host swap block, device block) pairs to copy in, every layer.
+    pub swap_in: Vec<(BlockId, BlockId)>,
+    /// (source, destination) device block pairs to copy (copy-on-write), every layer.
+    pub copies: Vec<(BlockId, BlockId)>,
+}
+
+/// One sequence of a step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScheduledSeq {
+    /// The sequence.
+    pub seq: SeqId,
+    /// The request it belongs to.
+    pub request: RequestId,
+    /// Tokens of the sequence already in the cache (computed by earlier steps, or found in
+    /// the prefix cache).
+    pub cached: usize,
+    /// The token ids computed this step, at positions `cached..cached + tokens.len()`; never
+    /// empty.
+    pub tokens: Vec<u32>,
+    /// Its block table, covering at least `cached + tokens.len()` tokens.
+    pub block_table: Vec<BlockId>,
+    /// How many tokens to sample from the logits of this step's last token: 0 for a prompt
+    /// chunk that is not the prompt's last, 1 for a decode, `n` for the last chunk of a
+    /// request's prompt with `n` samples (parallel sampling forks the sequence).
+    pub num_samples: usize,
+}

@@ -1,0 +1,24 @@
+//! A serving engine over `pagedattn`: continuous batching with chunked prefill, a block
+//! manager with prefix caching, swapping and copy-on-write, and the models it serves
+//! (Llama-architecture GGUF files and a synthetic model with seeded weights).
+//!
+//! The engine talks to the attention backends through `pagedattn`'s public API only (specs,
+//! `MetadataBuilder`, `plan`, `forward_into`, `swap_out` / `swap_in`, `copy_blocks`); the
+//! backends know nothing of scheduling.
+//!
+//! ```text
+//!  workload / trace -> scheduler -> block manager  (block ids, reference counts, prefix hashes)
+//!                          |              | swap / copy pairs
+//!                          v              v
+//!                     one step (batch::StepBatch): metadata, one plan, per layer the model's
+//!                     ops and attention's forward_into; sampling
+//! ```
+
+pub mod batch;
+pub mod blocks;
+pub mod chat;
+pub mod gguf;
+pub mod ops;
+pub mod scheduler;
+pub mod tokenizer;
+pub mod weights;
