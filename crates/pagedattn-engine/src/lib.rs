@@ -19,6 +19,8 @@ pub mod blocks;
 pub mod chat;
 pub mod gguf;
 pub mod ops;
+pub mod rng;
 pub mod scheduler;
 pub mod tokenizer;
 pub mod weights;
+pub mod workload;
