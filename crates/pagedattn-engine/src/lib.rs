@@ -19,6 +19,7 @@ pub mod blocks;
 pub mod chat;
 pub mod gguf;
 pub mod ops;
+pub mod report;
 pub mod rng;
 pub mod scheduler;
 pub mod tokenizer;
