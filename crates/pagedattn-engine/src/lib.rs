@@ -23,5 +23,6 @@ pub mod report;
 pub mod rng;
 pub mod scheduler;
 pub mod tokenizer;
+pub mod verify;
 pub mod weights;
 pub mod workload;
