@@ -15,6 +15,8 @@
 //! ```
 
 pub mod batch;
+pub mod error;
+pub mod model;
 pub mod blocks;
 pub mod chat;
 pub mod gguf;
@@ -26,3 +28,5 @@ pub mod tokenizer;
 pub mod verify;
 pub mod weights;
 pub mod workload;
+
+pub use error::{Error, Result};

@@ -1,0 +1,34 @@
+//! The engine's error: one line naming what is wrong.
+
+use thiserror::Error;
+
+/// Everything that stops a run.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// The attention library refused something or failed.
+    #[error(transparent)]
+    Attention(#[from] pagedattn::Error),
+    /// A trace or workload the engine cannot use.
+    #[error(transparent)]
+    Workload(#[from] crate::workload::WorkloadError),
+    /// `--verify` found an attention output that differs from `reference`'s.
+    #[error(transparent)]
+    Verify(#[from] crate::verify::Mismatch),
+    /// A model's shape or weights the engine cannot use.
+    #[error("model: {0}")]
+    Model(String),
+    /// The block manager's accounting found a leak or a double free at the end of a run.
+    #[error("block accounting: {0}")]
+    Accounting(String),
+    /// Reading or writing a file.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What the system said.
+        source: std::io::Error,
+    },
+}
+
+/// The engine's result.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,270 @@
+//! A Llama-architecture decoder on the CPU: token embedding, per layer RMSNorm → q/k/v
+//! projections → RoPE → attention (the engine's, over the paged cache) → output projection
+//! → residual → RMSNorm → SwiGLU MLP → residual, then the final norm and the LM head. Its
+//! weights come from a GGUF file or are drawn from a seed (the synthetic model).
+
+use pagedattn::{AttentionConfig, DType, Device, Tensor};
+
+use crate::model::{Attend, Model, StepTokens};
+use crate::ops::{add_assign, rms_norm, swiglu, Embedding, Linear, Rope};
+use crate::{Error, Result};
+
+/// The shape of a Llama model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaShape {
+    /// Its name, for reports.
+    pub name: String,
+    /// Decoder layers.
+    pub layers: usize,
+    /// The residual stream's width.
+    pub hidden: usize,
+    /// The MLP's inner width.
+    pub ffn: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Each head's size.
+    pub head_size: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// RMSNorm's epsilon.
+    pub rms_eps: f32,
+    /// The longest sequence served.
+    pub max_context: usize,
+    /// Tokens that end a sample.
+    pub stop_tokens: Vec<u32>,
+    /// Ids below this are special tokens.
+    pub first_plain_token: u32,
+}
+
+/// One decoder layer's weights.
+pub struct LayerWeights {
+    /// RMSNorm weight before attention.
+    pub attn_norm: Vec<f32>,
+    /// Query projection `[heads * head_size, hidden]`.
+    pub wq: Linear,
+    /// Key projection `[kv_heads * head_size, hidden]`.
+    pub wk: Linear,
+    /// Value projection `[kv_heads * head_size, hidden]`.
+    pub wv: Linear,
+    /// Output projection `[hidden, heads * head_size]`.
+    pub wo: Linear,
+    /// RMSNorm weight before the MLP.
+    pub ffn_norm: Vec<f32>,
+    /// Gate projection `[ffn, hidden]`.
+    pub gate: Linear,
+    /// Up projection `[ffn, hidden]`.
+    pub up: Linear,
+    /// Down projection `[hidden, ffn]`.
+    pub down: Linear,
+}
+
+/// A Llama model's weights and attention settings.
+pub struct Llama {
+    shape: LlamaShape,
+    embedding: Embedding,
+    layers: Vec<LayerWeights>,
+    out_norm: Vec<f32>,
+    head: Linear,
+    /// RoPE, or `None` where position comes from ALiBi.
+    rope: Option<Rope>,
+    attention: Vec<AttentionConfig>,
+    dtype: DType,
+    scratch: Scratch,
+}
+
+/// Activations of a step, reused across steps.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    h2: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+    rows: Vec<f32>,
+}
+
+impl Llama {
+    /// A model from its parts: `attention` is every layer's config (heads, head size, kv
+    /// heads, scale and the options), `dtype` the attention tensors' and cache's dtype.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        shape: LlamaShape,
+        embedding: Embedding,
+        layers: Vec<LayerWeights>,
+        out_norm: Vec<f32>,
+        head: Linear,
+        rope: Option<Rope>,
+        attention: Vec<AttentionConfig>,
+        dtype: DType,
+    ) -> Result<Self> {
+        if layers.len() != shape.layers || attention.len() != shape.layers {
+            return Err(Error::Model(format!(
+                "{} layers of weights and {} attention configs for a {}-layer model",
+                layers.len(),
+                attention.len(),
+                shape.layers
+            )));
+        }
+        Ok(Llama {
+            shape,
+            embedding,
+            layers,
+            out_norm,
+            head,
+            rope,
+            attention,
+            dtype,
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// Its shape.
+    pub fn shape(&self) -> &LlamaShape {
+        &self.shape
+    }
+}
+
+/// `dst` (a host tensor of `dtype`) filled from f32 values.
+fn fill(dst: &mut Tensor, src: &[f32]) -> Result<()> {
+    let mut view = dst.host_mut()?;
+    match view.dtype() {
+        DType::F32 => view
+            .as_slice_mut::<f32>()
+            .ok_or_else(|| Error::Model("an f32 tensor without f32 storage".into()))?
+            .copy_from_slice(src),
+        DType::BF16 => {
+            for (d, &s) in view.as_slice_mut::<half::bf16>().into_iter().flatten().zip(src) {
+                *d = half::bf16::from_f32(s);
+            }
+        }
+        DType::F16 => {
+            for (d, &s) in view.as_slice_mut::<half::f16>().into_iter().flatten().zip(src) {
+                *d = half::f16::from_f32(s);
+            }
+        }
+        other => return Err(Error::Model(format!("activations of dtype {other}"))),
+    }
+    Ok(())
+}
+
+/// `dst` filled from a host tensor's values as f32.
+fn read(src: &Tensor, dst: &mut [f32]) -> Result<()> {
+    let host = src.host()?;
+    match host.dtype() {
+        DType::F32 => dst.copy_from_slice(host.as_slice::<f32>().unwrap_or_default()),
+        DType::BF16 => {
+            for (d, s) in dst.iter_mut().zip(host.as_slice::<half::bf16>().unwrap_or_default()) {
+                *d = s.to_f32();
+            }
+        }
+        DType::F16 => {
+            for (d, s) in dst.iter_mut().zip(host.as_slice::<half::f16>().unwrap_or_default()) {
+                *d = s.to_f32();
+            }
+        }
+        other => return Err(Error::Model(format!("activations of dtype {other}"))),
+    }
+    Ok(())
+}
+
+impl Model for Llama {
+    fn name(&self) -> String {
+        self.shape.name.clone()
+    }
+
+    fn layers(&self) -> &[AttentionConfig] {
+        &self.attention
+    }
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.shape.vocab
+    }
+
+    fn max_context(&self) -> usize {
+        self.shape.max_context
+    }
+
+    fn stop_tokens(&self) -> Vec<u32> {
+        self.shape.stop_tokens.clone()
+    }
+
+    fn first_plain_token(&self) -> u32 {
+        self.shape.first_plain_token
+    }
+
+    fn forward(
+        &mut self,
+        step: &StepTokens<'_>,
+        attend: &mut Attend<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let s = &self.shape;
+        let t = step.tokens.len();
+        let (q_width, kv_width) = (s.heads * s.head_size, s.kv_heads * s.head_size);
+        let w = &mut self.scratch;
+        for (buf, len) in [
+            (&mut w.x, t * s.hidden),
+            (&mut w.h, t * s.hidden),
+            (&mut w.h2, t * s.hidden),
+            (&mut w.q, t * q_width),
+            (&mut w.k, t * kv_width),
+            (&mut w.v, t * kv_width),
+            (&mut w.o, t * q_width),
+            (&mut w.gate, t * s.ffn),
+            (&mut w.up, t * s.ffn),
+            (&mut w.act, t * s.ffn),
+        ] {
+            buf.resize(len, 0.0);
+        }
+        let config = &self.attention[0];
+        let mut qt = config.zeros_query(Device::Cpu, self.dtype, t)?;
+        let mut kt = config.zeros_kv(Device::Cpu, self.dtype, t)?;
+        let mut vt = config.zeros_kv(Device::Cpu, self.dtype, t)?;
+        let mut ot = config.zeros_query(Device::Cpu, self.dtype, t)?;
+        self.embedding.lookup(step.tokens, &mut w.x)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            rms_norm(&w.x, &layer.attn_norm, s.rms_eps, &mut w.h)?;
+            layer.wq.forward(&w.h, &mut w.q)?;
+            layer.wk.forward(&w.h, &mut w.k)?;
+            layer.wv.forward(&w.h, &mut w.v)?;
+            if let Some(rope) = &self.rope {
+                rope.apply(&mut w.q, step.positions, s.heads)?;
+                rope.apply(&mut w.k, step.positions, s.kv_heads)?;
+            }
+            fill(&mut qt, &w.q)?;
+            fill(&mut kt, &w.k)?;
+            fill(&mut vt, &w.v)?;
+            attend(l, &qt, &kt, &vt, &mut ot)?;
+            read(&ot, &mut w.o)?;
+            layer.wo.forward(&w.o, &mut w.h2)?;
+            add_assign(&mut w.x, &w.h2)?;
+            rms_norm(&w.x, &layer.ffn_norm, s.rms_eps, &mut w.h)?;
+            layer.gate.forward(&w.h, &mut w.gate)?;
+            layer.up.forward(&w.h, &mut w.up)?;
+            swiglu(&w.gate, &w.up, &mut w.act)?;
+            layer.down.forward(&w.act, &mut w.h2)?;
+            add_assign(&mut w.x, &w.h2)?;
+        }
+        let rows = step.logit_rows.len();
+        w.rows.clear();
+        for &r in step.logit_rows {
+            w.rows.extend_from_slice(&w.x[r * s.hidden..(r + 1) * s.hidden]);
+        }
+        w.h.resize(rows * s.hidden, 0.0);
+        rms_norm(&w.rows, &self.out_norm, s.rms_eps, &mut w.h[..rows * s.hidden])?;
+        logits.resize(rows * s.vocab, 0.0);
+        self.head.forward(&w.h[..rows * s.hidden], logits)?;
+        Ok(())
+    }
+}
