@@ -7,9 +7,9 @@
 //! share them, a shared partly filled block is copied before it is written (copy-on-write).
 //!
 //! Prefix caching (vLLM v1's design): a full, computed block is indexed by its chained hash
-//! ([`hash`]); a block whose count drops to 0 keeps its hash and stays in the free queue, in
-//! least-recently-freed order, until it is taken for new contents — a prompt that starts with
-//! the same blocks revives it instead.
+//! (a 128-bit SipHash pair under per-manager random keys); a block whose count drops to 0
+//! keeps its hash and stays in the free queue, in least-recently-freed order, until it is
+//! taken for new contents — a prompt that starts with the same blocks revives it instead.
 //!
 //! Sliding window: blocks no future query of the sequence can see are released; their table
 //! entries then read as [`RELEASED_PLACEHOLDER`].
@@ -596,7 +596,7 @@ impl BlockManager {
 
     /// Whether the last block is partly filled and shared, so appending must copy it first.
     fn must_copy_last(&self, s: &SeqState) -> bool {
-        let partial = s.tokens.len() % self.config.block_size != 0;
+        let partial = !s.tokens.len().is_multiple_of(self.config.block_size);
         partial
             && s.table
                 .last()
