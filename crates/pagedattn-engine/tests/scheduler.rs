@@ -10,7 +10,7 @@ use pagedattn_engine::batch::{RequestId, SeqId, StepBatch};
 use pagedattn_engine::blocks::BlockConfig;
 use pagedattn_engine::scheduler::{
     FinishReason, Preemption, PreemptionPolicy, RequestSpec, Sampled, Scheduler, SchedulerConfig,
-    SchedulerError, StepEvent,
+    SchedulerError, SchedulerStats, StepEvent,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -95,8 +95,7 @@ type Outputs = HashMap<RequestId, Vec<(Vec<u32>, FinishReason)>>;
 struct Run {
     outputs: Outputs,
     rejected: HashSet<RequestId>,
-    preemptions: (u64, u64),
-    steps: usize,
+    stats: SchedulerStats,
 }
 
 /// The test's knowledge of the sequences it has seen, to check each batch.
@@ -159,12 +158,10 @@ impl Tracker {
                 );
             }
             match self.end.get(&s.seq) {
-                Some(&end) if self.recomputed.remove(&s.seq) => {
-                    assert!(
-                        s.cached <= end && s.cached % bs == 0,
-                        "recompute resumes at {} (end {end})",
-                        s.cached
-                    );
+                // Prefix hits (maybe of another request's blocks, computed further) decide where
+                // a recomputed sequence resumes; the model's reads check what they hold.
+                Some(_) if self.recomputed.remove(&s.seq) => {
+                    assert!(s.cached % bs == 0, "recompute resumes at {}", s.cached);
                     if !c.blocks.prefix_caching {
                         assert_eq!(s.cached, 0, "recompute without a prefix cache starts over");
                     }
@@ -270,12 +267,10 @@ fn run(config: &SchedulerConfig, arrivals: &[Arrival]) -> Run {
         config.blocks.num_host_blocks,
         "host blocks leaked"
     );
-    let stats = s.stats();
     Run {
         outputs,
         rejected,
-        preemptions: (stats.preempted_by_swap, stats.preempted_by_recompute),
-        steps: step,
+        stats: s.stats(),
     }
 }
 
@@ -335,7 +330,7 @@ fn workload(rng: &mut StdRng) -> (SchedulerConfig, Vec<Arrival>) {
 }
 
 /// One workload, tight and roomy: the tight run's outputs equal the roomy run's.
-fn compare(seed: u64) -> (u64, u64, usize) {
+fn compare(seed: u64) -> SchedulerStats {
     let mut rng = StdRng::seed_from_u64(seed);
     let (tight, arrivals) = workload(&mut rng);
     let mut roomy = tight.clone();
@@ -349,7 +344,12 @@ fn compare(seed: u64) -> (u64, u64, usize) {
         .max(1);
     roomy.blocks.num_host_blocks = 0;
     let reference = run(&roomy, &arrivals);
-    assert_eq!(reference.preemptions, (0, 0), "the roomy run preempted");
+    let r = &reference.stats;
+    assert_eq!(
+        (r.preempted_by_swap, r.preempted_by_recompute),
+        (0, 0),
+        "the roomy run preempted"
+    );
     let got = run(&tight, &arrivals);
     let bs = tight.blocks.block_size;
     let max_n = tight.max_seqs.min(tight.max_batched_tokens);
@@ -381,7 +381,7 @@ fn compare(seed: u64) -> (u64, u64, usize) {
             }
         }
     }
-    (got.preemptions.0, got.preemptions.1, got.steps)
+    got.stats
 }
 
 /// Runs `f(seed)`, naming the seed if it panics.
@@ -402,14 +402,257 @@ fn preempted_requests_produce_the_tokens_of_an_unpreempted_run() {
         with_seed(seed, compare);
         return;
     }
-    let (mut swaps, mut recomputes) = (0, 0);
-    for _ in 0..WORKLOADS {
-        let (s, r, _) = with_seed(rand::random(), compare);
-        swaps += s;
-        recomputes += r;
+    let stats: Vec<SchedulerStats> = (0..WORKLOADS)
+        .map(|_| with_seed(rand::random(), compare))
+        .collect();
+    let total = |f: fn(&SchedulerStats) -> u64| stats.iter().map(f).sum::<u64>();
+    // The workloads must exercise what they are meant to test.
+    for (what, n) in [
+        ("swap preemptions", total(|s| s.preempted_by_swap)),
+        ("recompute preemptions", total(|s| s.preempted_by_recompute)),
+        ("swap fallbacks", total(|s| s.swap_fallbacks) * 4),
+        ("copy-on-write copies", total(|s| s.blocks.cow_copies)),
+        ("prefix hit tokens", total(|s| s.blocks.prefix_hit_tokens)),
+        (
+            "window-released blocks",
+            total(|s| s.blocks.window_released_blocks),
+        ),
+    ] {
+        assert!(n > 20, "the workloads exercised only {n} {what}");
     }
-    assert!(
-        swaps > 50 && recomputes > 50,
-        "only {swaps} swaps and {recomputes} recomputes"
+}
+
+fn config(
+    max_batched_tokens: usize,
+    num_device_blocks: usize,
+    preemption: PreemptionPolicy,
+) -> SchedulerConfig {
+    SchedulerConfig {
+        max_batched_tokens,
+        max_seqs: 4,
+        preemption,
+        blocks: BlockConfig {
+            block_size: 2,
+            num_device_blocks,
+            num_host_blocks: 16,
+            prefix_caching: true,
+            sliding_window: None,
+            watermark_blocks: 0,
+        },
+    }
+}
+
+/// Steps `s` with `model`, returning the batch and the events.
+fn step(s: &mut Scheduler, model: &mut FakeModel) -> (StepBatch, Vec<StepEvent>) {
+    let batch = s.schedule().unwrap();
+    let events = s.finish_step(&model.step(&batch)).unwrap();
+    s.blocks().check().unwrap();
+    (batch, events)
+}
+
+#[test]
+fn requests_that_can_never_run_are_rejected_with_a_reason_and_others_go_on() {
+    let mut s = Scheduler::new(config(8, 4, PreemptionPolicy::Swap)).unwrap();
+    let e = s
+        .add_request(RequestSpec::new(1, vec![1; 8], 2))
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "request 1 rejected: prompt + max_new_tokens = 8 + 2 tokens in 1 samples: \
+         expected at most 4 device blocks of 2 tokens in all (5 needed)"
     );
+    // 8 + 1 tokens: the last sampled token is never written, 4 blocks suffice.
+    s.add_request(RequestSpec::new(2, vec![1; 8], 1)).unwrap();
+    let e = s
+        .add_request(RequestSpec::new(2, vec![1], 1))
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("request 2 rejected: id = 2"), "{e}");
+    let e = s
+        .add_request(RequestSpec::new(3, vec![], 1))
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("request 3 rejected: prompt = []"), "{e}");
+    let e = s
+        .add_request(RequestSpec::new(4, vec![1], 0))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("request 4 rejected: max_new_tokens = 0"),
+        "{e}"
+    );
+    let e = s
+        .add_request(RequestSpec::new(5, vec![1], 1).samples(5))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "request 5 rejected: n = 5: expected in [1, 4] (the step budgets hold every sample's decode)");
+    assert_eq!(s.queue_lengths(), (1, 0, 0));
+}
+
+#[test]
+fn a_long_prompt_is_chunked_under_the_budget_and_prompt_chunks_precede_decodes() {
+    let mut s = Scheduler::new(config(5, 32, PreemptionPolicy::Recompute)).unwrap();
+    let mut model = FakeModel::new(&s.config().blocks);
+    s.add_request(RequestSpec::new(0, vec![1, 2], 3)).unwrap();
+    let (b, _) = step(&mut s, &mut model);
+    assert_eq!((b.seqs.len(), b.seqs[0].num_samples), (1, 1));
+    s.add_request(RequestSpec::new(1, (0..12).collect(), 1))
+        .unwrap();
+    // Budget 5: request 0's decode, then 4 prompt tokens of request 1, placed first.
+    let (b, _) = step(&mut s, &mut model);
+    let shape: Vec<_> = b
+        .seqs
+        .iter()
+        .map(|q| (q.request, q.cached, q.tokens.len(), q.num_samples))
+        .collect();
+    assert_eq!(shape, [(1, 0, 4, 0), (0, 2, 1, 1)]);
+    let (b, _) = step(&mut s, &mut model);
+    let shape: Vec<_> = b
+        .seqs
+        .iter()
+        .map(|q| (q.request, q.cached, q.tokens.len(), q.num_samples))
+        .collect();
+    assert_eq!(shape, [(1, 4, 4, 0), (0, 3, 1, 1)]);
+    // Request 0 finished (3 tokens): the rest of the prompt fits, and samples.
+    let (b, events) = step(&mut s, &mut model);
+    let shape: Vec<_> = b
+        .seqs
+        .iter()
+        .map(|q| (q.request, q.cached, q.tokens.len(), q.num_samples))
+        .collect();
+    assert_eq!(shape, [(1, 8, 4, 1)]);
+    assert!(
+        matches!(&events[..], [StepEvent::Finished { request: 1, .. }]),
+        "{events:?}"
+    );
+    assert!(!s.has_unfinished());
+}
+
+#[test]
+fn auto_swaps_a_forked_request_and_recomputes_a_single_one() {
+    for (n, expected) in [(2, Preemption::Swap), (1, Preemption::Recompute)] {
+        // Two requests fill the pool; the older one's growth preempts the newer.
+        let mut s = Scheduler::new(config(64, 8, PreemptionPolicy::Auto)).unwrap();
+        let mut model = FakeModel::new(&s.config().blocks);
+        s.add_request(RequestSpec::new(0, vec![1, 2, 3], 8))
+            .unwrap();
+        // As long as the pool allows one of them alone (n * 5 blocks at most).
+        let max_new = if n == 1 { 8 } else { 6 };
+        s.add_request(RequestSpec::new(1, vec![4, 5, 6], max_new).samples(n))
+            .unwrap();
+        let mut preempted = None;
+        let mut swapped_in = false;
+        let mut finished = 0;
+        while s.has_unfinished() {
+            let (b, events) = step(&mut s, &mut model);
+            for e in events {
+                match e {
+                    StepEvent::Preempted { request, how } => {
+                        assert_eq!(request, 1, "the newest request is the victim");
+                        assert_eq!(!b.swap_out.is_empty(), how == Preemption::Swap);
+                        preempted.get_or_insert(how);
+                    }
+                    StepEvent::SwappedIn { request } => {
+                        assert_eq!(request, 1);
+                        assert!(!b.swap_in.is_empty());
+                        swapped_in = true;
+                    }
+                    StepEvent::Finished { samples, .. } => {
+                        finished += 1;
+                        assert!(samples.len() == 1 || samples.len() == n);
+                    }
+                }
+            }
+        }
+        assert_eq!(preempted, Some(expected), "n = {n}");
+        assert_eq!(swapped_in, expected == Preemption::Swap);
+        assert_eq!(finished, 2);
+        assert_eq!(s.blocks().free_device_blocks(), 8);
+    }
+}
+
+#[test]
+fn a_stop_token_ends_a_sample_early() {
+    let mut s = Scheduler::new(config(64, 32, PreemptionPolicy::Swap)).unwrap();
+    let mut model = FakeModel::new(&s.config().blocks);
+    // Whatever the model samples first is made the stop token.
+    let first = model.step(&StepBatch {
+        seqs: vec![pagedattn_engine::batch::ScheduledSeq {
+            seq: 0,
+            request: 0,
+            cached: 0,
+            tokens: vec![7, 7],
+            block_table: vec![0],
+            num_samples: 1,
+        }],
+        ..StepBatch::default()
+    })[0]
+        .tokens[0];
+    s.add_request(RequestSpec::new(0, vec![7, 7], 10).stop_tokens(vec![first]))
+        .unwrap();
+    let (_, events) = step(&mut s, &mut model);
+    let StepEvent::Finished { samples, .. } = &events[0] else {
+        panic!("{events:?}")
+    };
+    assert_eq!(
+        (samples[0].tokens.clone(), samples[0].reason),
+        (vec![first], FinishReason::Stop(first))
+    );
+}
+
+#[test]
+fn wrong_step_results_and_call_order_are_refused_and_change_nothing() {
+    let mut s = Scheduler::new(config(64, 32, PreemptionPolicy::Swap)).unwrap();
+    assert!(s
+        .finish_step(&[])
+        .unwrap_err()
+        .to_string()
+        .starts_with("finish_step = called with no step in flight"));
+    s.add_request(RequestSpec::new(0, vec![1, 2, 3], 4).samples(2))
+        .unwrap();
+    let batch = s.schedule().unwrap();
+    assert!(
+        s.schedule().is_err(),
+        "a second schedule before finish_step"
+    );
+    let seq = batch.seqs[0].seq;
+    let e = s
+        .finish_step(&[Sampled {
+            seq,
+            tokens: vec![1],
+        }])
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        format!("results[0].tokens.len() = 1: expected 2 (num_samples of sequence {seq})")
+    );
+    let e = s
+        .finish_step(&[Sampled {
+            seq: seq + 1,
+            tokens: vec![1, 2],
+        }])
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("results = no entry for sequence"), "{e}");
+    assert!(s.finish_step(&[]).is_err());
+    // The step is still in flight and takes the right results.
+    assert_eq!(
+        s.finish_step(&[Sampled {
+            seq,
+            tokens: vec![1, 2]
+        }]),
+        Ok(vec![])
+    );
+    let b = s.schedule().unwrap();
+    assert_eq!(b.seqs.len(), 2, "the request forked into two samples");
+    assert_eq!(
+        b.copies.len(),
+        1,
+        "they share the prompt's partial block: one copy-on-write"
+    );
+    let e = Scheduler::new(config(0, 4, PreemptionPolicy::Swap))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "max_batched_tokens = 0: expected > 0");
 }
