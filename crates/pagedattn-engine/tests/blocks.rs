@@ -191,7 +191,9 @@ fn random_schedule(seed: u64, ops: usize) -> Coverage {
         .map(|_| (0..32).map(|_| rng.random_range(0..2)).collect())
         .collect();
     let mut h = Harness::new(config);
-    for _ in 0..ops {
+    // Only performed operations count (a draw that finds nothing to act on is redrawn).
+    let mut done = 0;
+    while done < ops {
         let before = (
             h.m.stats(),
             h.m.free_device_blocks(),
@@ -306,6 +308,7 @@ fn random_schedule(seed: u64, ops: usize) -> Coverage {
             Err(e) => panic!("unexpected refusal: {e}"),
         }
         h.verify();
+        done += 1;
     }
     let stats = h.m.stats();
     let all: Vec<SeqId> = h.seqs.keys().copied().collect();

@@ -289,12 +289,7 @@ impl BlockManager {
     /// Device blocks that [`allocate`](Self::allocate) would take from the free queue for a
     /// prompt of `tokens` (prefix hits on blocks in use cost nothing).
     pub fn blocks_needed_to_allocate(&self, tokens: &[u32]) -> usize {
-        let hits = self.prefix_hits(tokens);
-        let shared = hits
-            .iter()
-            .filter(|&&(_, b)| self.device.pool.refs[b] > 0)
-            .count();
-        self.blocks_for(tokens.len()) - shared
+        self.allocation_cost(tokens, &self.prefix_hits(tokens))
     }
 
     /// Whether a prompt of `tokens` can be allocated leaving the watermark free.
@@ -319,9 +314,8 @@ impl BlockManager {
         if self.seqs.contains_key(&seq) {
             return Err(invalid("seq", seq, "a sequence without blocks"));
         }
-        let needed = self.blocks_needed_to_allocate(tokens);
-        self.ensure_device_free(needed)?;
         let hits = self.prefix_hits(tokens);
+        self.ensure_device_free(self.allocation_cost(tokens, &hits))?;
         let mut table = Vec::with_capacity(self.blocks_for(tokens.len()));
         // Hits are taken first: they may sit in the free queue, and taking fresh blocks before
         // them could evict them.
@@ -565,6 +559,16 @@ impl BlockManager {
         self.device
             .take()
             .ok_or_else(|| accounting("device free queue ran dry after a capacity check"))
+    }
+
+    /// Free-queue blocks a prompt of `tokens` with prefix `hits` takes: all its blocks but the
+    /// hits on blocks in use (a hit on a free cached block takes it off the queue).
+    fn allocation_cost(&self, tokens: &[u32], hits: &[(BlockHash, usize)]) -> usize {
+        let shared = hits
+            .iter()
+            .filter(|&&(_, b)| self.device.pool.refs[b] > 0)
+            .count();
+        self.blocks_for(tokens.len()) - shared
     }
 
     /// The cached leading full blocks of a prompt of `tokens`, with their hashes, stopping at

@@ -1,7 +1,7 @@
 //! One step's scheduling: decodes (preempting when blocks run out), swap-ins, prompt chunks
 //! and admissions, under the budgets.
 
-use crate::batch::{RequestId, ScheduledSeq, StepBatch};
+use crate::batch::{RequestId, ScheduledSeq, SeqId, StepBatch};
 
 use super::{invalid, Preemption, PreemptionPolicy, Scheduler, SchedulerError, StepEvent};
 
@@ -267,7 +267,7 @@ impl Scheduler {
     }
 
     /// The live sequences of `id` that compute one token per step.
-    fn decoding_seqs(&self, id: RequestId) -> Vec<u64> {
+    fn decoding_seqs(&self, id: RequestId) -> Vec<SeqId> {
         self.requests.get(&id).map_or_else(Vec::new, |r| {
             r.live().filter(|s| s.decoding).map(|s| s.id).collect()
         })
