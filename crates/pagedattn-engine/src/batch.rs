@@ -13,7 +13,7 @@ pub type RequestId = u64;
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepBatch {
     /// The sequences computed this step, in metadata order: prompt chunks first, then decodes
-    /// (one new token each).
+    /// (one new token each). May be empty in a step that only moves blocks (`swap_out`).
     pub seqs: Vec<ScheduledSeq>,
     /// (device block, host swap block) pairs to copy out, every layer.
     pub swap_out: Vec<(BlockId, BlockId)>,
@@ -36,10 +36,19 @@ pub struct ScheduledSeq {
     /// The token ids computed this step, at positions `cached..cached + tokens.len()`; never
     /// empty.
     pub tokens: Vec<u32>,
-    /// Its block table, covering at least `cached + tokens.len()` tokens.
+    /// Its block table, covering at least `cached + tokens.len()` tokens. Entries of blocks
+    /// the sliding window released read as the placeholder block 0 (their keys are never
+    /// attended).
     pub block_table: Vec<BlockId>,
     /// How many tokens to sample from the logits of this step's last token: 0 for a prompt
     /// chunk that is not the prompt's last, 1 for a decode, `n` for the last chunk of a
     /// request's prompt with `n` samples (parallel sampling forks the sequence).
     pub num_samples: usize,
+    /// Which sample of its request this sequence is (its place in sample order; a prompt
+    /// that forks into `n` samples is sample 0 and draws samples `0..n`): with the
+    /// request's seed and the position, what a sampled token's random draw depends on.
+    pub sample: usize,
+    /// Whether this is a decode (one new token after the sequence's computed tokens) rather
+    /// than a prompt chunk; decodes come after every prompt chunk.
+    pub is_decode: bool,
 }

@@ -15,11 +15,11 @@
 //! ```
 
 pub mod batch;
-pub mod error;
-pub mod model;
 pub mod blocks;
 pub mod chat;
+pub mod error;
 pub mod gguf;
+pub mod model;
 pub mod ops;
 pub mod report;
 pub mod rng;

@@ -142,6 +142,23 @@ impl Tracker {
         if let (Some(p), Some(d)) = (last_prompt_like, first_decode) {
             assert!(p < d, "a prompt chunk (at {p}) after a decode (at {d})");
         }
+        // The entries say which are decodes: a suffix of the batch, holding every sequence the
+        // test saw sample (forks, first seen as decodes, are new to it).
+        let decodes = batch.seqs.iter().filter(|s| s.is_decode).count();
+        assert!(
+            batch.seqs[batch.seqs.len() - decodes..]
+                .iter()
+                .all(|s| s.is_decode),
+            "decodes are the batch's last entries"
+        );
+        for s in &batch.seqs {
+            if self.decoding.contains(&s.seq) {
+                assert!(s.is_decode, "sequence {} decodes", s.seq);
+            }
+            if s.is_decode {
+                assert_eq!((s.tokens.len(), s.num_samples), (1, 1), "decode {}", s.seq);
+            }
+        }
         let bs = c.blocks.block_size;
         for s in &batch.seqs {
             assert!(seen.insert(s.seq), "sequence {} scheduled twice", s.seq);
@@ -173,6 +190,15 @@ impl Tracker {
                 ),
                 None => {
                     let seqs = self.seqs_of.entry(s.request).or_default();
+                    // The prompt's sequence is sample 0; forks follow in sample order
+                    // (one that finished at its first token is never scheduled).
+                    assert!(
+                        (seqs.is_empty() && s.sample == 0) || s.sample >= seqs.len().max(1),
+                        "sample {} as sequence {} of request {}",
+                        s.sample,
+                        seqs.len(),
+                        s.request
+                    );
                     if seqs.is_empty() {
                         assert!(
                             s.cached % bs == 0,
@@ -584,6 +610,8 @@ fn a_stop_token_ends_a_sample_early() {
             tokens: vec![7, 7],
             block_table: vec![0],
             num_samples: 1,
+            sample: 0,
+            is_decode: false,
         }],
         ..StepBatch::default()
     })[0]

@@ -124,12 +124,12 @@ impl Scheduler {
     ) -> Result<(), SchedulerError> {
         for seq in self.decoding_seqs(id) {
             let r = &self.requests[&id];
-            let tokens = &r
+            let sample = r
                 .seqs
                 .iter()
-                .find(|s| s.id == seq)
-                .ok_or_else(|| invalid("seq", seq, "a live sequence"))?
-                .tokens;
+                .position(|s| s.id == seq)
+                .ok_or_else(|| invalid("seq", seq, "a live sequence"))?;
+            let tokens = &r.seqs[sample].tokens;
             let last = tokens[tokens.len() - 1];
             let cached = tokens.len() - 1;
             if let Some(pair) = self.blocks.append(seq, &[last])? {
@@ -142,6 +142,8 @@ impl Scheduler {
                 tokens: vec![last],
                 block_table: self.blocks.block_table(seq)?,
                 num_samples: 1,
+                sample,
+                is_decode: true,
             });
             budget.tokens -= 1;
             budget.seqs -= 1;
@@ -208,7 +210,10 @@ impl Scheduler {
         draft: &mut Draft,
     ) -> Result<(), SchedulerError> {
         let r = &self.requests[&id];
-        for s in r.live().filter(|s| !s.decoding) {
+        for (sample, s) in r.seqs.iter().enumerate() {
+            if s.finished.is_some() || s.decoding {
+                continue;
+            }
             if budget.tokens == 0 || budget.seqs == 0 {
                 break;
             }
@@ -222,6 +227,8 @@ impl Scheduler {
                 tokens: s.tokens[cached..cached + len].to_vec(),
                 block_table: self.blocks.block_table(s.id)?,
                 num_samples: if last { r.samples_at_prompt_end() } else { 0 },
+                sample,
+                is_decode: false,
             });
             budget.tokens -= len;
             budget.seqs -= 1;

@@ -1,0 +1,275 @@
+//! `pagedattn run` with no replay case: the serving engine on a model (the synthetic one, or a
+//! GGUF file) and a workload (the built-in `chat` by default, a trace, or prompts given on the
+//! command line), verified against `reference` on a sampled fraction of attention calls.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use pagedattn::{registry, Backend};
+use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::model::Model;
+use pagedattn_engine::scheduler::{Preemption, SchedulerConfig};
+use pagedattn_engine::synthetic::SyntheticConfig;
+use pagedattn_engine::verify::VerifyMode;
+use pagedattn_engine::workload::{self, Builtin, BuiltinParams, Prompt, RequestInput, Sampling};
+
+/// The engine's options of `pagedattn run`.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// A Llama-architecture GGUF file (F32, F16, BF16, Q8_0, Q4_0 or Q4_1 weights; tokenizer
+    /// and chat template from the file). Default: the synthetic model.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// A prompt to complete (repeatable); replaces the workload.
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// A user turn, through the model's chat template (repeatable); replaces the workload.
+    #[arg(long)]
+    pub chat: Vec<String>,
+    /// A JSONL trace of requests (docs/engine.md); replaces the workload.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// The built-in workload: chat, long-context or shared-prefix.
+    #[arg(long, default_value = "chat")]
+    pub workload: String,
+    /// Requests of the built-in workload.
+    #[arg(long, default_value_t = 32)]
+    pub requests: usize,
+    /// Arrivals per second (a Poisson process); default: all at once.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// The most tokens generated per request.
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling's probability mass.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed of the workload's draw and of the sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Recompute every attention call with `reference` on dense keys and values (default: a
+    /// sampled fraction of the steps).
+    #[arg(long, conflicts_with = "no_verify")]
+    pub verify: bool,
+    /// Recompute none.
+    #[arg(long)]
+    pub no_verify: bool,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV-cache blocks per layer (default: room for the workload's longest requests, all
+    /// at once).
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// Swap blocks per layer in host memory.
+    #[arg(long)]
+    pub swap_blocks: Option<usize>,
+    /// The most tokens computed in one step (prompt chunks and decodes).
+    #[arg(long, default_value_t = 512)]
+    pub max_batched_tokens: usize,
+    /// The most sequences in one step.
+    #[arg(long, default_value_t = 128)]
+    pub max_seqs: usize,
+    /// How a request is preempted when blocks run out: swap, recompute or auto.
+    #[arg(long, default_value = "auto")]
+    pub preemption: String,
+    /// Do not reuse the cached blocks of identical prompt prefixes.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Print the report as JSON (every request's generated tokens and text included).
+    #[arg(long)]
+    pub json: bool,
+    /// Write throughput and cache occupancy over time to this SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// A model and, for a GGUF file, its tokenizer.
+struct Loaded<'a> {
+    model: Box<dyn Model + 'a>,
+    tokenizer: Option<pagedattn_engine::tokenizer::Tokenizer>,
+}
+
+/// Loads the model the options name.
+fn load(args: &ServeArgs) -> pagedattn_engine::Result<Loaded<'static>> {
+    match &args.model {
+        None => Ok(Loaded {
+            model: Box::new(SyntheticConfig::default().build()?),
+            tokenizer: None,
+        }),
+        Some(path) => {
+            let file = pagedattn_engine::gguf::GgufFile::open(path)?;
+            let model = pagedattn_engine::llama::Llama::from_gguf(&file, pagedattn_engine::ops::Precision::Exact)?;
+            let tokenizer = pagedattn_engine::tokenizer::Tokenizer::from_gguf(&file)?;
+            Ok(Loaded {
+                model: Box::new(model),
+                tokenizer: Some(tokenizer),
+            })
+        }
+    }
+}
+
+/// The requests the options ask for: prompts and chat turns given on the command line, else
+/// the trace, else the built-in workload.
+fn requests(args: &ServeArgs, loaded: &Loaded<'_>) -> pagedattn_engine::Result<(String, Vec<RequestInput>)> {
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let given: Vec<Prompt> = args
+        .prompt
+        .iter()
+        .map(|p| Prompt::Text(p.clone()))
+        .chain(args.chat.iter().map(|c| Prompt::Chat(c.clone())))
+        .collect();
+    if !given.is_empty() {
+        let requests = given
+            .into_iter()
+            .enumerate()
+            .map(|(i, prompt)| RequestInput {
+                arrival: 0.0,
+                prompt,
+                max_new_tokens: args.max_new_tokens,
+                n: 1,
+                sampling: Sampling { seed: args.seed + i as u64, ..sampling },
+            })
+            .collect();
+        return Ok(("prompts from the command line".into(), requests));
+    }
+    if let Some(path) = &args.trace {
+        let text = std::fs::read_to_string(path).map_err(|source| pagedattn_engine::Error::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        return Ok((format!("trace {}", path.display()), workload::parse_trace(&text)?));
+    }
+    let builtin: Builtin = args.workload.parse()?;
+    let model = &loaded.model;
+    let params = BuiltinParams {
+        requests: args.requests,
+        rate: args.rate,
+        first_token: model.first_plain_token(),
+        vocab: model.vocab_size() as u32,
+        max_context: model.max_context(),
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        seed: args.seed,
+    };
+    Ok((builtin.to_string(), builtin.requests(&params)))
+}
+
+/// `pagedattn run` on the engine: serves the requests, prints the report (or JSON), writes the
+/// plot. Returns whether verification passed (a mismatch is an error before that).
+pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<()> {
+    let backend: Box<dyn Backend> = registry::backend(backend_name)?;
+    let loaded = load(args)?;
+    let (workload_name, inputs) = requests(args, &loaded)?;
+    let mut requests = Vec::with_capacity(inputs.len());
+    for input in &inputs {
+        let prompt = match (&input.prompt, &loaded.tokenizer) {
+            (Prompt::Tokens(t), _) => t.clone(),
+            (Prompt::Text(text), Some(tok)) => tok.encode(text)?,
+            (Prompt::Chat(turn), Some(tok)) => tok.encode(&tok.chat(turn)?)?,
+            (_, None) => {
+                return Err(pagedattn_engine::Error::Model(
+                    "the synthetic model has no tokenizer: give token ids (a trace's `tokens`) or a GGUF model".into(),
+                ))
+            }
+        };
+        requests.push(EngineRequest {
+            arrival: input.arrival,
+            prompt,
+            max_new_tokens: input.max_new_tokens,
+            n: input.n,
+            sampling: input.sampling,
+        });
+    }
+    let longest = requests
+        .iter()
+        .map(|r| (r.prompt.len() + r.max_new_tokens).div_ceil(args.block_size) * r.n.max(1))
+        .max()
+        .unwrap_or(1);
+    let all: usize = requests
+        .iter()
+        .map(|r| (r.prompt.len() + r.max_new_tokens).div_ceil(args.block_size) * r.n.max(1))
+        .sum();
+    let num_blocks = args.num_blocks.unwrap_or(all.max(longest));
+    let config = EngineConfig {
+        block_size: args.block_size,
+        num_blocks,
+        num_swap_blocks: args.swap_blocks.unwrap_or(num_blocks),
+        scheduler: SchedulerConfig {
+            max_batched_tokens: args.max_batched_tokens,
+            max_seqs: args.max_seqs,
+            preemption: args.preemption.parse::<Preemption>().map_err(|e| pagedattn_engine::Error::Model(e.to_string()))?,
+            prefix_caching: !args.no_prefix_caching,
+        },
+        verify: if args.no_verify {
+            VerifyMode::Off
+        } else if args.verify {
+            VerifyMode::Every
+        } else {
+            VerifyMode::Sampled(0.05)
+        },
+        seed: args.seed,
+    };
+    let engine = Engine::new(backend.as_ref(), loaded.model, &config)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = Arc::clone(&stop);
+        // Ctrl-C stops the loop after the current step; the report so far is printed.
+        let _ = ctrlc::set_handler(move || stop.store(true, Ordering::Relaxed));
+    }
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = indicatif::ProgressBar::new(requests.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests, {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar
+    });
+    let started = std::time::Instant::now();
+    let mut progress = |done: usize, _total: usize, generated: usize| {
+        if let Some(bar) = &bar {
+            bar.set_position(done as u64);
+            let rate = generated as f64 / started.elapsed().as_secs_f64().max(1e-9);
+            bar.set_message(format!("{rate:.0} tokens/s"));
+        }
+    };
+    let mut report = engine.run(&workload_name, requests, &stop, &mut progress)?;
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    if let Some(tok) = &loaded.tokenizer {
+        for r in &mut report.requests {
+            r.text = r.generated.iter().map(|g| tok.decode(g).unwrap_or_default()).collect();
+        }
+    }
+    if let Some(path) = &args.plot {
+        std::fs::write(path, report.svg()).map_err(|source| pagedattn_engine::Error::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+    }
+    if args.json {
+        println!("{}", report.to_json());
+    } else {
+        if !args.prompt.is_empty() || !args.chat.is_empty() {
+            for (r, input) in report.requests.iter().zip(&inputs) {
+                let shown = match &input.prompt {
+                    Prompt::Text(t) | Prompt::Chat(t) => t.clone(),
+                    Prompt::Tokens(t) => format!("{t:?}"),
+                };
+                println!("> {shown}\n{}\n", r.text.first().map(String::as_str).unwrap_or(""));
+            }
+        }
+        println!("{report}");
+    }
+    Ok(())
+}
