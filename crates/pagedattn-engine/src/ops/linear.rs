@@ -298,25 +298,33 @@ fn quant_tasks(qisa: QIsa, w: &QWeights, acts: &QuantActs, y: &mut [f32], t: usi
     let (out, groups) = (w.rows, w.groups);
     let col_tiles = t.div_ceil(MAX_COLS);
     let yp = SendPtr(y.as_mut_ptr());
+    // Groups whose weights fill about 128 KiB (half of L2 on the smallest we target): each
+    // activation tile then meets them all while they stay in cache, and the tile's outputs
+    // are written as runs of consecutive rows (no page per 16 floats on a wide LM head).
+    let group_bytes = w.nb * (w.kind.block_bytes() + GROUP * 4 * if w.m.is_empty() { 1 } else { 2 });
+    let super_groups = ((128 << 10) / group_bytes).max(1);
     let run = |g0: usize, g1: usize, ct0: usize, ct1: usize| {
         let p = yp;
         let mut buf = [[0f32; GROUP]; MAX_COLS];
-        for g in g0..g1 {
-            let rows = GROUP.min(out - g * GROUP);
+        for s0 in (g0..g1).step_by(super_groups) {
             for ct in ct0..ct1 {
                 let c0 = ct * MAX_COLS;
                 let n = MAX_COLS.min(t - c0);
-                qdot::group(qisa, w, acts, g, c0, &mut buf[..n]);
-                for (c, b) in buf[..n].iter().enumerate() {
-                    // SAFETY: row c0 + c < t and columns g*16 .. g*16 + rows <= out lie in y
-                    // ([t, out]); this task alone writes groups g0..g1 of rows ct0..ct1.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            b.as_ptr(),
-                            p.0.add((c0 + c) * out + g * GROUP),
-                            rows,
-                        )
-                    };
+                for g in s0..(s0 + super_groups).min(g1) {
+                    let rows = GROUP.min(out - g * GROUP);
+                    qdot::group(qisa, w, acts, g, c0, &mut buf[..n]);
+                    for (c, b) in buf[..n].iter().enumerate() {
+                        // SAFETY: row c0 + c < t and columns g*16 .. g*16 + rows <= out lie
+                        // in y ([t, out]); this task alone writes groups g0..g1 of rows
+                        // ct0..ct1.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                b.as_ptr(),
+                                p.0.add((c0 + c) * out + g * GROUP),
+                                rows,
+                            )
+                        };
+                    }
                 }
             }
         }
@@ -326,7 +334,9 @@ fn quant_tasks(qisa: QIsa, w: &QWeights, acts: &QuantActs, y: &mut [f32], t: usi
         run(0, groups, 0, col_tiles);
         return;
     }
-    let target = threads * 4;
+    // About 4 tasks a thread on large products, 1 on small ones (rayon's dispatch costs
+    // microseconds).
+    let target = threads * (t * out * w.cols / (1 << 20)).clamp(1, 4);
     let gsplit = groups.min(target);
     let csplit = target.div_ceil(gsplit).min(col_tiles);
     (0..gsplit * csplit).into_par_iter().for_each(|i| {
