@@ -1,5 +1,5 @@
 //! The exact path's f32 kernel for few activation rows (decode): tiles of 4 weight rows ×
-//! up to 4 activation rows, each weight row read once per tile of activation rows.
+//! up to 4 activation rows (8 × 1 for a single row), each weight row read once per tile of activation rows.
 
 use pagedattn::cpu::simd::{Simd, WithSimd};
 
@@ -23,7 +23,8 @@ impl WithSimd for Gemv<'_> {
         let t = self.x.len() / self.k;
         let mut o = self.o0;
         while o < self.o1 {
-            let r = (self.o1 - o).min(4);
+            // One activation row: 8 weight rows a tile, so that 8 FMA chains hide the latency.
+            let r = (self.o1 - o).min(if t == 1 { 8 } else { 4 });
             let mut c = 0;
             while c < t {
                 let n = (t - c).min(4);
@@ -38,6 +39,10 @@ impl WithSimd for Gemv<'_> {
                     };
                 }
                 match r {
+                    8 => self.tile::<S, 8, 1>(s, o, c),
+                    7 => self.tile::<S, 7, 1>(s, o, c),
+                    6 => self.tile::<S, 6, 1>(s, o, c),
+                    5 => self.tile::<S, 5, 1>(s, o, c),
                     4 => go!(4),
                     3 => go!(3),
                     2 => go!(2),

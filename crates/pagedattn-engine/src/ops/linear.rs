@@ -10,9 +10,10 @@ use super::quant::{dequantize_row, QWeights, QuantActs, ACT_BLOCK, GROUP};
 use super::{check_len, isa_from_env, Isa, OpsError, Result};
 use crate::weights::WeightType;
 
-/// From this many activation rows on, the exact path multiplies with the `gemm` crate; below,
-/// with its own f32 kernel (measured: BENCHMARKS in the module's report).
-pub const GEMM_MIN_ROWS: usize = 16;
+/// From this many activation rows on (and for a single row), the exact path multiplies with the
+/// `gemm` crate; between, with its own f32 kernel (which measured faster up to 64 rows on Zen 5: `cargo bench
+/// --bench ops -- gemm`).
+pub const GEMM_MIN_ROWS: usize = 96;
 
 /// Multiply-adds under which a product runs on the calling thread alone.
 const SERIAL_MACS: usize = 1 << 18;
@@ -163,7 +164,8 @@ impl Linear {
     }
 
     /// Sets the number of activation rows from which the exact path multiplies with the
-    /// `gemm` crate ([`GEMM_MIN_ROWS`] by default; `usize::MAX` never, 1 always).
+    /// `gemm` crate ([`GEMM_MIN_ROWS`] by default; 1 always; `usize::MAX` never, not even for
+    /// a single row).
     pub fn set_gemm_min_rows(&mut self, rows: usize) {
         self.gemm_min_rows = rows;
     }
@@ -212,7 +214,8 @@ impl Linear {
     fn forward_f32(&self, isa: Isa, w: &[f32], x: &[f32], y: &mut [f32], t: usize) {
         let (out, k) = (self.out, self.inp);
         let threads = rayon::current_num_threads();
-        if t >= self.gemm_min_rows {
+        // A single row too: gemm's matrix-vector kernel measured about 1.5-2x this one's.
+        if t >= self.gemm_min_rows || (t == 1 && self.gemm_min_rows != usize::MAX) {
             let par = if t * out * k < SERIAL_MACS || threads == 1 {
                 gemm::Parallelism::None
             } else {
@@ -265,8 +268,8 @@ impl Linear {
         if t * out * k < SERIAL_MACS || threads == 1 {
             run(0, out);
         } else {
-            // Chunks of whole 4-row tiles, about 4 per thread.
-            let chunk = out.div_ceil(threads * 4).next_multiple_of(4);
+            // Chunks of whole 8-row tiles, about 4 per thread.
+            let chunk = out.div_ceil(threads * 4).next_multiple_of(8);
             (0..out.div_ceil(chunk))
                 .into_par_iter()
                 .for_each(|i| run(i * chunk, ((i + 1) * chunk).min(out)));
