@@ -39,7 +39,9 @@ fn random_bytes(ty: WeightType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
     let mut s = seed;
     let mut b: Vec<u8> = (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (s >> 56) as u8
         })
         .collect();
@@ -66,9 +68,13 @@ fn main() {
     let flops = Peak::F32Fma.run(isa, iters).unwrap();
     let one = flops / t0.elapsed().as_secs_f64() / 1e9;
     let t0 = Instant::now();
-    let all: f64 = rayon::broadcast(|_| Peak::F32Fma.run(isa, iters).unwrap()).iter().sum();
+    let all: f64 = rayon::broadcast(|_| Peak::F32Fma.run(isa, iters).unwrap())
+        .iter()
+        .sum();
     let peak = all / t0.elapsed().as_secs_f64() / 1e9;
-    println!("isa {isa}, {threads} threads; f32 FMA peak {one:.1} GFLOP/s one thread, {peak:.1} all");
+    println!(
+        "isa {isa}, {threads} threads; f32 FMA peak {one:.1} GFLOP/s one thread, {peak:.1} all"
+    );
 
     if args.iter().any(|a| a == "gemm") {
         println!("\nexact path: own kernel vs gemm (GFLOP/s)");
@@ -84,7 +90,10 @@ fn main() {
                     let s = time(budget, || lin.forward(black_box(&x), &mut y).unwrap());
                     r[i] = 2.0 * (t * out * k) as f64 / s / 1e9;
                 }
-                println!("{out:>6}x{k:<5} t={t:<4} own {:7.1}  gemm {:7.1}", r[0], r[1]);
+                println!(
+                    "{out:>6}x{k:<5} t={t:<4} own {:7.1}  gemm {:7.1}",
+                    r[0], r[1]
+                );
             }
         }
         return;
@@ -92,7 +101,15 @@ fn main() {
 
     println!(
         "\n{:<14} {:>4} | {:>9} {:>9} {:>7} | {:>9} {:>9} {:>7} | {:>6}",
-        "out x in", "t", "fast GF/s", "fast GB/s", "fast ms", "exct GF/s", "exct GB/s", "exct ms", "speedup"
+        "out x in",
+        "t",
+        "fast GF/s",
+        "fast GB/s",
+        "fast ms",
+        "exct GF/s",
+        "exct GB/s",
+        "exct ms",
+        "speedup"
     );
     let shapes = [
         (576, 576, WeightType::Q4_1),
@@ -106,7 +123,9 @@ fn main() {
         let fast = Linear::from_gguf(&b, ty, out, k, Precision::Fast).unwrap();
         let exact = Linear::from_gguf(&b, ty, out, k, Precision::Exact).unwrap();
         for t in [1, 8, 32, 128, 256] {
-            let x: Vec<f32> = (0..t * k).map(|i| ((i * 7919) % 113) as f32 / 50.0 - 1.1).collect();
+            let x: Vec<f32> = (0..t * k)
+                .map(|i| ((i * 7919) % 113) as f32 / 50.0 - 1.1)
+                .collect();
             let mut y = vec![0f32; t * out];
             let flop = 2.0 * (t * out * k) as f64;
             let sf = time(budget, || fast.forward(black_box(&x), &mut y).unwrap());

@@ -1,6 +1,9 @@
 //! The engine's CPU ops against f64 references written here, on random inputs with fresh
 //! seeds (printed; rerun one with `OPS_SEED=<seed>`).
 
+// References index several arrays with one counter, as the formulas read.
+#![allow(clippy::needless_range_loop)]
+
 use half::{bf16, f16};
 use pagedattn_engine::ops::{
     argmax, dequantize_row, log_softmax, rms_norm, swiglu, Embedding, Isa, Linear, OpsError,
@@ -34,7 +37,9 @@ fn rng(test: &str) -> StdRng {
 }
 
 fn randn(r: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| (r.random::<f32>() * 2.0 - 1.0) * scale).collect()
+    (0..n)
+        .map(|_| (r.random::<f32>() * 2.0 - 1.0) * scale)
+        .collect()
 }
 
 fn f16b(v: f32) -> [u8; 2] {
@@ -49,7 +54,11 @@ fn random_bytes(r: &mut StdRng, ty: WeightType, rows: usize, cols: usize) -> Vec
         WeightType::F32 => (0..n).for_each(|_| b.extend((r.random::<f32>() - 0.5).to_le_bytes())),
         WeightType::F16 => (0..n).for_each(|_| b.extend(f16b(r.random::<f32>() - 0.5))),
         WeightType::BF16 => (0..n).for_each(|_| {
-            b.extend(bf16::from_f32(r.random::<f32>() - 0.5).to_bits().to_le_bytes())
+            b.extend(
+                bf16::from_f32(r.random::<f32>() - 0.5)
+                    .to_bits()
+                    .to_le_bytes(),
+            )
         }),
         WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q8_0 => {
             for _ in 0..n / 32 {
@@ -143,7 +152,12 @@ fn dequantize_known_blocks() {
     assert_eq!(two, [1.0, -2.0]);
     dequantize_row(WeightType::BF16, &[0x80, 0x3F, 0x40, 0xC0], &mut two).unwrap();
     assert_eq!(two, [1.0, -3.0]);
-    dequantize_row(WeightType::F32, &[0, 0, 0x80, 0x3F, 0, 0, 0, 0xC0], &mut two).unwrap();
+    dequantize_row(
+        WeightType::F32,
+        &[0, 0, 0x80, 0x3F, 0, 0, 0, 0xC0],
+        &mut two,
+    )
+    .unwrap();
     assert_eq!(two, [1.0, -2.0]);
 }
 
@@ -220,7 +234,14 @@ fn fast_bound(ty: WeightType, bytes: &[u8], w: &[f64], x: &[f32], row: usize, k:
         let (d, m) = {
             let o = blk * ty.block_bytes();
             let h = |i: usize| f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f64();
-            (h(o).abs(), if ty == WeightType::Q4_1 { h(o + 2).abs() } else { 0.0 })
+            (
+                h(o).abs(),
+                if ty == WeightType::Q4_1 {
+                    h(o + 2).abs()
+                } else {
+                    0.0
+                },
+            )
         };
         for j in 0..32 {
             let wj = w[blk * 32 + j].abs();
@@ -336,7 +357,10 @@ fn linear_from_f32_matches_reference() {
     let mut r = rng("linear_from_f32_matches_reference");
     for (t, out, k) in [(1, 9, 24), (5, 3, 7), (GEMM_MIN_ROWS + 3, 11, 40)] {
         let wv = randn(&mut r, out * k, 1.0);
-        let w: Vec<Vec<f64>> = wv.chunks(k).map(|c| c.iter().map(|&v| v as f64).collect()).collect();
+        let w: Vec<Vec<f64>> = wv
+            .chunks(k)
+            .map(|c| c.iter().map(|&v| v as f64).collect())
+            .collect();
         let x = randn(&mut r, t * k, 1.0);
         let (want, mag) = ref_product(&w, &x, k);
         for p in [Precision::Exact, Precision::Fast] {
@@ -369,7 +393,10 @@ fn embedding_lookup_and_tied_head() {
         }
         assert!(matches!(
             e.lookup(&[37], &mut out[..hidden]),
-            Err(OpsError::Token { token: 37, vocab: 37 })
+            Err(OpsError::Token {
+                token: 37,
+                vocab: 37
+            })
         ));
         // The tied head: logits = rows · x.
         let head = e.to_linear(Precision::Exact).unwrap();
@@ -399,7 +426,10 @@ fn rms_norm_matches_reference() {
             for j in 0..h {
                 let want = w[j] as f64 * xs[j] as f64 * rr;
                 let got = out[c * h + j] as f64;
-                assert!((got - want).abs() <= 4e-7 * want.abs() + 1e-30, "{got} vs {want}");
+                assert!(
+                    (got - want).abs() <= 4e-7 * want.abs() + 1e-30,
+                    "{got} vs {want}"
+                );
             }
         }
     }
@@ -448,7 +478,10 @@ fn rope_both_modes() {
         let neox = Rope::new(d, base, RopeStyle::NeoX).unwrap();
         for (i, &f) in normal.inv_freq().iter().enumerate() {
             let want = 1.0 / (base as f64).powf((2 * i) as f64 / d as f64);
-            assert!((f as f64 - want).abs() <= 2.0 * f32::EPSILON as f64 * want, "inv_freq {i}");
+            assert!(
+                (f as f64 - want).abs() <= 2.0 * f32::EPSILON as f64 * want,
+                "inv_freq {i}"
+            );
         }
         let heads = 3;
         let positions: Vec<u32> = vec![0, 1, 17, 4095, 100_000];
@@ -461,7 +494,11 @@ fn rope_both_modes() {
                 let want = ref_rope(row, p, d, rope.inv_freq(), rope.style());
                 for j in 0..heads * d {
                     let got = y[c * heads * d + j] as f64;
-                    assert!((got - want[j]).abs() <= 1e-6 * 6.0, "{:?} pos {p} [{j}]", rope.style());
+                    assert!(
+                        (got - want[j]).abs() <= 1e-6 * 6.0,
+                        "{:?} pos {p} [{j}]",
+                        rope.style()
+                    );
                 }
             }
         }
@@ -498,20 +535,38 @@ fn sampling() {
     let greedy = argmax(&logits);
     // Temperature 0 and top-k 1 are greedy, whatever the seed.
     for seed in 0..20 {
-        let p = SamplingParams { temperature: 0.0, top_p: 0.5, top_k: 0, seed };
+        let p = SamplingParams {
+            temperature: 0.0,
+            top_p: 0.5,
+            top_k: 0,
+            seed,
+        };
         assert_eq!(s.sample(&logits, &p, seed).unwrap(), greedy);
-        let p = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 1, seed };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 1,
+            seed,
+        };
         assert_eq!(s.sample(&logits, &p, 3).unwrap(), greedy);
     }
     // Reproducible: a draw depends on (seed, step) only, not on what was drawn before.
-    let p = SamplingParams { temperature: 0.9, top_p: 0.95, top_k: 50, seed: r.random() };
-    let a: Vec<u32> = (0..50).map(|st| s.sample(&logits, &p, st).unwrap()).collect();
+    let p = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 50,
+        seed: r.random(),
+    };
+    let a: Vec<u32> = (0..50)
+        .map(|st| s.sample(&logits, &p, st).unwrap())
+        .collect();
     let mut s2 = Sampler::new();
     let other = randn(&mut r, 77, 1.0);
     let b: Vec<u32> = (0..50)
         .rev()
         .map(|st| {
-            s2.sample(&other, &SamplingParams { seed: 1, ..p }, st).unwrap();
+            s2.sample(&other, &SamplingParams { seed: 1, ..p }, st)
+                .unwrap();
             s2.sample(&logits, &p, st).unwrap()
         })
         .collect();
@@ -523,7 +578,12 @@ fn sampling() {
     let mut count = [0usize; 4];
     let seed = r.random();
     for st in 0..n {
-        let p = SamplingParams { temperature: 1.0, top_p: 0.7, top_k: 0, seed };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.7,
+            top_k: 0,
+            seed,
+        };
         count[s.sample(&logits, &p, st).unwrap() as usize] += 1;
     }
     assert_eq!(count[0] + count[2], 0, "{count:?}");
@@ -533,23 +593,41 @@ fn sampling() {
     let mut count = [0usize; 4];
     let mut count_k = [0usize; 4];
     for st in 0..n {
-        let p = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed,
+        };
         count[s.sample(&logits, &p, st).unwrap() as usize] += 1;
         let p = SamplingParams { top_k: 3, ..p };
         count_k[s.sample(&logits, &p, st).unwrap() as usize] += 1;
     }
     for i in 0..4 {
-        assert!((count[i] as f64 / n as f64 - probs[i]).abs() < 0.02, "{count:?}");
+        assert!(
+            (count[i] as f64 / n as f64 - probs[i]).abs() < 0.02,
+            "{count:?}"
+        );
     }
     assert_eq!(count_k[2], 0);
-    assert!((count_k[1] as f64 / n as f64 - 0.5 / 0.95).abs() < 0.02, "{count_k:?}");
+    assert!(
+        (count_k[1] as f64 / n as f64 - 0.5 / 0.95).abs() < 0.02,
+        "{count_k:?}"
+    );
     // Top-p over a large vocabulary with a long tail (the nucleus grows past the first head).
     let flat = vec![0.0f32; 5000];
-    let p = SamplingParams { temperature: 1.0, top_p: 0.5, top_k: 0, seed };
+    let p = SamplingParams {
+        temperature: 1.0,
+        top_p: 0.5,
+        top_k: 0,
+        seed,
+    };
     for st in 0..200 {
         assert!(s.sample(&flat, &p, st).unwrap() < 2500);
     }
-    assert!(s.sample(&flat, &SamplingParams { top_p: 0.0, ..p }, 0).is_err());
+    assert!(s
+        .sample(&flat, &SamplingParams { top_p: 0.0, ..p }, 0)
+        .is_err());
     assert!(s.sample(&[], &p, 0).is_err());
 }
 
@@ -562,8 +640,43 @@ fn log_softmax_matches_reference() {
     let m = l.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
     let lse = m + l.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
     for i in 0..l.len() {
-        assert!((out[i] as f64 - (l[i] as f64 - lse)).abs() <= 1e-6 * (l[i] as f64 - lse).abs() + 1e-6);
+        assert!(
+            (out[i] as f64 - (l[i] as f64 - lse)).abs() <= 1e-6 * (l[i] as f64 - lse).abs() + 1e-6
+        );
     }
     let total: f64 = out.iter().map(|&v| (v as f64).exp()).sum();
     assert!((total - 1.0).abs() < 1e-4);
+}
+
+/// The activation quantization (vectorized where the CPU allows) against its definition:
+/// `d = max|x| / 127`, `q = round_half_even(x · (1 / d))`.
+#[test]
+fn quantize_activations_matches_definition() {
+    use pagedattn_engine::ops::quantize_row_q8;
+    let mut r = rng("quantize_activations_matches_definition");
+    let mut x = randn(&mut r, 32 * 40, 10.0);
+    x[32..64].fill(0.0); // an all-zero block
+    x[64] = 127.0 * 0.25; // exact steps and halves
+    x[65] = -0.5 * 0.25;
+    x[66] = 1.5 * 0.25;
+    for v in &mut x[67..96] {
+        *v = 0.0;
+    }
+    let (mut q, mut d, mut s) = (vec![0i8; x.len()], vec![0f32; 40], vec![0i32; 40]);
+    quantize_row_q8(&x, &mut q, &mut d, &mut s);
+    for b in 0..40 {
+        let xb = &x[b * 32..(b + 1) * 32];
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let db = amax / 127.0;
+        let inv = if db != 0.0 { 1.0 / db } else { 0.0 };
+        assert_eq!(d[b], db);
+        let mut sum = 0;
+        for j in 0..32 {
+            let want = (xb[j] * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+            assert_eq!(q[b * 32 + j], want, "block {b} [{j}] x={}", xb[j]);
+            sum += want as i32;
+        }
+        assert_eq!(s[b], sum);
+    }
+    assert_eq!(&q[64..67], &[127, 0, 2]);
 }

@@ -304,7 +304,8 @@ fn quant_tasks(qisa: QIsa, w: &QWeights, acts: &QuantActs, y: &mut [f32], t: usi
     // Groups whose weights fill about 128 KiB (half of L2 on the smallest we target): each
     // activation tile then meets them all while they stay in cache, and the tile's outputs
     // are written as runs of consecutive rows (no page per 16 floats on a wide LM head).
-    let group_bytes = w.nb * (w.kind.block_bytes() + GROUP * 4 * if w.m.is_empty() { 1 } else { 2 });
+    let group_bytes =
+        w.nb * (w.kind.block_bytes() + GROUP * 4 * if w.m.is_empty() { 1 } else { 2 });
     let super_groups = ((128 << 10) / group_bytes).max(1);
     let run = |g0: usize, g1: usize, ct0: usize, ct1: usize| {
         let p = yp;

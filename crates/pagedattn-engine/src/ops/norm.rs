@@ -17,9 +17,15 @@ const PAR_ELEMS: usize = 1 << 16;
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
     let h = weight.len();
     if h == 0 {
-        return Err(OpsError::Empty { what: "rms_norm weight" });
+        return Err(OpsError::Empty {
+            what: "rms_norm weight",
+        });
     }
-    check_len("rms_norm x (a multiple of the weight)", x.len().div_ceil(h) * h, x.len())?;
+    check_len(
+        "rms_norm x (a multiple of the weight)",
+        x.len().div_ceil(h) * h,
+        x.len(),
+    )?;
     check_len("rms_norm out", x.len(), out.len())?;
     let row = |(xs, os): (&[f32], &mut [f32])| {
         let ss: f64 = xs.iter().map(|&v| (v as f64) * (v as f64)).sum();

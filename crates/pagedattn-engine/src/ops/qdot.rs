@@ -4,6 +4,9 @@
 //! fused multiply-adds in the same order (`acc = fma(dw * da, isum, acc)`, then for Q4_1
 //! `acc = fma(m, da * Σqa, acc)`), so every instruction set gives bit-identical results.
 
+// The kernels index several per-activation-row register arrays with one counter.
+#![allow(clippy::needless_range_loop)]
+
 use super::quant::{QKind, QWeights, QuantActs, GROUP};
 
 /// The integer-dot instruction set of the fast path.
@@ -32,9 +35,7 @@ impl QIsa {
             let avx2 = std::arch::is_x86_feature_detected!("avx2");
             match isa {
                 Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 if vnni => return QIsa::Vnni512,
-                Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 if avx2 => {
-                    return QIsa::Avx2
-                }
+                Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 if avx2 => return QIsa::Avx2,
                 _ => {}
             }
         }
@@ -53,7 +54,14 @@ const K8_0: u8 = 2;
 /// Computes group `g` of `w` against activation rows `c0..c0 + out.len()` of `a` (`k`
 /// elements each), writing the 16 rows' results per activation row into `out`
 /// (`out.len() <= MAX_COLS`).
-pub(crate) fn group(isa: QIsa, w: &QWeights, a: &QuantActs, g: usize, c0: usize, out: &mut [[f32; GROUP]]) {
+pub(crate) fn group(
+    isa: QIsa,
+    w: &QWeights,
+    a: &QuantActs,
+    g: usize,
+    c0: usize,
+    out: &mut [[f32; GROUP]],
+) {
     let n = out.len();
     debug_assert!((1..=MAX_COLS).contains(&n));
     debug_assert!(g < w.groups && (c0 + n) * w.cols <= a.q.len());
@@ -92,7 +100,13 @@ pub(crate) fn group(isa: QIsa, w: &QWeights, a: &QuantActs, g: usize, c0: usize,
 }
 
 /// The reference kernel, in plain integer and f32 arithmetic.
-fn scalar<const K: u8, const C: usize>(w: &QWeights, a: &QuantActs, g: usize, c0: usize, out: &mut [[f32; GROUP]]) {
+fn scalar<const K: u8, const C: usize>(
+    w: &QWeights,
+    a: &QuantActs,
+    g: usize,
+    c0: usize,
+    out: &mut [[f32; GROUP]],
+) {
     let (nb, k) = (w.nb, w.cols);
     let bb = w.kind.block_bytes();
     for (c, o) in out.iter_mut().enumerate().take(C) {
@@ -153,7 +167,13 @@ unsafe fn four(p: *const i8) -> i32 {
 /// The CPU must have AVX-512 F/BW/VNNI; `g` and `c0 + C` in range (checked by `group`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn vnni512<const K: u8, const C: usize>(w: &QWeights, a: &QuantActs, g: usize, c0: usize, out: &mut [[f32; GROUP]]) {
+unsafe fn vnni512<const K: u8, const C: usize>(
+    w: &QWeights,
+    a: &QuantActs,
+    g: usize,
+    c0: usize,
+    out: &mut [[f32; GROUP]],
+) {
     use std::arch::x86_64::*;
     let (nb, k) = (w.nb, w.cols);
     let bb = w.kind.block_bytes();
@@ -173,8 +193,12 @@ unsafe fn vnni512<const K: u8, const C: usize>(w: &QWeights, a: &QuantActs, g: u
             let mut i1 = [_mm512_setzero_si512(); C];
             if K == K8_0 {
                 for gq in (0..8).step_by(2) {
-                    let v0 = _mm512_xor_si512(_mm512_loadu_si512(wq.add(gq * 64) as *const _), bias);
-                    let v1 = _mm512_xor_si512(_mm512_loadu_si512(wq.add(gq * 64 + 64) as *const _), bias);
+                    let v0 =
+                        _mm512_xor_si512(_mm512_loadu_si512(wq.add(gq * 64) as *const _), bias);
+                    let v1 = _mm512_xor_si512(
+                        _mm512_loadu_si512(wq.add(gq * 64 + 64) as *const _),
+                        bias,
+                    );
                     for c in 0..C {
                         let ap = abase.add(c * k + b * 32 + gq * 4);
                         i0[c] = _mm512_dpbusd_epi32(i0[c], v0, _mm512_set1_epi32(four(ap)));
@@ -224,7 +248,13 @@ unsafe fn vnni512<const K: u8, const C: usize>(w: &QWeights, a: &QuantActs, g: u
 /// The CPU must have AVX2 and FMA; `g` and `c0 + C` in range (checked by `group`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn avx2<const K: u8, const C: usize>(w: &QWeights, a: &QuantActs, g: usize, c0: usize, out: &mut [[f32; GROUP]]) {
+unsafe fn avx2<const K: u8, const C: usize>(
+    w: &QWeights,
+    a: &QuantActs,
+    g: usize,
+    c0: usize,
+    out: &mut [[f32; GROUP]],
+) {
     use std::arch::x86_64::*;
     let (nb, k) = (w.nb, w.cols);
     let bb = w.kind.block_bytes();
@@ -278,8 +308,11 @@ unsafe fn avx2<const K: u8, const C: usize>(w: &QWeights, a: &QuantActs, g: usiz
                     facc[c][h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(iv), facc[c][h]);
                     if K == K4_1 {
                         let mw = _mm256_loadu_ps(w.m.as_ptr().add((g * nb + b) * GROUP + h * 8));
-                        facc[c][h] =
-                            _mm256_fmadd_ps(mw, _mm256_set1_ps(*a.ds.get_unchecked(at)), facc[c][h]);
+                        facc[c][h] = _mm256_fmadd_ps(
+                            mw,
+                            _mm256_set1_ps(*a.ds.get_unchecked(at)),
+                            facc[c][h],
+                        );
                     }
                 }
             }

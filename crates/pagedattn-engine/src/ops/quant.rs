@@ -145,6 +145,12 @@ fn quantize_dispatch(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
     quantize_body(x, q, d, sum)
 }
 
+/// One row's inputs and outputs in [`QuantActs::fill`].
+type Row<'a> = (
+    ((&'a [f32], &'a mut [i8]), (&'a mut [f32], &'a mut [i32])),
+    &'a mut [f32],
+);
+
 /// A batch of activations quantized per 32-block: what the fast kernels read.
 #[derive(Default)]
 pub(crate) struct QuantActs {
@@ -176,7 +182,7 @@ impl QuantActs {
         if self.sum.len() < t * nb {
             self.sum.resize(t * nb, 0);
         }
-        let row = |(((xs, q), (d, s)), ds): (((&[f32], &mut [i8]), (&mut [f32], &mut [i32])), &mut [f32])| {
+        let row = |(((xs, q), (d, s)), ds): Row<'_>| {
             quantize_dispatch(xs, q, d, s);
             for (o, (&dv, &sv)) in ds.iter_mut().zip(d.iter().zip(s.iter())) {
                 *o = dv * sv as f32;

@@ -126,7 +126,9 @@ impl Sampler {
     /// Empty `logits` or invalid `params`.
     pub fn sample(&mut self, logits: &[f32], params: &SamplingParams, step: u64) -> Result<u32> {
         if logits.is_empty() {
-            return Err(OpsError::Empty { what: "sample logits" });
+            return Err(OpsError::Empty {
+                what: "sample logits",
+            });
         }
         params.validate()?;
         if params.is_greedy() {
@@ -143,10 +145,11 @@ impl Sampler {
         };
         // Descending logit, then ascending index: a total order, so the kept set and its
         // order do not depend on how the selection proceeds.
-        let order = |a: &u32, b: &u32| -> Ordering {
-            key(*b).total_cmp(&key(*a)).then(a.cmp(b))
-        };
-        let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| if b.is_nan() { a } else { a.max(b) });
+        let order = |a: &u32, b: &u32| -> Ordering { key(*b).total_cmp(&key(*a)).then(a.cmp(b)) };
+        let m = logits.iter().fold(
+            f32::NEG_INFINITY,
+            |a, &b| if b.is_nan() { a } else { a.max(b) },
+        );
         let inv_t = 1.0 / params.temperature as f64;
         self.w.clear();
         self.w.extend(logits.iter().map(|&l| {
@@ -160,7 +163,11 @@ impl Sampler {
         self.idx.extend(0..v as u32);
         let w = &self.w;
         let idx = &mut self.idx;
-        let top_k = if params.top_k == 0 { v } else { params.top_k.min(v) };
+        let top_k = if params.top_k == 0 {
+            v
+        } else {
+            params.top_k.min(v)
+        };
         let nucleus = params.top_p < 1.0;
         let kept: usize = if top_k < v {
             idx.select_nth_unstable_by(top_k - 1, order);
