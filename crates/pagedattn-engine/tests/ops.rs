@@ -453,13 +453,13 @@ fn swiglu_matches_reference() {
     assert!(swiglu(&g, &u[1..], &mut out).is_err());
 }
 
-fn ref_rope(x: &[f32], pos: u32, d: usize, inv: &[f32], style: RopeStyle) -> Vec<f64> {
+fn ref_rope(x: &[f32], pos: usize, d: usize, inv: &[f32], style: RopeStyle) -> Vec<f64> {
     let mut y: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     for (h, head) in x.chunks(d).enumerate() {
         for i in 0..d / 2 {
             let (a, b) = match style {
                 RopeStyle::Normal => (2 * i, 2 * i + 1),
-                RopeStyle::NeoX => (i, i + d / 2),
+                RopeStyle::Neox => (i, i + d / 2),
             };
             let th = (pos as f32 * inv[i]) as f64;
             let (x1, x2) = (head[a] as f64, head[b] as f64);
@@ -475,7 +475,7 @@ fn rope_both_modes() {
     let mut r = rng("rope_both_modes");
     for (d, base) in [(64usize, 100000.0f32), (8, 10000.0), (128, 500000.0)] {
         let normal = Rope::new(d, base, RopeStyle::Normal).unwrap();
-        let neox = Rope::new(d, base, RopeStyle::NeoX).unwrap();
+        let neox = Rope::new(d, base, RopeStyle::Neox).unwrap();
         for (i, &f) in normal.inv_freq().iter().enumerate() {
             let want = 1.0 / (base as f64).powf((2 * i) as f64 / d as f64);
             assert!(
@@ -484,11 +484,11 @@ fn rope_both_modes() {
             );
         }
         let heads = 3;
-        let positions: Vec<u32> = vec![0, 1, 17, 4095, 100_000];
+        let positions: Vec<usize> = vec![0, 1, 17, 4095, 100_000];
         let x = randn(&mut r, positions.len() * heads * d, 3.0);
         for rope in [&normal, &neox] {
             let mut y = x.clone();
-            rope.apply(&mut y, &positions).unwrap();
+            rope.apply(&mut y, &positions, heads).unwrap();
             for (c, &p) in positions.iter().enumerate() {
                 let row = &x[c * heads * d..(c + 1) * heads * d];
                 let want = ref_rope(row, p, d, rope.inv_freq(), rope.style());
@@ -502,21 +502,22 @@ fn rope_both_modes() {
                 }
             }
         }
-        // Normal on a head permuted to adjacent pairs is NeoX on the original: the same bits.
+        // Normal on a head permuted to adjacent pairs is Neox on the original: the same bits.
         let mut a = x.clone();
-        neox.apply(&mut a, &positions).unwrap();
+        neox.apply(&mut a, &positions, heads).unwrap();
         let perm = |v: &[f32]| -> Vec<f32> {
             v.chunks(d)
                 .flat_map(|h| (0..d / 2).flat_map(move |i| [h[i], h[i + d / 2]]))
                 .collect()
         };
         let mut b = perm(&x);
-        normal.apply(&mut b, &positions).unwrap();
+        normal.apply(&mut b, &positions, heads).unwrap();
         assert_eq!(perm(&a), b);
     }
     assert!(Rope::new(7, 1e4, RopeStyle::Normal).is_err());
     let rope = Rope::new(8, 1e4, RopeStyle::Normal).unwrap();
-    assert!(rope.apply(&mut [0.0; 12], &[0, 1]).is_err());
+    assert!(rope.apply(&mut [0.0; 12], &[0, 1], 1).is_err());
+    assert!(rope.apply(&mut [0.0; 16], &[0, 1], 1).is_ok());
 }
 
 #[test]

@@ -11,9 +11,9 @@ pub enum RopeStyle {
     /// GGUF / llama.cpp's "normal" mode: pairs `(x[2i], x[2i+1])` rotate by `θ_i` (what
     /// llama-architecture GGUF weights, whose q/k rows are permuted, need).
     Normal,
-    /// NeoX / transformers' `rotate_half`: pairs `(x[i], x[i + d/2])` rotate by `θ_i` (weights
+    /// Neox / transformers' `rotate_half`: pairs `(x[i], x[i + d/2])` rotate by `θ_i` (weights
     /// in Hugging Face's layout).
-    NeoX,
+    Neox,
 }
 
 /// RoPE for heads of `head_dim` elements: `θ_i = pos · inv_freq[i]`, `inv_freq[i] = 1 /
@@ -76,7 +76,7 @@ impl Rope {
     ///
     /// # Panics
     /// If `cos` or `sin` is not `head_dim / 2` long.
-    pub fn cos_sin(&self, pos: u32, cos: &mut [f32], sin: &mut [f32]) {
+    pub fn cos_sin(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) {
         assert_eq!(cos.len(), self.inv_freq.len());
         assert_eq!(sin.len(), self.inv_freq.len());
         let p = pos as f32;
@@ -87,24 +87,22 @@ impl Rope {
         }
     }
 
-    /// Rotates every head of every row of `x` (`[t, n · head_dim]`, `t = positions.len()`)
-    /// in place, row `r` at `positions[r]`: `x1' = x1·cos − x2·sin`, `x2' = x2·cos + x1·sin`
-    /// (each product rounded, as transformers' `q * cos + rotate_half(q) * sin`).
+    /// Rotates every head of every row of `x` (`[t, heads · head_dim]`, `t =
+    /// positions.len()`) in place, row `r` at `positions[r]`: `x1' = x1·cos − x2·sin`,
+    /// `x2' = x2·cos + x1·sin` (each product rounded, as transformers' `q * cos +
+    /// rotate_half(q) * sin`).
     ///
     /// # Errors
-    /// If `x` is not `positions.len()` rows of a whole number of heads.
-    pub fn apply(&self, x: &mut [f32], positions: &[u32]) -> Result<()> {
-        let t = positions.len();
-        if t == 0 {
-            return super::check_len("rope x", 0, x.len());
-        }
-        let w = x.len() / t;
-        if w * t != x.len() || w == 0 || !w.is_multiple_of(self.head_dim) {
-            return Err(OpsError::Length {
-                what: "rope x (positions × a whole number of heads)",
-                expected: t * w.max(1).next_multiple_of(self.head_dim),
-                got: x.len(),
-            });
+    /// If `x` is not `positions.len()` rows of `heads` heads.
+    pub fn apply(&self, x: &mut [f32], positions: &[usize], heads: usize) -> Result<()> {
+        let w = heads * self.head_dim;
+        super::check_len(
+            "rope x (positions × heads × head_dim)",
+            positions.len() * w,
+            x.len(),
+        )?;
+        if w == 0 {
+            return Ok(());
         }
         let half = self.head_dim / 2;
         let mut cos = [0f32; MAX_HEAD_DIM / 2];
@@ -116,7 +114,7 @@ impl Rope {
                 for i in 0..half {
                     let (a, b) = match self.style {
                         RopeStyle::Normal => (2 * i, 2 * i + 1),
-                        RopeStyle::NeoX => (i, i + half),
+                        RopeStyle::Neox => (i, i + half),
                     };
                     let (x1, x2) = (head[a], head[b]);
                     head[a] = x1 * cos[i] - x2 * sin[i];
