@@ -341,8 +341,16 @@ fn quant_tasks(qisa: QIsa, w: &QWeights, acts: &QuantActs, y: &mut [f32], t: usi
     // About 4 tasks a thread on large products, 1 on small ones (rayon's dispatch costs
     // microseconds).
     let target = threads * (t * out * w.cols / (1 << 20)).clamp(1, 4);
-    let gsplit = groups.min(target);
-    let csplit = target.div_ceil(gsplit).min(col_tiles);
+    // A matrix that fits in L2 is split by activation rows first (each task meets every
+    // weight, from cache, with few activations); a larger one by weight rows first (its
+    // weights read from memory once).
+    let (gsplit, csplit) = if groups * group_bytes <= 512 << 10 {
+        let csplit = col_tiles.min(target);
+        (target.div_ceil(csplit).min(groups), csplit)
+    } else {
+        let gsplit = groups.min(target);
+        (gsplit, target.div_ceil(gsplit).min(col_tiles))
+    };
     (0..gsplit * csplit).into_par_iter().for_each(|i| {
         let (gi, ci) = (i / csplit, i % csplit);
         run(
