@@ -7,29 +7,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use pagedattn::{
-    AttentionImpl, Backend, BlockId, Inputs, KvCache, KvCacheSpec, MetadataBuilder, Plan,
-    SequenceDesc, Tensor, Workspace,
+    AttentionImpl, Backend, Inputs, KvCache, KvCacheSpec, MetadataBuilder, Plan, SequenceDesc,
+    Tensor, Workspace,
 };
 
-use crate::batch::{RequestId, SeqId, StepBatch};
+use crate::batch::{RequestId, StepBatch};
 use crate::model::{Model, StepTokens};
-use crate::report::{RequestRecord, Report, StepRecord};
-use crate::rng::SplitMix64;
-use crate::scheduler::{Event, RequestSpec, Scheduler, SchedulerConfig};
+use crate::ops::{Sampler, SamplingParams};
+use crate::report::{CacheCounts, Report, RequestRecord, StepRecord};
+use crate::scheduler::{RequestSpec, Sampled, Scheduler, SchedulerConfig, StepEvent};
 use crate::verify::{CheckedSeq, Verifier, VerifyMode};
-use crate::workload::Sampling;
 use crate::{Error, Result};
 
 /// How the engine is set up.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// Tokens per KV-cache block.
-    pub block_size: usize,
-    /// Device blocks per layer.
-    pub num_blocks: usize,
-    /// Host swap blocks per layer.
-    pub num_swap_blocks: usize,
-    /// The scheduler's budgets and policies.
+    /// The scheduler's budgets and policies, and the block pools (one block id names the
+    /// same block in every layer's cache and swap space).
     pub scheduler: SchedulerConfig,
     /// Which attention calls `reference` recomputes.
     pub verify: VerifyMode,
@@ -49,7 +43,7 @@ pub struct EngineRequest {
     /// Samples (parallel sampling).
     pub n: usize,
     /// How tokens are drawn.
-    pub sampling: Sampling,
+    pub sampling: SamplingParams,
 }
 
 /// The engine: a model, its backend, the caches, the scheduler.
@@ -63,10 +57,9 @@ pub struct Engine<'a> {
     workspace: Workspace,
     scheduler: Scheduler,
     verifier: Verifier,
-    /// Each live sequence's sample index within its request (its random stream).
-    samples: HashMap<SeqId, usize>,
-    /// Each request's sampling.
-    sampling: HashMap<RequestId, Sampling>,
+    sampler: Sampler,
+    /// Each unfinished request's sampling.
+    sampling: HashMap<RequestId, SamplingParams>,
     report: Report,
     steps: usize,
 }
@@ -83,26 +76,41 @@ struct StepBuffers {
 impl<'a> Engine<'a> {
     /// An engine for `model` on `backend`: one attention per layer, each layer's cache and
     /// swap space allocated.
-    pub fn new(backend: &'a dyn Backend, model: Box<dyn Model + 'a>, config: &EngineConfig) -> Result<Self> {
+    pub fn new(
+        backend: &'a dyn Backend,
+        model: Box<dyn Model + 'a>,
+        config: &EngineConfig,
+    ) -> Result<Self> {
         let layers = model.layers().to_vec();
         let first = layers
             .first()
             .ok_or_else(|| Error::Model("the model has no layer".into()))?;
-        let spec = first.kv_cache_spec(model.dtype(), config.num_blocks, config.block_size);
+        let pools = &config.scheduler.blocks;
+        let spec = first.kv_cache_spec(model.dtype(), pools.num_device_blocks, pools.block_size);
         let attention = layers
             .iter()
             .map(|c| backend.attention(c))
             .collect::<pagedattn::Result<Vec<_>>>()?;
         let caches = layers
             .iter()
-            .map(|c| backend.allocate_kv_cache(&c.kv_cache_spec(model.dtype(), config.num_blocks, config.block_size)))
+            .map(|c| {
+                backend.allocate_kv_cache(&c.kv_cache_spec(
+                    model.dtype(),
+                    pools.num_device_blocks,
+                    pools.block_size,
+                ))
+            })
             .collect::<pagedattn::Result<Vec<_>>>()?;
         let swaps = caches
             .iter()
-            .map(|c| backend.allocate_swap_space(c.spec(), config.num_swap_blocks))
+            .map(|c| backend.allocate_swap_space(c.spec(), pools.num_host_blocks))
             .collect::<pagedattn::Result<Vec<_>>>()?;
-        let scheduler = Scheduler::new(config.scheduler.clone(), config.block_size, config.num_blocks, config.num_swap_blocks)
-            .map_err(|e| Error::Model(e.to_string()))?;
+        // Blocks that left the window are released only where every layer has that window.
+        let mut scheduler_config = config.scheduler.clone();
+        let window = first.sliding_window();
+        scheduler_config.blocks.sliding_window =
+            window.filter(|_| layers.iter().all(|c| c.sliding_window() == window));
+        let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {
             backend,
             report: Report {
@@ -118,7 +126,7 @@ impl<'a> Engine<'a> {
             workspace: Workspace::empty(backend.device()),
             scheduler,
             verifier: Verifier::new(config.verify, config.seed)?,
-            samples: HashMap::new(),
+            sampler: Sampler::new(),
             sampling: HashMap::new(),
             steps: 0,
         })
@@ -136,8 +144,22 @@ impl<'a> Engine<'a> {
     ) -> Result<Report> {
         self.report.workload = workload.into();
         let start = Instant::now();
-        let mut pending: Vec<(RequestId, EngineRequest)> =
-            requests.into_iter().enumerate().map(|(i, r)| (i as RequestId, r)).collect();
+        // Request i's record is `report.requests[i]`.
+        self.report.requests = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| RequestRecord {
+                id: i as RequestId,
+                arrival: r.arrival,
+                prompt_tokens: r.prompt.len(),
+                ..RequestRecord::default()
+            })
+            .collect();
+        let mut pending: Vec<(RequestId, EngineRequest)> = requests
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| (i as RequestId, r))
+            .collect();
         pending.sort_by(|a, b| a.1.arrival.total_cmp(&b.1.arrival));
         pending.reverse();
         let total = pending.len();
@@ -151,11 +173,11 @@ impl<'a> Engine<'a> {
             let now = start.elapsed().as_secs_f64();
             while pending.last().is_some_and(|(_, r)| r.arrival <= now) {
                 if let Some((id, r)) = pending.pop() {
-                    self.admit(id, r);
+                    done += self.admit(id, r);
                 }
             }
-            let batch = self.scheduler.schedule();
-            if batch.seqs.is_empty() {
+            let batch = self.scheduler.schedule()?;
+            if batch.seqs.is_empty() && batch.swap_out.is_empty() {
                 match pending.last() {
                     None if !self.scheduler.has_unfinished() => break,
                     None => {
@@ -176,49 +198,61 @@ impl<'a> Engine<'a> {
             }
             progress(done, total, self.report.generated_tokens());
         }
-        self.scheduler
-            .check()
-            .map_err(|e| Error::Accounting(e.to_string()))?;
+        if !self.report.interrupted {
+            // Every request finished: every block must be free (cached prefixes included).
+            self.scheduler
+                .blocks()
+                .check()
+                .map_err(|e| Error::Accounting(e.to_string()))?;
+        }
         self.report.seconds = start.elapsed().as_secs_f64();
-        self.report.cache = self.scheduler.counts();
+        let stats = self.scheduler.stats();
+        self.report.cache = CacheCounts {
+            prefix_queried_tokens: stats.blocks.prefix_query_tokens as usize,
+            prefix_hit_tokens: stats.blocks.prefix_hit_tokens as usize,
+            preempted_by_swap: stats.preempted_by_swap as usize,
+            preempted_by_recompute: stats.preempted_by_recompute as usize,
+            blocks_swapped_out: stats.blocks.swapped_out_blocks as usize,
+            blocks_swapped_in: stats.blocks.swapped_in_blocks as usize,
+            copy_on_write_blocks: stats.blocks.cow_copies as usize,
+        };
         self.report.verify = self.verifier.counts().clone();
-        self.report.requests.sort_by_key(|r| r.id);
         Ok(self.report)
     }
 
     /// Hands a request to the scheduler (a request that can never fit is recorded as
     /// rejected, with the reason).
-    fn admit(&mut self, id: RequestId, r: EngineRequest) {
-        let mut record = RequestRecord {
-            id,
-            arrival: r.arrival,
-            prompt_tokens: r.prompt.len(),
-            ..RequestRecord::default()
-        };
-        let spec = RequestSpec {
-            id,
-            prompt: r.prompt,
-            max_new_tokens: r.max_new_tokens,
-            n: r.n,
-            stop_tokens: self.model.stop_tokens(),
-        };
+    fn admit(&mut self, id: RequestId, r: EngineRequest) -> usize {
+        let spec = RequestSpec::new(id, r.prompt, r.max_new_tokens)
+            .samples(r.n)
+            .stop_tokens(self.model.stop_tokens());
         match self.scheduler.add_request(spec) {
             Ok(()) => {
                 self.sampling.insert(id, r.sampling);
+                0
             }
-            Err(e) => record.rejected = Some(e.to_string()),
+            Err(e) => {
+                self.report.requests[id as usize].rejected = Some(e.to_string());
+                1
+            }
         }
-        self.report.requests.push(record);
     }
 
     /// Runs one scheduled step; returns the scheduler's events.
-    fn step(&mut self, batch: &StepBatch, buf: &mut StepBuffers, start: Instant) -> Result<Vec<Event>> {
+    fn step(
+        &mut self,
+        batch: &StepBatch,
+        buf: &mut StepBuffers,
+        start: Instant,
+    ) -> Result<Vec<StepEvent>> {
         let step_start = Instant::now();
         if !batch.swap_out.is_empty() {
-            self.backend.swap_out(&self.caches, &mut self.swaps, &batch.swap_out)?;
+            self.backend
+                .swap_out(&self.caches, &mut self.swaps, &batch.swap_out)?;
         }
         if !batch.swap_in.is_empty() {
-            self.backend.swap_in(&self.swaps, &mut self.caches, &batch.swap_in)?;
+            self.backend
+                .swap_in(&self.swaps, &mut self.caches, &batch.swap_in)?;
         }
         if !batch.copies.is_empty() {
             self.backend.copy_blocks(&mut self.caches, &batch.copies)?;
@@ -229,17 +263,22 @@ impl<'a> Engine<'a> {
         let mut builder = MetadataBuilder::for_cache(&self.spec);
         let (mut prefill, mut decode) = (0, 0);
         for s in &batch.seqs {
-            builder.push(SequenceDesc::prompt(s.cached, s.tokens.len(), &s.block_table));
+            builder.push(if s.is_decode {
+                decode += 1;
+                SequenceDesc::decode(s.cached, &s.block_table)
+            } else {
+                prefill += s.tokens.len();
+                SequenceDesc::prompt(s.cached, s.tokens.len(), &s.block_table)
+            });
             buf.tokens.extend_from_slice(&s.tokens);
             buf.positions.extend(s.cached..s.cached + s.tokens.len());
             if s.num_samples > 0 {
                 buf.logit_rows.push(buf.tokens.len() - 1);
             }
-            if s.cached > 0 && s.tokens.len() == 1 && s.num_samples == 1 {
-                decode += 1;
-            } else {
-                prefill += s.tokens.len();
-            }
+        }
+        if batch.seqs.is_empty() {
+            // A step that only swapped out: the scheduler still closes it.
+            return Ok(self.scheduler.finish_step(&[])?);
         }
         let metadata = builder.build()?;
         let plan: Plan = self.attention[0].plan(&metadata, Some(&self.spec))?;
@@ -265,7 +304,12 @@ impl<'a> Engine<'a> {
                 self.model.layers().to_vec(),
             );
             let step_index = self.steps;
-            let mut attend = |layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, out: &mut Tensor| -> Result<()> {
+            let mut attend = |layer: usize,
+                              q: &Tensor,
+                              k: &Tensor,
+                              v: &Tensor,
+                              out: &mut Tensor|
+             -> Result<()> {
                 let t = Instant::now();
                 attention[layer].forward_into(
                     &plan,
@@ -276,16 +320,15 @@ impl<'a> Engine<'a> {
                 backend.synchronize()?;
                 attention_seconds += t.elapsed().as_secs_f64();
                 if verify_layers.contains(&layer) {
-                    verifier
-                        .check(
-                            (step_index, layer),
-                            backend,
-                            &layers[layer],
-                            &caches[layer],
-                            &checked,
-                            (q, k, v),
-                            out,
-                        )??;
+                    verifier.check(
+                        (step_index, layer),
+                        backend,
+                        &layers[layer],
+                        &caches[layer],
+                        &checked,
+                        (q, k, v),
+                        out,
+                    )??;
                 }
                 Ok(())
             };
@@ -297,73 +340,65 @@ impl<'a> Engine<'a> {
             self.model.forward(&tokens, &mut attend, &mut buf.logits)?;
         }
         let vocab = self.model.vocab_size();
-        let mut results: Vec<Vec<u32>> = Vec::with_capacity(batch.seqs.len());
+        let mut results: Vec<Sampled> = Vec::with_capacity(batch.seqs.len());
         let mut row = 0;
         let mut generated = 0;
         for s in &batch.seqs {
-            let mut drawn = Vec::with_capacity(s.num_samples);
+            let mut tokens = Vec::with_capacity(s.num_samples);
             if s.num_samples > 0 {
                 let logits = &buf.logits[row * vocab..(row + 1) * vocab];
                 row += 1;
-                let sampling = self.sampling.get(&s.request).copied().unwrap_or_default();
-                let first_sample = self.samples.get(&s.seq).copied().unwrap_or(0);
+                let params = self.sampling.get(&s.request).copied().unwrap_or_default();
+                // The draw of sample i at position p depends on (seed + i, p) only: neither
+                // the batch nor a preemption changes it.
                 let position = (s.cached + s.tokens.len()) as u64;
-                for i in 0..s.num_samples {
-                    drawn.push(sample(logits, &sampling, (first_sample + i) as u64, position));
+                for i in s.sample..s.sample + s.num_samples {
+                    let params = SamplingParams {
+                        seed: params.seed.wrapping_add(i as u64),
+                        ..params
+                    };
+                    tokens.push(self.sampler.sample(logits, &params, position)?);
                 }
-                generated += drawn.len();
+                generated += tokens.len();
             }
-            results.push(drawn);
+            results.push(Sampled { seq: s.seq, tokens });
         }
-        let events = self.scheduler.finish_step(&results);
-        let usage = self.scheduler.usage();
-        let end = start.elapsed().as_secs_f64();
+        let events = self.scheduler.finish_step(&results)?;
+        let now = start.elapsed().as_secs_f64();
+        for s in batch.seqs.iter().filter(|s| s.num_samples > 0) {
+            self.report.requests[s.request as usize]
+                .first_token
+                .get_or_insert(now);
+        }
+        let usage = self.scheduler.blocks().stats();
         self.report.steps.push(StepRecord {
-            end,
+            end: now,
             seconds: step_start.elapsed().as_secs_f64(),
             attention_seconds,
             prefill_tokens: prefill,
             decode_tokens: decode,
             generated_tokens: generated,
-            blocks_used: usage.blocks_used,
-            blocks_total: usage.blocks_total,
+            blocks_used: usage.device_blocks_in_use,
+            blocks_total: self.spec.num_blocks,
             tokens_stored: usage.tokens_stored,
-            slots_used: usage.blocks_used * self.spec.block_size,
+            slots_used: usage.slots_allocated,
         });
         self.steps += 1;
         Ok(events)
     }
 
     /// Records a scheduler event; returns 1 when a request finished.
-    fn record(&mut self, event: Event, start: Instant) -> usize {
+    fn record(&mut self, event: StepEvent, start: Instant) -> usize {
         let now = start.elapsed().as_secs_f64();
         match event {
-            Event::Forked { children } => {
-                for (i, seq) in children.into_iter().enumerate() {
-                    self.samples.insert(seq, i);
-                }
-                0
-            }
-            Event::FirstToken { request } => {
-                if let Some(r) = self.report.requests.iter_mut().find(|r| r.id == request) {
-                    r.first_token.get_or_insert(now);
-                }
-                0
-            }
-            Event::Finished { request, samples } => {
-                if let Some(r) = self.report.requests.iter_mut().find(|r| r.id == request) {
-                    r.finished = Some(now);
-                    r.generated = samples;
-                }
+            StepEvent::Finished { request, samples } => {
+                self.sampling.remove(&request);
+                let r = &mut self.report.requests[request as usize];
+                r.finished = Some(now);
+                r.generated = samples.into_iter().map(|s| s.tokens).collect();
                 1
             }
+            StepEvent::Preempted { .. } | StepEvent::SwappedIn { .. } => 0,
         }
     }
-}
-
-/// Draws a token from `logits`: greedy at temperature 0, else from the softmax at the
-/// temperature, cut to its top-p nucleus, with the random stream of (seed, sample, position).
-fn sample(logits: &[f32], sampling: &Sampling, sample_index: u64, position: u64) -> u32 {
-    let _ = (sampling, sample_index, position, BlockId::default(), SplitMix64::new(0));
-    crate::ops::argmax(logits)
 }

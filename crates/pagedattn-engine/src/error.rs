@@ -11,6 +11,13 @@ pub enum Error {
     /// A trace or workload the engine cannot use.
     #[error(transparent)]
     Workload(#[from] crate::workload::WorkloadError),
+    /// The scheduler refused a call (a request that can never fit is not an error: it is
+    /// reported as rejected).
+    #[error(transparent)]
+    Scheduler(#[from] crate::scheduler::SchedulerError),
+    /// A model operation refused its sizes or parameters.
+    #[error(transparent)]
+    Ops(#[from] crate::ops::OpsError),
     /// `--verify` found an attention output that differs from `reference`'s.
     #[error(transparent)]
     Verify(#[from] crate::verify::Mismatch),

@@ -17,13 +17,16 @@
 pub mod batch;
 pub mod blocks;
 pub mod chat;
+pub mod engine;
 pub mod error;
 pub mod gguf;
+pub mod llama;
 pub mod model;
 pub mod ops;
 pub mod report;
 pub mod rng;
 pub mod scheduler;
+pub mod synthetic;
 pub mod tokenizer;
 pub mod verify;
 pub mod weights;

@@ -140,12 +140,22 @@ fn fill(dst: &mut Tensor, src: &[f32]) -> Result<()> {
             .ok_or_else(|| Error::Model("an f32 tensor without f32 storage".into()))?
             .copy_from_slice(src),
         DType::BF16 => {
-            for (d, &s) in view.as_slice_mut::<half::bf16>().into_iter().flatten().zip(src) {
+            for (d, &s) in view
+                .as_slice_mut::<half::bf16>()
+                .into_iter()
+                .flatten()
+                .zip(src)
+            {
                 *d = half::bf16::from_f32(s);
             }
         }
         DType::F16 => {
-            for (d, &s) in view.as_slice_mut::<half::f16>().into_iter().flatten().zip(src) {
+            for (d, &s) in view
+                .as_slice_mut::<half::f16>()
+                .into_iter()
+                .flatten()
+                .zip(src)
+            {
                 *d = half::f16::from_f32(s);
             }
         }
@@ -160,12 +170,18 @@ fn read(src: &Tensor, dst: &mut [f32]) -> Result<()> {
     match host.dtype() {
         DType::F32 => dst.copy_from_slice(host.as_slice::<f32>().unwrap_or_default()),
         DType::BF16 => {
-            for (d, s) in dst.iter_mut().zip(host.as_slice::<half::bf16>().unwrap_or_default()) {
+            for (d, s) in dst
+                .iter_mut()
+                .zip(host.as_slice::<half::bf16>().unwrap_or_default())
+            {
                 *d = s.to_f32();
             }
         }
         DType::F16 => {
-            for (d, s) in dst.iter_mut().zip(host.as_slice::<half::f16>().unwrap_or_default()) {
+            for (d, s) in dst
+                .iter_mut()
+                .zip(host.as_slice::<half::f16>().unwrap_or_default())
+            {
                 *d = s.to_f32();
             }
         }
@@ -259,10 +275,16 @@ impl Model for Llama {
         let rows = step.logit_rows.len();
         w.rows.clear();
         for &r in step.logit_rows {
-            w.rows.extend_from_slice(&w.x[r * s.hidden..(r + 1) * s.hidden]);
+            w.rows
+                .extend_from_slice(&w.x[r * s.hidden..(r + 1) * s.hidden]);
         }
         w.h.resize(rows * s.hidden, 0.0);
-        rms_norm(&w.rows, &self.out_norm, s.rms_eps, &mut w.h[..rows * s.hidden])?;
+        rms_norm(
+            &w.rows,
+            &self.out_norm,
+            s.rms_eps,
+            &mut w.h[..rows * s.hidden],
+        )?;
         logits.resize(rows * s.vocab, 0.0);
         self.head.forward(&w.h[..rows * s.hidden], logits)?;
         Ok(())

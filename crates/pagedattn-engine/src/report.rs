@@ -264,7 +264,7 @@ impl Report {
             w + 2.0 * pad,
             2.0 * h + 3.0 * pad
         );
-        let panels: [(&str, Vec<(f64, f64)>, f64); 2] = [
+        let panels: [Panel; 2] = [
             (
                 "generated tokens/s",
                 rate.iter()
@@ -297,6 +297,9 @@ impl Report {
         svg
     }
 }
+
+/// A plot panel: its title, its (seconds, value) points and its top value.
+type Panel<'a> = (&'a str, Vec<(f64, f64)>, f64);
 
 /// Seconds as a person reads them (ms below a second).
 fn secs(s: f64) -> String {

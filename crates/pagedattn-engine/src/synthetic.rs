@@ -73,7 +73,8 @@ impl SyntheticConfig {
             let values: Vec<f32> = (0..out * inp)
                 .map(|_| ((2.0 * rng.next_f64() - 1.0) * bound) as f32)
                 .collect();
-            Linear::from_f32(&values, out, inp, Precision::Exact).map_err(|e| Error::Model(e.to_string()))
+            Linear::from_f32(&values, out, inp, Precision::Exact)
+                .map_err(|e| Error::Model(e.to_string()))
         };
         let (q, kv) = (self.heads * self.head_size, self.kv_heads * self.head_size);
         let layers = (0..self.layers)
@@ -96,8 +97,8 @@ impl SyntheticConfig {
         let table: Vec<f32> = (0..self.vocab * self.hidden)
             .map(|_| (2.0 * rng.next_f64() - 1.0) as f32)
             .collect();
-        let embedding =
-            Embedding::from_f32(&table, self.vocab, self.hidden).map_err(|e| Error::Model(e.to_string()))?;
+        let embedding = Embedding::from_f32(&table, self.vocab, self.hidden)
+            .map_err(|e| Error::Model(e.to_string()))?;
         let attention = AttentionConfig::builder(self.heads, self.head_size)
             .num_kv_heads(self.kv_heads)
             .alibi_slopes(self.alibi.then(|| alibi_slopes_bloom(self.heads)))
@@ -119,8 +120,12 @@ impl SyntheticConfig {
                     self.head_size,
                     self.dtype,
                     if self.alibi { ", ALiBi" } else { "" },
-                    self.sliding_window.map(|w| format!(", window {w}")).unwrap_or_default(),
-                    self.soft_cap.map(|c| format!(", soft cap {c}")).unwrap_or_default(),
+                    self.sliding_window
+                        .map(|w| format!(", window {w}"))
+                        .unwrap_or_default(),
+                    self.soft_cap
+                        .map(|c| format!(", soft cap {c}"))
+                        .unwrap_or_default(),
                     match self.kv_cache_dtype {
                         KvCacheDtype::Auto => String::new(),
                         other => format!(", {other} cache"),

@@ -152,7 +152,7 @@ impl Verifier {
         let worst = worst_difference(&output.to_f32_vec()?, &want.to_f32_vec()?, ulp);
         self.counts.calls_checked += 1;
         // (A NaN, once seen, stays.)
-        if !self.counts.worst.is_nan() && !(worst <= self.counts.worst) {
+        if !self.counts.worst.is_nan() && (worst.is_nan() || worst > self.counts.worst) {
             self.counts.worst = worst;
         }
         if worst <= allowed {

@@ -6,6 +6,7 @@ use std::str::FromStr;
 
 use thiserror::Error;
 
+use crate::ops::SamplingParams;
 use crate::rng::SplitMix64;
 
 /// A request's prompt, before tokenization.
@@ -19,29 +20,6 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
-/// How a request's tokens are drawn from the logits.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Sampling {
-    /// 0 is greedy (argmax); otherwise logits are divided by it before the softmax.
-    pub temperature: f32,
-    /// Nucleus sampling: the smallest set of tokens whose probability reaches `top_p` (1.0:
-    /// every token).
-    pub top_p: f32,
-    /// The request's random stream (sample `i` of a request with `n` samples uses stream
-    /// `seed + i`).
-    pub seed: u64,
-}
-
-impl Default for Sampling {
-    fn default() -> Self {
-        Sampling {
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-        }
-    }
-}
-
 /// One request of a workload.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RequestInput {
@@ -53,8 +31,9 @@ pub struct RequestInput {
     pub max_new_tokens: usize,
     /// Samples generated from the prompt (parallel sampling: they share the prompt's blocks).
     pub n: usize,
-    /// How tokens are drawn.
-    pub sampling: Sampling,
+    /// How tokens are drawn (sample `i` of a request uses the random stream of its `seed +
+    /// i`).
+    pub sampling: SamplingParams,
 }
 
 /// A trace line or command-line value the engine cannot use.
@@ -105,8 +84,8 @@ const TRACE_FIELDS: &str =
 /// Parses a JSONL trace: one request per non-empty line, a JSON object with `arrival`
 /// (seconds, default 0), exactly one of `prompt` (text), `chat` (a user turn) or `tokens`
 /// (token ids), and optionally `max_new_tokens` (default 128), `n` (default 1),
-/// `temperature` (default 0: greedy), `top_p` (default 1) and `seed` (default: the line
-/// number).
+/// `temperature` (default 0: greedy), `top_p` (default 1), `top_k` (default 0: every token)
+/// and `seed` (default: the line number).
 pub fn parse_trace(text: &str) -> Result<Vec<RequestInput>, WorkloadError> {
     let mut requests = Vec::new();
     for (index, raw) in text.lines().enumerate() {
@@ -236,15 +215,17 @@ fn parse_trace_line(
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(bad("top_p", &fields["top_p"], "a number in (0, 1]"));
     }
+    let top_k = count("top_k", 0, "an integer >= 0")?.unwrap_or(0);
     let seed = count("seed", 0, "an integer >= 0")?.unwrap_or(line as u64);
     Ok(RequestInput {
         arrival,
         prompt,
         max_new_tokens: to_usize(max_new_tokens),
         n: to_usize(n),
-        sampling: Sampling {
+        sampling: SamplingParams {
             temperature: temperature as f32,
             top_p: top_p as f32,
+            top_k: to_usize(top_k),
             seed,
         },
     })
@@ -330,7 +311,7 @@ pub struct BuiltinParams {
     /// The most new tokens of any request (outputs drawn longer are cut to it).
     pub max_new_tokens: usize,
     /// Sampling of every request (its seed is offset by the request's index).
-    pub sampling: Sampling,
+    pub sampling: SamplingParams,
     /// The seed of the draw.
     pub seed: u64,
 }
@@ -338,7 +319,7 @@ pub struct BuiltinParams {
 impl Builtin {
     /// Draws the workload's requests (prompts as token ids).
     pub fn requests(self, p: &BuiltinParams) -> Vec<RequestInput> {
-        let mut rng = SplitMix64::new(p.seed ^ 0x5EED_0F_10AD);
+        let mut rng = SplitMix64::new(p.seed ^ 0x005E_ED0F_10AD);
         let mut clock = 0.0;
         let shared: Vec<u32> = match self {
             Builtin::SharedPrefix => tokens(&mut rng, p, (p.max_context / 4).clamp(16, 1024)),
@@ -379,7 +360,7 @@ impl Builtin {
                     prompt: Prompt::Tokens(prompt),
                     max_new_tokens: max_new.min(p.max_new_tokens).min(room),
                     n,
-                    sampling: Sampling {
+                    sampling: SamplingParams {
                         seed: p.sampling.seed.wrapping_add(1000 * i as u64),
                         ..p.sampling
                     },
@@ -423,9 +404,10 @@ mod tests {
         assert_eq!((r[1].arrival, r[1].n, r[1].max_new_tokens), (1.5, 2, 5));
         assert_eq!(
             r[1].sampling,
-            Sampling {
+            SamplingParams {
                 temperature: 0.7,
                 top_p: 0.9,
+                top_k: 0,
                 seed: 3
             }
         );
@@ -442,7 +424,7 @@ mod tests {
             ("{\"prompt\": \"a\", \"arrival\": -1}", "trace line 1: field `arrival` is -1, expected a number of seconds >= 0"),
             ("{\"max_new_tokens\": 3}", "trace line 1: field `prompt` is missing, expected one of `prompt`, `chat` or `tokens`"),
             ("{\"prompt\": \"a\", \"chat\": \"b\"}", "trace line 1: field `prompt` is given as prompt and chat, expected exactly one of `prompt`, `chat` or `tokens`"),
-            ("{\"prompt\": \"a\", \"max_tokens\": 3}", "trace line 1: unknown field `max_tokens` (known: arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, seed)"),
+            ("{\"prompt\": \"a\", \"max_tokens\": 3}", "trace line 1: unknown field `max_tokens` (known: arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, top_k, seed)"),
             ("[1]", "trace line 1: not a JSON object (the line holds an array)"),
             ("\n  \n", "the trace holds no request"),
         ];
@@ -465,7 +447,7 @@ mod tests {
             vocab: 500,
             max_context: 512,
             max_new_tokens: 300,
-            sampling: Sampling::default(),
+            sampling: SamplingParams::default(),
             seed: 9,
         };
         for w in [Builtin::Chat, Builtin::LongContext, Builtin::SharedPrefix] {
