@@ -152,7 +152,10 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<String, Error> {
         Some(v) => Some(match v.as_i64() {
             Some(n) => " ".repeat(usize::try_from(n).unwrap_or(0)),
             None => v.as_str().map(str::to_string).ok_or_else(|| {
-                Error::new(ErrorKind::InvalidOperation, "tojson: indent is not an integer or a string")
+                Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: indent is not an integer or a string",
+                )
             })?,
         }),
     };

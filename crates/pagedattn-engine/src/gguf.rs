@@ -49,7 +49,9 @@ pub enum GgufError {
         source: std::io::Error,
     },
     /// The file ends inside a field.
-    #[error("truncated GGUF file: {what} at byte {offset} needs {needed} bytes, the file has {len}")]
+    #[error(
+        "truncated GGUF file: {what} at byte {offset} needs {needed} bytes, the file has {len}"
+    )]
     Truncated {
         /// The field being read.
         what: String,
@@ -170,7 +172,9 @@ pub enum GgufError {
         code: u32,
     },
     /// A tensor whose rows are not a whole number of its type's blocks.
-    #[error("tensor {name:?}: row length {row_len} is not a multiple of {ty:?}'s block of {block_len}")]
+    #[error(
+        "tensor {name:?}: row length {row_len} is not a multiple of {ty:?}'s block of {block_len}"
+    )]
     RaggedRow {
         /// The tensor.
         name: String,
@@ -226,7 +230,9 @@ pub enum GgufError {
         what: String,
     },
     /// A model of another architecture than Llama.
-    #[error("unsupported architecture {0:?} (general.architecture): the engine runs \"llama\" models")]
+    #[error(
+        "unsupported architecture {0:?} (general.architecture): the engine runs \"llama\" models"
+    )]
     UnsupportedArchitecture(String),
 }
 
@@ -386,11 +392,48 @@ impl MetaArray {
 /// ggml's name of a `ggml_type` code, for the message of an unsupported type.
 pub fn ggml_type_name(code: u32) -> &'static str {
     const NAMES: [&str; 42] = [
-        "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K",
-        "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL",
-        "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "Q4_0_4_4",
-        "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4", "IQ4_NL_4_8", "IQ4_NL_8_8",
-        "MXFP4", "NVFP4", "Q1_0",
+        "F32",
+        "F16",
+        "Q4_0",
+        "Q4_1",
+        "Q4_2",
+        "Q4_3",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q8_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ4_NL",
+        "IQ3_S",
+        "IQ2_S",
+        "IQ4_XS",
+        "I8",
+        "I16",
+        "I32",
+        "I64",
+        "F64",
+        "IQ1_M",
+        "BF16",
+        "Q4_0_4_4",
+        "Q4_0_4_8",
+        "Q4_0_8_8",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ4_NL_4_4",
+        "IQ4_NL_4_8",
+        "IQ4_NL_8_8",
+        "MXFP4",
+        "NVFP4",
+        "Q1_0",
     ];
     usize::try_from(code)
         .ok()
@@ -568,15 +611,15 @@ impl Gguf {
             let offset = r.u64(|| format!("offset of tensor {name:?}"))?;
             raw.push((name, dims[..n_dims as usize].to_vec(), code, offset));
         }
-        let data_start = r
-            .pos
-            .checked_next_multiple_of(alignment)
-            .ok_or_else(|| GgufError::Truncated {
-                what: "data section".into(),
-                offset: r.pos,
-                needed: alignment as u64,
-                len: r.buf.len(),
-            })?;
+        let data_start =
+            r.pos
+                .checked_next_multiple_of(alignment)
+                .ok_or_else(|| GgufError::Truncated {
+                    what: "data section".into(),
+                    offset: r.pos,
+                    needed: alignment as u64,
+                    len: r.buf.len(),
+                })?;
         let len = r.buf.len();
 
         let mut tensors = Vec::new();
@@ -632,7 +675,8 @@ impl Gguf {
 
     /// The value of `key`, or [`GgufError::MissingKey`].
     pub fn value(&self, key: &str) -> Result<&MetaValue> {
-        self.get(key).ok_or_else(|| GgufError::MissingKey { key: key.into() })
+        self.get(key)
+            .ok_or_else(|| GgufError::MissingKey { key: key.into() })
     }
 
     /// The unsigned integer at `key` (stored as any integer type whose value fits a `u32`).
@@ -760,12 +804,19 @@ fn tensor_info(
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| overflow(&name, &dims))?;
-    let row_bytes = ty.row_bytes(udims[0]).ok_or_else(|| GgufError::RaggedRow {
-        name: name.clone(),
-        ty,
-        row_len: dims[0],
-        block_len: ty.block_len(),
-    })?;
+    if udims[0] % ty.block_len() != 0 {
+        return Err(GgufError::RaggedRow {
+            name,
+            ty,
+            row_len: dims[0],
+            block_len: ty.block_len(),
+        });
+    }
+    // Not `WeightType::row_bytes`: its product is unchecked, and a hostile row length
+    // overflows it.
+    let row_bytes = (udims[0] / ty.block_len())
+        .checked_mul(ty.block_bytes())
+        .ok_or_else(|| overflow(&name, &dims))?;
     let n_rows = n_elements.checked_div(udims[0]).unwrap_or(0);
     let bytes = row_bytes
         .checked_mul(n_rows)
@@ -1003,9 +1054,8 @@ impl<'a> Reader<'a> {
             5 => numbers!(I32, i32),
             6 => numbers!(F32, f32),
             7 => each!(Bool, |r: &mut Self| r.boolean(key)),
-            8 => each!(String, |r: &mut Self| r.string(|| format!(
-                "string in the array of metadata key {key:?}"
-            ))),
+            8 => each!(String, |r: &mut Self| r
+                .string(|| format!("string in the array of metadata key {key:?}"))),
             9 => each!(Array, |r: &mut Self| r.meta_array(key, depth + 1)),
             10 => numbers!(U64, u64),
             11 => numbers!(I64, i64),
@@ -1078,7 +1128,10 @@ impl LlamaConfig {
             }
         };
         let n_layers = positive("llama.block_count", usize_of("llama.block_count")?)?;
-        let hidden = positive("llama.embedding_length", usize_of("llama.embedding_length")?)?;
+        let hidden = positive(
+            "llama.embedding_length",
+            usize_of("llama.embedding_length")?,
+        )?;
         let ffn = positive(
             "llama.feed_forward_length",
             usize_of("llama.feed_forward_length")?,
@@ -1119,7 +1172,9 @@ impl LlamaConfig {
         if rope_dim == 0 || rope_dim % 2 != 0 || rope_dim > head_size {
             return Err(GgufError::BadValue {
                 key: rope_key.into(),
-                reason: format!("{rope_dim} is not an even size of at most the head size {head_size}"),
+                reason: format!(
+                    "{rope_dim} is not an even size of at most the head size {head_size}"
+                ),
             });
         }
         for key in ["llama.rope.scaling.type", "llama.rope.scaling.factor"] {

@@ -98,10 +98,12 @@ impl SpecialTokens {
             let Some(id) = g.opt_u32(key)? else {
                 return Ok(None);
             };
-            let text = tokens.get(id as usize).ok_or_else(|| TokenizerError::BadMetadata {
-                key,
-                reason: format!("id {id} is past the {} tokens", tokens.len()),
-            })?;
+            let text = tokens
+                .get(id as usize)
+                .ok_or_else(|| TokenizerError::BadMetadata {
+                    key,
+                    reason: format!("id {id} is past the {} tokens", tokens.len()),
+                })?;
             Ok(Some(SpecialToken {
                 id,
                 text: text.clone(),
@@ -173,12 +175,14 @@ impl Tokenizer {
         let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
         let merges = g.get_str_array("tokenizer.ggml.merges")?;
         let types = match g.get("tokenizer.ggml.token_type") {
-            Some(_) => Some(integers(g.get_array("tokenizer.ggml.token_type")?).ok_or_else(
-                || TokenizerError::BadMetadata {
-                    key: "tokenizer.ggml.token_type",
-                    reason: "is not an array of integers".into(),
-                },
-            )?),
+            Some(_) => Some(
+                integers(g.get_array("tokenizer.ggml.token_type")?).ok_or_else(|| {
+                    TokenizerError::BadMetadata {
+                        key: "tokenizer.ggml.token_type",
+                        reason: "is not an array of integers".into(),
+                    }
+                })?,
+            ),
             None => None,
         };
         if let Some(t) = &types {
@@ -231,9 +235,7 @@ impl Tokenizer {
 
         let mut inner = Inner::new(bpe);
         inner.with_pre_tokenizer(Some(
-            ByteLevel::default()
-                .add_prefix_space(false)
-                .use_regex(true),
+            ByteLevel::default().add_prefix_space(false).use_regex(true),
         ));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
 
