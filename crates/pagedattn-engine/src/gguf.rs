@@ -804,7 +804,7 @@ fn tensor_info(
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| overflow(&name, &dims))?;
-    if udims[0] % ty.block_len() != 0 {
+    if !udims[0].is_multiple_of(ty.block_len()) {
         return Err(GgufError::RaggedRow {
             name,
             ty,
@@ -821,7 +821,7 @@ fn tensor_info(
     let bytes = row_bytes
         .checked_mul(n_rows)
         .ok_or_else(|| overflow(&name, &dims))?;
-    if offset % alignment as u64 != 0 {
+    if !offset.is_multiple_of(alignment as u64) {
         return Err(GgufError::Misaligned {
             name,
             offset,
@@ -1145,7 +1145,7 @@ impl LlamaConfig {
             Some(_) => positive(kv_key, usize_of(kv_key)?)?,
             None => n_heads,
         };
-        if n_heads % n_kv_heads != 0 {
+        if !n_heads.is_multiple_of(n_kv_heads) {
             return Err(GgufError::BadValue {
                 key: kv_key.into(),
                 reason: format!("{n_kv_heads} does not divide the {n_heads} query heads"),
@@ -1156,7 +1156,7 @@ impl LlamaConfig {
                 "llama.attention.key_length",
                 usize_of("llama.attention.key_length")?,
             )?,
-            None if hidden % n_heads == 0 => hidden / n_heads,
+            None if hidden.is_multiple_of(n_heads) => hidden / n_heads,
             None => {
                 return Err(GgufError::BadValue {
                     key: "llama.attention.head_count".into(),
@@ -1169,7 +1169,7 @@ impl LlamaConfig {
             Some(_) => usize_of(rope_key)?,
             None => head_size,
         };
-        if rope_dim == 0 || rope_dim % 2 != 0 || rope_dim > head_size {
+        if rope_dim == 0 || !rope_dim.is_multiple_of(2) || rope_dim > head_size {
             return Err(GgufError::BadValue {
                 key: rope_key.into(),
                 reason: format!(
