@@ -391,7 +391,7 @@ impl MetaArray {
 
 /// ggml's name of a `ggml_type` code, for the message of an unsupported type.
 pub fn ggml_type_name(code: u32) -> &'static str {
-    const NAMES: [&str; 42] = [
+    const NAMES: [&str; 40] = [
         "F32",
         "F16",
         "Q4_0",
@@ -432,8 +432,6 @@ pub fn ggml_type_name(code: u32) -> &'static str {
         "IQ4_NL_4_8",
         "IQ4_NL_8_8",
         "MXFP4",
-        "NVFP4",
-        "Q1_0",
     ];
     usize::try_from(code)
         .ok()

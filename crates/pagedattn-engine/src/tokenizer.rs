@@ -11,7 +11,8 @@
 //! - pre-tokenizer `ByteLevel(add_prefix_space = false, use_regex = true)`: GPT-2's split
 //!   regex. transformers' table of per-`pre` regexes has no entry for `smollm` (nor `gpt2`), so
 //!   it keeps this default; llama.cpp's `smollm` additionally splits every digit apart first,
-//!   which on SmolLM2's vocabulary (no multi-digit tokens) gives the same ids;
+//!   which on SmolLM2's vocabulary (no token joins an ASCII digit to anything) gives the same ids
+//!   on ASCII digits;
 //! - decoder `ByteLevel`;
 //! - tokens typed control (3) and spelled in the byte alphabet become special added tokens,
 //!   matched whole in the text; tokens typed user-defined (4) become plain added tokens;
