@@ -1044,7 +1044,14 @@ impl<'a> Reader<'a> {
             }};
         }
         Ok(match code {
-            0 => MetaArray::U8(self.take(n as u64, what)?.to_vec()),
+            0 => {
+                let bytes = self.take(n as u64, what)?;
+                let mut v = Vec::new();
+                v.try_reserve_exact(n)
+                    .map_err(|_| GgufError::Alloc { what: what() })?;
+                v.extend_from_slice(bytes);
+                MetaArray::U8(v)
+            }
             1 => numbers!(I8, i8),
             2 => numbers!(U16, u16),
             3 => numbers!(I16, i16),
