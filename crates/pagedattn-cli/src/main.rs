@@ -1,9 +1,11 @@
-//! `pagedattn`: replay captured attention calls on any backend, and inspect the backends.
+//! `pagedattn`: the serving engine on a model, replayed attention calls on any backend, and
+//! the backends' capabilities and speed.
 
 #![warn(missing_docs)]
 
 mod bench;
 mod example;
+mod serve;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -32,19 +34,21 @@ enum Depth {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Runs one forward call, of the built-in workload (the example mixed batch: chunked
-    /// prefills over cached context, a fresh prompt and decodes, GQA, bf16) or of a replay
-    /// case, on a backend, and checks its output against the `reference` backend.
+    /// Serves a workload with the engine (default: the synthetic model, the `chat` workload,
+    /// a sampled fraction of the attention calls recomputed with `reference`), or, with
+    /// `--input`, runs one replayed forward call and checks it against `reference`.
     Run {
-        /// A replay case (safetensors) to run instead of the built-in workload.
-        #[arg(long)]
+        /// A replay case (safetensors): one forward call instead of the engine.
+        #[arg(long, conflicts_with = "engine")]
         input: Option<PathBuf>,
         /// Backend name, or `auto` for the best one available.
         #[arg(long, default_value = "auto")]
         backend: String,
-        /// Where to write `output` and the caches after the call, if anywhere.
-        #[arg(long)]
+        /// Where to write the replayed call's `output` and caches.
+        #[arg(long, requires = "input")]
         output: Option<PathBuf>,
+        #[command(flatten)]
+        engine: serve::ServeArgs,
     },
     /// Replays one captured forward call (docs/replay-format.md) and writes its results.
     Forward {
@@ -197,18 +201,12 @@ fn worst_difference(got: &[f32], want: &[f32], ulp: f32) -> f32 {
         })
 }
 
-/// `pagedattn run`: the case (or the built-in workload) on `backend`, checked against
-/// `reference`. Returns whether the output matched.
-fn run(input: Option<&Path>, backend: &str, output: Option<&Path>) -> Result<bool> {
-    let case = match input {
-        Some(path) => read_case(path)?,
-        None => example::mixed_batch(0),
-    };
+/// `pagedattn run --input CASE`: the case on `backend`, checked against `reference`.
+/// Returns whether the output matched.
+fn run(input: &Path, backend: &str, output: Option<&Path>) -> Result<bool> {
+    let case = read_case(input)?;
     let backend = registry::backend(backend)?;
-    let name_case = |e: Error| match input {
-        Some(path) => in_case(path, e),
-        None => e,
-    };
+    let name_case = |e: Error| in_case(input, e);
     let (result, ms) = run_timed(&case, backend.as_ref()).map_err(name_case)?;
     if let Some(path) = output {
         write(path, &replay::write_output(&result)?)?;
@@ -222,10 +220,7 @@ fn run(input: Option<&Path>, backend: &str, output: Option<&Path>) -> Result<boo
         ulp,
     );
     let matched = worst <= tol;
-    let workload = match input {
-        Some(path) => path.display().to_string(),
-        None => "built-in workload (the example mixed batch)".into(),
-    };
+    let workload = input.display().to_string();
     print_ignoring_closed_pipe(&format!(
         "{workload}\n{}\noutput vs reference: largest difference beyond one ulp {worst:.1e} of the output's largest magnitude (allowed {tol:.0e}): {}\n",
         describe(&case, backend.as_ref(), ms),
@@ -472,21 +467,28 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
-    let result = match cli.command {
+    let result: std::result::Result<(), String> = match cli.command {
         Command::Run {
-            input,
+            input: Some(input),
             backend,
             output,
-        } => match run(input.as_deref(), &backend, output.as_deref()) {
+            ..
+        } => match run(&input, &backend, output.as_deref()) {
             Ok(false) => return ExitCode::FAILURE,
-            other => other.map(|_| ()),
+            other => other.map(|_| ()).map_err(|e| e.to_string()),
         },
+        Command::Run {
+            input: None,
+            backend,
+            engine,
+            ..
+        } => serve::serve(&engine, &backend).map_err(|e| e.to_string()),
         Command::Forward {
             input,
             backend,
             output,
-        } => forward(&input, &backend, &output),
-        Command::Bench(args) => bench::run(&args),
+        } => forward(&input, &backend, &output).map_err(|e| e.to_string()),
+        Command::Bench(args) => bench::run(&args).map_err(|e| e.to_string()),
         Command::Info => {
             print_ignoring_closed_pipe(&info());
             Ok(())
@@ -502,16 +504,16 @@ fn main() -> ExitCode {
                 Depth::Full => pagedattn::cuda::CheckDepth::Full,
                 Depth::Representative => pagedattn::cuda::CheckDepth::Representative,
             };
-            compile_kernels(&archs, cache, only.as_deref(), depth)
+            compile_kernels(&archs, cache, only.as_deref(), depth).map_err(|e| e.to_string())
         }
-        Command::Example { output, seed } => {
-            replay::write_case(&example::mixed_batch(seed)).and_then(|bytes| write(&output, &bytes))
-        }
+        Command::Example { output, seed } => replay::write_case(&example::mixed_batch(seed))
+            .and_then(|bytes| write(&output, &bytes))
+            .map_err(|e| e.to_string()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let line = e.to_string().replace('\n', " ");
+            let line = e.replace('\n', " ");
             eprintln!("error: {line}");
             ExitCode::from(2)
         }

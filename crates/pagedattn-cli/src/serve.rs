@@ -8,15 +8,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pagedattn::{registry, Backend};
+use pagedattn_engine::blocks::BlockConfig;
+use pagedattn_engine::chat::{ChatMessage, ChatTemplate};
 use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::gguf::Gguf;
+use pagedattn_engine::llama::Llama;
 use pagedattn_engine::model::Model;
-use pagedattn_engine::scheduler::{Preemption, SchedulerConfig};
+use pagedattn_engine::ops::{Precision, SamplingParams};
+use pagedattn_engine::scheduler::{PreemptionPolicy, SchedulerConfig};
 use pagedattn_engine::synthetic::SyntheticConfig;
+use pagedattn_engine::tokenizer::Tokenizer;
 use pagedattn_engine::verify::VerifyMode;
-use pagedattn_engine::workload::{self, Builtin, BuiltinParams, Prompt, RequestInput, Sampling};
+use pagedattn_engine::workload::{self, Builtin, BuiltinParams, Prompt, RequestInput};
 
-/// The engine's options of `pagedattn run`.
+/// The engine's options of `pagedattn run` (none of them goes with `--input`).
 #[derive(clap::Args, Debug)]
+#[group(id = "engine", multiple = true)]
 pub struct ServeArgs {
     /// A Llama-architecture GGUF file (F32, F16, BF16, Q8_0, Q4_0 or Q4_1 weights; tokenizer
     /// and chat template from the file). Default: the synthetic model.
@@ -81,6 +88,10 @@ pub struct ServeArgs {
     /// Do not reuse the cached blocks of identical prompt prefixes.
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// How a GGUF model's projections multiply: `exact` (weights dequantized to f32, what
+    /// transformers computes) or `fast` (quantized weights, int8 activations).
+    #[arg(long, default_value = "exact")]
+    pub precision: String,
     /// Print the report as JSON (every request's generated tokens and text included).
     #[arg(long)]
     pub json: bool,
@@ -89,26 +100,36 @@ pub struct ServeArgs {
     pub plot: Option<PathBuf>,
 }
 
-/// A model and, for a GGUF file, its tokenizer.
-struct Loaded<'a> {
-    model: Box<dyn Model + 'a>,
-    tokenizer: Option<pagedattn_engine::tokenizer::Tokenizer>,
+/// A model and, for a GGUF file, its tokenizer and chat template.
+struct Loaded {
+    model: Box<dyn Model>,
+    text: Option<(Tokenizer, ChatTemplate)>,
 }
 
 /// Loads the model the options name.
-fn load(args: &ServeArgs) -> pagedattn_engine::Result<Loaded<'static>> {
+fn load(args: &ServeArgs) -> pagedattn_engine::Result<Loaded> {
     match &args.model {
         None => Ok(Loaded {
             model: Box::new(SyntheticConfig::default().build()?),
-            tokenizer: None,
+            text: None,
         }),
         Some(path) => {
-            let file = pagedattn_engine::gguf::GgufFile::open(path)?;
-            let model = pagedattn_engine::llama::Llama::from_gguf(&file, pagedattn_engine::ops::Precision::Exact)?;
-            let tokenizer = pagedattn_engine::tokenizer::Tokenizer::from_gguf(&file)?;
+            let file = Gguf::open(path)?;
+            let precision = match args.precision.as_str() {
+                "exact" => Precision::Exact,
+                "fast" => Precision::Fast,
+                other => {
+                    return Err(pagedattn_engine::Error::Model(format!(
+                        "--precision {other}: expected exact or fast"
+                    )))
+                }
+            };
             Ok(Loaded {
-                model: Box::new(model),
-                tokenizer: Some(tokenizer),
+                model: Box::new(Llama::from_gguf(&file, precision)?),
+                text: Some((
+                    Tokenizer::from_gguf(&file)?,
+                    ChatTemplate::from_gguf(&file)?,
+                )),
             })
         }
     }
@@ -116,10 +137,14 @@ fn load(args: &ServeArgs) -> pagedattn_engine::Result<Loaded<'static>> {
 
 /// The requests the options ask for: prompts and chat turns given on the command line, else
 /// the trace, else the built-in workload.
-fn requests(args: &ServeArgs, loaded: &Loaded<'_>) -> pagedattn_engine::Result<(String, Vec<RequestInput>)> {
-    let sampling = Sampling {
+fn requests(
+    args: &ServeArgs,
+    loaded: &Loaded,
+) -> pagedattn_engine::Result<(String, Vec<RequestInput>)> {
+    let sampling = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
+        top_k: 0,
         seed: args.seed,
     };
     let given: Vec<Prompt> = args
@@ -137,7 +162,10 @@ fn requests(args: &ServeArgs, loaded: &Loaded<'_>) -> pagedattn_engine::Result<(
                 prompt,
                 max_new_tokens: args.max_new_tokens,
                 n: 1,
-                sampling: Sampling { seed: args.seed + i as u64, ..sampling },
+                sampling: SamplingParams {
+                    seed: args.seed.wrapping_add(1000 * i as u64),
+                    ..sampling
+                },
             })
             .collect();
         return Ok(("prompts from the command line".into(), requests));
@@ -147,7 +175,10 @@ fn requests(args: &ServeArgs, loaded: &Loaded<'_>) -> pagedattn_engine::Result<(
             path: path.display().to_string(),
             source,
         })?;
-        return Ok((format!("trace {}", path.display()), workload::parse_trace(&text)?));
+        return Ok((
+            format!("trace {}", path.display()),
+            workload::parse_trace(&text)?,
+        ));
     }
     let builtin: Builtin = args.workload.parse()?;
     let model = &loaded.model;
@@ -165,17 +196,21 @@ fn requests(args: &ServeArgs, loaded: &Loaded<'_>) -> pagedattn_engine::Result<(
 }
 
 /// `pagedattn run` on the engine: serves the requests, prints the report (or JSON), writes the
-/// plot. Returns whether verification passed (a mismatch is an error before that).
+/// plot. A verification mismatch or a leaked block is an error.
 pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<()> {
     let backend: Box<dyn Backend> = registry::backend(backend_name)?;
     let loaded = load(args)?;
     let (workload_name, inputs) = requests(args, &loaded)?;
     let mut requests = Vec::with_capacity(inputs.len());
     for input in &inputs {
-        let prompt = match (&input.prompt, &loaded.tokenizer) {
+        let prompt = match (&input.prompt, &loaded.text) {
             (Prompt::Tokens(t), _) => t.clone(),
-            (Prompt::Text(text), Some(tok)) => tok.encode(text)?,
-            (Prompt::Chat(turn), Some(tok)) => tok.encode(&tok.chat(turn)?)?,
+            (Prompt::Text(text), Some((tok, _))) => tok.encode(text, true)?,
+            // The rendered template holds its special tokens already (transformers'
+            // `apply_chat_template` adds none either).
+            (Prompt::Chat(turn), Some((tok, chat))) => {
+                tok.encode(&chat.render(&[ChatMessage::new("user", turn.clone())], true)?, false)?
+            }
             (_, None) => {
                 return Err(pagedattn_engine::Error::Model(
                     "the synthetic model has no tokenizer: give token ids (a trace's `tokens`) or a GGUF model".into(),
@@ -188,6 +223,7 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<(
             max_new_tokens: input.max_new_tokens,
             n: input.n,
             sampling: input.sampling,
+            ignore_eos: false,
         });
     }
     let longest = requests
@@ -200,15 +236,29 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<(
         .map(|r| (r.prompt.len() + r.max_new_tokens).div_ceil(args.block_size) * r.n.max(1))
         .sum();
     let num_blocks = args.num_blocks.unwrap_or(all.max(longest));
+    let preemption = match args.preemption.as_str() {
+        "swap" => PreemptionPolicy::Swap,
+        "recompute" => PreemptionPolicy::Recompute,
+        "auto" => PreemptionPolicy::Auto,
+        other => {
+            return Err(pagedattn_engine::Error::Model(format!(
+                "--preemption {other}: expected swap, recompute or auto"
+            )))
+        }
+    };
     let config = EngineConfig {
-        block_size: args.block_size,
-        num_blocks,
-        num_swap_blocks: args.swap_blocks.unwrap_or(num_blocks),
         scheduler: SchedulerConfig {
             max_batched_tokens: args.max_batched_tokens,
             max_seqs: args.max_seqs,
-            preemption: args.preemption.parse::<Preemption>().map_err(|e| pagedattn_engine::Error::Model(e.to_string()))?,
-            prefix_caching: !args.no_prefix_caching,
+            preemption,
+            blocks: BlockConfig {
+                block_size: args.block_size,
+                num_device_blocks: num_blocks,
+                num_host_blocks: args.swap_blocks.unwrap_or(num_blocks),
+                prefix_caching: !args.no_prefix_caching,
+                sliding_window: None,
+                watermark_blocks: 1,
+            },
         },
         verify: if args.no_verify {
             VerifyMode::Off
@@ -246,9 +296,13 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<(
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    if let Some(tok) = &loaded.tokenizer {
+    if let Some((tok, _)) = &loaded.text {
         for r in &mut report.requests {
-            r.text = r.generated.iter().map(|g| tok.decode(g).unwrap_or_default()).collect();
+            r.text = r
+                .generated
+                .iter()
+                .map(|g| tok.decode(g, true))
+                .collect::<Result<_, _>>()?;
         }
     }
     if let Some(path) = &args.plot {
@@ -266,7 +320,10 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<(
                     Prompt::Text(t) | Prompt::Chat(t) => t.clone(),
                     Prompt::Tokens(t) => format!("{t:?}"),
                 };
-                println!("> {shown}\n{}\n", r.text.first().map(String::as_str).unwrap_or(""));
+                println!(
+                    "> {shown}\n{}\n",
+                    r.text.first().map(String::as_str).unwrap_or("")
+                );
             }
         }
         println!("{report}");

@@ -44,6 +44,8 @@ pub struct EngineRequest {
     pub n: usize,
     /// How tokens are drawn.
     pub sampling: SamplingParams,
+    /// Generate `max_new_tokens` even past the model's stop tokens (vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 /// The engine: a model, its backend, the caches, the scheduler.
@@ -225,7 +227,11 @@ impl<'a> Engine<'a> {
     fn admit(&mut self, id: RequestId, r: EngineRequest) -> usize {
         let spec = RequestSpec::new(id, r.prompt, r.max_new_tokens)
             .samples(r.n)
-            .stop_tokens(self.model.stop_tokens());
+            .stop_tokens(if r.ignore_eos {
+                Vec::new()
+            } else {
+                self.model.stop_tokens()
+            });
         match self.scheduler.add_request(spec) {
             Ok(()) => {
                 self.sampling.insert(id, r.sampling);
@@ -311,12 +317,33 @@ impl<'a> Engine<'a> {
                               out: &mut Tensor|
              -> Result<()> {
                 let t = Instant::now();
-                attention[layer].forward_into(
-                    &plan,
-                    workspace,
-                    Inputs::new(q).with_kv(k, v).with_cache(&mut caches[layer]),
-                    out,
-                )?;
+                let device = backend.device();
+                if q.device() == device && out.device() == device {
+                    attention[layer].forward_into(
+                        &plan,
+                        workspace,
+                        Inputs::new(q).with_kv(k, v).with_cache(&mut caches[layer]),
+                        out,
+                    )?;
+                } else {
+                    // A model computing on the host, attention on a GPU backend: the step's
+                    // tensors cross to the device and the output comes back.
+                    let (dq, dk, dv) = (
+                        q.to_device(device)?,
+                        k.to_device(device)?,
+                        v.to_device(device)?,
+                    );
+                    let mut dout = Tensor::zeros_on(device, out.dtype(), out.shape())?;
+                    attention[layer].forward_into(
+                        &plan,
+                        workspace,
+                        Inputs::new(&dq)
+                            .with_kv(&dk, &dv)
+                            .with_cache(&mut caches[layer]),
+                        &mut dout,
+                    )?;
+                    out.copy_from(&dout)?;
+                }
                 backend.synchronize()?;
                 attention_seconds += t.elapsed().as_secs_f64();
                 if verify_layers.contains(&layer) {

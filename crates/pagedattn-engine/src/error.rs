@@ -15,6 +15,15 @@ pub enum Error {
     /// reported as rejected).
     #[error(transparent)]
     Scheduler(#[from] crate::scheduler::SchedulerError),
+    /// A GGUF file the engine cannot read.
+    #[error(transparent)]
+    Gguf(#[from] crate::gguf::GgufError),
+    /// A tokenizer that cannot be built, or text or ids it cannot take.
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    /// A chat template that cannot be rendered.
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatError),
     /// A model operation refused its sizes or parameters.
     #[error(transparent)]
     Ops(#[from] crate::ops::OpsError),

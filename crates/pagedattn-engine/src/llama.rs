@@ -5,8 +5,9 @@
 
 use pagedattn::{AttentionConfig, DType, Device, Tensor};
 
+use crate::gguf::{Gguf, LlamaConfig, MetaArray};
 use crate::model::{Attend, Model, StepTokens};
-use crate::ops::{add_assign, rms_norm, swiglu, Embedding, Linear, Rope};
+use crate::ops::{add_assign, rms_norm, swiglu, Embedding, Linear, Precision, Rope, RopeStyle};
 use crate::{Error, Result};
 
 /// The shape of a Llama model.
@@ -129,6 +130,120 @@ impl Llama {
     pub fn shape(&self) -> &LlamaShape {
         &self.shape
     }
+
+    /// The model of a Llama-architecture GGUF file: configuration and weights from the file,
+    /// the projections multiplied at `precision`, attention in f32 (what transformers computes
+    /// on the dequantized weights). RoPE rotates adjacent pairs: llama.cpp's converter permutes
+    /// the q/k rows so that it does (see [`LlamaConfig`]).
+    pub fn from_gguf(file: &Gguf, precision: Precision) -> Result<Self> {
+        let c = LlamaConfig::from_gguf(file)?;
+        let linear = |name: &str, out: usize, inp: usize| -> Result<Linear> {
+            let t = file.tensor(name)?;
+            check_dims(name, t.info.dims(), &[inp, out])?;
+            Ok(Linear::from_gguf(
+                t.data,
+                t.info.weight_type(),
+                out,
+                inp,
+                precision,
+            )?)
+        };
+        let vector = |name: &str, len: usize| -> Result<Vec<f32>> {
+            let t = file.tensor(name)?;
+            check_dims(name, t.info.dims(), &[len])?;
+            let mut v = vec![0.0; len];
+            crate::ops::dequantize_row(t.info.weight_type(), t.data, &mut v)?;
+            Ok(v)
+        };
+        let (q, kv) = (c.n_heads * c.head_size, c.n_kv_heads * c.head_size);
+        let layers = (0..c.n_layers)
+            .map(|l| {
+                let name = |part: &str| format!("blk.{l}.{part}.weight");
+                Ok(LayerWeights {
+                    attn_norm: vector(&name("attn_norm"), c.hidden)?,
+                    wq: linear(&name("attn_q"), q, c.hidden)?,
+                    wk: linear(&name("attn_k"), kv, c.hidden)?,
+                    wv: linear(&name("attn_v"), kv, c.hidden)?,
+                    wo: linear(&name("attn_output"), c.hidden, q)?,
+                    ffn_norm: vector(&name("ffn_norm"), c.hidden)?,
+                    gate: linear(&name("ffn_gate"), c.ffn, c.hidden)?,
+                    up: linear(&name("ffn_up"), c.ffn, c.hidden)?,
+                    down: linear(&name("ffn_down"), c.hidden, c.ffn)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let table = file.tensor("token_embd.weight")?;
+        check_dims(
+            "token_embd.weight",
+            table.info.dims(),
+            &[c.hidden, c.vocab_size],
+        )?;
+        let embedding =
+            Embedding::from_gguf(table.data, table.info.weight_type(), c.vocab_size, c.hidden)?;
+        let head = if c.tied_embeddings {
+            embedding.to_linear(precision)?
+        } else {
+            linear("output.weight", c.vocab_size, c.hidden)?
+        };
+        let attention = AttentionConfig::builder(c.n_heads, c.head_size)
+            .num_kv_heads(c.n_kv_heads)
+            .build()?;
+        let rope = Rope::new(c.rope_dim, c.rope_freq_base, RopeStyle::Normal)?;
+        let stop_tokens = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
+            .into_iter()
+            .filter_map(|key| file.opt_u32(key).transpose())
+            .collect::<std::result::Result<Vec<u32>, _>>()?;
+        Llama::new(
+            LlamaShape {
+                name: file.opt_str("general.name")?.unwrap_or("llama").to_string(),
+                layers: c.n_layers,
+                hidden: c.hidden,
+                ffn: c.ffn,
+                heads: c.n_heads,
+                kv_heads: c.n_kv_heads,
+                head_size: c.head_size,
+                vocab: c.vocab_size,
+                rms_eps: c.rms_eps,
+                max_context: c.context_length,
+                stop_tokens,
+                first_plain_token: first_plain_token(file)?,
+            },
+            embedding,
+            layers,
+            vector("output_norm.weight", c.hidden)?,
+            head,
+            Some(rope),
+            vec![attention; c.n_layers],
+            DType::F32,
+        )
+    }
+}
+
+/// A GGUF tensor's dimensions, checked against the model's (GGUF order: the contiguous
+/// dimension first).
+fn check_dims(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::Model(format!(
+            "tensor {name} has dimensions {got:?}, expected {want:?} for the file's configuration"
+        )))
+    }
+}
+
+/// The first token id after the leading special tokens (type other than normal, 1, in
+/// `tokenizer.ggml.token_type`): workloads draw random prompts from there on.
+fn first_plain_token(file: &Gguf) -> Result<u32> {
+    let types: Vec<i64> = match file.get("tokenizer.ggml.token_type") {
+        Some(crate::gguf::MetaValue::Array(MetaArray::I32(t))) => {
+            t.iter().map(|&x| x.into()).collect()
+        }
+        Some(crate::gguf::MetaValue::Array(MetaArray::U32(t))) => {
+            t.iter().map(|&x| x.into()).collect()
+        }
+        _ => Vec::new(),
+    };
+    Ok(types.iter().take_while(|&&t| t != 1).count() as u32)
 }
 
 /// `dst` (a host tensor of `dtype`) filled from f32 values.

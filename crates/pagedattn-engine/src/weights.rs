@@ -68,9 +68,13 @@ impl WeightType {
         }
     }
 
-    /// Bytes of a row of `len` elements, or `None` when `len` is not a whole number of blocks.
+    /// Bytes of a row of `len` elements, or `None` when `len` is not a whole number of blocks
+    /// (or the size overflows).
     pub fn row_bytes(self, len: usize) -> Option<usize> {
-        len.is_multiple_of(self.block_len())
-            .then(|| len / self.block_len() * self.block_bytes())
+        if len.is_multiple_of(self.block_len()) {
+            (len / self.block_len()).checked_mul(self.block_bytes())
+        } else {
+            None
+        }
     }
 }

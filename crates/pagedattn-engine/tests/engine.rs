@@ -59,6 +59,7 @@ fn requests(
             max_new_tokens: r.max_new_tokens,
             n: r.n,
             sampling: r.sampling,
+            ignore_eos: false,
         })
         .collect()
 }

@@ -1,0 +1,104 @@
+//! SmolLM2-135M-Instruct (the Q4_1 GGUF) served by the engine: with f32 activations and
+//! weights dequantized as transformers dequantizes them, the greedy tokens of every prompt of
+//! tests/golden/smollm2.json (written by tools/golden-smollm2.py from transformers on the same
+//! file) are transformers' tokens, all prompts served in one batch.
+
+mod gguf_writer;
+
+use std::sync::atomic::AtomicBool;
+
+use pagedattn::registry;
+use pagedattn_engine::blocks::BlockConfig;
+use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::gguf::Gguf;
+use pagedattn_engine::llama::Llama;
+use pagedattn_engine::ops::{Precision, SamplingParams};
+use pagedattn_engine::scheduler::{PreemptionPolicy, SchedulerConfig};
+use pagedattn_engine::verify::VerifyMode;
+use serde_json::Value;
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an id list")
+        .iter()
+        .map(|x| x.as_u64().expect("an id") as u32)
+        .collect()
+}
+
+/// Serves every golden prompt on `backend` in one run (chunked prefill: 64 tokens a step)
+/// and compares each request's 32 greedy tokens with transformers'.
+fn greedy_tokens_match_on(backend: &str) {
+    let Some(path) = gguf_writer::model_path() else {
+        return;
+    };
+    let golden: Value =
+        serde_json::from_str(include_str!("golden/smollm2.json")).expect("the golden file parses");
+    let cases = golden["generation_cases"]
+        .as_array()
+        .expect("generation cases");
+    let file = Gguf::open(&path).expect("the SmolLM2 file reads");
+    let model = Llama::from_gguf(&file, Precision::Exact).expect("the model loads");
+    let backend = registry::backend(backend).expect("the backend starts");
+    let config = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_batched_tokens: 64,
+            max_seqs: 16,
+            preemption: PreemptionPolicy::Auto,
+            blocks: BlockConfig {
+                block_size: 16,
+                num_device_blocks: 256,
+                num_host_blocks: 0,
+                prefix_caching: true,
+                sliding_window: None,
+                watermark_blocks: 1,
+            },
+        },
+        verify: VerifyMode::Sampled(0.1),
+        seed: 0,
+    };
+    let requests = cases
+        .iter()
+        .map(|c| EngineRequest {
+            arrival: 0.0,
+            prompt: ids(&c["prompt_ids"]),
+            max_new_tokens: 32,
+            n: 1,
+            sampling: SamplingParams::default(),
+            // transformers generated past the end of the turn.
+            ignore_eos: true,
+        })
+        .collect();
+    let engine =
+        Engine::new(backend.as_ref(), Box::new(model), &config).expect("the engine starts");
+    let report = engine
+        .run(
+            "golden",
+            requests,
+            &AtomicBool::new(false),
+            &mut |_, _, _| {},
+        )
+        .expect("the run completes");
+    let mut failures = Vec::new();
+    for (case, got) in cases.iter().zip(&report.requests) {
+        let want = ids(&case["generated_ids"]);
+        if got.generated != [want.clone()] {
+            failures.push(format!(
+                "{}: got {:?}, transformers {want:?}",
+                case["name"], got.generated
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(report.verify.calls_checked > 0);
+}
+
+#[test]
+fn greedy_tokens_match_transformers_on_cpu() {
+    greedy_tokens_match_on("cpu");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
+fn greedy_tokens_match_transformers_on_cuda() {
+    greedy_tokens_match_on("cuda");
+}
