@@ -32,6 +32,8 @@ enum Depth {
     Representative,
 }
 
+// (Parsed once per process: the size of its largest variant does not matter.)
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Serves a workload with the engine (default: the synthetic model, the `chat` workload,

@@ -1,5 +1,6 @@
-//! `pagedattn run`: the built-in workload (or a replay case) on a backend, checked against
-//! `reference`.
+//! `pagedattn run`: the engine on the synthetic model (every attention call of a small chat
+//! workload recomputed with `reference`), its JSON report and its errors; and a replay case
+//! on a backend, checked against `reference`.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -28,16 +29,83 @@ fn assert_ok(out: &Output, backend: &str) {
     assert!(stdout.trim_end().ends_with(": ok"), "{stdout}");
 }
 
-#[test]
-fn built_in_workload_matches_reference_on_every_isa() {
-    assert_ok(
-        &pagedattn(&["run", "--backend", "reference"], None),
-        "reference",
+/// Exit code 0 and the engine's report on stdout: every request served, every attention call
+/// verified.
+fn assert_served(out: &Output, backend: &str) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout: {stdout} stderr: {stderr}"
     );
+    assert!(
+        stdout.contains(&format!(" on {backend}, workload chat")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("requests: 6 (0 rejected)"), "{stdout}");
+    let verified = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("verification: "))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let words: Vec<&str> = verified.split_whitespace().collect();
+    assert_eq!(words[0], words[2], "every call checked: {verified}");
+}
+
+#[test]
+fn the_engine_serves_verified_on_every_isa() {
+    let args = [
+        "run",
+        "--requests",
+        "6",
+        "--max-new-tokens",
+        "12",
+        "--verify",
+    ];
+    let with = |backend: &'static str| [&args[..], &["--backend", backend]].concat();
+    assert_served(&pagedattn(&with("reference"), None), "reference");
     for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
-        let out = pagedattn(&["run", "--backend", "cpu"], Some(isa));
-        assert_ok(&out, "cpu");
+        assert_served(&pagedattn(&with("cpu"), Some(isa)), "cpu");
     }
+}
+
+#[test]
+fn json_report_holds_every_request() {
+    let out = pagedattn(
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--requests",
+            "5",
+            "--max-new-tokens",
+            "7",
+            "--json",
+        ],
+        None,
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let requests = report["requests"].as_array().unwrap();
+    assert_eq!(requests.len(), 5);
+    for r in requests {
+        let generated = r["generated"][0].as_array().unwrap();
+        assert!(!generated.is_empty() && generated.len() <= 7, "{r}");
+    }
+    assert_eq!(
+        report["summary"]["generated_tokens"].as_u64(),
+        Some(
+            requests
+                .iter()
+                .map(|r| r["generated"][0].as_array().unwrap().len() as u64)
+                .sum()
+        )
+    );
 }
 
 #[test]
@@ -65,13 +133,47 @@ fn replay_case_runs_and_writes_output() {
 
 #[test]
 fn bad_input_is_one_line_and_exit_code_2() {
-    for args in [
-        &["run", "--input", "/nonexistent/case.safetensors"][..],
-        &["run", "--backend", "nope"][..],
+    let dir = std::env::temp_dir().join(format!("pagedattn-run-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"tokens\": [1, 2]}\n{\"tokens\": [1], \"n\": 0}\n",
+    )
+    .unwrap();
+    let not_gguf = dir.join("model.gguf");
+    std::fs::write(&not_gguf, b"GGUF\x03\x00\x00\x00").unwrap();
+    let (trace, not_gguf) = (trace.to_str().unwrap(), not_gguf.to_str().unwrap());
+    for (args, says) in [
+        (
+            &["run", "--input", "/nonexistent/case.safetensors"][..],
+            "/nonexistent/case.safetensors",
+        ),
+        (&["run", "--backend", "nope"][..], "nope"),
+        (
+            &["run", "--trace", trace][..],
+            "trace line 2: field `n` is 0",
+        ),
+        (&["run", "--model", not_gguf][..], "truncated"),
+        (
+            &["run", "--model", "/nonexistent/m.gguf"][..],
+            "/nonexistent/m.gguf",
+        ),
+        (
+            &["run", "--workload", "nope"][..],
+            "unknown workload `nope`",
+        ),
+        (
+            &["run", "--input", "case.safetensors", "--requests", "3"][..],
+            "--requests",
+        ),
+        (&["run", "--prompt", "hi"][..], "no tokenizer"),
     ] {
         let out = pagedattn(args, None);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -79,7 +79,7 @@ pub enum WorkloadError {
 
 /// The fields a trace line may have.
 const TRACE_FIELDS: &str =
-    "arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, seed";
+    "arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, top_k, seed";
 
 /// Parses a JSONL trace: one request per non-empty line, a JSON object with `arrival`
 /// (seconds, default 0), exactly one of `prompt` (text), `chat` (a user turn) or `tokens`
