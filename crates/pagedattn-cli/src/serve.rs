@@ -56,6 +56,10 @@ pub struct ServeArgs {
     /// Nucleus sampling's probability mass.
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// Generate `--max-new-tokens` tokens even past the model's end-of-turn token (fixed
+    /// lengths, for benchmarks).
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Seed of the workload's draw and of the sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -166,6 +170,7 @@ fn requests(
                     seed: args.seed.wrapping_add(1000 * i as u64),
                     ..sampling
                 },
+                ignore_eos: args.ignore_eos,
             })
             .collect();
         return Ok(("prompts from the command line".into(), requests));
@@ -190,6 +195,7 @@ fn requests(
         max_context: model.max_context(),
         max_new_tokens: args.max_new_tokens,
         sampling,
+        ignore_eos: args.ignore_eos,
         seed: args.seed,
     };
     Ok((builtin.to_string(), builtin.requests(&params)))
@@ -223,7 +229,7 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<(
             max_new_tokens: input.max_new_tokens,
             n: input.n,
             sampling: input.sampling,
-            ignore_eos: false,
+            ignore_eos: input.ignore_eos,
         });
     }
     let longest = requests

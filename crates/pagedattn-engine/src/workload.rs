@@ -34,6 +34,9 @@ pub struct RequestInput {
     /// How tokens are drawn (sample `i` of a request uses the random stream of its `seed +
     /// i`).
     pub sampling: SamplingParams,
+    /// Generate `max_new_tokens` even past the model's stop tokens (benchmarks of fixed
+    /// lengths; vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 /// A trace line or command-line value the engine cannot use.
@@ -79,13 +82,13 @@ pub enum WorkloadError {
 
 /// The fields a trace line may have.
 const TRACE_FIELDS: &str =
-    "arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, top_k, seed";
+    "arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, top_k, seed, ignore_eos";
 
 /// Parses a JSONL trace: one request per non-empty line, a JSON object with `arrival`
 /// (seconds, default 0), exactly one of `prompt` (text), `chat` (a user turn) or `tokens`
 /// (token ids), and optionally `max_new_tokens` (default 128), `n` (default 1),
 /// `temperature` (default 0: greedy), `top_p` (default 1), `top_k` (default 0: every token)
-/// and `seed` (default: the line number).
+/// `seed` (default: the line number) and `ignore_eos` (default false).
 pub fn parse_trace(text: &str) -> Result<Vec<RequestInput>, WorkloadError> {
     let mut requests = Vec::new();
     for (index, raw) in text.lines().enumerate() {
@@ -216,6 +219,11 @@ fn parse_trace_line(
         return Err(bad("top_p", &fields["top_p"], "a number in (0, 1]"));
     }
     let top_k = count("top_k", 0, "an integer >= 0")?.unwrap_or(0);
+    let ignore_eos = match fields.get("ignore_eos") {
+        None => false,
+        Some(serde_json::Value::Bool(b)) => *b,
+        Some(v) => return Err(bad("ignore_eos", v, "true or false")),
+    };
     let seed = count("seed", 0, "an integer >= 0")?.unwrap_or(line as u64);
     Ok(RequestInput {
         arrival,
@@ -228,6 +236,7 @@ fn parse_trace_line(
             top_k: to_usize(top_k),
             seed,
         },
+        ignore_eos,
     })
 }
 
@@ -310,6 +319,8 @@ pub struct BuiltinParams {
     pub max_context: usize,
     /// The most new tokens of any request (outputs drawn longer are cut to it).
     pub max_new_tokens: usize,
+    /// Whether every request generates all its tokens, past stop tokens.
+    pub ignore_eos: bool,
     /// Sampling of every request (its seed is offset by the request's index).
     pub sampling: SamplingParams,
     /// The seed of the draw.
@@ -364,6 +375,7 @@ impl Builtin {
                         seed: p.sampling.seed.wrapping_add(1000 * i as u64),
                         ..p.sampling
                     },
+                    ignore_eos: p.ignore_eos,
                 }
             })
             .collect()
@@ -424,7 +436,7 @@ mod tests {
             ("{\"prompt\": \"a\", \"arrival\": -1}", "trace line 1: field `arrival` is -1, expected a number of seconds >= 0"),
             ("{\"max_new_tokens\": 3}", "trace line 1: field `prompt` is missing, expected one of `prompt`, `chat` or `tokens`"),
             ("{\"prompt\": \"a\", \"chat\": \"b\"}", "trace line 1: field `prompt` is given as prompt and chat, expected exactly one of `prompt`, `chat` or `tokens`"),
-            ("{\"prompt\": \"a\", \"max_tokens\": 3}", "trace line 1: unknown field `max_tokens` (known: arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, top_k, seed)"),
+            ("{\"prompt\": \"a\", \"max_tokens\": 3}", "trace line 1: unknown field `max_tokens` (known: arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, top_k, seed, ignore_eos)"),
             ("[1]", "trace line 1: not a JSON object (the line holds an array)"),
             ("\n  \n", "the trace holds no request"),
         ];
@@ -448,6 +460,7 @@ mod tests {
             max_context: 512,
             max_new_tokens: 300,
             sampling: SamplingParams::default(),
+            ignore_eos: false,
             seed: 9,
         };
         for w in [Builtin::Chat, Builtin::LongContext, Builtin::SharedPrefix] {

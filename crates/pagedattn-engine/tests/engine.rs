@@ -45,6 +45,7 @@ fn requests(
         max_context: model.max_context(),
         max_new_tokens: max_new,
         sampling: SamplingParams::default(),
+        ignore_eos: false,
         seed: 7,
     };
     workload
@@ -59,7 +60,7 @@ fn requests(
             max_new_tokens: r.max_new_tokens,
             n: r.n,
             sampling: r.sampling,
-            ignore_eos: false,
+            ignore_eos: r.ignore_eos,
         })
         .collect()
 }
