@@ -14,7 +14,10 @@
 #                                  test waits for NVRTC), the cuda tests (test-cuda), the cuda
 #                                  attention tests against the reference (test-cuda_attention),
 #                                  the CUDA-graph test (test-cuda_graph), the replay cases
-#                                  through `pagedattn run --backend cuda`, the three binaries
+#                                  through `pagedattn run --backend cuda`, the engine's built-in
+#                                  workloads on cuda (verified) and SmolLM2's golden tokens
+#                                  (test-golden; the GGUF at PAGEDATTN_SMOLLM2, default
+#                                  models/, must be there), the three binaries
 #                                  under compute-sanitizer (memcheck, initcheck, racecheck); with
 #                                  `all`, every other test executable too (test-long_context's
 #                                  GPU tests among them).
@@ -70,7 +73,7 @@ EOF
         # Without `all`, the binaries `run` needs: every test executable together (~66 MB)
         # is more than the device tool carries (64 MiB with the working tree).
         case "$all:$name" in
-        all:* | *:test-cuda | *:test-cuda_attention | *:test-cuda_graph | *:pagedattn) ;;
+        all:* | *:test-cuda | *:test-cuda_attention | *:test-cuda_graph | *:test-golden | *:pagedattn) ;;
         *) continue ;;
         esac
         # Symbols stay (backtraces name functions); line tables go, to keep gpu-bin small
@@ -223,7 +226,35 @@ run() {
         record "replay cases" FAIL "$ok pass, $refused refused as unsupported, $failed failed"
     fi
 
-    local sanitizer tool part part_log summary found problems
+    # The engine on cuda: every built-in workload of the synthetic model with every attention
+    # call recomputed by `reference`, then SmolLM2's greedy tokens against transformers' (the
+    # GGUF at PAGEDATTN_SMOLLM2, default models/; its absence fails the part). The output
+    # joins info.log.
+    local workload served=0 refused=0 part_log
+    for workload in chat long-context shared-prefix; do
+        echo "==== pagedattn run --backend cuda --workload $workload --verify" >>"$log"
+        if timeout "$TIMEOUT" "$BIN/pagedattn" run --backend cuda --workload "$workload" \
+            --requests 8 --max-new-tokens 16 --verify >>"$log" 2>&1; then
+            served=$((served + 1))
+        else
+            refused=$((refused + 1))
+        fi
+    done
+    if [ "$refused" = 0 ]; then
+        record "engine workloads" PASS "$served workloads served on cuda, every attention call verified"
+    else
+        record "engine workloads" FAIL "$served served, $refused failed"
+    fi
+    part_log=$(mktemp)
+    PAGEDATTN_REQUIRE_MODEL=1 PAGEDATTN_SMOLLM2=${PAGEDATTN_SMOLLM2:-models/SmolLM2-135M-Instruct.Q4_1.gguf} \
+        timeout "$TIMEOUT" "$BIN/test-golden" --include-ignored >"$part_log" 2>&1
+    status=$?
+    verdict=$(test_verdict "$part_log" "$status")
+    record "SmolLM2 golden tokens" "${verdict%%|*}" "${verdict#*|}"
+    { echo "==== test-golden: exit status $status"; cat "$part_log"; } >>"$log"
+    rm -f "$part_log"
+
+    local sanitizer tool part summary found problems
     sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for tool in ${GPU_SUITE_SANITIZERS-memcheck initcheck racecheck}; do
         log="$out/$tool.log"
@@ -272,7 +303,7 @@ run() {
         : >"$out/other-tests.log"
         for exe in "$BIN"/test-*; do
             name=${exe#"$BIN"/}
-            case "$name" in test-cuda | test-cuda_attention | test-cuda_graph) continue ;; esac
+            case "$name" in test-cuda | test-cuda_attention | test-cuda_graph | test-golden) continue ;; esac
             timeout "$TIMEOUT" "$exe" --include-ignored >"$log" 2>&1
             status=$?
             verdict=$(test_verdict "$log" "$status")
