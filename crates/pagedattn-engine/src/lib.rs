@@ -17,6 +17,7 @@
 pub mod batch;
 pub mod blocks;
 pub mod chat;
+pub mod encdec;
 pub mod engine;
 pub mod error;
 pub mod gguf;

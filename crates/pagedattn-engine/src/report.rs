@@ -16,6 +16,10 @@ pub struct RequestRecord {
     pub arrival: f64,
     /// Its prompt's tokens.
     pub prompt_tokens: usize,
+    /// Its encoder prompt's tokens (encoder-decoder models).
+    pub encoder_prompt_tokens: usize,
+    /// An encoder-only request's output: the pooled final state (of its first token).
+    pub pooled: Option<Vec<f32>>,
     /// Seconds from the run's start to its first generated token.
     pub first_token: Option<f64>,
     /// Seconds from the run's start to its last generated token.
