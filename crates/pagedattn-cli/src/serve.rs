@@ -13,7 +13,7 @@ use pagedattn_engine::chat::{ChatMessage, ChatTemplate};
 use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
 use pagedattn_engine::gguf::Gguf;
 use pagedattn_engine::llama::Llama;
-use pagedattn_engine::model::Model;
+use pagedattn_engine::model::{Model, ModelKind};
 use pagedattn_engine::ops::{Precision, SamplingParams};
 use pagedattn_engine::scheduler::{PreemptionPolicy, SchedulerConfig};
 use pagedattn_engine::synthetic::SyntheticConfig;
@@ -38,7 +38,8 @@ pub struct ServeArgs {
     /// A JSONL trace of requests (docs/engine.md); replaces the workload.
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// The built-in workload: chat, long-context or shared-prefix.
+    /// The built-in workload: chat, long-context, shared-prefix, or (on the synthetic
+    /// model's encoder-only and encoder-decoder shapes) encoder, encoder-decoder.
     #[arg(long, default_value = "chat")]
     pub workload: String,
     /// Requests of the built-in workload.
@@ -111,13 +112,36 @@ struct Loaded {
     text: Option<(Tokenizer, ChatTemplate)>,
 }
 
-/// Loads the model the options name.
+/// The built-in workload in effect (none when prompts, chat turns or a trace replace it).
+fn builtin(args: &ServeArgs) -> pagedattn_engine::Result<Option<Builtin>> {
+    if !args.prompt.is_empty() || !args.chat.is_empty() || args.trace.is_some() {
+        return Ok(None);
+    }
+    Ok(Some(args.workload.parse()?))
+}
+
+/// Loads the model the options name: a GGUF file, or the synthetic model of the kind the
+/// workload needs.
 fn load(args: &ServeArgs) -> pagedattn_engine::Result<Loaded> {
+    let kind = builtin(args)?.map_or(ModelKind::Decoder, Builtin::model_kind);
     match &args.model {
         None => Ok(Loaded {
-            model: Box::new(SyntheticConfig::default().build()?),
+            model: match kind {
+                ModelKind::Decoder => SyntheticConfig::default(),
+                ModelKind::EncoderOnly => SyntheticConfig::encoder_only(),
+                ModelKind::EncoderDecoder => SyntheticConfig::encoder_decoder(),
+            }
+            .build_model()?,
             text: None,
         }),
+        Some(_) if kind != ModelKind::Decoder => Err(pagedattn_engine::Error::Model(format!(
+            "--workload {} needs an {} model, which only the synthetic model has (leave out --model)",
+            args.workload,
+            match kind {
+                ModelKind::EncoderOnly => "encoder-only",
+                _ => "encoder-decoder",
+            }
+        ))),
         Some(path) => {
             let file = Gguf::open(path)?;
             let precision = match args.precision.as_str() {
@@ -165,6 +189,7 @@ fn requests(
             .map(|(i, prompt)| RequestInput {
                 arrival: 0.0,
                 prompt,
+                encoder_prompt: None,
                 max_new_tokens: args.max_new_tokens,
                 n: 1,
                 sampling: SamplingParams {
@@ -186,7 +211,7 @@ fn requests(
             workload::parse_trace(&text)?,
         ));
     }
-    let builtin: Builtin = args.workload.parse()?;
+    let builtin = builtin(args)?.unwrap_or(Builtin::Chat);
     let model = &loaded.model;
     let params = BuiltinParams {
         requests: args.requests,
@@ -209,8 +234,8 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<(
     let loaded = load(args)?;
     let (workload_name, inputs) = requests(args, &loaded)?;
     let mut requests = Vec::with_capacity(inputs.len());
-    for input in &inputs {
-        let prompt = match (&input.prompt, &loaded.text) {
+    let ids = |prompt: &Prompt| -> pagedattn_engine::Result<Vec<u32>> {
+        Ok(match (prompt, &loaded.text) {
             (Prompt::Tokens(t), _) => t.clone(),
             (Prompt::Text(text), Some((tok, _))) => tok.encode(text, true)?,
             // The rendered template holds its special tokens already (transformers'
@@ -223,25 +248,28 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<(
                     "the synthetic model has no tokenizer: give token ids (a trace's `tokens`) or a GGUF model".into(),
                 ))
             }
-        };
+        })
+    };
+    for input in &inputs {
         requests.push(EngineRequest {
             arrival: input.arrival,
-            prompt,
+            prompt: ids(&input.prompt)?,
+            encoder_prompt: input.encoder_prompt.as_ref().map(&ids).transpose()?,
             max_new_tokens: input.max_new_tokens,
             n: input.n,
             sampling: input.sampling,
             ignore_eos: input.ignore_eos,
         });
     }
-    let longest = requests
-        .iter()
-        .map(|r| (r.prompt.len() + r.max_new_tokens).div_ceil(args.block_size) * r.n.max(1))
-        .max()
-        .unwrap_or(1);
-    let all: usize = requests
-        .iter()
-        .map(|r| (r.prompt.len() + r.max_new_tokens).div_ceil(args.block_size) * r.n.max(1))
-        .sum();
+    // Each request's blocks: every sample's, and its encoder's cross blocks.
+    let blocks = |r: &EngineRequest| {
+        (r.prompt.len() + r.max_new_tokens).div_ceil(args.block_size) * r.n.max(1)
+            + r.encoder_prompt
+                .as_ref()
+                .map_or(0, |e| e.len().div_ceil(args.block_size))
+    };
+    let longest = requests.iter().map(blocks).max().unwrap_or(1);
+    let all: usize = requests.iter().map(blocks).sum();
     let num_blocks = args.num_blocks.unwrap_or(all.max(longest));
     let preemption = match args.preemption.as_str() {
         "swap" => PreemptionPolicy::Swap,

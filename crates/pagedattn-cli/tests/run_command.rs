@@ -70,6 +70,47 @@ fn the_engine_serves_verified_on_every_isa() {
 }
 
 #[test]
+fn the_encoder_workloads_serve_verified_on_cpu_and_reference() {
+    for backend in ["cpu", "reference"] {
+        for (workload, says) in [
+            ("encoder", "pooled outputs: 4 (encoder-only requests)"),
+            ("encoder-decoder", "encoder prompt tokens "),
+        ] {
+            let out = pagedattn(
+                &[
+                    "run",
+                    "--backend",
+                    backend,
+                    "--workload",
+                    workload,
+                    "--requests",
+                    "4",
+                    "--max-new-tokens",
+                    "8",
+                    "--verify",
+                ],
+                None,
+            );
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(0), "{stdout} {stderr}");
+            assert!(
+                stdout.contains(&format!(" on {backend}, workload {workload}")),
+                "{stdout}"
+            );
+            assert!(stdout.contains("requests: 4 (0 rejected)"), "{stdout}");
+            assert!(stdout.contains(says), "{stdout}");
+            let verified = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix("verification: "))
+                .unwrap_or_else(|| panic!("{stdout}"));
+            let words: Vec<&str> = verified.split_whitespace().collect();
+            assert_eq!(words[0], words[2], "every call checked: {verified}");
+        }
+    }
+}
+
+#[test]
 fn json_report_holds_every_request() {
     let out = pagedattn(
         &[
@@ -162,6 +203,14 @@ fn bad_input_is_one_line_and_exit_code_2() {
         (
             &["run", "--workload", "nope"][..],
             "unknown workload `nope`",
+        ),
+        (
+            &["run", "--workload", "encoder", "--model", not_gguf][..],
+            "--workload encoder needs an encoder-only model, which only the synthetic model has (leave out --model)",
+        ),
+        (
+            &["run", "--workload", "encoder-decoder", "--model", not_gguf][..],
+            "needs an encoder-decoder model",
         ),
         (
             &["run", "--input", "case.safetensors", "--requests", "3"][..],

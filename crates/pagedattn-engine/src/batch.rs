@@ -51,4 +51,25 @@ pub struct ScheduledSeq {
     /// Whether this is a decode (one new token after the sequence's computed tokens) rather
     /// than a prompt chunk; decodes come after every prompt chunk.
     pub is_decode: bool,
+    /// The encoder side of an encoder-decoder request's sequence: what its cross-attention
+    /// reads (`None` for other requests).
+    pub cross: Option<CrossSeq>,
+    /// Whether this is an encoder-only request's whole prompt, attended bidirectionally
+    /// without a cache (`block_table` empty, `cached` and `num_samples` 0): its output is
+    /// pooled, not sampled, and the request finishes with this step.
+    pub encoder_only: bool,
+}
+
+/// The encoder side of a scheduled sequence of an encoder-decoder request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CrossSeq {
+    /// Its encoder prompt's length: the tokens of the cross cache.
+    pub len: usize,
+    /// The request's cross-cache block table (covering `len` tokens), shared by its samples.
+    pub block_table: Vec<BlockId>,
+    /// The encoder prompt when this step runs the encoder and writes the cross keys and
+    /// values (the request's first decoder step, once per request and admission: the first
+    /// of its sequences scheduled in that step); `None` when they are read from the cross
+    /// cache.
+    pub encoder_tokens: Option<Vec<u32>>,
 }

@@ -1,22 +1,34 @@
 //! The serving loop: requests arrive, the scheduler picks each step's work, the engine moves
-//! blocks (swap, copy-on-write), builds the step's metadata, plans it once, runs the model
-//! (every layer's attention through `forward_into` on the plan), samples, and records.
+//! blocks (swap, copy-on-write), builds the step's metadata, plans it once per attention type,
+//! runs the model (every attention through `forward_into` on its plan), samples (or, for an
+//! encoder-only model, records the pooled states), and records.
+//!
+//! Caches: each `decoder` attention has a paged cache, each `encoder_decoder` attention a
+//! cross cache; a block id names the same block in every one of them (vLLM's single pool), a
+//! decoder sequence's blocks being used in the self caches and an encoder's cross blocks in
+//! the cross caches. A cross-attention call first writes the encoder keys and values of the
+//! sequences at their first decoder step (`write_kv` through `cross_slot_mapping`), then
+//! attends for every sequence of the step with key and value absent, reading the cross cache
+//! through `cross_block_tables` and `encoder_seq_lens`: one call serves a batch that mixes
+//! first steps and later ones.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use pagedattn::{
-    AttentionImpl, Backend, Inputs, KvCache, KvCacheSpec, MetadataBuilder, Plan, SequenceDesc,
-    Tensor, Workspace,
+    AttentionConfig, AttentionImpl, AttnType, Backend, Device, Inputs, KvCache, KvCacheSpec,
+    MetadataBuilder, Plan, SequenceDesc, Tensor, Workspace,
 };
 
 use crate::batch::{RequestId, StepBatch};
-use crate::model::{Model, StepTokens};
+use crate::model::{Model, ModelKind, StepTokens};
 use crate::ops::{Sampler, SamplingParams};
 use crate::report::{CacheCounts, Report, RequestRecord, StepRecord};
-use crate::scheduler::{RequestSpec, Sampled, Scheduler, SchedulerConfig, StepEvent};
-use crate::verify::{CheckedSeq, Verifier, VerifyMode};
+use crate::scheduler::{
+    RequestSpec, Sampled, Scheduler, SchedulerConfig, SchedulerError, StepEvent,
+};
+use crate::verify::{CheckedCall, CheckedCross, CheckedSeq, Verifier, VerifyMode};
 use crate::{Error, Result};
 
 /// How the engine is set up.
@@ -36,9 +48,12 @@ pub struct EngineConfig {
 pub struct EngineRequest {
     /// Seconds after the run's start at which it arrives.
     pub arrival: f64,
-    /// The prompt's token ids.
+    /// The prompt's token ids (the decoder's prompt of an encoder-decoder model; the tokens
+    /// to encode for an encoder-only model).
     pub prompt: Vec<u32>,
-    /// The most tokens to generate per sample.
+    /// The encoder's prompt: given for an encoder-decoder model, and only for one.
+    pub encoder_prompt: Option<Vec<u32>>,
+    /// The most tokens to generate per sample (an encoder-only model generates none).
     pub max_new_tokens: usize,
     /// Samples (parallel sampling).
     pub n: usize,
@@ -53,9 +68,15 @@ pub struct Engine<'a> {
     backend: &'a dyn Backend,
     model: Box<dyn Model + 'a>,
     attention: Vec<Box<dyn AttentionImpl>>,
-    spec: KvCacheSpec,
+    /// Each attention's config.
+    layers: Vec<AttentionConfig>,
+    /// Each attention's cache's index in `caches` (`None`: it runs without one).
+    cache_of: Vec<Option<usize>>,
+    /// The caches (every `decoder` and `encoder_decoder` attention's, in layer order).
     caches: Vec<KvCache>,
     swaps: Vec<KvCache>,
+    block_size: usize,
+    num_blocks: usize,
     workspace: Workspace,
     scheduler: Scheduler,
     verifier: Verifier,
@@ -72,7 +93,90 @@ struct StepBuffers {
     tokens: Vec<u32>,
     positions: Vec<usize>,
     logit_rows: Vec<usize>,
+    encoder_tokens: Vec<u32>,
+    encoder_positions: Vec<usize>,
     logits: Vec<f32>,
+}
+
+/// A step's plans, one per attention type the model has (a type without one this step is
+/// not called).
+#[derive(Default)]
+struct StepPlans {
+    /// Decoder self-attention over the paged caches.
+    decoder: Option<Plan>,
+    /// Encoder (or encoder-only) attention, without a cache.
+    dense: Option<Plan>,
+    /// Cross-attention of every sequence, reading the cross caches.
+    cross_read: Option<Plan>,
+    /// The cross-cache write of the sequences at their first decoder step.
+    cross_write: Option<Plan>,
+}
+
+/// `t` moved to `device`, or `None` where it is there already.
+fn moved(t: &Tensor, device: Device) -> Result<Option<Tensor>> {
+    Ok(if t.device() == device {
+        None
+    } else {
+        Some(t.to_device(device)?)
+    })
+}
+
+/// One attention call on `backend`: a model computing on the host with a GPU backend has its
+/// tensors moved to the device and the output moved back.
+#[allow(clippy::too_many_arguments)]
+fn run_attention(
+    backend: &dyn Backend,
+    attention: &dyn AttentionImpl,
+    plan: &Plan,
+    workspace: &mut Workspace,
+    query: &Tensor,
+    kv: Option<(&Tensor, &Tensor)>,
+    cache: Option<&mut KvCache>,
+    output: &mut Tensor,
+) -> Result<()> {
+    let device = backend.device();
+    let q_moved = moved(query, device)?;
+    let query = q_moved.as_ref().unwrap_or(query);
+    let kv_moved = match kv {
+        Some((k, v)) => Some((moved(k, device)?, moved(v, device)?)),
+        None => None,
+    };
+    let kv = kv
+        .zip(kv_moved.as_ref())
+        .map(|((k, v), (mk, mv))| (mk.as_ref().unwrap_or(k), mv.as_ref().unwrap_or(v)));
+    let inputs = Inputs::new(query).with_cache_opt(cache);
+    let inputs = match kv {
+        Some((k, v)) => inputs.with_kv(k, v),
+        None => inputs,
+    };
+    if output.device() == device {
+        attention.forward_into(plan, workspace, inputs, output)?;
+    } else {
+        let mut out = Tensor::zeros_on(device, output.dtype(), output.shape())?;
+        attention.forward_into(plan, workspace, inputs, &mut out)?;
+        output.copy_from(&out)?;
+    }
+    Ok(())
+}
+
+/// `write_kv` of `key`/`value` into `cache` on `backend` (moved to its device if needed).
+fn write_kv(
+    backend: &dyn Backend,
+    attention: &dyn AttentionImpl,
+    plan: &Plan,
+    key: &Tensor,
+    value: &Tensor,
+    cache: &mut KvCache,
+) -> Result<()> {
+    let device = backend.device();
+    let (mk, mv) = (moved(key, device)?, moved(value, device)?);
+    attention.write_kv(
+        plan,
+        mk.as_ref().unwrap_or(key),
+        mv.as_ref().unwrap_or(value),
+        cache,
+    )?;
+    Ok(())
 }
 
 impl<'a> Engine<'a> {
@@ -84,34 +188,45 @@ impl<'a> Engine<'a> {
         config: &EngineConfig,
     ) -> Result<Self> {
         let layers = model.layers().to_vec();
-        let first = layers
-            .first()
-            .ok_or_else(|| Error::Model("the model has no layer".into()))?;
+        if layers.is_empty() {
+            return Err(Error::Model("the model has no layer".into()));
+        }
         let pools = &config.scheduler.blocks;
-        let spec = first.kv_cache_spec(model.dtype(), pools.num_device_blocks, pools.block_size);
         let attention = layers
             .iter()
             .map(|c| backend.attention(c))
             .collect::<pagedattn::Result<Vec<_>>>()?;
-        let caches = layers
-            .iter()
-            .map(|c| {
-                backend.allocate_kv_cache(&c.kv_cache_spec(
-                    model.dtype(),
-                    pools.num_device_blocks,
-                    pools.block_size,
-                ))
-            })
-            .collect::<pagedattn::Result<Vec<_>>>()?;
+        let mut cache_of = Vec::with_capacity(layers.len());
+        let mut caches = Vec::new();
+        for c in &layers {
+            cache_of.push(if c.attn_type().uses_cache() {
+                let spec =
+                    c.kv_cache_spec(model.dtype(), pools.num_device_blocks, pools.block_size);
+                caches.push(backend.allocate_kv_cache(&spec)?);
+                Some(caches.len() - 1)
+            } else {
+                None
+            });
+        }
         let swaps = caches
             .iter()
             .map(|c| backend.allocate_swap_space(c.spec(), pools.num_host_blocks))
             .collect::<pagedattn::Result<Vec<_>>>()?;
-        // Blocks that left the window are released only where every layer has that window.
         let mut scheduler_config = config.scheduler.clone();
-        let window = first.sliding_window();
+        // Blocks that left the window are released only where every decoder self-attention
+        // has that window (cross blocks never are).
+        let decoders: Vec<&AttentionConfig> = layers
+            .iter()
+            .filter(|c| c.attn_type() == AttnType::Decoder)
+            .collect();
+        let window = decoders.first().and_then(|c| c.sliding_window());
         scheduler_config.blocks.sliding_window =
-            window.filter(|_| layers.iter().all(|c| c.sliding_window() == window));
+            window.filter(|_| decoders.iter().all(|c| c.sliding_window() == window));
+        // An encoder-decoder model's decoder keys depend on the encoder's output, which the
+        // prefix hash does not cover (vLLM turns prefix caching off for these models too).
+        if model.kind() == ModelKind::EncoderDecoder {
+            scheduler_config.blocks.prefix_caching = false;
+        }
         let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {
             backend,
@@ -122,9 +237,12 @@ impl<'a> Engine<'a> {
             },
             model,
             attention,
-            spec,
+            layers,
+            cache_of,
             caches,
             swaps,
+            block_size: pools.block_size,
+            num_blocks: pools.num_device_blocks,
             workspace: Workspace::empty(backend.device()),
             scheduler,
             verifier: Verifier::new(config.verify, config.seed)?,
@@ -154,6 +272,7 @@ impl<'a> Engine<'a> {
                 id: i as RequestId,
                 arrival: r.arrival,
                 prompt_tokens: r.prompt.len(),
+                encoder_prompt_tokens: r.encoder_prompt.as_ref().map_or(0, Vec::len),
                 ..RequestRecord::default()
             })
             .collect();
@@ -222,17 +341,38 @@ impl<'a> Engine<'a> {
         Ok(self.report)
     }
 
-    /// Hands a request to the scheduler (a request that can never fit is recorded as
-    /// rejected, with the reason).
+    /// Hands a request to the scheduler (a request that can never fit, or that does not fit
+    /// the model's kind, is recorded as rejected, with the reason).
     fn admit(&mut self, id: RequestId, r: EngineRequest) -> usize {
-        let spec = RequestSpec::new(id, r.prompt, r.max_new_tokens)
-            .samples(r.n)
-            .stop_tokens(if r.ignore_eos {
-                Vec::new()
-            } else {
-                self.model.stop_tokens()
-            });
-        match self.scheduler.add_request(spec) {
+        let kind = self.model.kind();
+        let spec = match (kind, r.encoder_prompt) {
+            (ModelKind::EncoderOnly, None) => Ok(RequestSpec::encode(id, r.prompt)),
+            (ModelKind::EncoderDecoder, Some(encoder)) => {
+                Ok(RequestSpec::new(id, r.prompt, r.max_new_tokens).encoder_prompt(encoder))
+            }
+            (ModelKind::Decoder, None) => Ok(RequestSpec::new(id, r.prompt, r.max_new_tokens)),
+            (_, encoder) => Err(SchedulerError::Rejected {
+                request: id,
+                field: "encoder_prompt".into(),
+                value: encoder.map_or("none".into(), |e| format!("{} tokens", e.len())),
+                expected: match kind {
+                    ModelKind::EncoderDecoder => {
+                        "the encoder's tokens (the model is encoder-decoder)"
+                    }
+                    _ => "none (only an encoder-decoder model takes one)",
+                }
+                .into(),
+            }),
+        };
+        let added = spec.and_then(|spec| {
+            self.scheduler
+                .add_request(spec.samples(r.n).stop_tokens(if r.ignore_eos {
+                    Vec::new()
+                } else {
+                    self.model.stop_tokens()
+                }))
+        });
+        match added {
             Ok(()) => {
                 self.sampling.insert(id, r.sampling);
                 0
@@ -263,32 +403,46 @@ impl<'a> Engine<'a> {
         if !batch.copies.is_empty() {
             self.backend.copy_blocks(&mut self.caches, &batch.copies)?;
         }
+        if batch.seqs.is_empty() {
+            // A step that only swapped out: the scheduler still closes it.
+            return Ok(self.scheduler.finish_step(&[])?);
+        }
         buf.tokens.clear();
         buf.positions.clear();
         buf.logit_rows.clear();
-        let mut builder = MetadataBuilder::for_cache(&self.spec);
+        buf.encoder_tokens.clear();
+        buf.encoder_positions.clear();
         let (mut prefill, mut decode) = (0, 0);
+        // Each sequence's self-attention description (also the query side of its
+        // cross-attention), and the step's encoder runs.
+        let mut descs = Vec::with_capacity(batch.seqs.len());
+        let mut dense_lens = Vec::new();
         for s in &batch.seqs {
-            builder.push(if s.is_decode {
+            let first_row = buf.tokens.len();
+            buf.tokens.extend_from_slice(&s.tokens);
+            buf.positions.extend(s.cached..s.cached + s.tokens.len());
+            if s.encoder_only {
+                // Its pooled state is its first token's (BERT's [CLS]).
+                buf.logit_rows.push(first_row);
+                dense_lens.push(s.tokens.len());
+            } else if s.num_samples > 0 {
+                buf.logit_rows.push(buf.tokens.len() - 1);
+            }
+            if let Some(encoder) = s.cross.as_ref().and_then(|c| c.encoder_tokens.as_ref()) {
+                buf.encoder_tokens.extend_from_slice(encoder);
+                buf.encoder_positions.extend(0..encoder.len());
+                dense_lens.push(encoder.len());
+                prefill += encoder.len();
+            }
+            descs.push(if s.is_decode {
                 decode += 1;
                 SequenceDesc::decode(s.cached, &s.block_table)
             } else {
                 prefill += s.tokens.len();
                 SequenceDesc::prompt(s.cached, s.tokens.len(), &s.block_table)
             });
-            buf.tokens.extend_from_slice(&s.tokens);
-            buf.positions.extend(s.cached..s.cached + s.tokens.len());
-            if s.num_samples > 0 {
-                buf.logit_rows.push(buf.tokens.len() - 1);
-            }
         }
-        if batch.seqs.is_empty() {
-            // A step that only swapped out: the scheduler still closes it.
-            return Ok(self.scheduler.finish_step(&[])?);
-        }
-        let metadata = builder.build()?;
-        let plan: Plan = self.attention[0].plan(&metadata, Some(&self.spec))?;
-        self.workspace.reserve(&plan)?;
+        let plans = self.plan(batch, &descs, &dense_lens)?;
         let checked: Vec<CheckedSeq<'_>> = batch
             .seqs
             .iter()
@@ -298,61 +452,116 @@ impl<'a> Engine<'a> {
                 table: &s.block_table,
             })
             .collect();
-        let verify_layers = self.verifier.layers_for_step(self.caches.len());
+        let cross_checked: Vec<CheckedCross<'_>> = batch
+            .seqs
+            .iter()
+            .filter_map(|s| {
+                let c = s.cross.as_ref()?;
+                Some(CheckedCross {
+                    new: s.tokens.len(),
+                    encoder_len: c.len,
+                    table: &c.block_table,
+                    written: c.encoder_tokens.is_some(),
+                })
+            })
+            .collect();
+        let verify_layers = self.verifier.layers_for_step(self.layers.len());
         let mut attention_seconds = 0.0;
         {
-            let (backend, attention, caches, workspace, verifier, layers) = (
+            let (backend, attention, caches, workspace, verifier, layers, cache_of) = (
                 self.backend,
                 &self.attention,
                 &mut self.caches,
                 &mut self.workspace,
                 &mut self.verifier,
-                self.model.layers().to_vec(),
+                &self.layers,
+                &self.cache_of,
             );
             let step_index = self.steps;
+            let missing = |what: &str, layer: usize| {
+                Error::Model(format!(
+                    "attention {layer} ({}) called in a step without {what}",
+                    layers[layer].attn_type()
+                ))
+            };
             let mut attend = |layer: usize,
                               q: &Tensor,
                               k: &Tensor,
                               v: &Tensor,
                               out: &mut Tensor|
              -> Result<()> {
+                let config = layers.get(layer).ok_or_else(|| {
+                    Error::Model(format!(
+                        "attention {layer} called: the model has {}",
+                        layers.len()
+                    ))
+                })?;
+                let imp = attention[layer].as_ref();
+                let mut cache = cache_of[layer].map(|i| &mut caches[i]);
                 let t = Instant::now();
-                let device = backend.device();
-                if q.device() == device && out.device() == device {
-                    attention[layer].forward_into(
-                        &plan,
-                        workspace,
-                        Inputs::new(q).with_kv(k, v).with_cache(&mut caches[layer]),
-                        out,
-                    )?;
-                } else {
-                    // A model computing on the host, attention on a GPU backend: the step's
-                    // tensors cross to the device and the output comes back.
-                    let (dq, dk, dv) = (
-                        q.to_device(device)?,
-                        k.to_device(device)?,
-                        v.to_device(device)?,
-                    );
-                    let mut dout = Tensor::zeros_on(device, out.dtype(), out.shape())?;
-                    attention[layer].forward_into(
-                        &plan,
-                        workspace,
-                        Inputs::new(&dq)
-                            .with_kv(&dk, &dv)
-                            .with_cache(&mut caches[layer]),
-                        &mut dout,
-                    )?;
-                    out.copy_from(&dout)?;
+                match config.attn_type() {
+                    AttnType::Decoder => {
+                        let plan = plans
+                            .decoder
+                            .as_ref()
+                            .ok_or_else(|| missing("decoder tokens", layer))?;
+                        run_attention(
+                            backend,
+                            imp,
+                            plan,
+                            workspace,
+                            q,
+                            Some((k, v)),
+                            cache.as_deref_mut(),
+                            out,
+                        )?;
+                    }
+                    AttnType::Encoder | AttnType::EncoderOnly => {
+                        let plan = plans
+                            .dense
+                            .as_ref()
+                            .ok_or_else(|| missing("encoder tokens", layer))?;
+                        run_attention(backend, imp, plan, workspace, q, Some((k, v)), None, out)?;
+                    }
+                    AttnType::EncoderDecoder => {
+                        let cross = cache
+                            .as_deref_mut()
+                            .ok_or_else(|| missing("a cross cache", layer))?;
+                        if k.shape().first().is_some_and(|&n| n > 0) {
+                            let plan = plans
+                                .cross_write
+                                .as_ref()
+                                .ok_or_else(|| missing("encoder tokens", layer))?;
+                            write_kv(backend, imp, plan, k, v, cross)?;
+                        }
+                        let plan = plans
+                            .cross_read
+                            .as_ref()
+                            .ok_or_else(|| missing("an encoder", layer))?;
+                        run_attention(backend, imp, plan, workspace, q, None, Some(cross), out)?;
+                    }
                 }
                 backend.synchronize()?;
                 attention_seconds += t.elapsed().as_secs_f64();
+                verifier.count_call();
                 if verify_layers.contains(&layer) {
-                    verifier.check(
+                    let cache = cache.as_deref();
+                    let call = match (config.attn_type(), cache) {
+                        (AttnType::Decoder, Some(cache)) => CheckedCall::Paged {
+                            cache,
+                            seqs: &checked,
+                        },
+                        (AttnType::EncoderDecoder, Some(cache)) => CheckedCall::Cross {
+                            cache,
+                            seqs: &cross_checked,
+                        },
+                        _ => CheckedCall::Dense { lens: &dense_lens },
+                    };
+                    verifier.check_call(
                         (step_index, layer),
                         backend,
-                        &layers[layer],
-                        &caches[layer],
-                        &checked,
+                        config,
+                        call,
                         (q, k, v),
                         out,
                     )??;
@@ -363,17 +572,36 @@ impl<'a> Engine<'a> {
                 tokens: &buf.tokens,
                 positions: &buf.positions,
                 logit_rows: &buf.logit_rows,
+                encoder_tokens: &buf.encoder_tokens,
+                encoder_positions: &buf.encoder_positions,
             };
             self.model.forward(&tokens, &mut attend, &mut buf.logits)?;
         }
-        let vocab = self.model.vocab_size();
+        let width = self.model.output_width();
         let mut results: Vec<Sampled> = Vec::with_capacity(batch.seqs.len());
         let mut row = 0;
         let mut generated = 0;
         for s in &batch.seqs {
             let mut tokens = Vec::with_capacity(s.num_samples);
-            if s.num_samples > 0 {
-                let logits = &buf.logits[row * vocab..(row + 1) * vocab];
+            let output = buf.logits.get(row * width..(row + 1) * width);
+            if s.encoder_only {
+                let pooled = output.ok_or_else(|| {
+                    Error::Model(format!(
+                        "{} output rows for {} sequences",
+                        buf.logits.len() / width.max(1),
+                        batch.seqs.len()
+                    ))
+                })?;
+                row += 1;
+                self.report.requests[s.request as usize].pooled = Some(pooled.to_vec());
+            } else if s.num_samples > 0 {
+                let logits = output.ok_or_else(|| {
+                    Error::Model(format!(
+                        "{} output rows for {} sequences",
+                        buf.logits.len() / width.max(1),
+                        batch.seqs.len()
+                    ))
+                })?;
                 row += 1;
                 let params = self.sampling.get(&s.request).copied().unwrap_or_default();
                 // The draw of sample i at position p depends on (seed + i, p) only: neither
@@ -392,7 +620,11 @@ impl<'a> Engine<'a> {
         }
         let events = self.scheduler.finish_step(&results)?;
         let now = start.elapsed().as_secs_f64();
-        for s in batch.seqs.iter().filter(|s| s.num_samples > 0) {
+        for s in batch
+            .seqs
+            .iter()
+            .filter(|s| s.num_samples > 0 || s.encoder_only)
+        {
             self.report.requests[s.request as usize]
                 .first_token
                 .get_or_insert(now);
@@ -406,12 +638,84 @@ impl<'a> Engine<'a> {
             decode_tokens: decode,
             generated_tokens: generated,
             blocks_used: usage.device_blocks_in_use,
-            blocks_total: self.spec.num_blocks,
+            blocks_total: self.num_blocks,
             tokens_stored: usage.tokens_stored,
             slots_used: usage.slots_allocated,
         });
         self.steps += 1;
         Ok(events)
+    }
+
+    /// The step's plans: for each attention type the model has, its metadata planned once by
+    /// the first attention of that type (with that attention's cache geometry).
+    fn plan(
+        &mut self,
+        batch: &StepBatch,
+        descs: &[SequenceDesc<'_>],
+        dense_lens: &[usize],
+    ) -> Result<StepPlans> {
+        let mut plans = StepPlans::default();
+        let first_of = |t: AttnType| self.layers.iter().position(|c| c.attn_type() == t);
+        let spec_of = |layer: usize| -> Option<KvCacheSpec> {
+            self.cache_of[layer].map(|i| *self.caches[i].spec())
+        };
+        let plan = |layer: usize, builder: &MetadataBuilder<'_>| -> Result<Plan> {
+            Ok(self.attention[layer].plan(&builder.build()?, spec_of(layer).as_ref())?)
+        };
+        let only_encoder = batch.seqs.iter().all(|s| s.encoder_only);
+        if let Some(layer) = first_of(AttnType::Decoder).filter(|_| !only_encoder) {
+            let mut builder = MetadataBuilder::new(self.block_size);
+            for d in descs {
+                builder.push(*d);
+            }
+            plans.decoder = Some(plan(layer, &builder)?);
+        }
+        let dense = first_of(AttnType::Encoder).or(first_of(AttnType::EncoderOnly));
+        if let Some(layer) = dense.filter(|_| !dense_lens.is_empty()) {
+            let mut builder = MetadataBuilder::new(self.block_size);
+            for &len in dense_lens {
+                builder.push(SequenceDesc::prompt(0, len, &[]));
+            }
+            plans.dense = Some(plan(layer, &builder)?);
+        }
+        if let Some(layer) = first_of(AttnType::EncoderDecoder).filter(|_| !only_encoder) {
+            let with_encoder = |written_only: bool| -> Result<MetadataBuilder<'_>> {
+                let mut builder = MetadataBuilder::new(self.block_size);
+                builder.write_cross_kv(written_only);
+                for (s, d) in batch.seqs.iter().zip(descs) {
+                    let c = s.cross.as_ref().ok_or_else(|| {
+                        Error::Model(format!(
+                            "sequence {} of an encoder-decoder model scheduled without its encoder",
+                            s.seq
+                        ))
+                    })?;
+                    if c.encoder_tokens.is_some() || !written_only {
+                        builder.push(d.with_encoder(c.len, &c.block_table));
+                    }
+                }
+                Ok(builder)
+            };
+            plans.cross_read = Some(plan(layer, &with_encoder(false)?)?);
+            if batch
+                .seqs
+                .iter()
+                .any(|s| s.cross.as_ref().is_some_and(|c| c.encoder_tokens.is_some()))
+            {
+                plans.cross_write = Some(plan(layer, &with_encoder(true)?)?);
+            }
+        }
+        for p in [
+            &plans.decoder,
+            &plans.dense,
+            &plans.cross_read,
+            &plans.cross_write,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            self.workspace.reserve(p)?;
+        }
+        Ok(plans)
     }
 
     /// Records a scheduler event; returns 1 when a request finished.

@@ -1,6 +1,7 @@
 //! A serving engine over `pagedattn`: continuous batching with chunked prefill, a block
 //! manager with prefix caching, swapping and copy-on-write, and the models it serves
-//! (Llama-architecture GGUF files and a synthetic model with seeded weights).
+//! (Llama-architecture GGUF files, and a synthetic model with seeded weights as a decoder, an
+//! encoder-only or an encoder-decoder model).
 //!
 //! The engine talks to the attention backends through `pagedattn`'s public API only (specs,
 //! `MetadataBuilder`, `plan`, `forward_into`, `swap_out` / `swap_in`, `copy_blocks`); the
@@ -17,6 +18,7 @@
 pub mod batch;
 pub mod blocks;
 pub mod chat;
+pub mod encdec;
 pub mod engine;
 pub mod error;
 pub mod gguf;

@@ -1,5 +1,5 @@
-//! What the engine needs of a model: its layers' attention shapes, and a forward pass over
-//! one step's tokens that calls back into the engine for every layer's attention.
+//! What the engine needs of a model: its kind, its attentions' shapes, and a forward pass over
+//! one step's tokens that calls back into the engine for every attention.
 
 use pagedattn::{AttentionConfig, DType, Tensor};
 
@@ -10,13 +10,39 @@ pub struct StepTokens<'a> {
     pub tokens: &'a [u32],
     /// Each token's position in its sequence.
     pub positions: &'a [usize],
-    /// The rows (indices into `tokens`) whose logits are wanted, in order.
+    /// The rows (indices into `tokens`) whose logits (pooled states, for an encoder-only
+    /// model) are wanted, in order.
     pub logit_rows: &'a [usize],
+    /// An encoder-decoder model's encoder tokens of this step: the encoder prompts of the
+    /// sequences whose cross keys and values are written this step, concatenated in step
+    /// order (empty in other steps and for other models).
+    pub encoder_tokens: &'a [u32],
+    /// Each encoder token's position in its encoder prompt.
+    pub encoder_positions: &'a [usize],
 }
 
-/// A layer's attention, run by the engine: `(layer, query, key, value, output)` with
-/// `query`/`output` of `[T, H, D]` and `key`/`value` of `[T, Hkv, D]`, on the engine's
-/// backend's device and in [`Model::dtype`].
+/// What a model computes, which decides how the engine serves its requests (vLLM's model
+/// types).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelKind {
+    /// A decoder (Llama): causal self-attention over a paged cache, tokens generated.
+    Decoder,
+    /// An encoder-only model (BERT-like): one bidirectional pass over a request's tokens,
+    /// without a cache; the output is the pooled final state, nothing is generated.
+    EncoderOnly,
+    /// An encoder-decoder model (T5/BART-like): the encoder runs once over the request's
+    /// encoder prompt; the decoder generates, each layer cross-attending to the encoder's
+    /// output through a cross cache written at the request's first decoder step.
+    EncoderDecoder,
+}
+
+/// An attention, run by the engine: `(layer, query, key, value, output)` with `layer` an
+/// index into [`Model::layers`], `query`/`output` of `[T, H, D]` and `key`/`value` of
+/// `[Tk, Hkv, D]`, on the engine's backend's device and in [`Model::dtype`]. By the layer's
+/// [`AttnType`](pagedattn::AttnType): `decoder` and `encoder_only` take the step's tokens
+/// (`Tk = T`); `encoder` the step's encoder tokens (queries and keys alike); `encoder_decoder`
+/// the step's decoder tokens as queries and the encoder's keys and values of the step's
+/// encoder tokens (`Tk` = their count, 0 in a step that runs no encoder).
 pub type Attend<'a> =
     dyn FnMut(usize, &Tensor, &Tensor, &Tensor, &mut Tensor) -> crate::Result<()> + 'a;
 
@@ -24,7 +50,13 @@ pub type Attend<'a> =
 pub trait Model: Send {
     /// A name for reports.
     fn name(&self) -> String;
-    /// Every layer's attention config, in layer order.
+    /// What it computes (how its requests are served).
+    fn kind(&self) -> ModelKind {
+        ModelKind::Decoder
+    }
+    /// Every attention's config (the `layer` of [`Attend`] indexes it). The engine gives
+    /// each `decoder` attention a paged cache and each `encoder_decoder` one a cross cache;
+    /// `encoder` and `encoder_only` attentions run without one.
     fn layers(&self) -> &[AttentionConfig];
     /// The dtype of the query, key, value and output tensors (and of the KV cache).
     fn dtype(&self) -> DType;
@@ -36,8 +68,15 @@ pub trait Model: Send {
     fn stop_tokens(&self) -> Vec<u32>;
     /// Token ids below this are special (workloads draw random prompts above it).
     fn first_plain_token(&self) -> u32;
-    /// Runs the model over `step`, calling `attend` once per layer in order, and writes the
-    /// logits of `step.logit_rows` into `logits` (`[rows, vocab]`, resized).
+    /// Width of a row of [`forward`](Self::forward)'s output: the vocabulary for models that
+    /// generate (logits), the pooled state's width for encoder-only models.
+    fn output_width(&self) -> usize {
+        self.vocab_size()
+    }
+    /// Runs the model over `step`, calling `attend` once per attention it runs (the encoder's
+    /// only in steps with encoder tokens), and writes the rows `step.logit_rows` of its
+    /// output into `logits` (`[rows, output_width]`, resized): logits, or an encoder-only
+    /// model's pooled states.
     fn forward(
         &mut self,
         step: &StepTokens<'_>,

@@ -16,6 +16,10 @@ pub struct RequestRecord {
     pub arrival: f64,
     /// Its prompt's tokens.
     pub prompt_tokens: usize,
+    /// Its encoder prompt's tokens (encoder-decoder models).
+    pub encoder_prompt_tokens: usize,
+    /// An encoder-only request's output: the pooled final state (of its first token).
+    pub pooled: Option<Vec<f32>>,
     /// Seconds from the run's start to its first generated token.
     pub first_token: Option<f64>,
     /// Seconds from the run's start to its last generated token.
@@ -145,6 +149,30 @@ impl Report {
         self.requests.iter().map(|r| r.prompt_tokens).sum()
     }
 
+    /// Encoder prompt tokens of the served requests (encoder-decoder models).
+    pub fn encoder_prompt_tokens(&self) -> usize {
+        self.requests.iter().map(|r| r.encoder_prompt_tokens).sum()
+    }
+
+    /// Encoder-only requests' pooled outputs: how many, and their mean L2 norm.
+    pub fn pooled(&self) -> (usize, f64) {
+        let norms: Vec<f64> = self
+            .requests
+            .iter()
+            .filter_map(|r| r.pooled.as_ref())
+            .map(|p| {
+                p.iter()
+                    .map(|&x| f64::from(x) * f64::from(x))
+                    .sum::<f64>()
+                    .sqrt()
+            })
+            .collect();
+        (
+            norms.len(),
+            norms.iter().sum::<f64>() / norms.len().max(1) as f64,
+        )
+    }
+
     /// Generated tokens, every sample.
     pub fn generated_tokens(&self) -> usize {
         self.requests
@@ -178,7 +206,11 @@ impl Report {
     pub fn internal_waste(&self) -> f64 {
         let slots: usize = self.steps.iter().map(|s| s.slots_used).sum();
         let stored: usize = self.steps.iter().map(|s| s.tokens_stored).sum();
-        1.0 - stored as f64 / slots.max(1) as f64
+        // (No slot allocated, as for an encoder-only model: nothing wasted.)
+        match slots {
+            0 => 0.0,
+            _ => 1.0 - stored as f64 / slots as f64,
+        }
     }
 
     /// The fraction of looked-up prompt tokens found in the prefix cache.
@@ -343,6 +375,20 @@ impl fmt::Display for Report {
             Some((m, p99)) => format!("median {}, p99 {}", secs(m), secs(p99)),
             None => "none".into(),
         };
+        let encoder = self.encoder_prompt_tokens();
+        if encoder > 0 {
+            writeln!(
+                f,
+                "encoder prompt tokens {encoder}, each encoded once into the cross cache"
+            )?;
+        }
+        let (pooled, norm) = self.pooled();
+        if pooled > 0 {
+            writeln!(
+                f,
+                "pooled outputs: {pooled} (encoder-only requests), mean norm {norm:.3}"
+            )?;
+        }
         writeln!(f, "time to first token: {}", pair(self.ttft()))?;
         writeln!(f, "time per output token: {}", pair(self.tpot()))?;
         writeln!(

@@ -1,10 +1,13 @@
-//! The synthetic model: a Llama-shaped decoder with weights drawn from a seed, of any size and
+//! The synthetic model: a Llama-shaped decoder, or an encoder-only or encoder-decoder model
+//! of the same blocks ([`crate::encdec`]), with weights drawn from a seed, of any size and
 //! with any of the attention features (GQA, ALiBi, sliding window, soft cap, fp8 KV cache),
 //! so that every feature of the backends runs inside the engine with no download.
 
 use pagedattn::{alibi_slopes_bloom, AttentionConfig, DType, KvCacheDtype};
 
+use crate::encdec::EncDec;
 use crate::llama::{LayerWeights, Llama, LlamaShape};
+use crate::model::{Model, ModelKind};
 use crate::ops::{Embedding, Linear, Precision, Rope, RopeStyle};
 use crate::rng::SplitMix64;
 use crate::{Error, Result};
@@ -12,8 +15,12 @@ use crate::{Error, Result};
 /// The synthetic model's shape and features.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SyntheticConfig {
-    /// Decoder layers.
+    /// Decoder, encoder-only or encoder-decoder.
+    pub kind: ModelKind,
+    /// Decoder layers (none for an encoder-only model).
     pub layers: usize,
+    /// Encoder layers (none for a decoder).
+    pub encoder_layers: usize,
     /// The residual stream's width.
     pub hidden: usize,
     /// The MLP's inner width.
@@ -32,11 +39,11 @@ pub struct SyntheticConfig {
     pub dtype: DType,
     /// The cache's storage (fp8 or the dtype itself).
     pub kv_cache_dtype: KvCacheDtype,
-    /// ALiBi instead of RoPE.
+    /// ALiBi instead of RoPE (in decoder self-attention; an encoder always uses RoPE).
     pub alibi: bool,
-    /// Keys older than this many positions are not attended.
+    /// Keys older than this many positions are not attended (decoder self-attention).
     pub sliding_window: Option<usize>,
-    /// Attention logits soft cap.
+    /// Attention logits soft cap (every attention).
     pub soft_cap: Option<f32>,
     /// The weights' seed.
     pub seed: u64,
@@ -45,7 +52,9 @@ pub struct SyntheticConfig {
 impl Default for SyntheticConfig {
     fn default() -> Self {
         SyntheticConfig {
+            kind: ModelKind::Decoder,
             layers: 4,
+            encoder_layers: 0,
             hidden: 256,
             ffn: 512,
             heads: 8,
@@ -64,41 +73,45 @@ impl Default for SyntheticConfig {
 }
 
 impl SyntheticConfig {
-    /// The model with weights drawn from `seed`: projections uniform in ±1/√fan-in (so the
-    /// residual stream stays of order one), norm weights 1.
+    /// The default shape as an encoder-decoder model: 4 encoder and 4 decoder layers.
+    pub fn encoder_decoder() -> Self {
+        SyntheticConfig {
+            kind: ModelKind::EncoderDecoder,
+            encoder_layers: 4,
+            ..SyntheticConfig::default()
+        }
+    }
+
+    /// The default shape as an encoder-only model: 4 encoder layers.
+    pub fn encoder_only() -> Self {
+        SyntheticConfig {
+            kind: ModelKind::EncoderOnly,
+            layers: 0,
+            encoder_layers: 4,
+            ..SyntheticConfig::default()
+        }
+    }
+
+    /// The model of its kind, boxed for the engine.
+    pub fn build_model(&self) -> Result<Box<dyn Model>> {
+        Ok(match self.kind {
+            ModelKind::Decoder => Box::new(self.build()?),
+            ModelKind::EncoderOnly | ModelKind::EncoderDecoder => {
+                Box::new(EncDec::synthetic(self)?)
+            }
+        })
+    }
+
+    /// The decoder (`kind` decoder) with weights drawn from `seed`: projections uniform in
+    /// ±1/√fan-in (so the residual stream stays of order one), norm weights 1.
     pub fn build(&self) -> Result<Llama> {
-        let mut rng = SplitMix64::new(self.seed);
-        let mut matrix = |out: usize, inp: usize| -> Result<Linear> {
-            let bound = 1.0 / (inp as f64).sqrt();
-            let values: Vec<f32> = (0..out * inp)
-                .map(|_| ((2.0 * rng.next_f64() - 1.0) * bound) as f32)
-                .collect();
-            Linear::from_f32(&values, out, inp, Precision::Exact)
-                .map_err(|e| Error::Model(e.to_string()))
-        };
-        let (q, kv) = (self.heads * self.head_size, self.kv_heads * self.head_size);
+        self.expect_layers(ModelKind::Decoder)?;
+        let mut draw = Draw::new(self.seed);
         let layers = (0..self.layers)
-            .map(|_| {
-                Ok(LayerWeights {
-                    attn_norm: vec![1.0; self.hidden],
-                    wq: matrix(q, self.hidden)?,
-                    wk: matrix(kv, self.hidden)?,
-                    wv: matrix(kv, self.hidden)?,
-                    wo: matrix(self.hidden, q)?,
-                    ffn_norm: vec![1.0; self.hidden],
-                    gate: matrix(self.ffn, self.hidden)?,
-                    up: matrix(self.ffn, self.hidden)?,
-                    down: matrix(self.hidden, self.ffn)?,
-                })
-            })
+            .map(|_| draw.layer(self))
             .collect::<Result<Vec<_>>>()?;
-        let head = matrix(self.vocab, self.hidden)?;
-        let mut rng = SplitMix64::new(self.seed ^ 0xE3B3_D1D0);
-        let table: Vec<f32> = (0..self.vocab * self.hidden)
-            .map(|_| (2.0 * rng.next_f64() - 1.0) as f32)
-            .collect();
-        let embedding = Embedding::from_f32(&table, self.vocab, self.hidden)
-            .map_err(|e| Error::Model(e.to_string()))?;
+        let head = draw.matrix(self.vocab, self.hidden)?;
+        let embedding = self.embedding()?;
         let attention = AttentionConfig::builder(self.heads, self.head_size)
             .num_kv_heads(self.kv_heads)
             .alibi_slopes(self.alibi.then(|| alibi_slopes_bloom(self.heads)))
@@ -151,5 +164,81 @@ impl SyntheticConfig {
             vec![attention; self.layers],
             self.dtype,
         )
+    }
+
+    /// Checks that the config describes a model of `kind` with the layers it needs: a
+    /// decoder has decoder layers and no encoder, an encoder-only model encoder layers and no
+    /// decoder, an encoder-decoder model both.
+    pub(crate) fn expect_layers(&self, kind: ModelKind) -> Result<()> {
+        let bad = |field: &str, value: usize, expected: &str| {
+            Err(Error::Model(format!(
+                "synthetic {field} = {value}: expected {expected} for a {kind:?} model"
+            )))
+        };
+        if self.kind != kind {
+            return Err(Error::Model(format!(
+                "synthetic kind = {:?}: expected {kind:?} here",
+                self.kind
+            )));
+        }
+        match kind {
+            ModelKind::Decoder if self.encoder_layers != 0 => {
+                bad("encoder_layers", self.encoder_layers, "0")
+            }
+            ModelKind::EncoderOnly if self.layers != 0 => bad("layers", self.layers, "0"),
+            ModelKind::Decoder | ModelKind::EncoderDecoder if self.layers == 0 => {
+                bad("layers", 0, "at least 1")
+            }
+            ModelKind::EncoderOnly | ModelKind::EncoderDecoder if self.encoder_layers == 0 => {
+                bad("encoder_layers", 0, "at least 1")
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The token embedding, uniform in ±1, from its own stream of the seed.
+    pub(crate) fn embedding(&self) -> Result<Embedding> {
+        let mut rng = SplitMix64::new(self.seed ^ 0xE3B3_D1D0);
+        let table: Vec<f32> = (0..self.vocab * self.hidden)
+            .map(|_| (2.0 * rng.next_f64() - 1.0) as f32)
+            .collect();
+        Embedding::from_f32(&table, self.vocab, self.hidden)
+            .map_err(|e| Error::Model(e.to_string()))
+    }
+}
+
+/// The synthetic weights' draw: one stream of the seed, matrices in the order asked.
+pub(crate) struct Draw(SplitMix64);
+
+impl Draw {
+    /// The stream of `seed`.
+    pub(crate) fn new(seed: u64) -> Self {
+        Draw(SplitMix64::new(seed))
+    }
+
+    /// An `[out, inp]` projection, uniform in ±1/√inp.
+    pub(crate) fn matrix(&mut self, out: usize, inp: usize) -> Result<Linear> {
+        let bound = 1.0 / (inp as f64).sqrt();
+        let values: Vec<f32> = (0..out * inp)
+            .map(|_| ((2.0 * self.0.next_f64() - 1.0) * bound) as f32)
+            .collect();
+        Linear::from_f32(&values, out, inp, Precision::Exact)
+            .map_err(|e| Error::Model(e.to_string()))
+    }
+
+    /// One attention-and-MLP layer of `c`'s shape, norm weights 1.
+    pub(crate) fn layer(&mut self, c: &SyntheticConfig) -> Result<LayerWeights> {
+        let (q, kv) = (c.heads * c.head_size, c.kv_heads * c.head_size);
+        Ok(LayerWeights {
+            attn_norm: vec![1.0; c.hidden],
+            wq: self.matrix(q, c.hidden)?,
+            wk: self.matrix(kv, c.hidden)?,
+            wv: self.matrix(kv, c.hidden)?,
+            wo: self.matrix(c.hidden, q)?,
+            ffn_norm: vec![1.0; c.hidden],
+            gate: self.matrix(c.ffn, c.hidden)?,
+            up: self.matrix(c.ffn, c.hidden)?,
+            down: self.matrix(c.hidden, c.ffn)?,
+        })
     }
 }

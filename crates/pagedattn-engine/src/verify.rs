@@ -3,8 +3,8 @@
 //! of a scratch cache), compared with what the engine's backend produced.
 
 use pagedattn::{
-    registry, AttentionConfig, Backend, BlockId, DType, Inputs, KvCache, MetadataBuilder,
-    SequenceDesc, Tensor, Workspace,
+    registry, AttentionConfig, AttentionMetadata, Backend, BlockId, DType, Inputs, KvCache,
+    MetadataBuilder, SequenceDesc, Tensor, Workspace,
 };
 
 use crate::report::VerifyCounts;
@@ -30,6 +30,48 @@ pub struct CheckedSeq<'a> {
     pub new: usize,
     /// Its block table in the engine's cache.
     pub table: &'a [BlockId],
+}
+
+/// A checked call's sequences, by what the call attends over.
+#[derive(Clone, Copy, Debug)]
+pub enum CheckedCall<'a> {
+    /// Causal self-attention over the layer's paged cache (`decoder`), which the call wrote
+    /// its new keys and values to.
+    Paged {
+        /// The layer's cache on the engine's backend, after the call.
+        cache: &'a KvCache,
+        /// The call's sequences.
+        seqs: &'a [CheckedSeq<'a>],
+    },
+    /// Bidirectional attention over each sequence's own tokens, without a cache (`encoder`,
+    /// `encoder_only`).
+    Dense {
+        /// Each sequence's tokens (queries and keys alike).
+        lens: &'a [usize],
+    },
+    /// Cross-attention over the cross cache (`encoder_decoder`), which the call wrote the
+    /// encoder keys and values it carried to.
+    Cross {
+        /// The layer's cross cache on the engine's backend, after the call.
+        cache: &'a KvCache,
+        /// The call's sequences.
+        seqs: &'a [CheckedCross<'a>],
+    },
+}
+
+/// One sequence of a checked cross-attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct CheckedCross<'a> {
+    /// Decoder tokens the call computes (its queries).
+    pub new: usize,
+    /// Its encoder's tokens (the keys it attends).
+    pub encoder_len: usize,
+    /// Its cross block table in the engine's cross cache.
+    pub table: &'a [BlockId],
+    /// Whether the call carried its encoder keys and values (they follow those of the
+    /// previous written sequences in the call's key/value tensors) rather than reading them
+    /// from the cross cache.
+    pub written: bool,
 }
 
 /// A recomputed call whose output is further from `reference`'s than the output dtype
@@ -71,10 +113,14 @@ impl Verifier {
         &self.counts
     }
 
-    /// The layers of a step of a `num_layers` model to check (drawn once per step), counting
-    /// every call of the step as made.
+    /// Counts one attention call as made (checked or not).
+    pub fn count_call(&mut self) {
+        self.counts.calls_total += 1;
+    }
+
+    /// The attentions of a step of a model of `num_layers` attentions to check (drawn once
+    /// per step; a step calls an encoder's attentions only when it runs the encoder).
     pub fn layers_for_step(&mut self, num_layers: usize) -> Vec<usize> {
-        self.counts.calls_total += num_layers;
         match self.mode {
             VerifyMode::Off => Vec::new(),
             VerifyMode::Every => (0..num_layers).collect(),
@@ -90,64 +136,112 @@ impl Verifier {
         }
     }
 
-    /// Recomputes one call with `reference`: `cache` is the layer's cache on `backend` after
-    /// the call wrote the new keys and values; `query`, `key`, `value` and `output` the call's
-    /// tensors. Errors from the library (a swap, a plan) are returned as they are; a
-    /// difference beyond the output dtype's allowance is `Ok(Err(Mismatch))`.
+    /// Recomputes one decoder call with `reference`: `cache` is the layer's cache on
+    /// `backend` after the call wrote the new keys and values; `query`, `key`, `value` and
+    /// `output` the call's tensors. [`check_call`](Self::check_call) of a
+    /// [`CheckedCall::Paged`].
     #[allow(clippy::too_many_arguments)]
     pub fn check(
         &mut self,
-        (step, layer): (usize, usize),
+        at: (usize, usize),
         backend: &dyn Backend,
         config: &AttentionConfig,
         cache: &KvCache,
         seqs: &[CheckedSeq<'_>],
+        qkv: (&Tensor, &Tensor, &Tensor),
+        output: &Tensor,
+    ) -> pagedattn::Result<Result<(), Mismatch>> {
+        self.check_call(
+            at,
+            backend,
+            config,
+            CheckedCall::Paged { cache, seqs },
+            qkv,
+            output,
+        )
+    }
+
+    /// Recomputes one call of any attention type with `reference` on dense keys and values:
+    /// the call's cache blocks it read (not those it wrote) gathered into consecutive blocks
+    /// of a scratch cache, what it wrote written again by `reference` from the call's
+    /// `key`/`value`. Errors from the library (a swap, a plan) are returned as they are; a
+    /// difference beyond the output dtype's allowance is `Ok(Err(Mismatch))`.
+    pub fn check_call(
+        &mut self,
+        (step, layer): (usize, usize),
+        backend: &dyn Backend,
+        config: &AttentionConfig,
+        call: CheckedCall<'_>,
         (query, key, value): (&Tensor, &Tensor, &Tensor),
         output: &Tensor,
     ) -> pagedattn::Result<Result<(), Mismatch>> {
-        let block = cache.spec().block_size;
-        // Each sequence's blocks, gathered into consecutive blocks of a host scratch cache,
-        // with room for its new tokens; the new tokens are written again by the recomputation
-        // (the same values the engine's call wrote).
-        let mut pairs: Vec<(BlockId, BlockId)> = Vec::new();
-        let mut dense_tables: Vec<Vec<BlockId>> = Vec::with_capacity(seqs.len());
-        let mut next: BlockId = 0;
-        for s in seqs {
-            let blocks = (s.cached + s.new).div_ceil(block);
-            let table: Vec<BlockId> = (next..next + blocks as BlockId).collect();
-            pairs.extend(
-                s.table[..s.cached.div_ceil(block)]
-                    .iter()
-                    .copied()
-                    .zip(table.iter().copied()),
-            );
-            next += blocks as BlockId;
-            dense_tables.push(table);
-        }
-        let mut scratch = backend.allocate_swap_space(cache.spec(), next.max(1) as usize)?;
-        backend.swap_out(
-            std::slice::from_ref(cache),
-            std::slice::from_mut(&mut scratch),
-            &pairs,
-        )?;
-        let mut dense = self.reference.load_kv_cache(&scratch)?;
-        let spec = *dense.spec();
-        let mut builder = MetadataBuilder::for_cache(&spec);
-        for (s, table) in seqs.iter().zip(&dense_tables) {
-            builder.push(SequenceDesc::prompt(s.cached, s.new, table));
-        }
-        let metadata = builder.build()?;
-        let attention = self.reference.attention(config)?;
-        let plan = attention.plan(&metadata, Some(&spec))?;
-        let mut workspace = Workspace::empty(self.reference.device());
-        workspace.reserve(&plan)?;
-        let host = |t: &Tensor| t.to_device(self.reference.device());
+        let reference = self.reference.as_ref();
+        let host = |t: &Tensor| t.to_device(reference.device());
         let (q, k, v) = (host(query)?, host(key)?, host(value)?);
-        let want = attention.forward(
-            &plan,
-            &mut workspace,
-            Inputs::new(&q).with_kv(&k, &v).with_cache(&mut dense),
-        )?;
+        let attention = reference.attention(config)?;
+        let mut workspace = Workspace::empty(reference.device());
+        let mut forward = |metadata: &AttentionMetadata,
+                           kv: bool,
+                           cache: Option<&mut KvCache>|
+         -> pagedattn::Result<Tensor> {
+            let plan = attention.plan(metadata, cache.as_deref().map(KvCache::spec))?;
+            workspace.reserve(&plan)?;
+            let inputs = Inputs::new(&q).with_cache_opt(cache);
+            let inputs = if kv { inputs.with_kv(&k, &v) } else { inputs };
+            attention.forward(&plan, &mut workspace, inputs)
+        };
+        let want = match call {
+            CheckedCall::Dense { lens } => {
+                let mut builder = MetadataBuilder::new(1);
+                for &len in lens {
+                    builder.push(SequenceDesc::prompt(0, len, &[]));
+                }
+                forward(&builder.build()?, true, None)?
+            }
+            CheckedCall::Paged { cache, seqs } => {
+                let (mut dense, tables) = gather(
+                    reference,
+                    backend,
+                    cache,
+                    seqs.iter().map(|s| (s.cached, s.cached + s.new, s.table)),
+                )?;
+                let mut builder = MetadataBuilder::for_cache(dense.spec());
+                for (s, table) in seqs.iter().zip(&tables) {
+                    builder.push(SequenceDesc::prompt(s.cached, s.new, table));
+                }
+                forward(&builder.build()?, true, Some(&mut dense))?
+            }
+            CheckedCall::Cross { cache, seqs } => {
+                let (mut dense, tables) = gather(
+                    reference,
+                    backend,
+                    cache,
+                    seqs.iter().map(|s| {
+                        let read = if s.written { 0 } else { s.encoder_len };
+                        (read, s.encoder_len, s.table)
+                    }),
+                )?;
+                let spec = *dense.spec();
+                let metadata = |written_only: bool| {
+                    let mut builder = MetadataBuilder::for_cache(&spec);
+                    builder.write_cross_kv(written_only);
+                    for (s, table) in seqs.iter().zip(&tables) {
+                        if s.written || !written_only {
+                            builder.push(
+                                SequenceDesc::prompt(0, s.new, &[])
+                                    .with_encoder(s.encoder_len, table),
+                            );
+                        }
+                    }
+                    builder.build()
+                };
+                if seqs.iter().any(|s| s.written) {
+                    let plan = attention.plan(&metadata(true)?, Some(&spec))?;
+                    attention.write_kv(&plan, &k, &v, &mut dense)?;
+                }
+                forward(&metadata(false)?, false, Some(&mut dense))?
+            }
+        };
         let (ulp, allowed) = tolerance(output.dtype());
         let worst = worst_difference(&output.to_f32_vec()?, &want.to_f32_vec()?, ulp);
         self.counts.calls_checked += 1;
@@ -167,6 +261,41 @@ impl Verifier {
             }))
         }
     }
+}
+
+/// Each sequence's blocks, as `(tokens to copy, tokens in all, table in `cache`)`, gathered
+/// into consecutive blocks of a scratch cache on `reference` (room for every token; the
+/// first `tokens to copy` copied from `cache`, the rest left for the recomputation to write):
+/// the scratch cache and each sequence's table in it.
+fn gather<'a>(
+    reference: &dyn Backend,
+    backend: &dyn Backend,
+    cache: &KvCache,
+    seqs: impl Iterator<Item = (usize, usize, &'a [BlockId])>,
+) -> pagedattn::Result<(KvCache, Vec<Vec<BlockId>>)> {
+    let block = cache.spec().block_size;
+    let mut pairs: Vec<(BlockId, BlockId)> = Vec::new();
+    let mut tables: Vec<Vec<BlockId>> = Vec::new();
+    let mut next: BlockId = 0;
+    for (copy, total, table) in seqs {
+        let blocks = total.div_ceil(block);
+        let dense: Vec<BlockId> = (next..next + blocks as BlockId).collect();
+        pairs.extend(
+            table[..copy.div_ceil(block)]
+                .iter()
+                .copied()
+                .zip(dense.iter().copied()),
+        );
+        next += blocks as BlockId;
+        tables.push(dense);
+    }
+    let mut scratch = backend.allocate_swap_space(cache.spec(), next.max(1) as usize)?;
+    backend.swap_out(
+        std::slice::from_ref(cache),
+        std::slice::from_mut(&mut scratch),
+        &pairs,
+    )?;
+    Ok((reference.load_kv_cache(&scratch)?, tables))
 }
 
 /// How far an output may be from `reference`'s beyond one ulp of the element's own dtype, as

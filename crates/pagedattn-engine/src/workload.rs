@@ -1,11 +1,13 @@
 //! What the engine is asked to serve: requests from the command line, from a JSONL trace, or
-//! from a built-in workload (`chat`, `long-context`, `shared-prefix`).
+//! from a built-in workload (`chat`, `long-context`, `shared-prefix`, and for the synthetic
+//! encoder models `encoder` and `encoder-decoder`).
 
 use std::fmt;
 use std::str::FromStr;
 
 use thiserror::Error;
 
+use crate::model::ModelKind;
 use crate::ops::SamplingParams;
 use crate::rng::SplitMix64;
 
@@ -25,9 +27,13 @@ pub enum Prompt {
 pub struct RequestInput {
     /// Seconds after the run's start at which the request arrives.
     pub arrival: f64,
-    /// Its prompt.
+    /// Its prompt (the decoder's, for an encoder-decoder model; the tokens to encode, for an
+    /// encoder-only one).
     pub prompt: Prompt,
-    /// The most tokens to generate per sample (fewer when a stop token comes first).
+    /// The encoder's prompt of an encoder-decoder request.
+    pub encoder_prompt: Option<Prompt>,
+    /// The most tokens to generate per sample (fewer when a stop token comes first; 0 for an
+    /// encoder-only request).
     pub max_new_tokens: usize,
     /// Samples generated from the prompt (parallel sampling: they share the prompt's blocks).
     pub n: usize,
@@ -76,7 +82,7 @@ pub enum WorkloadError {
     #[error("the trace holds no request")]
     Empty,
     /// A built-in workload's name that does not exist.
-    #[error("unknown workload `{0}` (expected one of: chat, long-context, shared-prefix)")]
+    #[error("unknown workload `{0}` (expected one of: chat, long-context, shared-prefix, encoder, encoder-decoder)")]
     UnknownWorkload(String),
 }
 
@@ -228,6 +234,7 @@ fn parse_trace_line(
     Ok(RequestInput {
         arrival,
         prompt,
+        encoder_prompt: None,
         max_new_tokens: to_usize(max_new_tokens),
         n: to_usize(n),
         sampling: SamplingParams {
@@ -279,6 +286,34 @@ pub enum Builtin {
     /// One long system prompt shared by every request (the prefix cache's case), each with
     /// its own question and parallel sampling (n = 2).
     SharedPrefix,
+    /// Encoder-only requests (an encoder-only model: embeddings, classification): token
+    /// sequences of varied lengths (8 to 512, log-normal around 64), each encoded in one pass;
+    /// nothing generated.
+    Encoder,
+    /// Encoder-decoder requests (translation, summarization, speech): an encoder prompt of
+    /// 32 to 512 tokens, a short decoder prompt (1 to 4 tokens, a start token's role) and
+    /// outputs of tens of tokens (8 to 64).
+    EncoderDecoder,
+}
+
+impl Builtin {
+    /// Every built-in workload.
+    pub const ALL: [Builtin; 5] = [
+        Builtin::Chat,
+        Builtin::LongContext,
+        Builtin::SharedPrefix,
+        Builtin::Encoder,
+        Builtin::EncoderDecoder,
+    ];
+
+    /// The kind of model that serves it.
+    pub fn model_kind(self) -> ModelKind {
+        match self {
+            Builtin::Encoder => ModelKind::EncoderOnly,
+            Builtin::EncoderDecoder => ModelKind::EncoderDecoder,
+            _ => ModelKind::Decoder,
+        }
+    }
 }
 
 impl FromStr for Builtin {
@@ -288,6 +323,8 @@ impl FromStr for Builtin {
             "chat" => Ok(Builtin::Chat),
             "long-context" => Ok(Builtin::LongContext),
             "shared-prefix" => Ok(Builtin::SharedPrefix),
+            "encoder" => Ok(Builtin::Encoder),
+            "encoder-decoder" => Ok(Builtin::EncoderDecoder),
             _ => Err(WorkloadError::UnknownWorkload(s.into())),
         }
     }
@@ -299,6 +336,8 @@ impl fmt::Display for Builtin {
             Builtin::Chat => "chat",
             Builtin::LongContext => "long-context",
             Builtin::SharedPrefix => "shared-prefix",
+            Builtin::Encoder => "encoder",
+            Builtin::EncoderDecoder => "encoder-decoder",
         })
     }
 }
@@ -346,6 +385,7 @@ impl Builtin {
                     }
                     None => 0.0,
                 };
+                let mut encoder_prompt = None;
                 let (prompt, max_new, n) = match self {
                     Builtin::Chat => {
                         // Log-normal lengths: ShareGPT's prompts have a median near 100 tokens
@@ -364,11 +404,23 @@ impl Builtin {
                         prompt.extend(tokens(&mut rng, p, question));
                         (prompt, 64, 2)
                     }
+                    Builtin::Encoder => {
+                        let len = lognormal(&mut rng, 64.0, 1.0, 8, 512);
+                        (tokens(&mut rng, p, len), 0, 1)
+                    }
+                    Builtin::EncoderDecoder => {
+                        let encoder = lognormal(&mut rng, 128.0, 0.7, 32, 512);
+                        encoder_prompt = Some(Prompt::Tokens(tokens(&mut rng, p, encoder)));
+                        let decoder = 1 + (rng.next_u64() % 4) as usize;
+                        let out = lognormal(&mut rng, 24.0, 0.6, 8, 64);
+                        (tokens(&mut rng, p, decoder), out, 1)
+                    }
                 };
                 let room = p.max_context.saturating_sub(prompt.len()).max(1);
                 RequestInput {
                     arrival,
                     prompt: Prompt::Tokens(prompt),
+                    encoder_prompt,
                     max_new_tokens: max_new.min(p.max_new_tokens).min(room),
                     n,
                     sampling: SamplingParams {
@@ -463,7 +515,8 @@ mod tests {
             ignore_eos: false,
             seed: 9,
         };
-        for w in [Builtin::Chat, Builtin::LongContext, Builtin::SharedPrefix] {
+        for w in Builtin::ALL {
+            assert_eq!(w.to_string().parse::<Builtin>(), Ok(w));
             let r = w.requests(&params);
             assert_eq!(r.len(), 200);
             assert_eq!(r, w.requests(&params), "{w}: reproducible");
@@ -473,10 +526,16 @@ mod tests {
                     panic!("{w}: token prompts")
                 };
                 assert!(!t.is_empty() && t.iter().all(|&x| (3..500).contains(&x)));
-                assert!(
-                    t.len() + q.max_new_tokens <= 512 && q.max_new_tokens >= 1,
-                    "{w}"
-                );
+                assert!(t.len() + q.max_new_tokens <= 512, "{w}");
+                assert_eq!(q.max_new_tokens == 0, w == Builtin::Encoder, "{w}");
+                match (&q.encoder_prompt, w) {
+                    (Some(Prompt::Tokens(e)), Builtin::EncoderDecoder) => {
+                        assert!((32..=512).contains(&e.len()) && t.len() <= 4, "{w}");
+                        assert!((8..=64).contains(&q.max_new_tokens), "{w}");
+                    }
+                    (None, w) => assert_ne!(w, Builtin::EncoderDecoder),
+                    (other, w) => panic!("{w}: encoder prompt {other:?}"),
+                }
                 assert!(q.arrival >= last, "{w}: arrivals in order");
                 last = q.arrival;
             }

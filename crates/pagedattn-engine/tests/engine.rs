@@ -53,6 +53,7 @@ fn requests(
         .into_iter()
         .map(|r| EngineRequest {
             arrival: r.arrival,
+            encoder_prompt: None,
             prompt: match r.prompt {
                 Prompt::Tokens(t) => t,
                 other => panic!("{other:?}"),

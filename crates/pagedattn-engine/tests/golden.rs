@@ -61,6 +61,7 @@ fn greedy_tokens_match_on(backend: &str) {
         .map(|c| EngineRequest {
             arrival: 0.0,
             prompt: ids(&c["prompt_ids"]),
+            encoder_prompt: None,
             max_new_tokens: 32,
             n: 1,
             sampling: SamplingParams::default(),

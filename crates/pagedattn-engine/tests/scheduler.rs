@@ -612,6 +612,8 @@ fn a_stop_token_ends_a_sample_early() {
             num_samples: 1,
             sample: 0,
             is_decode: false,
+            cross: None,
+            encoder_only: false,
         }],
         ..StepBatch::default()
     })[0]

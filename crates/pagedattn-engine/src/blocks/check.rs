@@ -40,7 +40,7 @@ impl BlockManager {
                 s.computed
             ));
         }
-        let hashed = if self.config.prefix_caching {
+        let hashed = if self.config.prefix_caching && !s.cross {
             s.computed / bs
         } else {
             0
@@ -51,9 +51,13 @@ impl BlockManager {
                 s.hashes.len()
             ));
         }
-        let released = self.config.sliding_window.map_or(0, |w| {
-            ((s.computed + 1).saturating_sub(w) / bs).min(s.table.len())
-        });
+        let released = self
+            .config
+            .sliding_window
+            .filter(|_| !s.cross)
+            .map_or(0, |w| {
+                ((s.computed + 1).saturating_sub(w) / bs).min(s.table.len())
+            });
         if s.released != released {
             return Err(format!(
                 "{} blocks released, the window implies {released}",

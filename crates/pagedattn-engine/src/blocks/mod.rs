@@ -165,6 +165,11 @@ struct SeqState {
     computed: usize,
     /// Chained hashes of the full computed blocks (prefix caching only), block by block.
     hashes: Vec<BlockHash>,
+    /// Whether the blocks hold an encoder's cross-attention keys and values (a cross cache):
+    /// never indexed for prefix caching (their contents are the cross layers', not the
+    /// decoder's), never released by the sliding window (a decoder query sees every encoder
+    /// token).
+    cross: bool,
 }
 
 impl SeqState {
@@ -336,10 +341,46 @@ impl BlockManager {
             tokens: tokens.to_vec(),
             computed,
             hashes: hits.into_iter().map(|(h, _)| h).collect(),
+            cross: false,
         };
         self.release_out_of_window(&mut state);
         self.seqs.insert(seq, state);
         Ok(computed)
+    }
+
+    /// Gives the new sequence `seq` device blocks for the cross-attention keys and values of
+    /// an encoder prompt of `tokens` (an encoder-decoder request's cross cache), none of them
+    /// computed. Such a sequence is never looked up in nor added to the prefix cache, nor
+    /// released by the sliding window; it swaps and frees like any other.
+    pub fn allocate_cross(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(), BlockError> {
+        if tokens.is_empty() {
+            return Err(invalid(
+                "tokens",
+                "[] (0 tokens)",
+                "an encoder prompt of at least one token",
+            ));
+        }
+        if self.seqs.contains_key(&seq) {
+            return Err(invalid("seq", seq, "a sequence without blocks"));
+        }
+        let blocks = self.blocks_for(tokens.len());
+        self.ensure_device_free(blocks)?;
+        let table = (0..blocks)
+            .map(|_| self.take_device())
+            .collect::<Result<Vec<_>, _>>()?;
+        self.seqs.insert(
+            seq,
+            SeqState {
+                location: Location::Device,
+                table,
+                released: 0,
+                tokens: tokens.to_vec(),
+                computed: 0,
+                hashes: Vec::new(),
+                cross: true,
+            },
+        );
+        Ok(())
     }
 
     /// Device blocks that [`append`](Self::append)ing `n` tokens to `seq` would take: one per
@@ -384,7 +425,7 @@ impl BlockManager {
         }
         let mut s = self.seqs.remove(&seq).ok_or_else(|| unknown(seq))?;
         s.computed = computed;
-        if self.config.prefix_caching {
+        if self.config.prefix_caching && !s.cross {
             let bs = self.config.block_size;
             for i in s.hashes.len()..computed / bs {
                 let h = self
@@ -631,7 +672,7 @@ impl BlockManager {
     /// Releases the leading blocks entirely before the window of the sequence's next query
     /// (at position `computed`, seeing keys from `computed + 1 - W`).
     fn release_out_of_window(&mut self, s: &mut SeqState) {
-        let Some(w) = self.config.sliding_window else {
+        let Some(w) = self.config.sliding_window.filter(|_| !s.cross) else {
             return;
         };
         let keep_from =

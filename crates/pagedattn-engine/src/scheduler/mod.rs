@@ -77,6 +77,13 @@ pub struct RequestSpec {
     pub n: usize,
     /// Token ids that end a sample (EOS); the stop token is part of the sample's output.
     pub stop_tokens: Vec<u32>,
+    /// An encoder-decoder request's encoder prompt (not empty): the encoder runs over it once,
+    /// at the request's first decoder step, whose cross-attention writes its keys and values
+    /// into the request's cross-cache blocks; every later step reads them there.
+    pub encoder_prompt: Option<Vec<u32>>,
+    /// Whether this is an encoder-only request ([`RequestSpec::encode`]): `prompt` is computed
+    /// in one step, bidirectionally and without blocks, and nothing is generated.
+    pub encoder_only: bool,
 }
 
 impl RequestSpec {
@@ -88,7 +95,25 @@ impl RequestSpec {
             max_new_tokens,
             n: 1,
             stop_tokens: Vec::new(),
+            encoder_prompt: None,
+            encoder_only: false,
         }
+    }
+
+    /// An encoder-only request: `tokens` encoded in one step (so at most the step's token
+    /// budget), finished with it; nothing is generated (`max_new_tokens` and `n` play no
+    /// part).
+    pub fn encode(id: RequestId, tokens: Vec<u32>) -> Self {
+        RequestSpec {
+            encoder_only: true,
+            ..RequestSpec::new(id, tokens, 1)
+        }
+    }
+
+    /// With an encoder prompt (an encoder-decoder request).
+    pub fn encoder_prompt(mut self, tokens: Vec<u32>) -> Self {
+        self.encoder_prompt = Some(tokens);
+        self
     }
 
     /// With `n` samples.
@@ -136,7 +161,8 @@ pub struct SampleOutput {
 /// Something the engine reports after a step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StepEvent {
-    /// Every sample of a request has finished; samples in sample order.
+    /// Every sample of a request has finished; samples in sample order (none for an
+    /// encoder-only request).
     Finished {
         /// The request.
         request: RequestId,
@@ -329,17 +355,68 @@ impl Scheduler {
                 format!("in [1, {max_n}] (the step budgets hold every sample's decode)"),
             ));
         }
+        if spec.encoder_only {
+            if spec.encoder_prompt.is_some() {
+                return Err(reject(
+                    "encoder_prompt",
+                    "given".into(),
+                    "none for an encoder-only request (its prompt is what it encodes)".into(),
+                ));
+            }
+            if spec.prompt.len() > c.max_batched_tokens {
+                return Err(reject(
+                    "prompt",
+                    format!("{} tokens", spec.prompt.len()),
+                    format!(
+                        "at most max_batched_tokens = {} (an encoder-only prompt is computed in one step)",
+                        c.max_batched_tokens
+                    ),
+                ));
+            }
+            self.queue(spec, None);
+            return Ok(());
+        }
         let b = &c.blocks;
+        let mut cross_blocks = 0;
+        if let Some(encoder) = &spec.encoder_prompt {
+            // The encoder runs in the step of the first decoder chunk, one token at least.
+            if encoder.is_empty() || encoder.len() >= c.max_batched_tokens {
+                return Err(reject(
+                    "encoder_prompt",
+                    format!("{} tokens", encoder.len()),
+                    format!(
+                        "in [1, {}] (the encoder runs in one step with at least one decoder token, under max_batched_tokens = {})",
+                        c.max_batched_tokens.saturating_sub(1),
+                        c.max_batched_tokens
+                    ),
+                ));
+            }
+            if b.prefix_caching {
+                return Err(reject(
+                    "encoder_prompt",
+                    format!("{} tokens", encoder.len()),
+                    "none while prefix caching is on (the decoder's cached keys depend on the encoder's output, which the prefix hash does not cover)".into(),
+                ));
+            }
+            cross_blocks = encoder.len().div_ceil(b.block_size);
+        }
         let tokens = spec.prompt.len() + spec.max_new_tokens - 1;
-        let needed = spec.n.saturating_mul(tokens.div_ceil(b.block_size));
+        let needed = spec
+            .n
+            .saturating_mul(tokens.div_ceil(b.block_size))
+            .saturating_add(cross_blocks);
         if needed > b.num_device_blocks {
             return Err(reject(
                 "prompt + max_new_tokens",
                 format!(
-                    "{} + {} tokens in {} samples",
+                    "{} + {} tokens in {} samples{}",
                     spec.prompt.len(),
                     spec.max_new_tokens,
-                    spec.n
+                    spec.n,
+                    spec.encoder_prompt
+                        .as_ref()
+                        .map(|e| format!(", {} encoder tokens", e.len()))
+                        .unwrap_or_default()
                 ),
                 format!(
                     "at most {} device blocks of {} tokens in all ({needed} needed)",
@@ -347,6 +424,16 @@ impl Scheduler {
                 ),
             ));
         }
+        let cross = spec.encoder_prompt.is_some().then(|| {
+            self.next_seq += 1;
+            self.next_seq - 1
+        });
+        self.queue(spec, cross);
+        Ok(())
+    }
+
+    /// Queues an accepted request (with its cross-cache sequence's id, if it has one).
+    fn queue(&mut self, spec: RequestSpec, cross: Option<SeqId>) {
         let seq = Seq {
             id: self.next_seq,
             tokens: spec.prompt.clone(),
@@ -358,12 +445,12 @@ impl Scheduler {
             arrival: self.next_arrival,
             seqs: vec![seq],
             sampled: false,
+            cross,
             spec,
         };
         self.next_arrival += 1;
         self.waiting.insert(request.key());
         self.requests.insert(request.spec.id, request);
-        Ok(())
     }
 
     /// Takes the step's sampled tokens (one entry per scheduled sequence, `num_samples`
@@ -383,8 +470,22 @@ impl Scheduler {
         let batch = self.in_flight.take().unwrap_or_default();
         let mut touched = Vec::new();
         for (s, tokens) in batch.seqs.iter().zip(sampled) {
+            if s.encoder_only {
+                // Its one step is its whole work.
+                touched.push(s.request);
+                continue;
+            }
             self.blocks
                 .mark_computed(s.seq, s.cached + s.tokens.len())?;
+            if let Some(c) = &s.cross {
+                if c.encoder_tokens.is_some() {
+                    let id = self.requests.get(&s.request).and_then(|r| r.cross);
+                    let id = id.ok_or_else(|| {
+                        invalid("request", s.request, "a request with a cross cache")
+                    })?;
+                    self.blocks.mark_computed(id, c.len)?;
+                }
+            }
             if !tokens.is_empty() {
                 self.take_samples(s.request, s.seq, tokens)?;
                 if !touched.contains(&s.request) {
@@ -397,6 +498,9 @@ impl Scheduler {
             if let Some(samples) = self.finished_samples(id) {
                 if let Some(r) = self.requests.remove(&id) {
                     self.running.remove(&r.key());
+                    if let Some(cross) = r.cross {
+                        self.blocks.free(cross)?;
+                    }
                 }
                 self.stats.finished_requests += 1;
                 events.push(StepEvent::Finished {
@@ -463,9 +567,13 @@ impl Scheduler {
         Ok(())
     }
 
-    /// The outputs of request `id` if every sample has finished.
+    /// The outputs of request `id` if every sample has finished (none for an encoder-only
+    /// request, finished by its one step).
     fn finished_samples(&self, id: RequestId) -> Option<Vec<SampleOutput>> {
         let r = self.requests.get(&id)?;
+        if r.spec.encoder_only {
+            return Some(Vec::new());
+        }
         r.seqs
             .iter()
             .map(|s| {

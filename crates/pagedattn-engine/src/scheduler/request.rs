@@ -28,6 +28,10 @@ pub(crate) struct Request {
     pub(crate) seqs: Vec<Seq>,
     /// Whether the prompt's sampling has happened (it forks an `n`-sample request once).
     pub(crate) sampled: bool,
+    /// The id of its cross-cache sequence in the block manager (encoder-decoder requests):
+    /// blocks for the encoder prompt, held from admission to finish, swapped with the
+    /// request, freed with it on a recompute preemption.
+    pub(crate) cross: Option<SeqId>,
 }
 
 impl Request {
@@ -44,6 +48,14 @@ impl Request {
     /// The ids of its sequences still generating.
     pub(crate) fn live_ids(&self) -> Vec<SeqId> {
         self.live().map(|s| s.id).collect()
+    }
+
+    /// The ids of the block-manager sequences it holds blocks for: its live sequences and
+    /// its cross cache (moved together by a swap).
+    pub(crate) fn block_ids(&self) -> Vec<SeqId> {
+        let mut ids = self.live_ids();
+        ids.extend(self.cross);
+        ids
     }
 
     /// How many tokens the last chunk of a prompt samples: `n` for the request's first

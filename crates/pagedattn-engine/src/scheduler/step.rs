@@ -1,7 +1,7 @@
 //! One step's scheduling: decodes (preempting when blocks run out), swap-ins, prompt chunks
 //! and admissions, under the budgets.
 
-use crate::batch::{RequestId, ScheduledSeq, SeqId, StepBatch};
+use crate::batch::{CrossSeq, RequestId, ScheduledSeq, SeqId, StepBatch};
 
 use super::{invalid, Preemption, PreemptionPolicy, Scheduler, SchedulerError, StepEvent};
 
@@ -135,6 +135,7 @@ impl Scheduler {
             if let Some(pair) = self.blocks.append(seq, &[last])? {
                 draft.batch.copies.push(pair);
             }
+            let cross = self.cross_seq(id, false)?;
             draft.decodes.push(ScheduledSeq {
                 seq,
                 request: id,
@@ -144,6 +145,8 @@ impl Scheduler {
                 num_samples: 1,
                 sample,
                 is_decode: true,
+                cross,
+                encoder_only: false,
             });
             budget.tokens -= 1;
             budget.seqs -= 1;
@@ -156,7 +159,7 @@ impl Scheduler {
     fn swap_in(&mut self, budget: &mut Budget, draft: &mut Draft) -> Result<(), SchedulerError> {
         while let Some(&key) = self.swapped.first() {
             let id = key.1;
-            let seqs = self.requests[&id].live_ids();
+            let seqs = self.requests[&id].block_ids();
             let decodes = self.decoding_seqs(id).len();
             let needed = self.blocks.blocks_to_swap(&seqs)? + decodes + self.watermark();
             if needed > self.blocks.free_device_blocks() || !budget.fits(decodes) {
@@ -180,10 +183,26 @@ impl Scheduler {
             }
             let id = key.1;
             let r = &self.requests[&id];
+            if r.spec.encoder_only {
+                // One step, no blocks: it waits for a step with room for its whole prompt.
+                if r.spec.prompt.len() > budget.tokens {
+                    break;
+                }
+                self.schedule_encoder_only(id, budget, draft);
+                self.waiting.remove(&key);
+                self.running.insert(key);
+                continue;
+            }
+            let encoder = r.spec.encoder_prompt.as_deref().unwrap_or_default();
+            // The encoder runs in this step, with at least one decoder token.
+            if !encoder.is_empty() && encoder.len() >= budget.tokens {
+                break;
+            }
             let needed: usize = r
                 .live()
                 .map(|s| self.blocks.blocks_needed_to_allocate(&s.tokens))
-                .sum();
+                .sum::<usize>()
+                + encoder.len().div_ceil(self.config.blocks.block_size);
             if needed + self.watermark() > self.blocks.free_device_blocks() {
                 break;
             }
@@ -194,11 +213,54 @@ impl Scheduler {
             {
                 self.blocks.allocate(s.0, &s.1)?;
             }
+            if let Some(cross) = r.cross {
+                let encoder = encoder.to_vec();
+                self.blocks.allocate_cross(cross, &encoder)?;
+                budget.tokens -= encoder.len();
+            }
             self.waiting.remove(&key);
             self.running.insert(key);
             self.schedule_prompt_chunks(id, budget, draft)?;
         }
         Ok(())
+    }
+
+    /// Schedules encoder-only request `id`'s whole prompt; the caller has checked the
+    /// budget.
+    fn schedule_encoder_only(&mut self, id: RequestId, budget: &mut Budget, draft: &mut Draft) {
+        let r = &self.requests[&id];
+        let s = &r.seqs[0];
+        draft.prefills.push(ScheduledSeq {
+            seq: s.id,
+            request: id,
+            cached: 0,
+            tokens: s.tokens.clone(),
+            block_table: Vec::new(),
+            num_samples: 0,
+            sample: 0,
+            is_decode: false,
+            cross: None,
+            encoder_only: true,
+        });
+        budget.tokens -= s.tokens.len();
+        budget.seqs -= 1;
+    }
+
+    /// What `id`'s sequences scheduled now read through cross-attention (`None` for a
+    /// request without an encoder): with the encoder prompt to run if `first` (the first of
+    /// its sequences scheduled in this step) and its cross keys and values are not yet
+    /// written.
+    fn cross_seq(&self, id: RequestId, first: bool) -> Result<Option<CrossSeq>, SchedulerError> {
+        let r = &self.requests[&id];
+        let (Some(cross), Some(encoder)) = (r.cross, &r.spec.encoder_prompt) else {
+            return Ok(None);
+        };
+        let write = first && self.blocks.num_computed(cross)? == 0;
+        Ok(Some(CrossSeq {
+            len: encoder.len(),
+            block_table: self.blocks.block_table(cross)?,
+            encoder_tokens: write.then(|| encoder.clone()),
+        }))
     }
 
     /// The next chunk of each of `id`'s sequences still computing its prompt, as the budget
@@ -210,6 +272,11 @@ impl Scheduler {
         draft: &mut Draft,
     ) -> Result<(), SchedulerError> {
         let r = &self.requests[&id];
+        if r.spec.encoder_only {
+            // Scheduled whole at admission, finished by that step.
+            return Ok(());
+        }
+        let mut first = true;
         for (sample, s) in r.seqs.iter().enumerate() {
             if s.finished.is_some() || s.decoding {
                 continue;
@@ -229,7 +296,10 @@ impl Scheduler {
                 num_samples: if last { r.samples_at_prompt_end() } else { 0 },
                 sample,
                 is_decode: false,
+                cross: self.cross_seq(id, first)?,
+                encoder_only: false,
             });
+            first = false;
             budget.tokens -= len;
             budget.seqs -= 1;
         }
@@ -241,7 +311,7 @@ impl Scheduler {
     fn preempt(&mut self, id: RequestId, draft: &mut Draft) -> Result<(), SchedulerError> {
         let r = &self.requests[&id];
         let key = r.key();
-        let seqs = r.live_ids();
+        let seqs = r.block_ids();
         let swap = match self.config.preemption {
             PreemptionPolicy::Swap => true,
             PreemptionPolicy::Recompute => false,
