@@ -231,7 +231,7 @@ run() {
     # GGUF at PAGEDATTN_SMOLLM2, default models/; its absence fails the part). The output
     # joins info.log.
     local workload served=0 refused=0 part_log
-    for workload in chat long-context shared-prefix; do
+    for workload in chat long-context shared-prefix encoder encoder-decoder; do
         echo "==== pagedattn run --backend cuda --workload $workload --verify" >>"$log"
         if timeout "$TIMEOUT" "$BIN/pagedattn" run --backend cuda --workload "$workload" \
             --requests 8 --max-new-tokens 16 --verify >>"$log" 2>&1; then

@@ -49,6 +49,7 @@ fn requests(model: &dyn Model, workload: Builtin, count: usize) -> Vec<EngineReq
         max_context: model.max_context(),
         max_new_tokens: 64,
         sampling: SamplingParams::default(),
+        ignore_eos: false,
         seed: 3,
     };
     let ids = |p: Prompt| match p {
@@ -65,7 +66,7 @@ fn requests(model: &dyn Model, workload: Builtin, count: usize) -> Vec<EngineReq
             max_new_tokens: r.max_new_tokens,
             n: r.n,
             sampling: r.sampling,
-            ignore_eos: false,
+            ignore_eos: r.ignore_eos,
         })
         .collect()
 }
