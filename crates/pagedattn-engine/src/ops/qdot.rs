@@ -26,9 +26,9 @@ impl QIsa {
     /// The kernels for `isa`: AVX512-VNNI for the AVX-512 sets when the CPU has VNNI (AVX2
     /// otherwise), AVX2 for AVX2, scalar for the rest.
     pub fn of(isa: pagedattn::cpu::Isa) -> QIsa {
-        use pagedattn::cpu::Isa;
         #[cfg(target_arch = "x86_64")]
         {
+            use pagedattn::cpu::Isa;
             let vnni = std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512bw")
                 && std::arch::is_x86_feature_detected!("avx512vnni");
