@@ -13,7 +13,8 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use pagedattn::replay::{ReplayCase, ReplayOutput};
-use pagedattn::{registry, replay, Backend, DType, Error, Result};
+use pagedattn::{registry, replay, Backend, Error, Result};
+use pagedattn_engine::verify::{tolerance, worst_difference};
 
 #[derive(Parser)]
 #[command(name = "pagedattn", version, about = "Attention over a paged KV cache")]
@@ -164,43 +165,6 @@ fn forward(input: &Path, backend: &str, output: &Path) -> Result<()> {
     let line = describe(&case, backend.as_ref(), ms);
     print_ignoring_closed_pipe(&format!("{line} -> {}\n", output.display()));
     Ok(())
-}
-
-/// How far an output may be from `reference`'s beyond one ulp of the element's own dtype, as
-/// a fraction of the output's largest magnitude: f32 kernels differ by f32 roundings, and the
-/// bf16 kernels round probabilities to bf16 for their P·V (at most 2^-8 of the values' scale;
-/// README "bf16 rounding").
-fn tolerance(dtype: DType) -> (f32, f32) {
-    // (one ulp, allowance)
-    match dtype {
-        DType::F32 => (f32::EPSILON, 1e-5),
-        DType::F16 => (2f32.powi(-10), 2e-3),
-        _ => (2f32.powi(-7), 1e-2),
-    }
-}
-
-/// The largest `|got - want|` beyond one ulp, over the largest `|want|`; NaN where an element
-/// of either is not finite.
-fn worst_difference(got: &[f32], want: &[f32], ulp: f32) -> f32 {
-    let scale = want.iter().fold(f32::MIN_POSITIVE, |m, x| m.max(x.abs()));
-    got.iter()
-        .zip(want)
-        .map(|(&a, &b)| {
-            let beyond = (a - b).abs() - ulp * a.abs().max(b.abs());
-            // (`f32::max` would drop a NaN.)
-            if beyond.is_nan() {
-                f32::NAN
-            } else {
-                beyond.max(0.0) / scale
-            }
-        })
-        .fold(0.0f32, |w, e| {
-            if e.is_nan() || w.is_nan() {
-                f32::NAN
-            } else {
-                w.max(e)
-            }
-        })
 }
 
 /// `pagedattn run --input CASE`: the case on `backend`, checked against `reference`.
@@ -519,26 +483,5 @@ fn main() -> ExitCode {
             eprintln!("error: {line}");
             ExitCode::from(2)
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn worst_difference_scales_by_the_largest_output_and_flags_nan() {
-        let want = [1.0, -4.0, 0.001];
-        let ulp = 2f32.powi(-7);
-        // Within one ulp of each element: nothing beyond it.
-        let got = [1.0 + ulp / 2.0, -4.0, 0.001];
-        assert_eq!(worst_difference(&got, &want, ulp), 0.0);
-        // 0.04 off an element, beyond its ulp (0.001 * 2^-7), over the largest |want| 4.
-        let got = [1.0, -4.0, 0.041];
-        let w = worst_difference(&got, &want, ulp);
-        assert!((w - (0.04 - ulp * 0.041) / 4.0).abs() < 1e-6, "{w}");
-        let (_, tol) = tolerance(DType::BF16);
-        assert!(worst_difference(&[0.0; 3], &want, ulp) > tol);
-        assert!(worst_difference(&[1.0, f32::NAN, 0.001], &want, ulp).is_nan());
     }
 }

@@ -583,26 +583,26 @@ impl<'a> Engine<'a> {
         let mut generated = 0;
         for s in &batch.seqs {
             let mut tokens = Vec::with_capacity(s.num_samples);
-            let output = buf.logits.get(row * width..(row + 1) * width);
-            if s.encoder_only {
-                let pooled = output.ok_or_else(|| {
-                    Error::Model(format!(
-                        "{} output rows for {} sequences",
-                        buf.logits.len() / width.max(1),
-                        batch.seqs.len()
-                    ))
-                })?;
+            // An encoder-only sequence's pooled state, or a sampling one's logits.
+            let output = if s.encoder_only || s.num_samples > 0 {
                 row += 1;
+                Some(
+                    buf.logits
+                        .get((row - 1) * width..row * width)
+                        .ok_or_else(|| {
+                            Error::Model(format!(
+                                "{} output rows for {} sequences",
+                                buf.logits.len() / width.max(1),
+                                batch.seqs.len()
+                            ))
+                        })?,
+                )
+            } else {
+                None
+            };
+            if let (true, Some(pooled)) = (s.encoder_only, output) {
                 self.report.requests[s.request as usize].pooled = Some(pooled.to_vec());
-            } else if s.num_samples > 0 {
-                let logits = output.ok_or_else(|| {
-                    Error::Model(format!(
-                        "{} output rows for {} sequences",
-                        buf.logits.len() / width.max(1),
-                        batch.seqs.len()
-                    ))
-                })?;
-                row += 1;
+            } else if let Some(logits) = output {
                 let params = self.sampling.get(&s.request).copied().unwrap_or_default();
                 // The draw of sample i at position p depends on (seed + i, p) only: neither
                 // the batch nor a preemption changes it.

@@ -333,3 +333,24 @@ pub fn worst_difference(got: &[f32], want: &[f32], ulp: f32) -> f32 {
             }
         })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worst_difference_scales_by_the_largest_output_and_flags_nan() {
+        let want = [1.0, -4.0, 0.001];
+        let ulp = 2f32.powi(-7);
+        // Within one ulp of each element: nothing beyond it.
+        let got = [1.0 + ulp / 2.0, -4.0, 0.001];
+        assert_eq!(worst_difference(&got, &want, ulp), 0.0);
+        // 0.04 off an element, beyond its ulp (0.001 * 2^-7), over the largest |want| 4.
+        let got = [1.0, -4.0, 0.041];
+        let w = worst_difference(&got, &want, ulp);
+        assert!((w - (0.04 - ulp * 0.041) / 4.0).abs() < 1e-6, "{w}");
+        let (_, tol) = tolerance(DType::BF16);
+        assert!(worst_difference(&[0.0; 3], &want, ulp) > tol);
+        assert!(worst_difference(&[1.0, f32::NAN, 0.001], &want, ulp).is_nan());
+    }
+}

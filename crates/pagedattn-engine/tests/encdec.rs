@@ -3,127 +3,37 @@
 //! leaked, preemption (swap and recompute) changing no greedy token; and the scheduler's cross
 //! blocks (allocated at admission, written once, swapped with the request, freed at finish).
 
-use std::sync::atomic::AtomicBool;
-
-use pagedattn::registry;
 use pagedattn_engine::blocks::BlockConfig;
-use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
-use pagedattn_engine::model::{Model, ModelKind};
-use pagedattn_engine::ops::SamplingParams;
-use pagedattn_engine::report::Report;
+use pagedattn_engine::engine::EngineRequest;
+use pagedattn_engine::model::ModelKind;
 use pagedattn_engine::scheduler::{
     PreemptionPolicy, RequestSpec, Sampled, Scheduler, SchedulerConfig, StepEvent,
 };
 use pagedattn_engine::synthetic::SyntheticConfig;
 use pagedattn_engine::verify::VerifyMode;
-use pagedattn_engine::workload::{Builtin, BuiltinParams, Prompt};
+use pagedattn_engine::workload::Builtin;
 
-/// A small synthetic model of `kind` (fast enough for `reference`).
-fn small(kind: ModelKind) -> SyntheticConfig {
-    let base = match kind {
-        ModelKind::EncoderOnly => SyntheticConfig::encoder_only(),
-        ModelKind::EncoderDecoder => SyntheticConfig::encoder_decoder(),
-        ModelKind::Decoder => SyntheticConfig::default(),
-    };
-    SyntheticConfig {
-        encoder_layers: if kind == ModelKind::Decoder { 0 } else { 2 },
-        layers: if kind == ModelKind::EncoderOnly { 0 } else { 2 },
-        hidden: 64,
-        ffn: 128,
-        heads: 4,
-        kv_heads: 2,
-        head_size: 16,
-        vocab: 256,
-        max_context: 600,
-        ..base
-    }
-}
+mod common;
 
-/// The requests of `workload` for `model`.
-fn requests(model: &dyn Model, workload: Builtin, count: usize) -> Vec<EngineRequest> {
-    let params = BuiltinParams {
-        requests: count,
-        rate: None,
-        first_token: model.first_plain_token(),
-        vocab: model.vocab_size() as u32,
-        max_context: model.max_context(),
-        max_new_tokens: 64,
-        sampling: SamplingParams::default(),
-        ignore_eos: false,
-        seed: 3,
-    };
-    let ids = |p: Prompt| match p {
-        Prompt::Tokens(t) => t,
-        other => panic!("{other:?}"),
-    };
-    workload
-        .requests(&params)
-        .into_iter()
-        .map(|r| EngineRequest {
-            arrival: r.arrival,
-            prompt: ids(r.prompt),
-            encoder_prompt: r.encoder_prompt.map(ids),
-            max_new_tokens: r.max_new_tokens,
-            n: r.n,
-            sampling: r.sampling,
-            ignore_eos: r.ignore_eos,
-        })
-        .collect()
-}
-
-/// Serves `requests` on `backend` with `blocks` device blocks of 16 tokens.
-fn serve(
-    backend: &str,
-    model: &SyntheticConfig,
-    requests: Vec<EngineRequest>,
-    blocks: usize,
-    policy: PreemptionPolicy,
-    verify: VerifyMode,
-) -> Report {
-    let backend = registry::backend(backend).unwrap();
-    let config = EngineConfig {
-        scheduler: SchedulerConfig {
-            max_batched_tokens: 1024,
-            max_seqs: 32,
-            preemption: policy,
-            blocks: BlockConfig {
-                block_size: 16,
-                num_device_blocks: blocks,
-                num_host_blocks: blocks,
-                // (The engine turns it off for an encoder-decoder model.)
-                prefix_caching: true,
-                sliding_window: None,
-                watermark_blocks: 1,
-            },
-        },
-        verify,
-        seed: 1,
-    };
-    let engine = Engine::new(backend.as_ref(), model.build_model().unwrap(), &config).unwrap();
-    engine
-        .run("test", requests, &AtomicBool::new(false), &mut |_, _, _| {})
-        .unwrap()
-}
-
-fn generated(report: &Report) -> Vec<Vec<Vec<u32>>> {
-    report
-        .requests
-        .iter()
-        .map(|r| r.generated.clone())
-        .collect()
-}
+use common::{generated, requests, serve, small};
 
 #[test]
 fn encoder_and_encoder_decoder_workloads_complete_verified_on_cpu_and_reference() {
     let mut pooled = Vec::new();
     for backend in ["cpu", "reference"] {
         let model = small(ModelKind::EncoderOnly);
-        let reqs = requests(model.build_model().unwrap().as_ref(), Builtin::Encoder, 8);
+        let reqs = requests(
+            model.build_model().unwrap().as_ref(),
+            Builtin::Encoder,
+            8,
+            64,
+            3,
+        );
         let report = serve(
             backend,
             &model,
             reqs.clone(),
-            64,
+            (64, 1024),
             PreemptionPolicy::Auto,
             VerifyMode::Every,
         );
@@ -150,13 +60,15 @@ fn encoder_and_encoder_decoder_workloads_complete_verified_on_cpu_and_reference(
             model.build_model().unwrap().as_ref(),
             Builtin::EncoderDecoder,
             6,
+            64,
+            3,
         );
         let want: usize = reqs.iter().map(|r| r.max_new_tokens).sum();
         let report = serve(
             backend,
             &model,
             reqs,
-            256,
+            (256, 1024),
             PreemptionPolicy::Auto,
             VerifyMode::Every,
         );
@@ -189,6 +101,8 @@ fn preemption_of_encoder_decoder_requests_changes_no_greedy_token() {
         model.build_model().unwrap().as_ref(),
         Builtin::EncoderDecoder,
         10,
+        64,
+        3,
     )
     .into_iter()
     .map(|r| EngineRequest {
@@ -200,7 +114,7 @@ fn preemption_of_encoder_decoder_requests_changes_no_greedy_token() {
         "cpu",
         &model,
         reqs.clone(),
-        512,
+        (512, 1024),
         PreemptionPolicy::Auto,
         VerifyMode::Sampled(0.2),
     );
@@ -215,7 +129,7 @@ fn preemption_of_encoder_decoder_requests_changes_no_greedy_token() {
             "cpu",
             &model,
             reqs.clone(),
-            32,
+            (32, 1024),
             policy,
             VerifyMode::Sampled(0.2),
         );
@@ -238,13 +152,15 @@ fn requests_that_do_not_fit_the_model_kind_are_rejected_with_the_reason() {
         model.build_model().unwrap().as_ref(),
         Builtin::EncoderDecoder,
         2,
+        64,
+        3,
     );
     reqs[1].encoder_prompt = None;
     let report = serve(
         "cpu",
         &model,
         reqs.clone(),
-        64,
+        (64, 1024),
         PreemptionPolicy::Auto,
         VerifyMode::Off,
     );
@@ -259,7 +175,7 @@ fn requests_that_do_not_fit_the_model_kind_are_rejected_with_the_reason() {
         "cpu",
         &decoder,
         reqs[1..].to_vec(),
-        64,
+        (64, 1024),
         PreemptionPolicy::Auto,
         VerifyMode::Off,
     );

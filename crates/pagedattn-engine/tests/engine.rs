@@ -2,123 +2,29 @@
 //! attention call verified against `reference`, no block leaked, and preemption (by swap and
 //! by recompute) changing no greedy token.
 
-use std::sync::atomic::AtomicBool;
-
-use pagedattn::{registry, KvCacheDtype};
-use pagedattn_engine::blocks::BlockConfig;
-use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
-use pagedattn_engine::model::Model;
-use pagedattn_engine::ops::SamplingParams;
-use pagedattn_engine::report::Report;
-use pagedattn_engine::scheduler::{PreemptionPolicy, SchedulerConfig};
+use pagedattn::KvCacheDtype;
+use pagedattn_engine::model::ModelKind;
+use pagedattn_engine::scheduler::PreemptionPolicy;
 use pagedattn_engine::synthetic::SyntheticConfig;
 use pagedattn_engine::verify::VerifyMode;
-use pagedattn_engine::workload::{Builtin, BuiltinParams, Prompt};
+use pagedattn_engine::workload::Builtin;
 
-/// A small synthetic model (fast enough for `reference`).
-fn small() -> SyntheticConfig {
-    SyntheticConfig {
-        layers: 2,
-        hidden: 64,
-        ffn: 128,
-        heads: 4,
-        kv_heads: 2,
-        head_size: 16,
-        vocab: 256,
-        max_context: 512,
-        ..SyntheticConfig::default()
-    }
-}
+mod common;
 
-/// The requests of `workload` for `model`.
-fn requests(
-    model: &dyn Model,
-    workload: Builtin,
-    count: usize,
-    max_new: usize,
-) -> Vec<EngineRequest> {
-    let params = BuiltinParams {
-        requests: count,
-        rate: None,
-        first_token: model.first_plain_token(),
-        vocab: model.vocab_size() as u32,
-        max_context: model.max_context(),
-        max_new_tokens: max_new,
-        sampling: SamplingParams::default(),
-        ignore_eos: false,
-        seed: 7,
-    };
-    workload
-        .requests(&params)
-        .into_iter()
-        .map(|r| EngineRequest {
-            arrival: r.arrival,
-            encoder_prompt: None,
-            prompt: match r.prompt {
-                Prompt::Tokens(t) => t,
-                other => panic!("{other:?}"),
-            },
-            max_new_tokens: r.max_new_tokens,
-            n: r.n,
-            sampling: r.sampling,
-            ignore_eos: r.ignore_eos,
-        })
-        .collect()
-}
-
-/// Serves `requests` on `backend` with `blocks` device blocks of 16 tokens.
-fn serve(
-    backend: &str,
-    model: &SyntheticConfig,
-    requests: Vec<EngineRequest>,
-    blocks: usize,
-    policy: PreemptionPolicy,
-    verify: VerifyMode,
-) -> Report {
-    let backend = registry::backend(backend).unwrap();
-    let config = EngineConfig {
-        scheduler: SchedulerConfig {
-            max_batched_tokens: 256,
-            max_seqs: 32,
-            preemption: policy,
-            blocks: BlockConfig {
-                block_size: 16,
-                num_device_blocks: blocks,
-                num_host_blocks: blocks,
-                prefix_caching: true,
-                sliding_window: None,
-                watermark_blocks: 1,
-            },
-        },
-        verify,
-        seed: 1,
-    };
-    let engine = Engine::new(backend.as_ref(), Box::new(model.build().unwrap()), &config).unwrap();
-    engine
-        .run("test", requests, &AtomicBool::new(false), &mut |_, _, _| {})
-        .unwrap()
-}
-
-fn generated(report: &Report) -> Vec<Vec<Vec<u32>>> {
-    report
-        .requests
-        .iter()
-        .map(|r| r.generated.clone())
-        .collect()
-}
+use common::{generated, requests, serve, small};
 
 #[test]
 fn every_builtin_workload_completes_verified_on_cpu_and_reference() {
     for backend in ["cpu", "reference"] {
         for workload in [Builtin::Chat, Builtin::LongContext, Builtin::SharedPrefix] {
-            let model = small();
-            let reqs = requests(&model.build().unwrap(), workload, 6, 12);
+            let model = small(ModelKind::Decoder);
+            let reqs = requests(&model.build().unwrap(), workload, 6, 12, 7);
             let want: usize = reqs.iter().map(|r| r.n * r.max_new_tokens).sum();
             let report = serve(
                 backend,
                 &model,
                 reqs,
-                256,
+                (256, 256),
                 PreemptionPolicy::Auto,
                 VerifyMode::Every,
             );
@@ -149,7 +55,7 @@ fn preemption_changes_no_greedy_token() {
     // or two requests at a time and preempts often.
     let short = SyntheticConfig {
         max_context: 200,
-        ..small()
+        ..small(ModelKind::Decoder)
     };
     for features in [
         short.clone(),
@@ -164,12 +70,12 @@ fn preemption_changes_no_greedy_token() {
             ..short
         },
     ] {
-        let reqs = requests(&features.build().unwrap(), Builtin::Chat, 12, 64);
+        let reqs = requests(&features.build().unwrap(), Builtin::Chat, 12, 64, 7);
         let roomy = serve(
             "cpu",
             &features,
             reqs.clone(),
-            512,
+            (512, 256),
             PreemptionPolicy::Auto,
             VerifyMode::Sampled(0.2),
         );
@@ -182,7 +88,7 @@ fn preemption_changes_no_greedy_token() {
                 "cpu",
                 &features,
                 reqs.clone(),
-                16,
+                (16, 256),
                 policy,
                 VerifyMode::Sampled(0.2),
             );

@@ -1,0 +1,121 @@
+//! What the engine's end-to-end tests share: small synthetic models, a built-in workload's
+//! requests, and a run of the engine.
+
+#![allow(dead_code)] // (each test file uses a part)
+
+use std::sync::atomic::AtomicBool;
+
+use pagedattn::registry;
+use pagedattn_engine::blocks::BlockConfig;
+use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::model::{Model, ModelKind};
+use pagedattn_engine::ops::SamplingParams;
+use pagedattn_engine::report::Report;
+use pagedattn_engine::scheduler::{PreemptionPolicy, SchedulerConfig};
+use pagedattn_engine::synthetic::SyntheticConfig;
+use pagedattn_engine::verify::VerifyMode;
+use pagedattn_engine::workload::{Builtin, BuiltinParams, Prompt};
+
+/// A small synthetic model of `kind` (fast enough for `reference`).
+pub fn small(kind: ModelKind) -> SyntheticConfig {
+    let base = match kind {
+        ModelKind::EncoderOnly => SyntheticConfig::encoder_only(),
+        ModelKind::EncoderDecoder => SyntheticConfig::encoder_decoder(),
+        ModelKind::Decoder => SyntheticConfig::default(),
+    };
+    SyntheticConfig {
+        encoder_layers: if kind == ModelKind::Decoder { 0 } else { 2 },
+        layers: if kind == ModelKind::EncoderOnly { 0 } else { 2 },
+        hidden: 64,
+        ffn: 128,
+        heads: 4,
+        kv_heads: 2,
+        head_size: 16,
+        vocab: 256,
+        max_context: 600,
+        ..base
+    }
+}
+
+/// `count` requests of `workload` for `model`, at most `max_new` new tokens each, drawn from
+/// `seed`.
+pub fn requests(
+    model: &dyn Model,
+    workload: Builtin,
+    count: usize,
+    max_new: usize,
+    seed: u64,
+) -> Vec<EngineRequest> {
+    let params = BuiltinParams {
+        requests: count,
+        rate: None,
+        first_token: model.first_plain_token(),
+        vocab: model.vocab_size() as u32,
+        max_context: model.max_context(),
+        max_new_tokens: max_new,
+        sampling: SamplingParams::default(),
+        ignore_eos: false,
+        seed,
+    };
+    let ids = |p: Prompt| match p {
+        Prompt::Tokens(t) => t,
+        other => panic!("{other:?}"),
+    };
+    workload
+        .requests(&params)
+        .into_iter()
+        .map(|r| EngineRequest {
+            arrival: r.arrival,
+            prompt: ids(r.prompt),
+            encoder_prompt: r.encoder_prompt.map(ids),
+            max_new_tokens: r.max_new_tokens,
+            n: r.n,
+            sampling: r.sampling,
+            ignore_eos: r.ignore_eos,
+        })
+        .collect()
+}
+
+/// Serves `requests` on `backend` with `blocks` device blocks of 16 tokens (as many host
+/// blocks) and a budget of `max_batched_tokens` a step.
+pub fn serve(
+    backend: &str,
+    model: &SyntheticConfig,
+    requests: Vec<EngineRequest>,
+    (blocks, max_batched_tokens): (usize, usize),
+    policy: PreemptionPolicy,
+    verify: VerifyMode,
+) -> Report {
+    let backend = registry::backend(backend).unwrap();
+    let config = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_batched_tokens,
+            max_seqs: 32,
+            preemption: policy,
+            blocks: BlockConfig {
+                block_size: 16,
+                num_device_blocks: blocks,
+                num_host_blocks: blocks,
+                // (The engine turns it off for an encoder-decoder model.)
+                prefix_caching: true,
+                sliding_window: None,
+                watermark_blocks: 1,
+            },
+        },
+        verify,
+        seed: 1,
+    };
+    let engine = Engine::new(backend.as_ref(), model.build_model().unwrap(), &config).unwrap();
+    engine
+        .run("test", requests, &AtomicBool::new(false), &mut |_, _, _| {})
+        .unwrap()
+}
+
+/// Every request's samples' generated tokens.
+pub fn generated(report: &Report) -> Vec<Vec<Vec<u32>>> {
+    report
+        .requests
+        .iter()
+        .map(|r| r.generated.clone())
+        .collect()
+}
