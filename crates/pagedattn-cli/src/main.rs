@@ -448,7 +448,11 @@ fn main() -> ExitCode {
             backend,
             engine,
             ..
-        } => serve::serve(&engine, &backend).map_err(|e| e.to_string()),
+        } => match serve::serve(&engine, &backend) {
+            // The shell's code for a process ended by SIGINT, after the report so far.
+            Ok(serve::Served::Interrupted) => return ExitCode::from(130),
+            other => other.map(|_| ()).map_err(|e| e.to_string()),
+        },
         Command::Forward {
             input,
             backend,

@@ -227,9 +227,18 @@ fn requests(
     Ok((builtin.to_string(), builtin.requests(&params)))
 }
 
+/// How a run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Served {
+    /// Every request was served.
+    Completed,
+    /// Ctrl-C stopped it (the report so far was printed).
+    Interrupted,
+}
+
 /// `pagedattn run` on the engine: serves the requests, prints the report (or JSON), writes the
 /// plot. A verification mismatch or a leaked block is an error.
-pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<()> {
+pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<Served> {
     let backend: Box<dyn Backend> = registry::backend(backend_name)?;
     let loaded = load(args)?;
     let (workload_name, inputs) = requests(args, &loaded)?;
@@ -363,5 +372,9 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<(
         }
         println!("{report}");
     }
-    Ok(())
+    Ok(if report.interrupted {
+        Served::Interrupted
+    } else {
+        Served::Completed
+    })
 }

@@ -111,6 +111,39 @@ fn the_encoder_workloads_serve_verified_on_cpu_and_reference() {
 }
 
 #[test]
+fn ctrl_c_prints_the_report_so_far() {
+    // A workload of minutes, interrupted after 3 s (the handler is in place long before).
+    let child = Command::new(env!("CARGO_BIN_EXE_pagedattn"))
+        .args([
+            "run",
+            "--backend",
+            "cpu",
+            "--requests",
+            "400",
+            "--max-new-tokens",
+            "2000",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(130), "{stdout}");
+    assert!(
+        stdout.contains("(interrupted: the report so far)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("requests: 400 (0 rejected)"), "{stdout}");
+}
+
+#[test]
 fn json_report_holds_every_request() {
     let out = pagedattn(
         &[
