@@ -11,7 +11,7 @@ use pagedattn_engine::workload::Builtin;
 
 mod common;
 
-use common::{generated, requests, serve, small};
+use common::{preemption_changes_nothing, requests, serve, small};
 
 #[test]
 fn every_builtin_workload_completes_verified_on_cpu_and_reference() {
@@ -71,38 +71,6 @@ fn preemption_changes_no_greedy_token() {
         },
     ] {
         let reqs = requests(&features.build().unwrap(), Builtin::Chat, 12, 64, 7);
-        let roomy = serve(
-            "cpu",
-            &features,
-            reqs.clone(),
-            (512, 256),
-            PreemptionPolicy::Auto,
-            VerifyMode::Sampled(0.2),
-        );
-        assert_eq!(
-            roomy.cache.preempted_by_swap + roomy.cache.preempted_by_recompute,
-            0
-        );
-        for policy in [PreemptionPolicy::Swap, PreemptionPolicy::Recompute] {
-            let tight = serve(
-                "cpu",
-                &features,
-                reqs.clone(),
-                (16, 256),
-                policy,
-                VerifyMode::Sampled(0.2),
-            );
-            let preempted = tight.cache.preempted_by_swap + tight.cache.preempted_by_recompute;
-            assert!(
-                preempted > 0,
-                "{policy:?}: the pool is tight enough to preempt"
-            );
-            assert_eq!(
-                generated(&tight),
-                generated(&roomy),
-                "{policy:?} {}",
-                features.layers
-            );
-        }
+        preemption_changes_nothing(&features, &reqs, (512, 16), 256);
     }
 }

@@ -119,3 +119,47 @@ pub fn generated(report: &Report) -> Vec<Vec<Vec<u32>>> {
         .map(|r| r.generated.clone())
         .collect()
 }
+
+/// Serves `requests` with a roomy pool (`roomy_blocks`: nothing preempted) and then, under
+/// each of swap and recompute, a tight one (`tight_blocks`: something preempted), with a
+/// budget of `max_batched_tokens` a step, asserting that preemption changed no greedy token;
+/// returns the tight runs' reports.
+pub fn preemption_changes_nothing(
+    model: &SyntheticConfig,
+    requests: &[EngineRequest],
+    (roomy_blocks, tight_blocks): (usize, usize),
+    max_batched_tokens: usize,
+) -> Vec<(PreemptionPolicy, Report)> {
+    let roomy = serve(
+        "cpu",
+        model,
+        requests.to_vec(),
+        (roomy_blocks, max_batched_tokens),
+        PreemptionPolicy::Auto,
+        VerifyMode::Sampled(0.2),
+    );
+    assert_eq!(
+        roomy.cache.preempted_by_swap + roomy.cache.preempted_by_recompute,
+        0
+    );
+    [PreemptionPolicy::Swap, PreemptionPolicy::Recompute]
+        .into_iter()
+        .map(|policy| {
+            let tight = serve(
+                "cpu",
+                model,
+                requests.to_vec(),
+                (tight_blocks, max_batched_tokens),
+                policy,
+                VerifyMode::Sampled(0.2),
+            );
+            let preempted = tight.cache.preempted_by_swap + tight.cache.preempted_by_recompute;
+            assert!(
+                preempted > 0,
+                "{policy:?}: the pool is tight enough to preempt"
+            );
+            assert_eq!(generated(&tight), generated(&roomy), "{policy:?} {model:?}");
+            (policy, tight)
+        })
+        .collect()
+}
