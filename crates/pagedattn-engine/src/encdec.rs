@@ -10,9 +10,9 @@
 
 use pagedattn::{alibi_slopes_bloom, AttentionConfig, AttnType, DType, KvCacheDtype, Tensor};
 
-use crate::llama::LayerWeights;
+use crate::llama::{LayerWeights, MlpBuffers};
 use crate::model::{Attend, Model, ModelKind, StepTokens};
-use crate::ops::{add_assign, rms_norm, swiglu, Embedding, Linear, Rope, RopeStyle};
+use crate::ops::{add_assign, rms_norm, Embedding, Linear, Rope, RopeStyle};
 use crate::synthetic::{Draw, SyntheticConfig};
 use crate::{Error, Result};
 
@@ -247,22 +247,6 @@ impl EncDec {
         Ok(())
     }
 
-    /// `x += down(swiglu(gate(norm(x)), up(norm(x))))`.
-    fn mlp(&self, w: &LayerWeights, x: &mut [f32]) -> Result<()> {
-        let t = x.len() / self.hidden;
-        let ffn = w.gate.out_features();
-        let mut h = vec![0.0; x.len()];
-        rms_norm(x, &w.ffn_norm, self.rms_eps, &mut h)?;
-        let (mut gate, mut up, mut act) =
-            (vec![0.0; t * ffn], vec![0.0; t * ffn], vec![0.0; t * ffn]);
-        w.gate.forward(&h, &mut gate)?;
-        w.up.forward(&h, &mut up)?;
-        swiglu(&gate, &up, &mut act)?;
-        let mut out = vec![0.0; x.len()];
-        w.down.forward(&act, &mut out)?;
-        add_assign(x, &out).map_err(Error::from)
-    }
-
     /// The encoder over `tokens` at `positions`: its final normed states, `[T, hidden]`.
     fn encode(
         &self,
@@ -280,7 +264,7 @@ impl EncDec {
                 l,
                 attend,
             )?;
-            self.mlp(layer, &mut x)?;
+            layer.mlp(&mut x, self.rms_eps, &mut MlpBuffers::default())?;
         }
         let mut out = vec![0.0; x.len()];
         rms_norm(&x, &self.encoder_norm, self.rms_eps, &mut out)?;
@@ -381,7 +365,7 @@ impl Model for EncDec {
                 index + 1,
                 attend,
             )?;
-            self.mlp(layer, &mut x)?;
+            layer.mlp(&mut x, self.rms_eps, &mut MlpBuffers::default())?;
         }
         let h = self.rows(&x, step.logit_rows, &self.out_norm)?;
         let head = self

@@ -61,6 +61,36 @@ pub struct LayerWeights {
     pub down: Linear,
 }
 
+/// The MLP's activations, reused across calls.
+#[derive(Default)]
+pub struct MlpBuffers {
+    h: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+    out: Vec<f32>,
+}
+
+impl LayerWeights {
+    /// The layer's MLP with its residual, `x += down(swiglu(gate(norm(x)), up(norm(x))))`,
+    /// over the rows of `x` (`[t, hidden]`), in `buf`'s buffers.
+    pub fn mlp(&self, x: &mut [f32], rms_eps: f32, buf: &mut MlpBuffers) -> Result<()> {
+        // (A `Linear` has no zero dimension.)
+        let inner = x.len() / self.gate.in_features() * self.gate.out_features();
+        buf.h.resize(x.len(), 0.0);
+        buf.out.resize(x.len(), 0.0);
+        for b in [&mut buf.gate, &mut buf.up, &mut buf.act] {
+            b.resize(inner, 0.0);
+        }
+        rms_norm(x, &self.ffn_norm, rms_eps, &mut buf.h)?;
+        self.gate.forward(&buf.h, &mut buf.gate)?;
+        self.up.forward(&buf.h, &mut buf.up)?;
+        swiglu(&buf.gate, &buf.up, &mut buf.act)?;
+        self.down.forward(&buf.act, &mut buf.out)?;
+        Ok(add_assign(x, &buf.out)?)
+    }
+}
+
 /// A Llama model's weights and attention settings.
 pub struct Llama {
     shape: LlamaShape,
@@ -85,9 +115,7 @@ struct Scratch {
     k: Vec<f32>,
     v: Vec<f32>,
     o: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    act: Vec<f32>,
+    mlp: MlpBuffers,
     rows: Vec<f32>,
 }
 
@@ -352,9 +380,6 @@ impl Model for Llama {
             (&mut w.k, t * kv_width),
             (&mut w.v, t * kv_width),
             (&mut w.o, t * q_width),
-            (&mut w.gate, t * s.ffn),
-            (&mut w.up, t * s.ffn),
-            (&mut w.act, t * s.ffn),
         ] {
             buf.resize(len, 0.0);
         }
@@ -380,12 +405,7 @@ impl Model for Llama {
             read(&ot, &mut w.o)?;
             layer.wo.forward(&w.o, &mut w.h2)?;
             add_assign(&mut w.x, &w.h2)?;
-            rms_norm(&w.x, &layer.ffn_norm, s.rms_eps, &mut w.h)?;
-            layer.gate.forward(&w.h, &mut w.gate)?;
-            layer.up.forward(&w.h, &mut w.up)?;
-            swiglu(&w.gate, &w.up, &mut w.act)?;
-            layer.down.forward(&w.act, &mut w.h2)?;
-            add_assign(&mut w.x, &w.h2)?;
+            layer.mlp(&mut w.x, s.rms_eps, &mut w.mlp)?;
         }
         let rows = step.logit_rows.len();
         w.rows.clear();
