@@ -101,7 +101,8 @@ summary() {
       "$t" "${execs:-?}" "$seconds" "${rate:-?}" "${rss:-?}"
   else
     printf 'fuzz %-16s FAILED  %10s execs (exit %s); log %s\n' "$t" "${execs:-?}" "$status" "$log"
-    grep -E 'panicked at|ERROR: (libFuzzer|AddressSanitizer)|SUMMARY|Test unit written' "$log" | head -8 | sed 's/^/    /'
+    grep -E -A1 'panicked at' "$log" | head -4 | sed 's/^/    /'
+    grep -E 'ERROR: (libFuzzer|AddressSanitizer)|SUMMARY|Test unit written' "$log" | head -6 | sed 's/^/    /'
   fi
 }
 

@@ -15,8 +15,9 @@
 #                                  attention tests against the reference (test-cuda_attention),
 #                                  the CUDA-graph test (test-cuda_graph), the replay cases
 #                                  through `pagedattn run --backend cuda`, the engine's built-in
-#                                  workloads on cuda (verified) and SmolLM2's golden tokens
-#                                  (test-golden; the GGUF at PAGEDATTN_SMOLLM2, default
+#                                  workloads on cuda (verified), SmolLM2's golden tokens
+#                                  (test-golden) and the bf16 GPU model against f32
+#                                  (test-gpu_model; the GGUF at PAGEDATTN_SMOLLM2, default
 #                                  models/, must be there), the three binaries
 #                                  under compute-sanitizer (memcheck, initcheck, racecheck); with
 #                                  `all`, every other test executable too (test-long_context's
@@ -73,7 +74,7 @@ EOF
         # Without `all`, the binaries `run` needs: every test executable together (~66 MB)
         # is more than the device tool carries (64 MiB with the working tree).
         case "$all:$name" in
-        all:* | *:test-cuda | *:test-cuda_attention | *:test-cuda_graph | *:test-golden | *:pagedattn) ;;
+        all:* | *:test-cuda | *:test-cuda_attention | *:test-cuda_graph | *:test-golden | *:test-gpu_model | *:pagedattn) ;;
         *) continue ;;
         esac
         # Symbols stay (backtraces name functions); line tables go, to keep gpu-bin small
@@ -227,13 +228,16 @@ run() {
     fi
 
     # The engine on cuda: every built-in workload of the synthetic model with every attention
-    # call recomputed by `reference`, then SmolLM2's greedy tokens against transformers' (the
-    # GGUF at PAGEDATTN_SMOLLM2, default models/; its absence fails the part). The output
-    # joins info.log.
+    # call recomputed by `reference` (the decoder's on the GPU model, and once on the host
+    # model), then SmolLM2's greedy tokens against transformers' and its bf16 GPU model
+    # against f32 (the GGUF at PAGEDATTN_SMOLLM2, default models/; its absence fails the
+    # part). The output joins info.log.
     local workload served=0 refused=0 part_log
-    for workload in chat long-context shared-prefix encoder encoder-decoder; do
+    for workload in chat long-context shared-prefix encoder encoder-decoder "chat --model-on host"; do
         echo "==== pagedattn run --backend cuda --workload $workload --verify" >>"$log"
-        if timeout "$TIMEOUT" "$BIN/pagedattn" run --backend cuda --workload "$workload" \
+        # (word splitting on purpose: the last entry carries an option)
+        # shellcheck disable=SC2086
+        if timeout "$TIMEOUT" "$BIN/pagedattn" run --backend cuda --workload $workload \
             --requests 8 --max-new-tokens 16 --verify >>"$log" 2>&1; then
             served=$((served + 1))
         else
@@ -245,14 +249,16 @@ run() {
     else
         record "engine workloads" FAIL "$served served, $refused failed"
     fi
-    part_log=$(mktemp)
-    PAGEDATTN_REQUIRE_MODEL=1 PAGEDATTN_SMOLLM2=${PAGEDATTN_SMOLLM2:-models/SmolLM2-135M-Instruct.Q4_1.gguf} \
-        timeout "$TIMEOUT" "$BIN/test-golden" --include-ignored >"$part_log" 2>&1
-    status=$?
-    verdict=$(test_verdict "$part_log" "$status")
-    record "SmolLM2 golden tokens" "${verdict%%|*}" "${verdict#*|}"
-    { echo "==== test-golden: exit status $status"; cat "$part_log"; } >>"$log"
-    rm -f "$part_log"
+    for part in test-golden test-gpu_model; do
+        part_log=$(mktemp)
+        PAGEDATTN_REQUIRE_MODEL=1 PAGEDATTN_SMOLLM2=${PAGEDATTN_SMOLLM2:-models/SmolLM2-135M-Instruct.Q4_1.gguf} \
+            timeout "$TIMEOUT" "$BIN/$part" --include-ignored --nocapture >"$part_log" 2>&1
+        status=$?
+        verdict=$(test_verdict "$part_log" "$status")
+        record "engine $part" "${verdict%%|*}" "${verdict#*|}"
+        { echo "==== $part: exit status $status"; cat "$part_log"; } >>"$log"
+        rm -f "$part_log"
+    done
 
     local sanitizer tool part summary found problems
     sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -303,7 +309,7 @@ run() {
         : >"$out/other-tests.log"
         for exe in "$BIN"/test-*; do
             name=${exe#"$BIN"/}
-            case "$name" in test-cuda | test-cuda_attention | test-cuda_graph | test-golden) continue ;; esac
+            case "$name" in test-cuda | test-cuda_attention | test-cuda_graph | test-golden | test-gpu_model) continue ;; esac
             timeout "$TIMEOUT" "$exe" --include-ignored >"$log" 2>&1
             status=$?
             verdict=$(test_verdict "$log" "$status")

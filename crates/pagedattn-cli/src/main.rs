@@ -297,7 +297,13 @@ fn compile_kernels(
         let start = std::time::Instant::now();
         let line = match &disk {
             None => {
-                let kernels = compile_check(arch, only, depth)?;
+                let mut kernels = compile_check(arch, only, depth)?;
+                // The engine's GPU model's kernels, compiled at its first use like these.
+                if only.is_none_or(|o| "llama".contains(o)) {
+                    use pagedattn_engine::gpu_llama::{KERNEL_NAMES, KERNEL_SOURCE};
+                    pagedattn::cuda::compile_program_check("llama", KERNEL_SOURCE, arch)?;
+                    kernels.extend(KERNEL_NAMES.iter().map(|k| format!("llama_{k}")));
+                }
                 format!(
                     "{arch}: {} kernels compiled without warnings in {:.1} s: {}",
                     kernels.len(),
@@ -331,7 +337,7 @@ fn compile_kernels(
 fn kernel_families(kernels: &[String]) -> String {
     let mut families: Vec<(String, usize)> = Vec::new();
     for name in kernels {
-        let family = if let Some(prefix) = ["write_kv_", "attention_merge_"]
+        let family = if let Some(prefix) = ["write_kv_", "attention_merge_", "llama_"]
             .into_iter()
             .find(|p| name.starts_with(p))
         {

@@ -98,6 +98,12 @@ pub struct ServeArgs {
     /// transformers computes) or `fast` (quantized weights, int8 activations).
     #[arg(long, default_value = "exact")]
     pub precision: String,
+    /// Where a Llama model's layers run: `device` (the backend's GPU: bf16 weights and
+    /// activations, cuBLAS products, nothing crossing to the host but token ids) or `host`
+    /// (the CPU at `--precision`, attention tensors moved to the backend and back). Default:
+    /// `device` on a GPU backend, `host` otherwise.
+    #[arg(long)]
+    pub model_on: Option<String>,
     /// Print the report as JSON (every request's generated tokens and text included).
     #[arg(long)]
     pub json: bool,
@@ -112,6 +118,40 @@ struct Loaded {
     text: Option<(Tokenizer, ChatTemplate)>,
 }
 
+/// Whether the model's layers run on the backend's device (`--model-on`).
+fn model_on_device(args: &ServeArgs, backend: &dyn Backend) -> pagedattn_engine::Result<bool> {
+    let on_gpu = backend.device() != pagedattn::Device::Cpu;
+    match args.model_on.as_deref() {
+        None => Ok(on_gpu),
+        Some("host") => Ok(false),
+        Some("device") if on_gpu => Ok(true),
+        Some("device") => Err(pagedattn_engine::Error::Model(format!(
+            "--model-on device: backend {} computes on the host (use --backend cuda)",
+            backend.name()
+        ))),
+        Some(other) => Err(pagedattn_engine::Error::Model(format!(
+            "--model-on {other}: expected host or device"
+        ))),
+    }
+}
+
+/// `llama` as the engine serves it: on the backend's GPU where `on_device`, else as it is.
+fn place(
+    llama: Llama,
+    on_device: bool,
+    backend: &dyn Backend,
+) -> pagedattn_engine::Result<Box<dyn Model>> {
+    #[cfg(feature = "cuda")]
+    if let (true, pagedattn::Device::Cuda(gpu)) = (on_device, backend.device()) {
+        let cuda = pagedattn::cuda::Cuda::new(gpu)?;
+        return Ok(Box::new(pagedattn_engine::gpu_llama::GpuLlama::new(
+            &llama, &cuda,
+        )?));
+    }
+    let _ = (on_device, backend);
+    Ok(Box::new(llama))
+}
+
 /// The built-in workload in effect (none when prompts, chat turns or a trace replace it).
 fn builtin(args: &ServeArgs) -> pagedattn_engine::Result<Option<Builtin>> {
     if !args.prompt.is_empty() || !args.chat.is_empty() || args.trace.is_some() {
@@ -122,16 +162,16 @@ fn builtin(args: &ServeArgs) -> pagedattn_engine::Result<Option<Builtin>> {
 
 /// Loads the model the options name: a GGUF file, or the synthetic model of the kind the
 /// workload needs.
-fn load(args: &ServeArgs) -> pagedattn_engine::Result<Loaded> {
+fn load(args: &ServeArgs, backend: &dyn Backend) -> pagedattn_engine::Result<Loaded> {
     let kind = builtin(args)?.map_or(ModelKind::Decoder, Builtin::model_kind);
+    let on_device = model_on_device(args, backend)?;
     match &args.model {
         None => Ok(Loaded {
             model: match kind {
-                ModelKind::Decoder => SyntheticConfig::default(),
-                ModelKind::EncoderOnly => SyntheticConfig::encoder_only(),
-                ModelKind::EncoderDecoder => SyntheticConfig::encoder_decoder(),
-            }
-            .build_model()?,
+                ModelKind::Decoder => place(SyntheticConfig::default().build()?, on_device, backend)?,
+                ModelKind::EncoderOnly => SyntheticConfig::encoder_only().build_model()?,
+                ModelKind::EncoderDecoder => SyntheticConfig::encoder_decoder().build_model()?,
+            },
             text: None,
         }),
         Some(_) if kind != ModelKind::Decoder => Err(pagedattn_engine::Error::Model(format!(
@@ -146,6 +186,11 @@ fn load(args: &ServeArgs) -> pagedattn_engine::Result<Loaded> {
             let file = Gguf::open(path)?;
             let precision = match args.precision.as_str() {
                 "exact" => Precision::Exact,
+                "fast" if on_device => {
+                    return Err(pagedattn_engine::Error::Model(
+                        "--precision fast is the host model's (int8 dots on the CPU); the GPU model computes in bf16: leave it out, or add --model-on host".into(),
+                    ))
+                }
                 "fast" => Precision::Fast,
                 other => {
                     return Err(pagedattn_engine::Error::Model(format!(
@@ -154,7 +199,7 @@ fn load(args: &ServeArgs) -> pagedattn_engine::Result<Loaded> {
                 }
             };
             Ok(Loaded {
-                model: Box::new(Llama::from_gguf(&file, precision)?),
+                model: place(Llama::from_gguf(&file, precision)?, on_device, backend)?,
                 text: Some((
                     Tokenizer::from_gguf(&file)?,
                     ChatTemplate::from_gguf(&file)?,
@@ -240,7 +285,7 @@ pub enum Served {
 /// plot. A verification mismatch or a leaked block is an error.
 pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<Served> {
     let backend: Box<dyn Backend> = registry::backend(backend_name)?;
-    let loaded = load(args)?;
+    let loaded = load(args, backend.as_ref())?;
     let (workload_name, inputs) = requests(args, &loaded)?;
     let mut requests = Vec::with_capacity(inputs.len());
     let ids = |prompt: &Prompt| -> pagedattn_engine::Result<Vec<u32>> {

@@ -22,6 +22,7 @@ use pagedattn::{
 };
 
 use crate::batch::{RequestId, StepBatch};
+use crate::clock::AttentionClock;
 use crate::model::{Model, ModelKind, StepTokens};
 use crate::ops::{Sampler, SamplingParams};
 use crate::report::{CacheCounts, Report, RequestRecord, StepRecord};
@@ -85,6 +86,7 @@ pub struct Engine<'a> {
     sampling: HashMap<RequestId, SamplingParams>,
     report: Report,
     steps: usize,
+    clock: AttentionClock,
 }
 
 /// Buffers a step reuses.
@@ -96,6 +98,8 @@ struct StepBuffers {
     encoder_tokens: Vec<u32>,
     encoder_positions: Vec<usize>,
     logits: Vec<f32>,
+    /// Each logit row's greedy token, in steps whose every sample is greedy.
+    greedy: Vec<u32>,
 }
 
 /// A step's plans, one per attention type the model has (a type without one this step is
@@ -124,7 +128,7 @@ fn moved(t: &Tensor, device: Device) -> Result<Option<Tensor>> {
 /// One attention call on `backend`: a model computing on the host with a GPU backend has its
 /// tensors moved to the device and the output moved back.
 #[allow(clippy::too_many_arguments)]
-fn run_attention(
+pub(crate) fn run_attention(
     backend: &dyn Backend,
     attention: &dyn AttentionImpl,
     plan: &Plan,
@@ -249,6 +253,7 @@ impl<'a> Engine<'a> {
             sampler: Sampler::new(),
             sampling: HashMap::new(),
             steps: 0,
+            clock: AttentionClock::new(backend)?,
         })
     }
 
@@ -466,9 +471,19 @@ impl<'a> Engine<'a> {
             })
             .collect();
         let verify_layers = self.verifier.layers_for_step(self.layers.len());
-        let mut attention_seconds = 0.0;
+        // Every sample of the step greedy: the model may keep its logits to itself.
+        let greedy = batch.seqs.iter().all(|s| {
+            !s.encoder_only
+                && (s.num_samples == 0
+                    || self
+                        .sampling
+                        .get(&s.request)
+                        .copied()
+                        .unwrap_or_default()
+                        .is_greedy())
+        });
         {
-            let (backend, attention, caches, workspace, verifier, layers, cache_of) = (
+            let (backend, attention, caches, workspace, verifier, layers, cache_of, clock) = (
                 self.backend,
                 &self.attention,
                 &mut self.caches,
@@ -476,6 +491,7 @@ impl<'a> Engine<'a> {
                 &mut self.verifier,
                 &self.layers,
                 &self.cache_of,
+                &mut self.clock,
             );
             let step_index = self.steps;
             let missing = |what: &str, layer: usize| {
@@ -498,8 +514,7 @@ impl<'a> Engine<'a> {
                 })?;
                 let imp = attention[layer].as_ref();
                 let mut cache = cache_of[layer].map(|i| &mut caches[i]);
-                let t = Instant::now();
-                match config.attn_type() {
+                clock.time(backend, || match config.attn_type() {
                     AttnType::Decoder => {
                         let plan = plans
                             .decoder
@@ -514,14 +529,14 @@ impl<'a> Engine<'a> {
                             Some((k, v)),
                             cache.as_deref_mut(),
                             out,
-                        )?;
+                        )
                     }
                     AttnType::Encoder | AttnType::EncoderOnly => {
                         let plan = plans
                             .dense
                             .as_ref()
                             .ok_or_else(|| missing("encoder tokens", layer))?;
-                        run_attention(backend, imp, plan, workspace, q, Some((k, v)), None, out)?;
+                        run_attention(backend, imp, plan, workspace, q, Some((k, v)), None, out)
                     }
                     AttnType::EncoderDecoder => {
                         let cross = cache
@@ -538,11 +553,9 @@ impl<'a> Engine<'a> {
                             .cross_read
                             .as_ref()
                             .ok_or_else(|| missing("an encoder", layer))?;
-                        run_attention(backend, imp, plan, workspace, q, None, Some(cross), out)?;
+                        run_attention(backend, imp, plan, workspace, q, None, Some(cross), out)
                     }
-                }
-                backend.synchronize()?;
-                attention_seconds += t.elapsed().as_secs_f64();
+                })?;
                 verifier.count_call();
                 if verify_layers.contains(&layer) {
                     let cache = cache.as_deref();
@@ -575,8 +588,18 @@ impl<'a> Engine<'a> {
                 encoder_tokens: &buf.encoder_tokens,
                 encoder_positions: &buf.encoder_positions,
             };
-            self.model.forward(&tokens, &mut attend, &mut buf.logits)?;
+            if greedy {
+                self.model.forward_greedy(
+                    &tokens,
+                    &mut attend,
+                    &mut buf.logits,
+                    &mut buf.greedy,
+                )?;
+            } else {
+                self.model.forward(&tokens, &mut attend, &mut buf.logits)?;
+            }
         }
+        let attention_seconds = self.clock.take_seconds()?;
         let width = self.model.output_width();
         let mut results: Vec<Sampled> = Vec::with_capacity(batch.seqs.len());
         let mut row = 0;
@@ -584,6 +607,20 @@ impl<'a> Engine<'a> {
         for s in &batch.seqs {
             let mut tokens = Vec::with_capacity(s.num_samples);
             // An encoder-only sequence's pooled state, or a sampling one's logits.
+            if greedy && s.num_samples > 0 {
+                let token = *buf.greedy.get(row).ok_or_else(|| {
+                    Error::Model(format!(
+                        "{} greedy tokens for {} sequences",
+                        buf.greedy.len(),
+                        batch.seqs.len()
+                    ))
+                })?;
+                row += 1;
+                tokens.resize(s.num_samples, token);
+                generated += tokens.len();
+                results.push(Sampled { seq: s.seq, tokens });
+                continue;
+            }
             let output = if s.encoder_only || s.num_samples > 0 {
                 row += 1;
                 Some(

@@ -18,16 +18,20 @@
 pub mod batch;
 pub mod blocks;
 pub mod chat;
+mod clock;
 pub mod encdec;
 pub mod engine;
 pub mod error;
 pub mod gguf;
+#[cfg(feature = "cuda")]
+pub mod gpu_llama;
 pub mod llama;
 pub mod model;
 pub mod ops;
 pub mod report;
 pub mod rng;
 pub mod scheduler;
+pub mod score;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod verify;

@@ -93,14 +93,14 @@ impl LayerWeights {
 
 /// A Llama model's weights and attention settings.
 pub struct Llama {
-    shape: LlamaShape,
-    embedding: Embedding,
-    layers: Vec<LayerWeights>,
-    out_norm: Vec<f32>,
-    head: Linear,
+    pub(crate) shape: LlamaShape,
+    pub(crate) embedding: Embedding,
+    pub(crate) layers: Vec<LayerWeights>,
+    pub(crate) out_norm: Vec<f32>,
+    pub(crate) head: Linear,
     /// RoPE, or `None` where position comes from ALiBi.
-    rope: Option<Rope>,
-    attention: Vec<AttentionConfig>,
+    pub(crate) rope: Option<Rope>,
+    pub(crate) attention: Vec<AttentionConfig>,
     dtype: DType,
     scratch: Scratch,
 }

@@ -83,4 +83,22 @@ pub trait Model: Send {
         attend: &mut Attend<'_>,
         logits: &mut Vec<f32>,
     ) -> crate::Result<()>;
+
+    /// [`forward`](Self::forward) for a step whose every sample is greedy: writes each of
+    /// `step.logit_rows`' greedy token ([`argmax`](crate::ops::argmax) of its logits) into
+    /// `tokens` (resized). `logits` is scratch space. A model whose logits live on a device
+    /// overrides this to bring back the tokens alone.
+    fn forward_greedy(
+        &mut self,
+        step: &StepTokens<'_>,
+        attend: &mut Attend<'_>,
+        logits: &mut Vec<f32>,
+        tokens: &mut Vec<u32>,
+    ) -> crate::Result<()> {
+        self.forward(step, attend, logits)?;
+        let width = self.output_width().max(1);
+        tokens.clear();
+        tokens.extend(logits.chunks_exact(width).map(crate::ops::argmax));
+        Ok(())
+    }
 }

@@ -158,6 +158,15 @@ impl Linear {
         self.precision
     }
 
+    /// The weights as f32 (`[out, in]`, row-major), unless they are kept quantized (`Fast`
+    /// over a quantized type).
+    pub fn f32_weights(&self) -> Option<&[f32]> {
+        match &self.repr {
+            Repr::F32(w) => Some(w),
+            Repr::Quant(_) => None,
+        }
+    }
+
     /// Whether products run on int8 dots (`Fast` over a quantized type).
     pub fn is_quantized(&self) -> bool {
         matches!(self.repr, Repr::Quant(_))

@@ -127,6 +127,18 @@ pub fn compile_check(arch: &str, only: Option<&str>, depth: CheckDepth) -> Resul
     Ok(sources.into_iter().flat_map(|(s, _)| s.kernels).collect())
 }
 
+/// Compiles a caller's program (what [`Cuda::load_kernels`](super::Cuda::load_kernels)
+/// compiles at its first use) for `arch` with NVRTC alone, no GPU and no cache, to machine
+/// code: a check for CI. Any warning fails.
+pub fn compile_program_check(name: &str, code: &str, arch: &str) -> Result<()> {
+    let source = KernelSource {
+        name: name.to_string(),
+        code: code.to_string(),
+        kernels: Vec::new(),
+    };
+    compile_to(&source, arch, Output::Cubin).map(drop)
+}
+
 /// What NVRTC is asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Output {
@@ -379,7 +391,7 @@ fn compile_to(source: &KernelSource, arch: &str, output: Output) -> Result<Vec<u
     nvrtc_version()?;
     let file = format!("{}.cu", source.name);
     let fail = |what: &str, e: NvrtcError| nvrtc_error(&format!("{what} of {file} for {arch}"), e);
-    // The sources and names are this crate's own: no NUL byte.
+    // A caller's program (`Cuda::load_kernels`) may hold a NUL byte: an error, not a panic.
     let code = CString::new(source.code.as_str())
         .map_err(|_| Error::Driver(format!("{file}: NUL byte")))?;
     let name =

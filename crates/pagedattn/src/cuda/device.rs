@@ -9,6 +9,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::compile;
 use super::kernels::Kernels;
+use super::memory::Pinned;
 use super::variant;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -29,6 +30,8 @@ pub(crate) struct Gpu {
     kernels: OnceLock<Kernels>,
     /// The attention variants loaded so far.
     pub(crate) variants: variant::Loaded,
+    /// Staging memory of plans that were dropped, for the next plans (`packed.rs`).
+    pub(crate) staging: Mutex<Vec<Pinned>>,
 }
 
 impl Gpu {
@@ -76,6 +79,7 @@ impl Gpu {
             sm_count: sm_count.max(1) as usize,
             kernels: OnceLock::new(),
             variants: Default::default(),
+            staging: Mutex::new(Vec::new()),
         })
     }
 

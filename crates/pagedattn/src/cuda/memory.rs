@@ -85,6 +85,11 @@ impl Pinned {
         Ok(Pinned { host, done })
     }
 
+    /// Its size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.host.len()
+    }
+
     /// The contents, once the GPU is done with them.
     pub(crate) fn bytes(&self) -> Result<&[u8]> {
         self.wait()?;

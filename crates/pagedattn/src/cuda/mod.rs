@@ -19,6 +19,7 @@
 mod attention;
 mod compile;
 mod device;
+mod external;
 mod graph;
 mod kernels;
 mod memory;
@@ -32,8 +33,8 @@ use std::sync::Arc;
 
 pub use attention::CudaAttention;
 pub use compile::{
-    arch_for, compile_check, nvrtc_version, CachedImage, CheckDepth, DiskCache, ImageOrigin,
-    CACHE_DIR_ENV,
+    arch_for, compile_check, compile_program_check, nvrtc_version, CachedImage, CheckDepth,
+    DiskCache, ImageOrigin, CACHE_DIR_ENV,
 };
 pub use device::{gpu_present, info, DeviceInfo};
 pub use graph::Graph;

@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""The engine on the GPU: SmolLM2 (or any Llama GGUF) served by `pagedattn run --backend cuda`
+(the bf16 GPU model) on bench/hf_generate.py's fixed shape: B requests of PP random prompt
+tokens, TG new tokens each (end of turn ignored), greedy, all arriving at once. Prints one row
+per B: wall seconds (process start excluded: the report's serving time), generated tokens
+per second, and the attention's share of the step time.
+
+    python3 bench/engine_gpu.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        [--batches 1,8,32,64,128,256] [--pp 128] [--tg 128] [--repeats 3]
+
+Run bench/hf_generate.py in the same device call for the peer's rows.
+"""
+import argparse, json, random, statistics, subprocess, tempfile
+
+
+def serve(args, b):
+    rng = random.Random(b)
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for _ in range(b):
+            tokens = [rng.randrange(17, 49152) for _ in range(args.pp)]
+            f.write(json.dumps({"tokens": tokens, "max_new_tokens": args.tg, "ignore_eos": True}) + "\n")
+        trace = f.name
+    out = subprocess.run([args.pagedattn, "run", "--model", args.model, "--trace", trace,
+                          "--backend", "cuda", "--no-verify", "--json",
+                          "--max-batched-tokens", str(args.max_batched_tokens),
+                          "--max-seqs", str(max(b, 1))],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--pagedattn", default="target/release/pagedattn")
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--pp", type=int, default=128)
+    p.add_argument("--tg", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    args = p.parse_args()
+    print("| B | seconds (median) | generated tokens/s | attention share | steps |")
+    print("|---|---|---|---|---|")
+    for b in map(int, args.batches.split(",")):
+        runs = [serve(args, b) for _ in range(args.repeats)]
+        secs = statistics.median(r["seconds"] for r in runs)
+        r = runs[0]
+        gen = r["summary"]["generated_tokens"]
+        share = r["summary"].get("attention_share")
+        share = "—" if share is None else f"{100 * share:.1f}%"
+        print(f"| {b} | {secs:.3f} | {gen / secs:,.0f} | {share} | {len(r['steps'])} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

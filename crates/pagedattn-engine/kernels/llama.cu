@@ -1,0 +1,146 @@
+// The Llama model's kernels on the GPU, other than its matrix products (cuBLAS) and its
+// attention (pagedattn's): embedding, RMSNorm, the q/k/v split with RoPE, SwiGLU and greedy
+// argmax. Compiled at run time by NVRTC through pagedattn's kernel cache; no CUDA header is
+// included (bf16 conversions are bit operations and PTX).
+//
+// Activations: the residual stream is f32; what feeds a matrix product or the attention is
+// bf16. Every kernel computes in f32 and rounds once to nearest even.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+__device__ __forceinline__ float bf16_to_f32(u16 bits) { return __uint_as_float((u32)bits << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float x) {
+    u16 bits;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(x));
+    return bits;
+}
+
+// The sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();  // `partial` may still be read by a previous call
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x / 32;
+    v = lane < warps ? partial[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// x[t, :] = table[tokens[t], :] (bf16 rows into the f32 residual stream). One block per token.
+extern "C" __global__ void embed(const u32* tokens, const u16* table, float* x, int hidden) {
+    const u16* row = table + (size_t)tokens[blockIdx.x] * hidden;
+    float* out = x + (size_t)blockIdx.x * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = bf16_to_f32(row[i]);
+}
+
+// out[r, :] = x[rows[r], :] / rms(x[rows[r], :]) * weight, as bf16 (rows == nullptr: row r).
+// One block per output row.
+extern "C" __global__ void rms_norm(const float* x, const u32* rows, const float* weight,
+                                    u16* out, int hidden, float eps) {
+    const int r = blockIdx.x;
+    const float* in = x + (size_t)(rows ? rows[r] : r) * hidden;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) sum += in[i] * in[i];
+    const float inv = rsqrtf(block_sum(sum) / hidden + eps);
+    u16* o = out + (size_t)r * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = f32_to_bf16(in[i] * inv * weight[i]);
+}
+
+// Splits the fused projection qkv[t] = [q (heads × D) | k (kv_heads × D) | v (kv_heads × D)]
+// into q, k and v, rotating the first `rope_dim` elements of every q and k head by the
+// token's position (`inv_freq` has rope_dim / 2 entries; nullptr: no rotation). `adjacent`:
+// pairs (2i, 2i + 1) (GGUF's permuted rows); else (i, i + rope_dim / 2) (NeoX). One block
+// per token.
+extern "C" __global__ void split_rope(const u16* qkv, u16* q, u16* k, u16* v, const u32* positions,
+                                      const float* inv_freq, int heads, int kv_heads, int head_size,
+                                      int rope_dim, int adjacent) {
+    const int t = blockIdx.x;
+    const int qw = heads * head_size, kw = kv_heads * head_size;
+    const u16* in = qkv + (size_t)t * (qw + 2 * kw);
+    const float pos = (float)positions[t];
+    const int half = rope_dim / 2;
+    // Rotated pairs of q and k: (heads + kv_heads) × half of them.
+    for (int p = threadIdx.x; p < (heads + kv_heads) * half; p += blockDim.x) {
+        const int head = p / half, i = p % half;
+        const u16* src = in + head * head_size;
+        u16* dst = head < heads ? q + (size_t)t * qw + head * head_size
+                                : k + (size_t)t * kw + (head - heads) * head_size;
+        const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + half;
+        const float x0 = bf16_to_f32(src[a]), x1 = bf16_to_f32(src[b]);
+        // The angle in f32, its cosine and sine in f64 rounded once: the host's `Rope`.
+        double s, c;
+        sincos((double)(pos * inv_freq[i]), &s, &c);
+        const float cf = (float)c, sf = (float)s;
+        dst[a] = f32_to_bf16(x0 * cf - x1 * sf);
+        dst[b] = f32_to_bf16(x1 * cf + x0 * sf);
+    }
+    // Everything not rotated: v, and each head's elements past rope_dim.
+    for (int e = threadIdx.x; e < qw + 2 * kw; e += blockDim.x) {
+        const int head = e / head_size, d = e % head_size;
+        if (head < heads + kv_heads && d < rope_dim) continue;
+        u16* dst = e < qw        ? q + (size_t)t * qw + e
+                   : e < qw + kw ? k + (size_t)t * kw + (e - qw)
+                                 : v + (size_t)t * kw + (e - qw - kw);
+        *dst = in[e];
+    }
+}
+
+// out[t, i] = silu(gate_up[t, i]) * gate_up[t, ffn + i] (the fused gate/up product's halves).
+extern "C" __global__ void swiglu(const u16* gate_up, u16* out, int ffn, int tokens) {
+    const size_t n = (size_t)ffn * tokens;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n;
+         e += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = e / ffn, i = e % ffn;
+        const float g = bf16_to_f32(gate_up[t * 2 * ffn + i]);
+        const float u = bf16_to_f32(gate_up[t * 2 * ffn + ffn + i]);
+        out[e] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// Whether (va, a) ranks before (vb, b) in greedy argmax's order, that of the host's
+// `ops::argmax` and `torch.argmax`: NaN above everything, then larger values, then lower
+// indices; index NONE (no element) last.
+#define NONE 0xffffffffu
+__device__ __forceinline__ bool ranks_before(float va, u32 a, float vb, u32 b) {
+    if (a == NONE || b == NONE) return b == NONE && a != NONE;
+    const bool na = va != va, nb = vb != vb;
+    if (na || nb) return na && (!nb || a < b);
+    return va > vb || (va == vb && a < b);
+}
+
+// The winner of (v, at) over the warp, in every lane.
+__device__ __forceinline__ void warp_best(float& v, u32& at) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const u32 oa = __shfl_xor_sync(0xffffffffu, at, o);
+        if (ranks_before(ov, oa, v, at)) { v = ov; at = oa; }
+    }
+}
+
+// best[r] = the greedy token of logits[r, :] (0 for an empty row). One block per row.
+extern "C" __global__ void argmax(const float* logits, u32* best, int width) {
+    const float* row = logits + (size_t)blockIdx.x * width;
+    float v = 0.0f;
+    u32 at = NONE;
+    for (u32 i = threadIdx.x; i < (u32)width; i += blockDim.x) {
+        if (ranks_before(row[i], i, v, at)) { v = row[i]; at = i; }
+    }
+    warp_best(v, at);
+    __shared__ float vs[32];
+    __shared__ u32 ats[32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) { vs[warp] = v; ats[warp] = at; }
+    __syncthreads();
+    if (warp == 0) {
+        const bool mine = lane < (int)(blockDim.x / 32);
+        v = mine ? vs[lane] : 0.0f;
+        at = mine ? ats[lane] : NONE;
+        warp_best(v, at);
+        if (lane == 0) best[blockIdx.x] = at == NONE ? 0 : at;
+    }
+}

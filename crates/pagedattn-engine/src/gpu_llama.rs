@@ -1,0 +1,619 @@
+//! [`GpuLlama`]: the [`Llama`] model on a CUDA GPU. Weights and activations stay in the GPU's
+//! memory; the matrix products run on cuBLAS (loaded at run time, like the driver and NVRTC:
+//! no CUDA toolkit to build), the other ops on NVRTC kernels (`kernels/llama.cu`, compiled
+//! through pagedattn's kernel cache), the attention on the engine's `cuda` backend. All of it
+//! is queued on the backend's one stream, so a step waits for the GPU only where its logits
+//! (or greedy tokens) come back.
+//!
+//! Precision: bf16 weights, bf16 inputs to every product and to the attention (and a bf16
+//! cache), f32 accumulation, an f32 residual stream and f32 logits.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
+use pagedattn::cuda::Cuda;
+use pagedattn::{AttentionConfig, Backend, DType, Device, Tensor};
+use rayon::prelude::*;
+
+use crate::llama::{Llama, LlamaShape};
+use crate::model::{Attend, Model, StepTokens};
+use crate::ops::RopeStyle;
+use crate::{Error, Result};
+
+/// The model's kernels other than products and attention (CUDA C++ for NVRTC).
+pub const KERNEL_SOURCE: &str = include_str!("../kernels/llama.cu");
+
+/// The kernels of [`KERNEL_SOURCE`].
+pub const KERNEL_NAMES: [&str; 5] = ["embed", "rms_norm", "split_rope", "swiglu", "argmax"];
+
+/// Threads per block of every kernel (a multiple of 32: the reductions use whole warps).
+const THREADS: u32 = 256;
+
+/// The loaded kernels of [`KERNEL_SOURCE`].
+struct Kernels {
+    embed: CudaFunction,
+    rms_norm: CudaFunction,
+    split_rope: CudaFunction,
+    swiglu: CudaFunction,
+    argmax: CudaFunction,
+}
+
+/// Device memory and its address (which never changes while the memory lives).
+struct Buffer<T> {
+    memory: CudaSlice<T>,
+    addr: u64,
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> Buffer<T> {
+    /// `len` zeros.
+    fn zeros(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        let memory = stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(|e| gpu_error(&format!("allocating {len} elements"), e))?;
+        let addr = memory.device_ptr(stream).0;
+        Ok(Buffer { memory, addr })
+    }
+
+    /// A copy of `host`.
+    fn upload(stream: &Arc<CudaStream>, host: &[T]) -> Result<Self> {
+        let memory = stream
+            .clone_htod(host)
+            .map_err(|e| gpu_error(&format!("uploading {} elements", host.len()), e))?;
+        let addr = memory.device_ptr(stream).0;
+        Ok(Buffer { memory, addr })
+    }
+
+    /// Overwrites the first `host.len()` elements (at most the buffer's length: the caller
+    /// sizes buffers before writing).
+    fn write(&mut self, stream: &Arc<CudaStream>, host: &[T]) -> Result<()> {
+        let mut head = self.memory.slice_mut(..host.len());
+        stream
+            .memcpy_htod(host, &mut head)
+            .map_err(|e| gpu_error("uploading a step's inputs", e))
+    }
+
+    /// The first `out.len()` elements, into `out` (waits for the stream).
+    fn read(&self, stream: &Arc<CudaStream>, out: &mut [T]) -> Result<()> {
+        stream
+            .memcpy_dtoh(&self.memory.slice(..out.len()), out)
+            .map_err(|e| gpu_error("downloading a step's outputs", e))
+    }
+}
+
+/// One decoder layer's weights, bf16 (as raw bits) but the norms' f32.
+struct Layer {
+    attn_norm: Buffer<f32>,
+    /// The q, k and v projections as one `[(heads + 2 kv_heads) · D, hidden]` matrix.
+    qkv: Buffer<u16>,
+    wo: Buffer<u16>,
+    ffn_norm: Buffer<f32>,
+    /// The gate and up projections as one `[2 ffn, hidden]` matrix.
+    gate_up: Buffer<u16>,
+    down: Buffer<u16>,
+}
+
+/// RoPE's inverse frequencies and which pairs rotate.
+struct GpuRope {
+    inv_freq: Buffer<f32>,
+    dim: usize,
+    adjacent: bool,
+}
+
+/// A step's activations, sized for up to `tokens` tokens and `rows` logit rows (grown as
+/// steps need, never shrunk), and the attention's tensors, exactly `attn_tokens` long.
+struct Activations {
+    tokens: usize,
+    rows: usize,
+    ids: Buffer<u32>,
+    positions: Buffer<u32>,
+    x: Buffer<f32>,
+    h: Buffer<u16>,
+    qkv: Buffer<u16>,
+    gate_up: Buffer<u16>,
+    act: Buffer<u16>,
+    row_ids: Buffer<u32>,
+    normed: Buffer<u16>,
+    logits: Buffer<f32>,
+    greedy: Buffer<u32>,
+    attn_tokens: usize,
+    attn: Option<[Tensor; 4]>,
+}
+
+/// A Llama model on a CUDA GPU (see the module doc).
+pub struct GpuLlama {
+    shape: LlamaShape,
+    attention: Vec<AttentionConfig>,
+    device: Device,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Kernels,
+    embedding: Buffer<u16>,
+    layers: Vec<Layer>,
+    out_norm: Buffer<f32>,
+    /// The LM head; `None` where it is the embedding (tied).
+    head: Option<Buffer<u16>>,
+    rope: Option<GpuRope>,
+    acts: Option<Activations>,
+    host_ids: Vec<u32>,
+}
+
+/// An engine error for a failed GPU operation.
+fn gpu_error(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Model(format!("gpu: {what}: {e}"))
+}
+
+/// f32 values as bf16 bits, rounded to nearest even.
+fn to_bf16(values: &[f32]) -> Vec<u16> {
+    values
+        .par_iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect()
+}
+
+/// The f32 weights of a projection (the model must be loaded at `Precision::Exact`).
+fn weights<'a>(linear: &'a crate::ops::Linear, name: &str) -> Result<&'a [f32]> {
+    linear.f32_weights().ok_or_else(|| {
+        Error::Model(format!(
+            "{name} is kept quantized: load the model at exact precision for the GPU"
+        ))
+    })
+}
+
+impl GpuLlama {
+    /// `model` on `cuda`'s GPU: its weights converted to bf16 and uploaded (the model must
+    /// have been loaded at [`Precision::Exact`](crate::ops::Precision::Exact)), its kernels
+    /// compiled (or found in the kernel cache).
+    pub fn new(model: &Llama, cuda: &Cuda) -> Result<Self> {
+        let stream = cuda.stream().clone();
+        let functions = cuda.load_kernels("llama", KERNEL_SOURCE, &KERNEL_NAMES)?;
+        let [embed, rms_norm, split_rope, swiglu, argmax]: [CudaFunction; 5] = functions
+            .try_into()
+            .map_err(|_| Error::Model("llama.cu: a kernel is missing".into()))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| gpu_error("loading cuBLAS", e))?;
+        let bf16 = |parts: &[&[f32]]| -> Result<Buffer<u16>> {
+            Buffer::upload(&stream, &to_bf16(&parts.concat()))
+        };
+        let layers = model
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(Layer {
+                    attn_norm: Buffer::upload(&stream, &l.attn_norm)?,
+                    qkv: bf16(&[
+                        weights(&l.wq, "wq")?,
+                        weights(&l.wk, "wk")?,
+                        weights(&l.wv, "wv")?,
+                    ])?,
+                    wo: bf16(&[weights(&l.wo, "wo")?])?,
+                    ffn_norm: Buffer::upload(&stream, &l.ffn_norm)?,
+                    gate_up: bf16(&[weights(&l.gate, "gate")?, weights(&l.up, "up")?])?,
+                    down: bf16(&[weights(&l.down, "down")?])?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let table = model.embedding.to_linear(crate::ops::Precision::Exact)?;
+        let table = weights(&table, "token_embd")?;
+        let head = weights(&model.head, "output")?;
+        let head = if head == table {
+            None
+        } else {
+            Some(bf16(&[head])?)
+        };
+        let rope = match &model.rope {
+            Some(r) => Some(GpuRope {
+                inv_freq: Buffer::upload(&stream, r.inv_freq())?,
+                dim: r.head_dim(),
+                adjacent: r.style() == RopeStyle::Normal,
+            }),
+            None => None,
+        };
+        Ok(GpuLlama {
+            shape: model.shape.clone(),
+            attention: model.attention.clone(),
+            device: cuda.device(),
+            embedding: bf16(&[table])?,
+            out_norm: Buffer::upload(&stream, &model.out_norm)?,
+            head,
+            rope,
+            layers,
+            kernels: Kernels {
+                embed,
+                rms_norm,
+                split_rope,
+                swiglu,
+                argmax,
+            },
+            blas,
+            stream,
+            acts: None,
+            host_ids: Vec::new(),
+        })
+    }
+}
+
+/// A launch of `blocks` blocks of [`THREADS`] threads.
+fn grid(blocks: usize) -> Result<LaunchConfig> {
+    let blocks =
+        u32::try_from(blocks).map_err(|_| Error::Model(format!("a launch of {blocks} blocks")))?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// A size as the `int` cuBLAS and the kernels take.
+fn int(n: usize, what: &str) -> Result<i32> {
+    i32::try_from(n).map_err(|_| Error::Model(format!("{what} = {n} exceeds a 32-bit int")))
+}
+
+impl Activations {
+    /// Buffers for `tokens` tokens and `rows` logit rows of `shape`.
+    fn new(stream: &Arc<CudaStream>, s: &LlamaShape, tokens: usize, rows: usize) -> Result<Self> {
+        let qkv = (s.heads + 2 * s.kv_heads) * s.head_size;
+        Ok(Activations {
+            tokens,
+            rows,
+            ids: Buffer::zeros(stream, tokens)?,
+            positions: Buffer::zeros(stream, tokens)?,
+            x: Buffer::zeros(stream, tokens * s.hidden)?,
+            h: Buffer::zeros(stream, tokens * s.hidden)?,
+            qkv: Buffer::zeros(stream, tokens * qkv)?,
+            gate_up: Buffer::zeros(stream, tokens * 2 * s.ffn)?,
+            act: Buffer::zeros(stream, tokens * s.ffn)?,
+            row_ids: Buffer::zeros(stream, rows)?,
+            normed: Buffer::zeros(stream, rows * s.hidden)?,
+            logits: Buffer::zeros(stream, rows * s.vocab)?,
+            greedy: Buffer::zeros(stream, rows)?,
+            attn_tokens: 0,
+            attn: None,
+        })
+    }
+}
+
+/// What a forward pass leaves on the host.
+enum Output<'a> {
+    /// Every logit row.
+    Logits(&'a mut Vec<f32>),
+    /// Each row's greedy token.
+    Greedy(&'a mut Vec<u32>),
+}
+
+impl GpuLlama {
+    /// Queues `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+ y` with `accumulate`): `x` and `w` bf16,
+    /// `y` bf16 or f32 (`y_type`), accumulated in f32.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        y_type: blas_sys::cudaDataType,
+        (t, n, k): (usize, usize, usize),
+        accumulate: bool,
+    ) -> Result<()> {
+        let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+        let (t, n, k) = (int(t, "tokens")?, int(n, "rows")?, int(k, "columns")?);
+        // Column-major, as cuBLAS sees row-major memory: yᵀ[n, t] = w[k, n]ᵀ · xᵀ[k, t].
+        // SAFETY: `w` holds n × k elements, `x` t × k and `y` t × n (the callers pass buffers
+        // sized for the step), all on this stream's device and alive until the stream passes
+        // this product (they belong to `self`, whose buffers outlive every step).
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n,
+                t,
+                k,
+                (&alpha as *const f32).cast::<c_void>(),
+                w as *const c_void,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k,
+                x as *const c_void,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k,
+                (&beta as *const f32).cast::<c_void>(),
+                y as *mut c_void,
+                y_type,
+                n,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| gpu_error("cublasGemmEx", e))
+    }
+
+    /// The activations for `t` tokens and `rows` logit rows.
+    fn activations(&mut self, t: usize, rows: usize) -> Result<&mut Activations> {
+        let fits = self
+            .acts
+            .as_ref()
+            .is_some_and(|a| a.tokens >= t && a.rows >= rows);
+        if !fits {
+            let (old_t, old_rows) = self.acts.as_ref().map_or((0, 0), |a| (a.tokens, a.rows));
+            let tokens = t.max(old_t).next_power_of_two();
+            let rows = rows.max(old_rows).max(1).next_power_of_two();
+            self.acts = Some(Activations::new(&self.stream, &self.shape, tokens, rows)?);
+        }
+        let acts = self.acts.as_mut().expect("allocated above");
+        if acts.attn_tokens != t || acts.attn.is_none() {
+            let c = &self.attention[0];
+            acts.attn = Some([
+                c.zeros_query(self.device, DType::BF16, t)?,
+                c.zeros_kv(self.device, DType::BF16, t)?,
+                c.zeros_kv(self.device, DType::BF16, t)?,
+                c.zeros_query(self.device, DType::BF16, t)?,
+            ]);
+            acts.attn_tokens = t;
+        }
+        Ok(acts)
+    }
+
+    /// Runs the model over `step` and leaves `out` on the host.
+    fn run(
+        &mut self,
+        step: &StepTokens<'_>,
+        attend: &mut Attend<'_>,
+        out: Output<'_>,
+    ) -> Result<()> {
+        let t = step.tokens.len();
+        let rows = step.logit_rows.len();
+        let s = self.shape.clone();
+        if t == 0 {
+            match out {
+                Output::Logits(l) => l.clear(),
+                Output::Greedy(g) => g.clear(),
+            }
+            return Ok(());
+        }
+        let (qw, kvw) = (s.heads * s.head_size, s.kv_heads * s.head_size);
+        let stream = self.stream.clone();
+        self.activations(t, rows)?;
+        let mut acts = self.acts.take().expect("allocated by activations");
+        let result = (|| {
+            acts.ids.write(&stream, step.tokens)?;
+            self.host_ids.clear();
+            self.host_ids
+                .extend(step.positions.iter().map(|&p| p as u32));
+            acts.positions.write(&stream, &self.host_ids)?;
+            self.host_ids.clear();
+            self.host_ids
+                .extend(step.logit_rows.iter().map(|&r| r as u32));
+            acts.row_ids.write(&stream, &self.host_ids)?;
+            let hidden = int(s.hidden, "hidden")?;
+            let eps = s.rms_eps;
+            // SAFETY (every launch below): the buffers are sized for `t` tokens and `rows`
+            // rows (`activations`), the weights for the model's shape, and the kernels read
+            // and write only inside those sizes; all are queued on the stream they belong to.
+            unsafe {
+                stream
+                    .launch_builder(&self.kernels.embed)
+                    .arg(&acts.ids.addr)
+                    .arg(&self.embedding.addr)
+                    .arg(&acts.x.addr)
+                    .arg(&hidden)
+                    .launch(grid(t)?)
+            }
+            .map_err(|e| gpu_error("embed", e))?;
+            let null = 0u64;
+            let (rope_freq, rope_dim, adjacent) = match &self.rope {
+                Some(r) => (
+                    r.inv_freq.addr,
+                    int(r.dim, "rope dim")?,
+                    i32::from(r.adjacent),
+                ),
+                None => (0, 0, 0),
+            };
+            let heads = (int(s.heads, "heads")?, int(s.kv_heads, "kv heads")?);
+            let head_size = int(s.head_size, "head size")?;
+            let ffn = int(s.ffn, "ffn")?;
+            let tokens = int(t, "tokens")?;
+            let bf16 = blas_sys::cudaDataType::CUDA_R_16BF;
+            let f32t = blas_sys::cudaDataType::CUDA_R_32F;
+            for (l, layer) in self.layers.iter().enumerate() {
+                self.norm(&acts.x, null, &layer.attn_norm, &acts.h, t, hidden, eps)?;
+                self.linear(
+                    acts.h.addr,
+                    layer.qkv.addr,
+                    acts.qkv.addr,
+                    bf16,
+                    (t, qw + 2 * kvw, s.hidden),
+                    false,
+                )?;
+                let [q, k, v, o] = acts.attn.as_mut().expect("allocated by activations");
+                let (qa, ka, va) = (
+                    q.cuda_address_mut()?,
+                    k.cuda_address_mut()?,
+                    v.cuda_address_mut()?,
+                );
+                // SAFETY: as above; q, k and v are `[t, heads or kv_heads, D]` tensors.
+                unsafe {
+                    stream
+                        .launch_builder(&self.kernels.split_rope)
+                        .arg(&acts.qkv.addr)
+                        .arg(&qa)
+                        .arg(&ka)
+                        .arg(&va)
+                        .arg(&acts.positions.addr)
+                        .arg(&rope_freq)
+                        .arg(&heads.0)
+                        .arg(&heads.1)
+                        .arg(&head_size)
+                        .arg(&rope_dim)
+                        .arg(&adjacent)
+                        .launch(grid(t)?)
+                }
+                .map_err(|e| gpu_error("split_rope", e))?;
+                attend(l, q, k, v, o)?;
+                let oa = o.cuda_address()?;
+                self.linear(
+                    oa,
+                    layer.wo.addr,
+                    acts.x.addr,
+                    f32t,
+                    (t, s.hidden, qw),
+                    true,
+                )?;
+                self.norm(&acts.x, null, &layer.ffn_norm, &acts.h, t, hidden, eps)?;
+                self.linear(
+                    acts.h.addr,
+                    layer.gate_up.addr,
+                    acts.gate_up.addr,
+                    bf16,
+                    (t, 2 * s.ffn, s.hidden),
+                    false,
+                )?;
+                // SAFETY: as above.
+                unsafe {
+                    stream
+                        .launch_builder(&self.kernels.swiglu)
+                        .arg(&acts.gate_up.addr)
+                        .arg(&acts.act.addr)
+                        .arg(&ffn)
+                        .arg(&tokens)
+                        .launch(grid((t * s.ffn).div_ceil(THREADS as usize).min(65_535))?)
+                }
+                .map_err(|e| gpu_error("swiglu", e))?;
+                self.linear(
+                    acts.act.addr,
+                    layer.down.addr,
+                    acts.x.addr,
+                    f32t,
+                    (t, s.hidden, s.ffn),
+                    true,
+                )?;
+            }
+            if rows == 0 {
+                match out {
+                    Output::Logits(l) => l.clear(),
+                    Output::Greedy(g) => g.clear(),
+                }
+                return Ok(());
+            }
+            self.norm(
+                &acts.x,
+                acts.row_ids.addr,
+                &self.out_norm,
+                &acts.normed,
+                rows,
+                hidden,
+                eps,
+            )?;
+            let head = self.head.as_ref().unwrap_or(&self.embedding).addr;
+            self.linear(
+                acts.normed.addr,
+                head,
+                acts.logits.addr,
+                f32t,
+                (rows, s.vocab, s.hidden),
+                false,
+            )?;
+            match out {
+                Output::Logits(l) => {
+                    l.resize(rows * s.vocab, 0.0);
+                    acts.logits.read(&stream, l)
+                }
+                Output::Greedy(g) => {
+                    let vocab = int(s.vocab, "vocabulary")?;
+                    // SAFETY: as above; `greedy` holds `rows` ids.
+                    unsafe {
+                        stream
+                            .launch_builder(&self.kernels.argmax)
+                            .arg(&acts.logits.addr)
+                            .arg(&acts.greedy.addr)
+                            .arg(&vocab)
+                            .launch(grid(rows)?)
+                    }
+                    .map_err(|e| gpu_error("argmax", e))?;
+                    g.resize(rows, 0);
+                    acts.greedy.read(&stream, g)
+                }
+            }
+        })();
+        self.acts = Some(acts);
+        result
+    }
+
+    /// Queues `out[r] = rms_norm(x[rows[r]]) · weight` for `n` rows (`rows` 0: row r).
+    #[allow(clippy::too_many_arguments)]
+    fn norm(
+        &self,
+        x: &Buffer<f32>,
+        rows: u64,
+        weight: &Buffer<f32>,
+        out: &Buffer<u16>,
+        n: usize,
+        hidden: i32,
+        eps: f32,
+    ) -> Result<()> {
+        // SAFETY: `x` holds every row `rows` names (or `n` rows), `out` n rows, `weight` one.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.rms_norm)
+                .arg(&x.addr)
+                .arg(&rows)
+                .arg(&weight.addr)
+                .arg(&out.addr)
+                .arg(&hidden)
+                .arg(&eps)
+                .launch(grid(n)?)
+        }
+        .map(drop)
+        .map_err(|e| gpu_error("rms_norm", e))
+    }
+}
+
+impl Model for GpuLlama {
+    fn name(&self) -> String {
+        format!("{} (GPU, bf16)", self.shape.name)
+    }
+
+    fn layers(&self) -> &[AttentionConfig] {
+        &self.attention
+    }
+
+    fn dtype(&self) -> DType {
+        DType::BF16
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.shape.vocab
+    }
+
+    fn max_context(&self) -> usize {
+        self.shape.max_context
+    }
+
+    fn stop_tokens(&self) -> Vec<u32> {
+        self.shape.stop_tokens.clone()
+    }
+
+    fn first_plain_token(&self) -> u32 {
+        self.shape.first_plain_token
+    }
+
+    fn forward(
+        &mut self,
+        step: &StepTokens<'_>,
+        attend: &mut Attend<'_>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.run(step, attend, Output::Logits(logits))
+    }
+
+    fn forward_greedy(
+        &mut self,
+        step: &StepTokens<'_>,
+        attend: &mut Attend<'_>,
+        _logits: &mut Vec<f32>,
+        tokens: &mut Vec<u32>,
+    ) -> Result<()> {
+        self.run(step, attend, Output::Greedy(tokens))
+    }
+}
