@@ -3,7 +3,8 @@
 (the bf16 GPU model) on bench/hf_generate.py's fixed shape: B requests of PP random prompt
 tokens, TG new tokens each (end of turn ignored), greedy, all arriving at once. Prints one row
 per B: wall seconds (process start excluded: the report's serving time), generated tokens
-per second, and the attention's share of the step time.
+per second, a decode step's time and its forward pass's (the rest is the engine's host work),
+how many steps replayed CUDA graphs, and the attention's share of the other steps' time.
 
     python3 bench/engine_gpu.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf \
         [--batches 1,8,32,64,128,256] [--pp 128] [--tg 128] [--repeats 3]
@@ -14,6 +15,7 @@ import argparse, json, random, statistics, subprocess, tempfile
 
 
 def serve(args, b):
+    extra = ["--no-cuda-graphs"] if args.no_cuda_graphs else []
     rng = random.Random(b)
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         for _ in range(b):
@@ -23,7 +25,7 @@ def serve(args, b):
     out = subprocess.run([args.pagedattn, "run", "--model", args.model, "--trace", trace,
                           "--backend", "cuda", "--no-verify", "--json",
                           "--max-batched-tokens", str(args.max_batched_tokens),
-                          "--max-seqs", str(max(b, 1))],
+                          "--max-seqs", str(max(b, 1))] + extra,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 
@@ -37,9 +39,10 @@ def main():
     p.add_argument("--tg", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-cuda-graphs", action="store_true")
     args = p.parse_args()
-    print("| B | seconds (median) | generated tokens/s | attention share | steps |")
-    print("|---|---|---|---|---|")
+    print("| B | seconds (median) | generated tokens/s | decode step ms (median) | of which forward ms | graph steps | attention share (untimed graph steps aside) |")
+    print("|---|---|---|---|---|---|---|")
     for b in map(int, args.batches.split(",")):
         runs = [serve(args, b) for _ in range(args.repeats)]
         secs = statistics.median(r["seconds"] for r in runs)
@@ -47,7 +50,11 @@ def main():
         gen = r["summary"]["generated_tokens"]
         share = r["summary"].get("attention_share")
         share = "—" if share is None else f"{100 * share:.1f}%"
-        print(f"| {b} | {secs:.3f} | {gen / secs:,.0f} | {share} | {len(r['steps'])} |", flush=True)
+        decodes = [s for s in r["steps"] if s["prefill_tokens"] == 0]
+        step_ms = 1e3 * statistics.median(s["seconds"] for s in decodes)
+        fwd_ms = 1e3 * statistics.median(s["forward_seconds"] for s in decodes)
+        graphs = sum(s["graph"] for s in r["steps"])
+        print(f"| {b} | {secs:.3f} | {gen / secs:,.0f} | {step_ms:.3f} | {fwd_ms:.3f} | {graphs} of {len(r['steps'])} | {share} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,10 @@ pub struct ServeArgs {
     /// `device` on a GPU backend, `host` otherwise.
     #[arg(long)]
     pub model_on: Option<String>,
+    /// Run every decode step's forward pass as it is, never replayed from a CUDA graph (by
+    /// default the GPU model's decode steps are, except those `--verify` checks).
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
     /// Print the report as JSON (every request's generated tokens and text included).
     #[arg(long)]
     pub json: bool,
@@ -357,6 +361,7 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<S
             VerifyMode::Sampled(0.05)
         },
         seed: args.seed,
+        cuda_graphs: !args.no_cuda_graphs,
     };
     let engine = Engine::new(backend.as_ref(), loaded.model, &config)?;
     let stop = Arc::new(AtomicBool::new(false));

@@ -23,6 +23,7 @@ use pagedattn::{
 
 use crate::batch::{RequestId, StepBatch};
 use crate::clock::AttentionClock;
+use crate::graphs::DecodeGraphs;
 use crate::model::{Model, ModelKind, StepTokens};
 use crate::ops::{Sampler, SamplingParams};
 use crate::report::{CacheCounts, Report, RequestRecord, StepRecord};
@@ -42,6 +43,9 @@ pub struct EngineConfig {
     pub verify: VerifyMode,
     /// The seed of the verifier's sampling.
     pub seed: u64,
+    /// Replay decode steps from CUDA graphs where the backend and the model allow it (a GPU
+    /// model on `cuda`); steps the verifier checks run without.
+    pub cuda_graphs: bool,
 }
 
 /// A request as the engine gets it: token ids and how to sample.
@@ -87,6 +91,7 @@ pub struct Engine<'a> {
     report: Report,
     steps: usize,
     clock: AttentionClock,
+    graphs: Option<DecodeGraphs>,
 }
 
 /// Buffers a step reuses.
@@ -201,11 +206,24 @@ impl<'a> Engine<'a> {
             .map(|c| backend.attention(c))
             .collect::<pagedattn::Result<Vec<_>>>()?;
         let mut cache_of = Vec::with_capacity(layers.len());
+        let mut model = model;
+        let graphs = if config.cuda_graphs {
+            DecodeGraphs::new(
+                backend,
+                model.as_mut(),
+                pools.block_size,
+                pools.num_device_blocks,
+                config.scheduler.max_seqs,
+            )?
+        } else {
+            None
+        };
+        // The padding sequences of graph steps write past the scheduler's pool.
+        let cache_blocks = pools.num_device_blocks + graphs.as_ref().map_or(0, |g| g.pad_blocks());
         let mut caches = Vec::new();
         for c in &layers {
             cache_of.push(if c.attn_type().uses_cache() {
-                let spec =
-                    c.kv_cache_spec(model.dtype(), pools.num_device_blocks, pools.block_size);
+                let spec = c.kv_cache_spec(model.dtype(), cache_blocks, pools.block_size);
                 caches.push(backend.allocate_kv_cache(&spec)?);
                 Some(caches.len() - 1)
             } else {
@@ -254,6 +272,7 @@ impl<'a> Engine<'a> {
             sampling: HashMap::new(),
             steps: 0,
             clock: AttentionClock::new(backend)?,
+            graphs,
         })
     }
 
@@ -447,7 +466,152 @@ impl<'a> Engine<'a> {
                 SequenceDesc::prompt(s.cached, s.tokens.len(), &s.block_table)
             });
         }
-        let plans = self.plan(batch, &descs, &dense_lens)?;
+        let verify_layers = self.verifier.layers_for_step(self.layers.len());
+        // Every sample of the step greedy: the model may keep its logits to itself.
+        let greedy = batch.seqs.iter().all(|s| {
+            !s.encoder_only
+                && (s.num_samples == 0
+                    || self
+                        .sampling
+                        .get(&s.request)
+                        .copied()
+                        .unwrap_or_default()
+                        .is_greedy())
+        });
+        // A decode step with nothing to verify may replay a CUDA graph of the model.
+        let graph_step = greedy
+            && verify_layers.is_empty()
+            && batch
+                .seqs
+                .iter()
+                .all(|s| s.is_decode && s.cross.is_none() && !s.encoder_only);
+        let forward_start = Instant::now();
+        let replayed = graph_step && self.replay_decode(&descs, buf)?;
+        if !replayed {
+            self.forward(batch, buf, (&descs, &dense_lens), &verify_layers, greedy)?;
+        }
+        let forward_seconds = forward_start.elapsed().as_secs_f64();
+        let attention_seconds = self.clock.take_seconds()?;
+        let width = self.model.output_width();
+        let mut results: Vec<Sampled> = Vec::with_capacity(batch.seqs.len());
+        let mut row = 0;
+        let mut generated = 0;
+        for s in &batch.seqs {
+            let mut tokens = Vec::with_capacity(s.num_samples);
+            // An encoder-only sequence's pooled state, or a sampling one's logits.
+            if greedy && s.num_samples > 0 {
+                let token = *buf.greedy.get(row).ok_or_else(|| {
+                    Error::Model(format!(
+                        "{} greedy tokens for {} sequences",
+                        buf.greedy.len(),
+                        batch.seqs.len()
+                    ))
+                })?;
+                row += 1;
+                tokens.resize(s.num_samples, token);
+                generated += tokens.len();
+                results.push(Sampled { seq: s.seq, tokens });
+                continue;
+            }
+            let output = if s.encoder_only || s.num_samples > 0 {
+                row += 1;
+                Some(
+                    buf.logits
+                        .get((row - 1) * width..row * width)
+                        .ok_or_else(|| {
+                            Error::Model(format!(
+                                "{} output rows for {} sequences",
+                                buf.logits.len() / width.max(1),
+                                batch.seqs.len()
+                            ))
+                        })?,
+                )
+            } else {
+                None
+            };
+            if let (true, Some(pooled)) = (s.encoder_only, output) {
+                self.report.requests[s.request as usize].pooled = Some(pooled.to_vec());
+            } else if let Some(logits) = output {
+                let params = self.sampling.get(&s.request).copied().unwrap_or_default();
+                // The draw of sample i at position p depends on (seed + i, p) only: neither
+                // the batch nor a preemption changes it.
+                let position = (s.cached + s.tokens.len()) as u64;
+                for i in s.sample..s.sample + s.num_samples {
+                    let params = SamplingParams {
+                        seed: params.seed.wrapping_add(i as u64),
+                        ..params
+                    };
+                    tokens.push(self.sampler.sample(logits, &params, position)?);
+                }
+                generated += tokens.len();
+            }
+            results.push(Sampled { seq: s.seq, tokens });
+        }
+        let events = self.scheduler.finish_step(&results)?;
+        let now = start.elapsed().as_secs_f64();
+        for s in batch
+            .seqs
+            .iter()
+            .filter(|s| s.num_samples > 0 || s.encoder_only)
+        {
+            self.report.requests[s.request as usize]
+                .first_token
+                .get_or_insert(now);
+        }
+        let usage = self.scheduler.blocks().stats();
+        self.report.steps.push(StepRecord {
+            end: now,
+            seconds: step_start.elapsed().as_secs_f64(),
+            forward_seconds,
+            attention_seconds,
+            graph: replayed,
+            prefill_tokens: prefill,
+            decode_tokens: decode,
+            generated_tokens: generated,
+            blocks_used: usage.device_blocks_in_use,
+            blocks_total: self.num_blocks,
+            tokens_stored: usage.tokens_stored,
+            slots_used: usage.slots_allocated,
+        });
+        self.steps += 1;
+        Ok(events)
+    }
+
+    /// Runs a decode step through a CUDA graph where there are graphs and the step fits one
+    /// (the greedy tokens left in `buf`); `false` where it ran nothing.
+    fn replay_decode(&mut self, descs: &[SequenceDesc<'_>], buf: &mut StepBuffers) -> Result<bool> {
+        let Some(graphs) = self.graphs.as_mut() else {
+            return Ok(false);
+        };
+        let step = StepTokens {
+            tokens: &buf.tokens,
+            positions: &buf.positions,
+            logit_rows: &buf.logit_rows,
+            encoder_tokens: &[],
+            encoder_positions: &[],
+        };
+        graphs.replay(
+            self.backend,
+            &self.attention,
+            &mut self.caches,
+            &self.cache_of,
+            self.model.as_mut(),
+            (descs, step),
+            &mut buf.greedy,
+        )
+    }
+
+    /// The step's forward pass with the attention of every layer planned and (where
+    /// `verify_layers` says) verified, the greedy tokens (`greedy`) or the logits left in `buf`.
+    fn forward(
+        &mut self,
+        batch: &StepBatch,
+        buf: &mut StepBuffers,
+        (descs, dense_lens): (&[SequenceDesc<'_>], &[usize]),
+        verify_layers: &[usize],
+        greedy: bool,
+    ) -> Result<()> {
+        let plans = self.plan(batch, descs, dense_lens)?;
         let checked: Vec<CheckedSeq<'_>> = batch
             .seqs
             .iter()
@@ -470,18 +634,6 @@ impl<'a> Engine<'a> {
                 })
             })
             .collect();
-        let verify_layers = self.verifier.layers_for_step(self.layers.len());
-        // Every sample of the step greedy: the model may keep its logits to itself.
-        let greedy = batch.seqs.iter().all(|s| {
-            !s.encoder_only
-                && (s.num_samples == 0
-                    || self
-                        .sampling
-                        .get(&s.request)
-                        .copied()
-                        .unwrap_or_default()
-                        .is_greedy())
-        });
         {
             let (backend, attention, caches, workspace, verifier, layers, cache_of, clock) = (
                 self.backend,
@@ -568,7 +720,7 @@ impl<'a> Engine<'a> {
                             cache,
                             seqs: &cross_checked,
                         },
-                        _ => CheckedCall::Dense { lens: &dense_lens },
+                        _ => CheckedCall::Dense { lens: dense_lens },
                     };
                     verifier.check_call(
                         (step_index, layer),
@@ -599,88 +751,7 @@ impl<'a> Engine<'a> {
                 self.model.forward(&tokens, &mut attend, &mut buf.logits)?;
             }
         }
-        let attention_seconds = self.clock.take_seconds()?;
-        let width = self.model.output_width();
-        let mut results: Vec<Sampled> = Vec::with_capacity(batch.seqs.len());
-        let mut row = 0;
-        let mut generated = 0;
-        for s in &batch.seqs {
-            let mut tokens = Vec::with_capacity(s.num_samples);
-            // An encoder-only sequence's pooled state, or a sampling one's logits.
-            if greedy && s.num_samples > 0 {
-                let token = *buf.greedy.get(row).ok_or_else(|| {
-                    Error::Model(format!(
-                        "{} greedy tokens for {} sequences",
-                        buf.greedy.len(),
-                        batch.seqs.len()
-                    ))
-                })?;
-                row += 1;
-                tokens.resize(s.num_samples, token);
-                generated += tokens.len();
-                results.push(Sampled { seq: s.seq, tokens });
-                continue;
-            }
-            let output = if s.encoder_only || s.num_samples > 0 {
-                row += 1;
-                Some(
-                    buf.logits
-                        .get((row - 1) * width..row * width)
-                        .ok_or_else(|| {
-                            Error::Model(format!(
-                                "{} output rows for {} sequences",
-                                buf.logits.len() / width.max(1),
-                                batch.seqs.len()
-                            ))
-                        })?,
-                )
-            } else {
-                None
-            };
-            if let (true, Some(pooled)) = (s.encoder_only, output) {
-                self.report.requests[s.request as usize].pooled = Some(pooled.to_vec());
-            } else if let Some(logits) = output {
-                let params = self.sampling.get(&s.request).copied().unwrap_or_default();
-                // The draw of sample i at position p depends on (seed + i, p) only: neither
-                // the batch nor a preemption changes it.
-                let position = (s.cached + s.tokens.len()) as u64;
-                for i in s.sample..s.sample + s.num_samples {
-                    let params = SamplingParams {
-                        seed: params.seed.wrapping_add(i as u64),
-                        ..params
-                    };
-                    tokens.push(self.sampler.sample(logits, &params, position)?);
-                }
-                generated += tokens.len();
-            }
-            results.push(Sampled { seq: s.seq, tokens });
-        }
-        let events = self.scheduler.finish_step(&results)?;
-        let now = start.elapsed().as_secs_f64();
-        for s in batch
-            .seqs
-            .iter()
-            .filter(|s| s.num_samples > 0 || s.encoder_only)
-        {
-            self.report.requests[s.request as usize]
-                .first_token
-                .get_or_insert(now);
-        }
-        let usage = self.scheduler.blocks().stats();
-        self.report.steps.push(StepRecord {
-            end: now,
-            seconds: step_start.elapsed().as_secs_f64(),
-            attention_seconds,
-            prefill_tokens: prefill,
-            decode_tokens: decode,
-            generated_tokens: generated,
-            blocks_used: usage.device_blocks_in_use,
-            blocks_total: self.num_blocks,
-            tokens_stored: usage.tokens_stored,
-            slots_used: usage.slots_allocated,
-        });
-        self.steps += 1;
-        Ok(events)
+        Ok(())
     }
 
     /// The step's plans: for each attention type the model has, its metadata planned once by

@@ -8,6 +8,7 @@
 //! Precision: bf16 weights, bf16 inputs to every product and to the attention (and a bf16
 //! cache), f32 accumulation, an f32 residual stream and f32 logits.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -21,7 +22,7 @@ use pagedattn::{AttentionConfig, Backend, DType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::llama::{Llama, LlamaShape};
-use crate::model::{Attend, Model, StepTokens};
+use crate::model::{Attend, GraphStages, Model, StepTokens};
 use crate::ops::RopeStyle;
 use crate::{Error, Result};
 
@@ -30,6 +31,9 @@ pub const KERNEL_SOURCE: &str = include_str!("../kernels/llama.cu");
 
 /// The kernels of [`KERNEL_SOURCE`].
 pub const KERNEL_NAMES: [&str; 5] = ["embed", "rms_norm", "split_rope", "swiglu", "argmax"];
+
+/// Bytes of cuBLAS's workspace (what it asks for on Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// Threads per block of every kernel (a multiple of 32: the reductions use whole warps).
 const THREADS: u32 = 256;
@@ -105,7 +109,7 @@ struct GpuRope {
 }
 
 /// A step's activations, sized for up to `tokens` tokens and `rows` logit rows (grown as
-/// steps need, never shrunk), and the attention's tensors, exactly `attn_tokens` long.
+/// steps need, never shrunk).
 struct Activations {
     tokens: usize,
     rows: usize,
@@ -120,8 +124,6 @@ struct Activations {
     normed: Buffer<u16>,
     logits: Buffer<f32>,
     greedy: Buffer<u32>,
-    attn_tokens: usize,
-    attn: Option<[Tensor; 4]>,
 }
 
 /// A Llama model on a CUDA GPU (see the module doc).
@@ -131,6 +133,8 @@ pub struct GpuLlama {
     device: Device,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace (`BLAS_WORKSPACE` bytes).
+    _blas_workspace: Buffer<u8>,
     kernels: Kernels,
     embedding: Buffer<u16>,
     layers: Vec<Layer>,
@@ -139,6 +143,11 @@ pub struct GpuLlama {
     head: Option<Buffer<u16>>,
     rope: Option<GpuRope>,
     acts: Option<Activations>,
+    /// How many times `acts` was allocated.
+    generation: u64,
+    /// The attention's query, key, value and output tensors of each token count seen (kept:
+    /// a graph captured for a count holds their addresses).
+    attn: HashMap<usize, [Tensor; 4]>,
     host_ids: Vec<u32>,
 }
 
@@ -175,6 +184,19 @@ impl GpuLlama {
             .try_into()
             .map_err(|_| Error::Model("llama.cu: a kernel is missing".into()))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| gpu_error("loading cuBLAS", e))?;
+        // A workspace of our own: cuBLAS then allocates nothing inside a graph capture.
+        let blas_workspace = Buffer::<u8>::zeros(&stream, BLAS_WORKSPACE)?;
+        // SAFETY: the workspace is device memory of BLAS_WORKSPACE bytes that lives as long
+        // as the handle (both are fields of the model).
+        unsafe {
+            blas_sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                blas_workspace.addr as *mut c_void,
+                BLAS_WORKSPACE,
+            )
+        }
+        .result()
+        .map_err(|e| gpu_error("cublasSetWorkspace", e))?;
         let bf16 = |parts: &[&[f32]]| -> Result<Buffer<u16>> {
             Buffer::upload(&stream, &to_bf16(&parts.concat()))
         };
@@ -229,8 +251,11 @@ impl GpuLlama {
                 argmax,
             },
             blas,
+            _blas_workspace: blas_workspace,
             stream,
             acts: None,
+            generation: 0,
+            attn: HashMap::new(),
             host_ids: Vec::new(),
         })
     }
@@ -270,8 +295,6 @@ impl Activations {
             normed: Buffer::zeros(stream, rows * s.hidden)?,
             logits: Buffer::zeros(stream, rows * s.vocab)?,
             greedy: Buffer::zeros(stream, rows)?,
-            attn_tokens: 0,
-            attn: None,
         })
     }
 }
@@ -329,8 +352,10 @@ impl GpuLlama {
         .map_err(|e| gpu_error("cublasGemmEx", e))
     }
 
-    /// The activations for `t` tokens and `rows` logit rows.
-    fn activations(&mut self, t: usize, rows: usize) -> Result<&mut Activations> {
+    /// Makes room for `t` tokens and `rows` logit rows, and the attention tensors of `t`
+    /// tokens. Growing the activations frees the old ones: [`generation`](Self::generation)
+    /// counts it, so that graphs captured on them are dropped.
+    fn reserve(&mut self, t: usize, rows: usize) -> Result<()> {
         let fits = self
             .acts
             .as_ref()
@@ -339,20 +364,213 @@ impl GpuLlama {
             let (old_t, old_rows) = self.acts.as_ref().map_or((0, 0), |a| (a.tokens, a.rows));
             let tokens = t.max(old_t).next_power_of_two();
             let rows = rows.max(old_rows).max(1).next_power_of_two();
+            self.acts = None;
             self.acts = Some(Activations::new(&self.stream, &self.shape, tokens, rows)?);
+            self.generation += 1;
         }
-        let acts = self.acts.as_mut().expect("allocated above");
-        if acts.attn_tokens != t || acts.attn.is_none() {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.attn.entry(t) {
             let c = &self.attention[0];
-            acts.attn = Some([
+            e.insert([
                 c.zeros_query(self.device, DType::BF16, t)?,
                 c.zeros_kv(self.device, DType::BF16, t)?,
                 c.zeros_kv(self.device, DType::BF16, t)?,
                 c.zeros_query(self.device, DType::BF16, t)?,
             ]);
-            acts.attn_tokens = t;
         }
-        Ok(acts)
+        Ok(())
+    }
+
+    /// Uploads `step`'s tokens, positions and logit rows, the tokens padded to `padded` (token
+    /// 0 at position 0) and the logit rows to `padded` with the padding rows: rows no one
+    /// reads.
+    fn load_step(&mut self, step: &StepTokens<'_>, padded: usize) -> Result<()> {
+        let rows = step.logit_rows.len() + (padded - step.tokens.len());
+        self.reserve(padded, rows)?;
+        let acts = self.acts.as_mut().expect("reserved");
+        let stream = &self.stream;
+        let host = &mut self.host_ids;
+        host.clear();
+        host.extend_from_slice(step.tokens);
+        host.resize(padded, 0);
+        acts.ids.write(stream, host)?;
+        host.clear();
+        host.extend(step.positions.iter().map(|&p| p as u32));
+        host.resize(padded, 0);
+        acts.positions.write(stream, host)?;
+        host.clear();
+        host.extend(step.logit_rows.iter().map(|&r| r as u32));
+        host.extend(step.tokens.len() as u32..padded as u32);
+        acts.row_ids.write(stream, host)
+    }
+
+    /// Queues the forward of `t` loaded tokens up to the logits of `rows` rows (and their
+    /// greedy tokens with `greedy`), calling `attend` per layer: device work only, nothing
+    /// allocated or copied from the host (what a CUDA graph captures).
+    fn compute(
+        &mut self,
+        t: usize,
+        rows: usize,
+        attend: &mut Attend<'_>,
+        greedy: bool,
+    ) -> Result<()> {
+        // Out of the map for the call (moving a tensor leaves its device memory in place).
+        let mut tensors = self
+            .attn
+            .remove(&t)
+            .ok_or_else(|| Error::Model(format!("gpu: no attention tensors for {t} tokens")))?;
+        let result = self.compute_with(t, rows, attend, greedy, &mut tensors);
+        self.attn.insert(t, tensors);
+        result
+    }
+
+    /// [`compute`](Self::compute) with the attention tensors of `t` tokens.
+    fn compute_with(
+        &self,
+        t: usize,
+        rows: usize,
+        attend: &mut Attend<'_>,
+        greedy: bool,
+        [q, k, v, o]: &mut [Tensor; 4],
+    ) -> Result<()> {
+        let s = &self.shape;
+        let acts = self.acts.as_ref().expect("loaded");
+        let stream = &self.stream;
+        let (qw, kvw) = (s.heads * s.head_size, s.kv_heads * s.head_size);
+        let hidden = int(s.hidden, "hidden")?;
+        let eps = s.rms_eps;
+        // SAFETY (every launch below): the buffers are sized for at least `t` tokens and
+        // `rows` rows (`reserve`), the weights for the model's shape, and the kernels read and
+        // write only inside those sizes; all are queued on the stream they belong to.
+        unsafe {
+            stream
+                .launch_builder(&self.kernels.embed)
+                .arg(&acts.ids.addr)
+                .arg(&self.embedding.addr)
+                .arg(&acts.x.addr)
+                .arg(&hidden)
+                .launch(grid(t)?)
+        }
+        .map_err(|e| gpu_error("embed", e))?;
+        let (rope_freq, rope_dim, adjacent) = match &self.rope {
+            Some(r) => (
+                r.inv_freq.addr,
+                int(r.dim, "rope dim")?,
+                i32::from(r.adjacent),
+            ),
+            None => (0, 0, 0),
+        };
+        let heads = (int(s.heads, "heads")?, int(s.kv_heads, "kv heads")?);
+        let head_size = int(s.head_size, "head size")?;
+        let ffn = int(s.ffn, "ffn")?;
+        let tokens = int(t, "tokens")?;
+        let bf16 = blas_sys::cudaDataType::CUDA_R_16BF;
+        let f32t = blas_sys::cudaDataType::CUDA_R_32F;
+        let (qa, ka, va) = (
+            q.cuda_address_mut()?,
+            k.cuda_address_mut()?,
+            v.cuda_address_mut()?,
+        );
+        for (l, layer) in self.layers.iter().enumerate() {
+            self.norm(&acts.x, 0, &layer.attn_norm, &acts.h, t, hidden, eps)?;
+            self.linear(
+                acts.h.addr,
+                layer.qkv.addr,
+                acts.qkv.addr,
+                bf16,
+                (t, qw + 2 * kvw, s.hidden),
+                false,
+            )?;
+            // SAFETY: as above; q, k and v are `[t, heads or kv_heads, D]` tensors.
+            unsafe {
+                stream
+                    .launch_builder(&self.kernels.split_rope)
+                    .arg(&acts.qkv.addr)
+                    .arg(&qa)
+                    .arg(&ka)
+                    .arg(&va)
+                    .arg(&acts.positions.addr)
+                    .arg(&rope_freq)
+                    .arg(&heads.0)
+                    .arg(&heads.1)
+                    .arg(&head_size)
+                    .arg(&rope_dim)
+                    .arg(&adjacent)
+                    .launch(grid(t)?)
+            }
+            .map_err(|e| gpu_error("split_rope", e))?;
+            attend(l, q, k, v, o)?;
+            self.linear(
+                o.cuda_address()?,
+                layer.wo.addr,
+                acts.x.addr,
+                f32t,
+                (t, s.hidden, qw),
+                true,
+            )?;
+            self.norm(&acts.x, 0, &layer.ffn_norm, &acts.h, t, hidden, eps)?;
+            self.linear(
+                acts.h.addr,
+                layer.gate_up.addr,
+                acts.gate_up.addr,
+                bf16,
+                (t, 2 * s.ffn, s.hidden),
+                false,
+            )?;
+            // SAFETY: as above.
+            unsafe {
+                stream
+                    .launch_builder(&self.kernels.swiglu)
+                    .arg(&acts.gate_up.addr)
+                    .arg(&acts.act.addr)
+                    .arg(&ffn)
+                    .arg(&tokens)
+                    .launch(grid((t * s.ffn).div_ceil(THREADS as usize).min(65_535))?)
+            }
+            .map_err(|e| gpu_error("swiglu", e))?;
+            self.linear(
+                acts.act.addr,
+                layer.down.addr,
+                acts.x.addr,
+                f32t,
+                (t, s.hidden, s.ffn),
+                true,
+            )?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        self.norm(
+            &acts.x,
+            acts.row_ids.addr,
+            &self.out_norm,
+            &acts.normed,
+            rows,
+            hidden,
+            eps,
+        )?;
+        let head = self.head.as_ref().unwrap_or(&self.embedding).addr;
+        self.linear(
+            acts.normed.addr,
+            head,
+            acts.logits.addr,
+            f32t,
+            (rows, s.vocab, s.hidden),
+            false,
+        )?;
+        if greedy {
+            let vocab = int(s.vocab, "vocabulary")?;
+            // SAFETY: as above; `greedy` holds `rows` ids.
+            unsafe {
+                stream
+                    .launch_builder(&self.kernels.argmax)
+                    .arg(&acts.logits.addr)
+                    .arg(&acts.greedy.addr)
+                    .arg(&vocab)
+                    .launch(grid(rows)?)
+            }
+            .map_err(|e| gpu_error("argmax", e))?;
+        }
+        Ok(())
     }
 
     /// Runs the model over `step` and leaves `out` on the host.
@@ -362,9 +580,7 @@ impl GpuLlama {
         attend: &mut Attend<'_>,
         out: Output<'_>,
     ) -> Result<()> {
-        let t = step.tokens.len();
-        let rows = step.logit_rows.len();
-        let s = self.shape.clone();
+        let (t, rows) = (step.tokens.len(), step.logit_rows.len());
         if t == 0 {
             match out {
                 Output::Logits(l) => l.clear(),
@@ -372,172 +588,19 @@ impl GpuLlama {
             }
             return Ok(());
         }
-        let (qw, kvw) = (s.heads * s.head_size, s.kv_heads * s.head_size);
-        let stream = self.stream.clone();
-        self.activations(t, rows)?;
-        let mut acts = self.acts.take().expect("allocated by activations");
-        let result = (|| {
-            acts.ids.write(&stream, step.tokens)?;
-            self.host_ids.clear();
-            self.host_ids
-                .extend(step.positions.iter().map(|&p| p as u32));
-            acts.positions.write(&stream, &self.host_ids)?;
-            self.host_ids.clear();
-            self.host_ids
-                .extend(step.logit_rows.iter().map(|&r| r as u32));
-            acts.row_ids.write(&stream, &self.host_ids)?;
-            let hidden = int(s.hidden, "hidden")?;
-            let eps = s.rms_eps;
-            // SAFETY (every launch below): the buffers are sized for `t` tokens and `rows`
-            // rows (`activations`), the weights for the model's shape, and the kernels read
-            // and write only inside those sizes; all are queued on the stream they belong to.
-            unsafe {
-                stream
-                    .launch_builder(&self.kernels.embed)
-                    .arg(&acts.ids.addr)
-                    .arg(&self.embedding.addr)
-                    .arg(&acts.x.addr)
-                    .arg(&hidden)
-                    .launch(grid(t)?)
+        self.load_step(step, t)?;
+        self.compute(t, rows, attend, matches!(out, Output::Greedy(_)))?;
+        let acts = self.acts.as_ref().expect("loaded");
+        match out {
+            Output::Logits(l) => {
+                l.resize(rows * self.shape.vocab, 0.0);
+                acts.logits.read(&self.stream, l)
             }
-            .map_err(|e| gpu_error("embed", e))?;
-            let null = 0u64;
-            let (rope_freq, rope_dim, adjacent) = match &self.rope {
-                Some(r) => (
-                    r.inv_freq.addr,
-                    int(r.dim, "rope dim")?,
-                    i32::from(r.adjacent),
-                ),
-                None => (0, 0, 0),
-            };
-            let heads = (int(s.heads, "heads")?, int(s.kv_heads, "kv heads")?);
-            let head_size = int(s.head_size, "head size")?;
-            let ffn = int(s.ffn, "ffn")?;
-            let tokens = int(t, "tokens")?;
-            let bf16 = blas_sys::cudaDataType::CUDA_R_16BF;
-            let f32t = blas_sys::cudaDataType::CUDA_R_32F;
-            for (l, layer) in self.layers.iter().enumerate() {
-                self.norm(&acts.x, null, &layer.attn_norm, &acts.h, t, hidden, eps)?;
-                self.linear(
-                    acts.h.addr,
-                    layer.qkv.addr,
-                    acts.qkv.addr,
-                    bf16,
-                    (t, qw + 2 * kvw, s.hidden),
-                    false,
-                )?;
-                let [q, k, v, o] = acts.attn.as_mut().expect("allocated by activations");
-                let (qa, ka, va) = (
-                    q.cuda_address_mut()?,
-                    k.cuda_address_mut()?,
-                    v.cuda_address_mut()?,
-                );
-                // SAFETY: as above; q, k and v are `[t, heads or kv_heads, D]` tensors.
-                unsafe {
-                    stream
-                        .launch_builder(&self.kernels.split_rope)
-                        .arg(&acts.qkv.addr)
-                        .arg(&qa)
-                        .arg(&ka)
-                        .arg(&va)
-                        .arg(&acts.positions.addr)
-                        .arg(&rope_freq)
-                        .arg(&heads.0)
-                        .arg(&heads.1)
-                        .arg(&head_size)
-                        .arg(&rope_dim)
-                        .arg(&adjacent)
-                        .launch(grid(t)?)
-                }
-                .map_err(|e| gpu_error("split_rope", e))?;
-                attend(l, q, k, v, o)?;
-                let oa = o.cuda_address()?;
-                self.linear(
-                    oa,
-                    layer.wo.addr,
-                    acts.x.addr,
-                    f32t,
-                    (t, s.hidden, qw),
-                    true,
-                )?;
-                self.norm(&acts.x, null, &layer.ffn_norm, &acts.h, t, hidden, eps)?;
-                self.linear(
-                    acts.h.addr,
-                    layer.gate_up.addr,
-                    acts.gate_up.addr,
-                    bf16,
-                    (t, 2 * s.ffn, s.hidden),
-                    false,
-                )?;
-                // SAFETY: as above.
-                unsafe {
-                    stream
-                        .launch_builder(&self.kernels.swiglu)
-                        .arg(&acts.gate_up.addr)
-                        .arg(&acts.act.addr)
-                        .arg(&ffn)
-                        .arg(&tokens)
-                        .launch(grid((t * s.ffn).div_ceil(THREADS as usize).min(65_535))?)
-                }
-                .map_err(|e| gpu_error("swiglu", e))?;
-                self.linear(
-                    acts.act.addr,
-                    layer.down.addr,
-                    acts.x.addr,
-                    f32t,
-                    (t, s.hidden, s.ffn),
-                    true,
-                )?;
+            Output::Greedy(g) => {
+                g.resize(rows, 0);
+                acts.greedy.read(&self.stream, g)
             }
-            if rows == 0 {
-                match out {
-                    Output::Logits(l) => l.clear(),
-                    Output::Greedy(g) => g.clear(),
-                }
-                return Ok(());
-            }
-            self.norm(
-                &acts.x,
-                acts.row_ids.addr,
-                &self.out_norm,
-                &acts.normed,
-                rows,
-                hidden,
-                eps,
-            )?;
-            let head = self.head.as_ref().unwrap_or(&self.embedding).addr;
-            self.linear(
-                acts.normed.addr,
-                head,
-                acts.logits.addr,
-                f32t,
-                (rows, s.vocab, s.hidden),
-                false,
-            )?;
-            match out {
-                Output::Logits(l) => {
-                    l.resize(rows * s.vocab, 0.0);
-                    acts.logits.read(&stream, l)
-                }
-                Output::Greedy(g) => {
-                    let vocab = int(s.vocab, "vocabulary")?;
-                    // SAFETY: as above; `greedy` holds `rows` ids.
-                    unsafe {
-                        stream
-                            .launch_builder(&self.kernels.argmax)
-                            .arg(&acts.logits.addr)
-                            .arg(&acts.greedy.addr)
-                            .arg(&vocab)
-                            .launch(grid(rows)?)
-                    }
-                    .map_err(|e| gpu_error("argmax", e))?;
-                    g.resize(rows, 0);
-                    acts.greedy.read(&stream, g)
-                }
-            }
-        })();
-        self.acts = Some(acts);
-        result
+        }
     }
 
     /// Queues `out[r] = rms_norm(x[rows[r]]) · weight` for `n` rows (`rows` 0: row r).
@@ -615,5 +678,39 @@ impl Model for GpuLlama {
         tokens: &mut Vec<u32>,
     ) -> Result<()> {
         self.run(step, attend, Output::Greedy(tokens))
+    }
+
+    fn graph_stages(&mut self) -> Option<&mut dyn GraphStages> {
+        Some(self)
+    }
+}
+
+impl GraphStages for GpuLlama {
+    fn load(&mut self, step: &StepTokens<'_>, padded: usize) -> Result<()> {
+        if padded < step.tokens.len() || step.logit_rows.len() > padded {
+            return Err(Error::Model(format!(
+                "gpu: {} tokens and {} logit rows padded to {padded}",
+                step.tokens.len(),
+                step.logit_rows.len()
+            )));
+        }
+        self.load_step(step, padded)
+    }
+
+    fn compute(&mut self, padded: usize, rows: usize, attend: &mut Attend<'_>) -> Result<()> {
+        self.compute(padded, rows, attend, true)
+    }
+
+    fn greedy(&mut self, rows: usize, tokens: &mut Vec<u32>) -> Result<()> {
+        let acts = self
+            .acts
+            .as_ref()
+            .ok_or_else(|| Error::Model("gpu: greedy tokens before any step".into()))?;
+        tokens.resize(rows, 0);
+        acts.greedy.read(&self.stream, tokens)
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation
     }
 }

@@ -25,6 +25,7 @@ pub mod error;
 pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu_llama;
+mod graphs;
 pub mod llama;
 pub mod model;
 pub mod ops;

@@ -84,6 +84,13 @@ pub trait Model: Send {
         logits: &mut Vec<f32>,
     ) -> crate::Result<()>;
 
+    /// The model's work as stages a CUDA graph can capture, where every op of it is queued
+    /// on the engine backend's GPU stream (`None`, the default, for a model computing on the
+    /// host). The engine replays decode steps through graphs with them.
+    fn graph_stages(&mut self) -> Option<&mut dyn GraphStages> {
+        None
+    }
+
     /// [`forward`](Self::forward) for a step whose every sample is greedy: writes each of
     /// `step.logit_rows`' greedy token ([`argmax`](crate::ops::argmax) of its logits) into
     /// `tokens` (resized). `logits` is scratch space. A model whose logits live on a device
@@ -101,4 +108,25 @@ pub trait Model: Send {
         tokens.extend(logits.chunks_exact(width).map(crate::ops::argmax));
         Ok(())
     }
+}
+
+/// A decode step in three stages, so that the middle one can be captured in a CUDA graph and
+/// replayed: the step's inputs are copied in first, the greedy tokens copied out last.
+pub trait GraphStages {
+    /// Copies a step's tokens, positions and logit rows into the model's device buffers, the
+    /// tokens padded to `padded` (rows that no logit row names).
+    fn load(&mut self, step: &StepTokens<'_>, padded: usize) -> crate::Result<()>;
+
+    /// Queues the forward of the `padded` loaded tokens up to the greedy token of each of the
+    /// first `rows` logit rows, calling `attend` per layer: device work only, no copy from or
+    /// to the host, no wait, and no allocation for a `padded` seen by [`load`](Self::load).
+    fn compute(&mut self, padded: usize, rows: usize, attend: &mut Attend<'_>)
+        -> crate::Result<()>;
+
+    /// The greedy tokens of the first `rows` logit rows of the last compute (waits for it).
+    fn greedy(&mut self, rows: usize, tokens: &mut Vec<u32>) -> crate::Result<()>;
+
+    /// Changes whenever the model reallocates device memory that a captured compute used: a
+    /// graph captured under another generation must not be replayed.
+    fn generation(&self) -> u64;
 }

@@ -61,8 +61,13 @@ pub struct StepRecord {
     pub end: f64,
     /// The step's seconds.
     pub seconds: f64,
-    /// Of which in attention calls (every layer).
+    /// Of which in the model's forward pass, attention included, up to its outputs on the
+    /// host (the rest is the engine's own work: scheduling, metadata, plans, sampling).
+    pub forward_seconds: f64,
+    /// Of which in attention calls (every layer; 0 for a step replayed from a graph).
     pub attention_seconds: f64,
+    /// Whether the step was replayed from a CUDA graph (its attention calls untimed).
+    pub graph: bool,
     /// Prompt tokens computed.
     pub prefill_tokens: usize,
     /// Decode tokens computed.
@@ -186,10 +191,12 @@ impl Report {
         self.generated_tokens() as f64 / self.seconds.max(f64::MIN_POSITIVE)
     }
 
-    /// Attention's share of the steps' time.
+    /// Attention's share of the time of the steps that timed it (those not replayed from a
+    /// CUDA graph).
     pub fn attention_share(&self) -> f64 {
-        let total: f64 = self.steps.iter().map(|s| s.seconds).sum();
-        let attention: f64 = self.steps.iter().map(|s| s.attention_seconds).sum();
+        let timed = || self.steps.iter().filter(|s| !s.graph);
+        let total: f64 = timed().map(|s| s.seconds).sum();
+        let attention: f64 = timed().map(|s| s.attention_seconds).sum();
         attention / total.max(f64::MIN_POSITIVE)
     }
 
@@ -391,9 +398,18 @@ impl fmt::Display for Report {
         }
         writeln!(f, "time to first token: {}", pair(self.ttft()))?;
         writeln!(f, "time per output token: {}", pair(self.tpot()))?;
+        let replayed = self.steps.iter().filter(|s| s.graph).count();
+        let graphs = if replayed > 0 {
+            format!(
+                " ({replayed} of {} steps replayed from CUDA graphs, untimed)",
+                self.steps.len()
+            )
+        } else {
+            String::new()
+        };
         writeln!(
             f,
-            "attention: {:.1}% of the step time; KV cache: peak {:.1}% of the blocks, internal waste {:.2}%",
+            "attention: {:.1}% of the step time{graphs}; KV cache: peak {:.1}% of the blocks, internal waste {:.2}%",
             100.0 * self.attention_share(),
             100.0 * self.peak_cache_use(),
             100.0 * self.internal_waste()

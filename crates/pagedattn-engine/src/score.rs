@@ -44,6 +44,7 @@ pub fn prompt_logits(
         _ => return Err(Error::Model("the model has no layer".into())),
     };
     let mut workspace = Workspace::empty(backend.device());
+    workspace.reserve(&plan)?;
     let positions: Vec<usize> = (0..tokens.len()).collect();
     let step = StepTokens {
         tokens,

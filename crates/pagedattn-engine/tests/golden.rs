@@ -55,6 +55,7 @@ fn greedy_tokens_match_on(backend: &str) {
         },
         verify: VerifyMode::Sampled(0.1),
         seed: 0,
+        cuda_graphs: true,
     };
     let requests = cases
         .iter()

@@ -104,6 +104,7 @@ pub fn serve(
         },
         verify,
         seed: 1,
+        cuda_graphs: true,
     };
     let engine = Engine::new(backend.as_ref(), model.build_model().unwrap(), &config).unwrap();
     engine
