@@ -103,6 +103,14 @@ summary() {
     printf 'fuzz %-16s FAILED  %10s execs (exit %s); log %s\n' "$t" "${execs:-?}" "$status" "$log"
     grep -E -A1 'panicked at' "$log" | head -4 | sed 's/^/    /'
     grep -E 'ERROR: (libFuzzer|AddressSanitizer)|SUMMARY|Test unit written' "$log" | head -6 | sed 's/^/    /'
+    # The failing input itself (when small), so that a log is enough to replay it elsewhere:
+    # `base64 -d > crash` then `cargo fuzz run TARGET crash`.
+    local artifact
+    artifact=$(sed -n "s/.*Test unit written to \(artifacts\/[^ ]*\).*/\1/p" "$log" | tail -1)
+    if [ -n "$artifact" ] && [ -f "$artifact" ] && [ "$(stat -c %s "$artifact")" -le 16384 ]; then
+      echo "    the input, base64 ($(stat -c %s "$artifact") bytes; CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)):"
+      base64 -w 100 "$artifact" | sed 's/^/    /'
+    fi
   fi
 }
 

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use pagedattn::{Backend, Device};
+use pagedattn::Backend;
 
 use crate::Result;
 
@@ -28,7 +28,7 @@ impl AttentionClock {
     pub(crate) fn new(backend: &dyn Backend) -> Result<Self> {
         Ok(match backend.device() {
             #[cfg(feature = "cuda")]
-            Device::Cuda(i) => AttentionClock::Gpu {
+            pagedattn::Device::Cuda(i) => AttentionClock::Gpu {
                 cuda: pagedattn::cuda::Cuda::new(i)?,
                 spans: Vec::new(),
                 used: 0,

@@ -16,8 +16,34 @@ pub(crate) enum DecodeGraphs {}
 
 #[cfg(not(feature = "cuda"))]
 impl DecodeGraphs {
+    /// No graphs without CUDA.
+    pub(crate) fn new(
+        _: &dyn pagedattn::Backend,
+        _: &mut dyn crate::model::Model,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) -> crate::Result<Option<Self>> {
+        Ok(None)
+    }
+
     /// Extra cache blocks (none).
     pub(crate) fn pad_blocks(&self) -> usize {
+        match *self {}
+    }
+
+    /// Never called: there is no value.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn replay(
+        &mut self,
+        _: &dyn pagedattn::Backend,
+        _: &[Box<dyn pagedattn::AttentionImpl>],
+        _: &mut [pagedattn::KvCache],
+        _: &[Option<usize>],
+        _: &mut dyn crate::model::Model,
+        _: (&[pagedattn::SequenceDesc<'_>], crate::model::StepTokens<'_>),
+        _: &mut Vec<u32>,
+    ) -> crate::Result<bool> {
         match *self {}
     }
 }
