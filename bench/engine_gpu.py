@@ -11,22 +11,20 @@ how many steps replayed CUDA graphs, and the attention's share of the other step
 
 Run bench/hf_generate.py in the same device call for the peer's rows.
 """
-import argparse, json, random, statistics, subprocess, tempfile
+import argparse, json, os, statistics, subprocess
+
+from traces import fixed_shape_trace
 
 
 def serve(args, b):
     extra = ["--no-cuda-graphs"] if args.no_cuda_graphs else []
-    rng = random.Random(b)
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        for _ in range(b):
-            tokens = [rng.randrange(17, 49152) for _ in range(args.pp)]
-            f.write(json.dumps({"tokens": tokens, "max_new_tokens": args.tg, "ignore_eos": True}) + "\n")
-        trace = f.name
+    trace = fixed_shape_trace(b, args.pp, args.tg)
     out = subprocess.run([args.pagedattn, "run", "--model", args.model, "--trace", trace,
                           "--backend", "cuda", "--no-verify", "--json",
                           "--max-batched-tokens", str(args.max_batched_tokens),
                           "--max-seqs", str(max(b, 1))] + extra,
                          check=True, capture_output=True, text=True).stdout
+    os.unlink(trace)
     return json.loads(out)
 
 

@@ -10,15 +10,12 @@ each engine's wall time and its generated tokens per second, and the ratio.
 llama.cpp builds from the source the PyPI sdist `llama-cpp-python` vendors (BENCHMARKS.md says
 how); its threads are `--threads`, ours rayon's (`RAYON_NUM_THREADS`, set to the same).
 """
-import argparse, json, os, random, subprocess, sys, tempfile
+import argparse, json, os, subprocess, sys
+
+from traces import fixed_shape_trace
 
 def ours(args, b):
-    rng = random.Random(b)
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        for _ in range(b):
-            tokens = [rng.randrange(17, 49152) for _ in range(args.pp)]
-            f.write(json.dumps({"tokens": tokens, "max_new_tokens": args.tg, "ignore_eos": True}) + "\n")
-        trace = f.name
+    trace = fixed_shape_trace(b, args.pp, args.tg)
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     out = subprocess.run([args.pagedattn, "run", "--model", args.model, "--trace", trace,
                           "--precision", "fast", "--no-verify", "--backend", "cpu",

@@ -21,7 +21,7 @@ use pagedattn::cuda::Cuda;
 use pagedattn::{AttentionConfig, Backend, DType, Device, Tensor};
 use rayon::prelude::*;
 
-use crate::llama::{Llama, LlamaShape};
+use crate::llama::{llama_model_info, Llama, LlamaShape};
 use crate::model::{Attend, GraphStages, Model, StepTokens};
 use crate::ops::RopeStyle;
 use crate::{Error, Result};
@@ -637,29 +637,11 @@ impl Model for GpuLlama {
         format!("{} (GPU, bf16)", self.shape.name)
     }
 
-    fn layers(&self) -> &[AttentionConfig] {
-        &self.attention
-    }
-
     fn dtype(&self) -> DType {
         DType::BF16
     }
 
-    fn vocab_size(&self) -> usize {
-        self.shape.vocab
-    }
-
-    fn max_context(&self) -> usize {
-        self.shape.max_context
-    }
-
-    fn stop_tokens(&self) -> Vec<u32> {
-        self.shape.stop_tokens.clone()
-    }
-
-    fn first_plain_token(&self) -> u32 {
-        self.shape.first_plain_token
-    }
+    llama_model_info!();
 
     fn forward(
         &mut self,

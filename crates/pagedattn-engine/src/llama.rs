@@ -91,6 +91,33 @@ impl LayerWeights {
     }
 }
 
+/// The [`Model`] methods a Llama model on any device answers from its `shape`
+/// ([`LlamaShape`]) and `attention` (every layer's config) fields.
+macro_rules! llama_model_info {
+    () => {
+        fn layers(&self) -> &[AttentionConfig] {
+            &self.attention
+        }
+
+        fn vocab_size(&self) -> usize {
+            self.shape.vocab
+        }
+
+        fn max_context(&self) -> usize {
+            self.shape.max_context
+        }
+
+        fn stop_tokens(&self) -> Vec<u32> {
+            self.shape.stop_tokens.clone()
+        }
+
+        fn first_plain_token(&self) -> u32 {
+            self.shape.first_plain_token
+        }
+    };
+}
+pub(crate) use llama_model_info;
+
 /// A Llama model's weights and attention settings.
 pub struct Llama {
     pub(crate) shape: LlamaShape,
@@ -338,29 +365,11 @@ impl Model for Llama {
         self.shape.name.clone()
     }
 
-    fn layers(&self) -> &[AttentionConfig] {
-        &self.attention
-    }
-
     fn dtype(&self) -> DType {
         self.dtype
     }
 
-    fn vocab_size(&self) -> usize {
-        self.shape.vocab
-    }
-
-    fn max_context(&self) -> usize {
-        self.shape.max_context
-    }
-
-    fn stop_tokens(&self) -> Vec<u32> {
-        self.shape.stop_tokens.clone()
-    }
-
-    fn first_plain_token(&self) -> u32 {
-        self.shape.first_plain_token
-    }
+    llama_model_info!();
 
     fn forward(
         &mut self,

@@ -61,6 +61,45 @@ mod gpu {
     use pagedattn_engine::ops::{argmax, Precision};
     use serde_json::Value;
 
+    /// Serves `reqs` with `model` on `cuda`: blocks of 16 tokens, 2048 of them, at most 16
+    /// sequences and `max_batched_tokens` tokens a step.
+    fn serve_on_gpu(
+        model: GpuLlama,
+        reqs: Vec<pagedattn_engine::engine::EngineRequest>,
+        max_batched_tokens: usize,
+        verify: VerifyMode,
+        cuda_graphs: bool,
+    ) -> pagedattn_engine::report::Report {
+        use pagedattn_engine::blocks::BlockConfig;
+        use pagedattn_engine::engine::{Engine, EngineConfig};
+        use pagedattn_engine::scheduler::SchedulerConfig;
+        use std::sync::atomic::AtomicBool;
+
+        let backend = registry::backend("cuda").unwrap();
+        let config = EngineConfig {
+            scheduler: SchedulerConfig {
+                max_batched_tokens,
+                max_seqs: 16,
+                preemption: PreemptionPolicy::Auto,
+                blocks: BlockConfig {
+                    block_size: 16,
+                    num_device_blocks: 2048,
+                    num_host_blocks: 64,
+                    prefix_caching: true,
+                    sliding_window: None,
+                    watermark_blocks: 1,
+                },
+            },
+            verify,
+            seed: 1,
+            cuda_graphs,
+        };
+        let engine = Engine::new(backend.as_ref(), Box::new(model), &config).unwrap();
+        engine
+            .run("test", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
+            .unwrap()
+    }
+
     /// How bf16 logits compare with f32 ones over the same rows.
     #[derive(Debug)]
     struct Agreement {
@@ -145,16 +184,11 @@ mod gpu {
     #[test]
     #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
     fn the_engine_serves_the_gpu_model_verified() {
-        use pagedattn_engine::blocks::BlockConfig;
-        use pagedattn_engine::engine::{Engine, EngineConfig};
         use pagedattn_engine::ops::SamplingParams;
-        use pagedattn_engine::scheduler::SchedulerConfig;
-        use std::sync::atomic::AtomicBool;
 
         let config = pagedattn_engine::synthetic::SyntheticConfig::default();
         let host = config.build().unwrap();
         let cuda = Cuda::new(0).unwrap();
-        let backend = registry::backend("cuda").unwrap();
         for temperature in [0.0, 0.8] {
             let gpu = GpuLlama::new(&host, &cuda).unwrap();
             let mut reqs = requests(&gpu, Builtin::Chat, 24, 24, 5);
@@ -165,28 +199,7 @@ mod gpu {
                     ..SamplingParams::default()
                 };
             }
-            let engine_config = EngineConfig {
-                scheduler: SchedulerConfig {
-                    max_batched_tokens: 256,
-                    max_seqs: 16,
-                    preemption: PreemptionPolicy::Auto,
-                    blocks: BlockConfig {
-                        block_size: 16,
-                        num_device_blocks: 2048,
-                        num_host_blocks: 64,
-                        prefix_caching: true,
-                        sliding_window: None,
-                        watermark_blocks: 1,
-                    },
-                },
-                verify: VerifyMode::Every,
-                seed: 1,
-                cuda_graphs: true,
-            };
-            let engine = Engine::new(backend.as_ref(), Box::new(gpu), &engine_config).unwrap();
-            let report = engine
-                .run("test", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
-                .unwrap();
+            let report = serve_on_gpu(gpu, reqs, 256, VerifyMode::Every, true);
             assert!(report.verify.calls_checked > 0);
             assert!(report.requests.iter().all(|r| !r.generated[0].is_empty()));
         }
@@ -200,11 +213,6 @@ mod gpu {
     #[test]
     #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
     fn graph_replayed_decodes_generate_greedy_tokens() {
-        use pagedattn_engine::blocks::BlockConfig;
-        use pagedattn_engine::engine::{Engine, EngineConfig};
-        use pagedattn_engine::scheduler::SchedulerConfig;
-        use std::sync::atomic::AtomicBool;
-
         let config = pagedattn_engine::synthetic::SyntheticConfig::default();
         let host = config.build().unwrap();
         let cuda = Cuda::new(0).unwrap();
@@ -213,33 +221,7 @@ mod gpu {
             let gpu = GpuLlama::new(&host, &cuda).unwrap();
             // 13 requests: buckets of 16, 8, 4, 2 and 1 as they finish at different lengths.
             let reqs = requests(&gpu, Builtin::Chat, 13, 20, 8);
-            let engine_config = EngineConfig {
-                scheduler: SchedulerConfig {
-                    max_batched_tokens: 512,
-                    max_seqs: 16,
-                    preemption: PreemptionPolicy::Auto,
-                    blocks: BlockConfig {
-                        block_size: 16,
-                        num_device_blocks: 2048,
-                        num_host_blocks: 64,
-                        prefix_caching: true,
-                        sliding_window: None,
-                        watermark_blocks: 1,
-                    },
-                },
-                verify: VerifyMode::Off,
-                seed: 1,
-                cuda_graphs,
-            };
-            let engine = Engine::new(backend.as_ref(), Box::new(gpu), &engine_config).unwrap();
-            let report = engine
-                .run(
-                    "test",
-                    reqs.clone(),
-                    &AtomicBool::new(false),
-                    &mut |_, _, _| {},
-                )
-                .unwrap();
+            let report = serve_on_gpu(gpu, reqs.clone(), 512, VerifyMode::Off, cuda_graphs);
             let replayed = report.steps.iter().filter(|s| s.graph).count();
             assert_eq!(replayed > 0, cuda_graphs, "{replayed} steps replayed");
             let mut scorer = GpuLlama::new(&host, &cuda).unwrap();
