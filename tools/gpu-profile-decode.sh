@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Per-kernel GPU time of the engine's decode steps on the GPU model, through Nsight Compute:
+# one request (B = 1) and 256 requests of 128 prompt tokens (B = 256), without CUDA graphs (ncu
+# profiles launches), a window of 660 kernel launches (two decode steps of SmolLM2) after the
+# prefill. Prints, per kernel name, total and mean time and its share.
+#
+#   tools/gpu-profile-decode.sh MODEL.gguf [PAGEDATTN_BINARY]     (on the GPU machine)
+#
+# Needs ncu (`--clock-control none`: the GPU's clocks stay as they are) and python3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=$1
+bin=${2:-gpu-bin/pagedattn}
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+work=$(mktemp -d)
+"$bin" run --backend cuda --model "$model" --prompt warm --max-new-tokens 2 --no-verify >/dev/null
+python3 -c "
+import sys, shutil; sys.path.insert(0, 'bench'); import traces
+shutil.move(traces.fixed_shape_trace(256, 128, 24), '$work/b256.jsonl')"
+
+summarize() {
+    python3 - "$1" <<'PY'
+import collections, csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+k, t = rows[head].index("Kernel Name"), rows[head].index("gpu__time_duration.sum")
+total, count = collections.defaultdict(float), collections.Counter()
+for r in rows[head + 2:]:  # (the row after the header holds the units: ns)
+    try:
+        v = float(r[t])
+    except (IndexError, ValueError):
+        continue
+    total[r[k][:60]] += v
+    count[r[k][:60]] += 1
+all_ns = sum(total.values())
+print(f"{sum(count.values())} kernels, {all_ns / 1e3:.1f} us")
+for name, v in sorted(total.items(), key=lambda x: -x[1])[:14]:
+    print(f"{v / 1e3:9.1f} us {100 * v / all_ns:5.1f}%  x{count[name]:4d}  mean {v / count[name] / 1e3:6.2f} us  {name}")
+PY
+}
+
+profile() {
+    local name=$1 skip=$2
+    shift 2
+    "$ncu" --clock-control none --launch-skip "$skip" --launch-count 660 --csv --page raw \
+        --metrics gpu__time_duration.sum "$bin" run --backend cuda --model "$model" \
+        --no-verify --no-cuda-graphs "$@" >"$work/$name.csv" 2>"$work/$name.err"
+    echo "=== $name"
+    summarize "$work/$name.csv"
+}
+profile B=1 3000 --prompt "Once upon a time" --max-new-tokens 40
+profile B=256 6000 --trace "$work/b256.jsonl" --max-seqs 256 --max-batched-tokens 8192
+rm -rf "$work"
