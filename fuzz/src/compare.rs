@@ -65,7 +65,14 @@ pub fn check(
     let group = config.num_queries_per_kv();
     let keys = KeyStats::new(case, want)?;
     let out = Output::of(w.dtype());
-    let bf16_pv = isa == Isa::Avx512Bf16 && w.dtype() == DType::BF16 && d.is_multiple_of(16);
+    // Probabilities rounded to bf16 for P·V: AVX512-BF16's prefill (D % 16 == 0) and decode
+    // (D % 32 == 0), AMX's prefill (D % 32 == 0), as tests/cpu_vs_reference.rs allows.
+    let bf16_pv = w.dtype() == DType::BF16
+        && match isa {
+            Isa::Avx512Bf16 => d.is_multiple_of(16),
+            Isa::Amx => d.is_multiple_of(32),
+            _ => false,
+        };
     let mut first: Option<String> = None;
     let mut bad = 0usize;
     for s in 0..md.num_seqs() {
@@ -86,7 +93,14 @@ pub fn check(
                 let smag: f64 = parts.iter().sum();
                 if rows == Rows::FiniteInDomain {
                     let finite = q_row.iter().all(|x| x.is_finite()) && kv.finite;
-                    let in_domain = smag <= DOMAIN && kv.positions as f64 * kv.vmax <= DOMAIN;
+                    // The contract's domain (sums of the stored, unscaled products and
+                    // values within f32: f32 accumulators never overflow), and the scaled
+                    // sums too (where the tolerance below is meaningful).
+                    let (ku, vu) = keys.unscale;
+                    let stored = d as f64 * qmax * kv.kmax * ku <= DOMAIN
+                        && kv.positions as f64 * kv.vmax * vu <= DOMAIN;
+                    let in_domain =
+                        stored && smag <= DOMAIN && kv.positions as f64 * kv.vmax <= DOMAIN;
                     if !(finite && in_domain) {
                         continue;
                     }
@@ -94,8 +108,8 @@ pub fn check(
                 let tol = Tolerance {
                     out,
                     abs: kv.vmax * U * (C0 + C1 * smag),
-                    // The AVX512-BF16 kernels round each probability to bf16 (8 significant
-                    // bits) for their P·V: at most 2^-8 of each weight, so 2^-8 * vmax.
+                    // The bf16 kernels round each probability to bf16 (8 significant bits)
+                    // for their P·V: at most 2^-8 of each weight, so 2^-8 * vmax.
                     pv: if bf16_pv { kv.vmax / 256.0 } else { 0.0 },
                 };
                 for x in 0..d {
@@ -249,6 +263,9 @@ impl Tolerance {
 struct KeyStats {
     num_kv_heads: usize,
     stats: Vec<Stats>,
+    /// What turns a decoded key or value back into the stored one (1 / the fp8 scale; 1
+    /// where no scale applies): the exactness domain bounds the stored values.
+    unscale: (f64, f64),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -267,10 +284,17 @@ impl KeyStats {
         let attn_type = config.attn_type();
         // Where the keys are read: the cache after the call (whose bytes both backends must
         // share), or the input tensors.
+        let mut unscale = (1.0, 1.0);
         let (keys, values, block_size) = match (&case.kv_cache, &want.kv_cache) {
             (Some(cache), Some((k, v))) => {
                 let fp8 = config.kv_cache_dtype().fp8_format();
                 let scales = config.kv_scales();
+                if fp8.is_some() {
+                    unscale = (
+                        1.0 / f64::from(scales.k_scale).abs(),
+                        1.0 / f64::from(scales.v_scale).abs(),
+                    );
+                }
                 (
                     decoded(k, fp8, scales.k_scale)?,
                     decoded(v, fp8, scales.v_scale)?,
@@ -329,6 +353,7 @@ impl KeyStats {
         Ok(KeyStats {
             num_kv_heads: hkv,
             stats,
+            unscale,
         })
     }
 

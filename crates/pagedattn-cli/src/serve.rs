@@ -288,6 +288,12 @@ pub enum Served {
 /// `pagedattn run` on the engine: serves the requests, prints the report (or JSON), writes the
 /// plot. A verification mismatch or a leaked block is an error.
 pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<Served> {
+    // This thread as one of rayon's workers: a step's parallel products (hundreds a token at
+    // batch 1) then split in place instead of waking the pool and sleeping until it is done.
+    // (An error means the pool exists already, as it is: nothing lost but that speed.)
+    let _ = rayon::ThreadPoolBuilder::new()
+        .use_current_thread()
+        .build_global();
     let backend: Box<dyn Backend> = registry::backend(backend_name)?;
     let loaded = load(args, backend.as_ref())?;
     let (workload_name, inputs) = requests(args, &loaded)?;
