@@ -1,6 +1,7 @@
 //! Decode steps replayed from CUDA graphs: for a model whose whole forward is device work
 //! ([`GraphStages`](crate::model::GraphStages)), a decode step of `n` sequences is padded to
-//! a bucket (the next power of two) and its forward, attention included, is captured once per
+//! a bucket (vLLM's: 1, 2, 4, 8, then multiples of 8) and its forward, attention included,
+//! is captured once per
 //! bucket and replayed for every later step of that bucket after `replan` refreshes the
 //! attention's plan in place. A replay costs one launch where the forward costs hundreds.
 //!
@@ -72,14 +73,24 @@ mod gpu {
         generation: u64,
     }
 
+    /// The bucket of a decode step of `n` (> 0) sequences: the next power of two up to 8,
+    /// then the next multiple of 8 (as vLLM captures).
+    fn bucket(n: usize) -> usize {
+        if n <= 8 {
+            n.next_power_of_two()
+        } else {
+            n.next_multiple_of(8)
+        }
+    }
+
     /// The graphs of an engine (see the module doc).
     pub(crate) struct DecodeGraphs {
         cuda: Cuda,
         block_size: usize,
         /// The first block past the scheduler's pool.
         pad_base: BlockId,
-        /// The largest bucket (steps of more sequences run without a graph).
-        max_bucket: usize,
+        /// The most sequences of a step (larger steps run without a graph).
+        max_seqs: usize,
         /// The longest sequence a plan must hold.
         max_seq_len: usize,
         graphs: HashMap<usize, DecodeGraph>,
@@ -113,7 +124,7 @@ mod gpu {
                 cuda: Cuda::new(ordinal)?,
                 block_size,
                 pad_base,
-                max_bucket: max_seqs.max(1).next_power_of_two(),
+                max_seqs: max_seqs.max(1),
                 max_seq_len,
                 graphs: HashMap::new(),
             }))
@@ -121,7 +132,11 @@ mod gpu {
 
         /// Cache blocks the padding sequences need past the pool.
         pub(crate) fn pad_blocks(&self) -> usize {
-            self.max_bucket.div_ceil(self.block_size)
+            let most = (1..=self.max_seqs)
+                .map(|n| bucket(n) - n)
+                .max()
+                .unwrap_or(0);
+            most.div_ceil(self.block_size)
         }
 
         /// Runs a decode step (`descs`, one new token each, every sample greedy) through its
@@ -139,10 +154,10 @@ mod gpu {
             greedy: &mut Vec<u32>,
         ) -> Result<bool> {
             let n = descs.len();
-            let bucket = n.max(1).next_power_of_two();
-            if bucket > self.max_bucket {
+            if n == 0 || n > self.max_seqs {
                 return Ok(false);
             }
+            let bucket = bucket(n);
             let bs = self.block_size;
             let pad_tables: Vec<[BlockId; 1]> = (0..bucket - n)
                 .map(|i| [self.pad_base + (i / bs) as BlockId])

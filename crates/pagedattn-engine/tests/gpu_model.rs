@@ -205,7 +205,7 @@ mod gpu {
         }
     }
 
-    /// With CUDA graphs (decode steps padded to a power of two and replayed) and without,
+    /// With CUDA graphs (decode steps padded to a bucket and replayed) and without,
     /// every token the engine generates with the GPU model is a greedy choice of that model:
     /// scored afterwards by `prompt_logits` (one plain prefill), its logit is within 2% of
     /// the row's standard deviation of the row's largest (products over a padded batch may
@@ -219,7 +219,8 @@ mod gpu {
         let backend = registry::backend("cuda").unwrap();
         for cuda_graphs in [true, false] {
             let gpu = GpuLlama::new(&host, &cuda).unwrap();
-            // 13 requests: buckets of 16, 8, 4, 2 and 1 as they finish at different lengths.
+            // 13 requests: buckets of 16, 8, 4, 2 and 1 (13 and 9 sequences pad to 16) as they finish
+            // at different lengths.
             let reqs = requests(&gpu, Builtin::Chat, 13, 20, 8);
             let report = serve_on_gpu(gpu, reqs.clone(), 512, VerifyMode::Off, cuda_graphs);
             let replayed = report.steps.iter().filter(|s| s.graph).count();
