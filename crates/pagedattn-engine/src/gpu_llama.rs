@@ -226,6 +226,35 @@ impl GpuLlama {
         } else {
             Some(bf16(&[head])?)
         };
+        // The kernels write q, k and v as the shape says; the attention tensors are made from
+        // the configs: they must agree.
+        let sh = &model.shape;
+        if let Some(c) = model.attention.iter().find(|c| {
+            (c.num_heads(), c.num_kv_heads(), c.head_size())
+                != (sh.heads, sh.kv_heads, sh.head_size)
+        }) {
+            return Err(Error::Model(format!(
+                "an attention of {}/{} heads of {} in a model of {}/{} heads of {}",
+                c.num_heads(),
+                c.num_kv_heads(),
+                c.head_size(),
+                sh.heads,
+                sh.kv_heads,
+                sh.head_size
+            )));
+        }
+        // The split kernel rotates the first `dim` elements of each head: inside the head.
+        if let Some(r) = model
+            .rope
+            .as_ref()
+            .filter(|r| r.head_dim() > model.shape.head_size)
+        {
+            return Err(Error::Model(format!(
+                "RoPE over {} elements of heads of {}",
+                r.head_dim(),
+                model.shape.head_size
+            )));
+        }
         let rope = match &model.rope {
             Some(r) => Some(GpuRope {
                 inv_freq: Buffer::upload(&stream, r.inv_freq())?,
@@ -384,7 +413,34 @@ impl GpuLlama {
     /// 0 at position 0) and the logit rows to `padded` with the padding rows: rows no one
     /// reads.
     fn load_step(&mut self, step: &StepTokens<'_>, padded: usize) -> Result<()> {
-        let rows = step.logit_rows.len() + (padded - step.tokens.len());
+        // The kernels index the embedding by token and the residual stream by logit row:
+        // both checked here, where they enter.
+        let t = step.tokens.len();
+        if let Some(&bad) = step
+            .tokens
+            .iter()
+            .find(|&&id| id as usize >= self.shape.vocab)
+        {
+            return Err(Error::Model(format!(
+                "token id {bad}: expected below the vocabulary size {}",
+                self.shape.vocab
+            )));
+        }
+        if step.positions.len() != t {
+            return Err(Error::Model(format!(
+                "{} positions for {t} tokens",
+                step.positions.len()
+            )));
+        }
+        if let Some(&bad) = step.logit_rows.iter().find(|&&r| r >= t) {
+            return Err(Error::Model(format!(
+                "logit row {bad}: expected below the step's {t} tokens"
+            )));
+        }
+        if padded < t {
+            return Err(Error::Model(format!("{t} tokens padded to {padded}")));
+        }
+        let rows = step.logit_rows.len() + (padded - t);
         self.reserve(padded, rows)?;
         let acts = self.acts.as_mut().expect("reserved");
         let stream = &self.stream;
@@ -413,6 +469,17 @@ impl GpuLlama {
         attend: &mut Attend<'_>,
         greedy: bool,
     ) -> Result<()> {
+        // Every buffer the kernels touch must hold `t` tokens and `rows` rows (`load_step`
+        // sized them): anything else would have them read or write past the end.
+        let fits = self
+            .acts
+            .as_ref()
+            .is_some_and(|a| a.tokens >= t && a.rows >= rows && rows <= t);
+        if !fits {
+            return Err(Error::Model(format!(
+                "gpu: a forward of {t} tokens and {rows} logit rows without a load of that size"
+            )));
+        }
         // Out of the map for the call (moving a tensor leaves its device memory in place).
         let mut tensors = self
             .attn
@@ -669,13 +736,6 @@ impl Model for GpuLlama {
 
 impl GraphStages for GpuLlama {
     fn load(&mut self, step: &StepTokens<'_>, padded: usize) -> Result<()> {
-        if padded < step.tokens.len() || step.logit_rows.len() > padded {
-            return Err(Error::Model(format!(
-                "gpu: {} tokens and {} logit rows padded to {padded}",
-                step.tokens.len(),
-                step.logit_rows.len()
-            )));
-        }
         self.load_step(step, padded)
     }
 
@@ -688,6 +748,12 @@ impl GraphStages for GpuLlama {
             .acts
             .as_ref()
             .ok_or_else(|| Error::Model("gpu: greedy tokens before any step".into()))?;
+        if rows > acts.rows {
+            return Err(Error::Model(format!(
+                "gpu: {rows} greedy tokens asked of a step of at most {} rows",
+                acts.rows
+            )));
+        }
         tokens.resize(rows, 0);
         acts.greedy.read(&self.stream, tokens)
     }
