@@ -116,6 +116,7 @@ macro_rules! llama_model_info {
         }
     };
 }
+#[cfg(feature = "cuda")]
 pub(crate) use llama_model_info;
 
 /// A Llama model's weights and attention settings.
