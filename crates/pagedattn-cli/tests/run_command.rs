@@ -29,10 +29,10 @@ fn assert_ok(out: &Output, backend: &str) {
     assert!(stdout.trim_end().ends_with(": ok"), "{stdout}");
 }
 
-/// Exit code 0 and the engine's report on stdout: every request served, every attention call
-/// verified.
-fn assert_served(out: &Output, backend: &str) {
-    let stdout = String::from_utf8_lossy(&out.stdout);
+/// Exit code 0 and the engine's report on stdout: `backend` and `workload` named, all
+/// `requests` served, every attention call verified. Returns stdout.
+fn assert_served(out: &Output, backend: &str, workload: &str, requests: usize) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(
         out.status.code(),
@@ -40,16 +40,20 @@ fn assert_served(out: &Output, backend: &str) {
         "stdout: {stdout} stderr: {stderr}"
     );
     assert!(
-        stdout.contains(&format!(" on {backend}, workload chat")),
+        stdout.contains(&format!(" on {backend}, workload {workload}")),
         "{stdout}"
     );
-    assert!(stdout.contains("requests: 6 (0 rejected)"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("requests: {requests} (0 rejected)")),
+        "{stdout}"
+    );
     let verified = stdout
         .lines()
         .find_map(|l| l.strip_prefix("verification: "))
         .unwrap_or_else(|| panic!("{stdout}"));
     let words: Vec<&str> = verified.split_whitespace().collect();
     assert_eq!(words[0], words[2], "every call checked: {verified}");
+    stdout
 }
 
 #[test]
@@ -63,9 +67,9 @@ fn the_engine_serves_verified_on_every_isa() {
         "--verify",
     ];
     let with = |backend: &'static str| [&args[..], &["--backend", backend]].concat();
-    assert_served(&pagedattn(&with("reference"), None), "reference");
+    assert_served(&pagedattn(&with("reference"), None), "reference", "chat", 6);
     for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
-        assert_served(&pagedattn(&with("cpu"), Some(isa)), "cpu");
+        assert_served(&pagedattn(&with("cpu"), Some(isa)), "cpu", "chat", 6);
     }
 }
 
@@ -91,21 +95,8 @@ fn the_encoder_workloads_serve_verified_on_cpu_and_reference() {
                 ],
                 None,
             );
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(0), "{stdout} {stderr}");
-            assert!(
-                stdout.contains(&format!(" on {backend}, workload {workload}")),
-                "{stdout}"
-            );
-            assert!(stdout.contains("requests: 4 (0 rejected)"), "{stdout}");
+            let stdout = assert_served(&out, backend, workload, 4);
             assert!(stdout.contains(says), "{stdout}");
-            let verified = stdout
-                .lines()
-                .find_map(|l| l.strip_prefix("verification: "))
-                .unwrap_or_else(|| panic!("{stdout}"));
-            let words: Vec<&str> = verified.split_whitespace().collect();
-            assert_eq!(words[0], words[2], "every call checked: {verified}");
         }
     }
 }
