@@ -176,7 +176,8 @@ fn weights<'a>(linear: &'a crate::ops::Linear, name: &str) -> Result<&'a [f32]> 
 impl GpuLlama {
     /// `model` on `cuda`'s GPU: its weights converted to bf16 and uploaded (the model must
     /// have been loaded at [`Precision::Exact`](crate::ops::Precision::Exact)), its kernels
-    /// compiled (or found in the kernel cache).
+    /// compiled (or found in the kernel cache). The kernels index by the model's shape:
+    /// [`Llama::new`] checked every weight, attention config and RoPE width against it.
     pub fn new(model: &Llama, cuda: &Cuda) -> Result<Self> {
         let stream = cuda.stream().clone();
         let functions = cuda.load_kernels("llama", KERNEL_SOURCE, &KERNEL_NAMES)?;
@@ -226,35 +227,6 @@ impl GpuLlama {
         } else {
             Some(bf16(&[head])?)
         };
-        // The kernels write q, k and v as the shape says; the attention tensors are made from
-        // the configs: they must agree.
-        let sh = &model.shape;
-        if let Some(c) = model.attention.iter().find(|c| {
-            (c.num_heads(), c.num_kv_heads(), c.head_size())
-                != (sh.heads, sh.kv_heads, sh.head_size)
-        }) {
-            return Err(Error::Model(format!(
-                "an attention of {}/{} heads of {} in a model of {}/{} heads of {}",
-                c.num_heads(),
-                c.num_kv_heads(),
-                c.head_size(),
-                sh.heads,
-                sh.kv_heads,
-                sh.head_size
-            )));
-        }
-        // The split kernel rotates the first `dim` elements of each head: inside the head.
-        if let Some(r) = model
-            .rope
-            .as_ref()
-            .filter(|r| r.head_dim() > model.shape.head_size)
-        {
-            return Err(Error::Model(format!(
-                "RoPE over {} elements of heads of {}",
-                r.head_dim(),
-                model.shape.head_size
-            )));
-        }
         let rope = match &model.rope {
             Some(r) => Some(GpuRope {
                 inv_freq: Buffer::upload(&stream, r.inv_freq())?,

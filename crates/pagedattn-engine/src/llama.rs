@@ -169,6 +169,30 @@ impl Llama {
                 shape.layers
             )));
         }
+        check_parts(&shape, &embedding, &layers, &out_norm, &head)?;
+        // The attention tensors are made from the configs, the projections write the shape's
+        // heads: they must agree. RoPE rotates the first `head_dim` elements of each head.
+        let s = &shape;
+        if let Some(c) = attention.iter().find(|c| {
+            (c.num_heads(), c.num_kv_heads(), c.head_size()) != (s.heads, s.kv_heads, s.head_size)
+        }) {
+            return Err(Error::Model(format!(
+                "an attention of {}/{} heads of {} in a model of {}/{} heads of {}",
+                c.num_heads(),
+                c.num_kv_heads(),
+                c.head_size(),
+                s.heads,
+                s.kv_heads,
+                s.head_size
+            )));
+        }
+        if let Some(r) = rope.as_ref().filter(|r| r.head_dim() > s.head_size) {
+            return Err(Error::Model(format!(
+                "RoPE over {} elements of heads of {}",
+                r.head_dim(),
+                s.head_size
+            )));
+        }
         Ok(Llama {
             shape,
             embedding,
@@ -272,6 +296,74 @@ impl Llama {
             vec![attention; c.n_layers],
             DType::F32,
         )
+    }
+}
+
+/// Every weight's size against `shape` (the GPU model's kernels index by the shape alone).
+fn check_parts(
+    s: &LlamaShape,
+    embedding: &Embedding,
+    layers: &[LayerWeights],
+    out_norm: &[f32],
+    head: &Linear,
+) -> Result<()> {
+    let (q, kv) = (s.heads * s.head_size, s.kv_heads * s.head_size);
+    let mut want: Vec<(String, usize, usize, usize, usize)> = vec![
+        (
+            "token embedding".into(),
+            embedding.vocab(),
+            embedding.hidden(),
+            s.vocab,
+            s.hidden,
+        ),
+        ("output norm".into(), out_norm.len(), 1, s.hidden, 1),
+        (
+            "LM head".into(),
+            head.out_features(),
+            head.in_features(),
+            s.vocab,
+            s.hidden,
+        ),
+    ];
+    for (i, l) in layers.iter().enumerate() {
+        let linear = |name: &str, w: &Linear, out: usize, inp: usize| {
+            (
+                format!("layer {i} {name}"),
+                w.out_features(),
+                w.in_features(),
+                out,
+                inp,
+            )
+        };
+        want.extend([
+            (
+                format!("layer {i} attention norm"),
+                l.attn_norm.len(),
+                1,
+                s.hidden,
+                1,
+            ),
+            (
+                format!("layer {i} MLP norm"),
+                l.ffn_norm.len(),
+                1,
+                s.hidden,
+                1,
+            ),
+            linear("wq", &l.wq, q, s.hidden),
+            linear("wk", &l.wk, kv, s.hidden),
+            linear("wv", &l.wv, kv, s.hidden),
+            linear("wo", &l.wo, s.hidden, q),
+            linear("gate", &l.gate, s.ffn, s.hidden),
+            linear("up", &l.up, s.ffn, s.hidden),
+            linear("down", &l.down, s.hidden, s.ffn),
+        ]);
+    }
+    match want.into_iter().find(|w| (w.1, w.2) != (w.3, w.4)) {
+        Some((name, rows, cols, want_rows, want_cols)) => Err(Error::Model(format!(
+            "{name} is {rows}x{cols}, expected {want_rows}x{want_cols} for the model's shape"
+        ))),
+        None => Ok(()),
     }
 }
 

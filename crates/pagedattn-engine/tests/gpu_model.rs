@@ -50,6 +50,69 @@ fn prompt_logits_predict_what_the_engine_generates() {
     }
 }
 
+/// `Llama::new` refuses parts that disagree with the shape (the GPU model's kernels index by
+/// the shape alone): a projection of the wrong size, an attention config of other heads, RoPE
+/// wider than a head; the same parts made consistent are taken.
+#[test]
+fn llama_new_refuses_parts_that_disagree_with_its_shape() {
+    use pagedattn::{AttentionConfig, DType};
+    use pagedattn_engine::llama::{LayerWeights, Llama, LlamaShape};
+    use pagedattn_engine::ops::{Embedding, Linear, Precision, Rope, RopeStyle};
+
+    let (hidden, heads, kv_heads, d, ffn, vocab) = (8, 2, 1, 4, 16, 32);
+    let shape = LlamaShape {
+        name: "tiny".into(),
+        layers: 1,
+        hidden,
+        ffn,
+        heads,
+        kv_heads,
+        head_size: d,
+        vocab,
+        rms_eps: 1e-5,
+        max_context: 64,
+        stop_tokens: Vec::new(),
+        first_plain_token: 0,
+    };
+    let linear = |out: usize, inp: usize| {
+        Linear::from_f32(&vec![0.01; out * inp], out, inp, Precision::Exact).unwrap()
+    };
+    let layer = |q_rows: usize| LayerWeights {
+        attn_norm: vec![1.0; hidden],
+        wq: linear(q_rows, hidden),
+        wk: linear(kv_heads * d, hidden),
+        wv: linear(kv_heads * d, hidden),
+        wo: linear(hidden, heads * d),
+        ffn_norm: vec![1.0; hidden],
+        gate: linear(ffn, hidden),
+        up: linear(ffn, hidden),
+        down: linear(hidden, ffn),
+    };
+    let config = |heads: usize| {
+        AttentionConfig::builder(heads, d)
+            .num_kv_heads(kv_heads)
+            .build()
+            .unwrap()
+    };
+    let build = |q_rows: usize, attn_heads: usize, rope_dim: usize| {
+        Llama::new(
+            shape.clone(),
+            Embedding::from_f32(&vec![0.1; vocab * hidden], vocab, hidden).unwrap(),
+            vec![layer(q_rows)],
+            vec![1.0; hidden],
+            linear(vocab, hidden),
+            Some(Rope::new(rope_dim, 10_000.0, RopeStyle::Neox).unwrap()),
+            vec![config(attn_heads)],
+            DType::F32,
+        )
+    };
+    assert!(build(heads * d, heads, d).is_ok());
+    let error = |r: pagedattn_engine::Result<Llama>| r.err().expect("refused").to_string();
+    assert!(error(build(heads * d - 1, heads, d)).contains("layer 0 wq is 7x8, expected 8x8"));
+    assert!(error(build(heads * d, heads + 2, d)).contains("an attention of 4/1 heads of 4"));
+    assert!(error(build(heads * d, heads, 2 * d)).contains("RoPE over 8 elements of heads of 4"));
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
