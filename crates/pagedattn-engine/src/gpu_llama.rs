@@ -706,7 +706,10 @@ impl Model for GpuLlama {
     }
 }
 
-impl GraphStages for GpuLlama {
+// SAFETY: device memory is freed only where `reserve` replaces the activations, which bumps
+// `generation`; the weights, the cuBLAS workspace and each token count's attention tensors
+// live as long as the model; `load_step` writes into the current activations.
+unsafe impl GraphStages for GpuLlama {
     fn load(&mut self, step: &StepTokens<'_>, padded: usize) -> Result<()> {
         self.load_step(step, padded)
     }

@@ -184,7 +184,7 @@ mod gpu {
                 Some(g) if g.generation == generation => {
                     attention[layer].replan(&mut g.plan, &metadata, Some(&spec))?;
                     // SAFETY: the graph's tensors (the model's, unchanged since its
-                    // generation matches), caches (the engine's, never reallocated),
+                    // generation matches: `GraphStages`' contract), caches (the engine's, never reallocated),
                     // workspace and plan (this entry's, refreshed by `replan` only) are
                     // alive, and the metadata was validated for these caches by `replan`.
                     unsafe { g.graph.replay()? };

@@ -112,7 +112,14 @@ pub trait Model: Send {
 
 /// A decode step in three stages, so that the middle one can be captured in a CUDA graph and
 /// replayed: the step's inputs are copied in first, the greedy tokens copied out last.
-pub trait GraphStages {
+///
+/// # Safety
+/// The engine replays a captured [`compute`](Self::compute) while
+/// [`generation`](Self::generation) is unchanged: until it changes, every piece of device
+/// memory a compute for a `padded` used (inputs, activations, the tensors it passed to
+/// `attend`, weights, workspaces) stays allocated at the same address, and a later
+/// [`load`](Self::load) of that `padded` writes its inputs there.
+pub unsafe trait GraphStages {
     /// Copies a step's tokens, positions and logit rows into the model's device buffers, the
     /// tokens padded to `padded` (rows that no logit row names).
     fn load(&mut self, step: &StepTokens<'_>, padded: usize) -> crate::Result<()>;
