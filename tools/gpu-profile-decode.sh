@@ -24,17 +24,22 @@ import collections, csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
 k, t = rows[head].index("Kernel Name"), rows[head].index("gpu__time_duration.sum")
+grid = rows[head].index("Grid Size")
+# The row after the header holds the units; ncu writes thousands with commas ("4,032").
+scale = {"ns": 1.0, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6, "nsecond": 1.0}[rows[head + 1][t]]
 total, count = collections.defaultdict(float), collections.Counter()
-for r in rows[head + 2:]:  # (the row after the header holds the units: ns)
+for r in rows[head + 2:]:
     try:
-        v = float(r[t])
+        v = scale * float(r[t].replace(",", ""))
     except (IndexError, ValueError):
         continue
-    total[r[k][:60]] += v
-    count[r[k][:60]] += 1
+    # By name and grid: cuBLAS runs one kernel name for products of different shapes.
+    name = f"{r[k][:48]} {r[grid]}"
+    total[name] += v
+    count[name] += 1
 all_ns = sum(total.values())
 print(f"{sum(count.values())} kernels, {all_ns / 1e3:.1f} us")
-for name, v in sorted(total.items(), key=lambda x: -x[1])[:14]:
+for name, v in sorted(total.items(), key=lambda x: -x[1])[:20]:
     print(f"{v / 1e3:9.1f} us {100 * v / all_ns:5.1f}%  x{count[name]:4d}  mean {v / count[name] / 1e3:6.2f} us  {name}")
 PY
 }

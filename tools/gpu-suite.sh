@@ -22,6 +22,8 @@
 #                                  under compute-sanitizer (memcheck, initcheck, racecheck); with
 #                                  `all`, every other test executable too (test-long_context's
 #                                  GPU tests among them).
+#   tools/gpu-suite.sh tests [all] the same without the sanitizers; `sanitizers`: only them
+#                                  (the two halves fit separate device calls of 10 minutes).
 #
 # The tests that need a GPU are `#[ignore]`d (`cargo test` without one lists them as ignored,
 # and they fail saying why where no GPU is usable): `run` passes `--include-ignored` to every
@@ -140,8 +142,11 @@ test_verdict() {
     fi
 }
 
+# run PARTS [all]: PARTS is everything, tests (no sanitizers) or sanitizers.
 run() {
-    local all=${1:-} out=${OUT:-/tmp/pagedattn-gpu-suite}
+    parts=$1
+    all=${2:-}
+    out=${OUT:-/tmp/pagedattn-gpu-suite}
     TIMEOUT=${GPU_SUITE_TIMEOUT:-400}
     mkdir -p "$out"
     local exe
@@ -155,6 +160,10 @@ run() {
     # Kernels compile once per machine, then come from this cache.
     export PAGEDATTN_CACHE_DIR=${PAGEDATTN_CACHE_DIR:-/tmp/pagedattn-kernels}
     export RUST_BACKTRACE=1
+    if [ "$parts" = sanitizers ]; then
+        sanitizers
+        finish
+    fi
 
     # The CLI lists each backend as `backend NAME ...`; the cuda one must be available. Its
     # details name the architecture the kernels are compiled for.
@@ -260,7 +269,14 @@ run() {
         rm -f "$part_log"
     done
 
-    local sanitizer tool part summary found problems
+    [ "$parts" = tests ] && finish
+    sanitizers
+    finish
+}
+
+# The three CUDA test executables under compute-sanitizer.
+sanitizers() {
+    local sanitizer tool part summary found problems log status verdict part_log
     sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     for tool in ${GPU_SUITE_SANITIZERS-memcheck initcheck racecheck}; do
         log="$out/$tool.log"
@@ -301,7 +317,9 @@ run() {
             record "$tool" FAIL "${problems%; }"
         fi
     done
+}
 
+finish() {
     if [ "$all" = all ]; then
         # One log for all of them: few files come back from $OUT.
         local name
@@ -326,9 +344,11 @@ run() {
 
 case "${1:-}" in
 build) build "${2:-}" ;;
-run) run "${2:-}" ;;
+run) run everything "${2:-}" ;;
+tests) run tests "${2:-}" ;;
+sanitizers) run sanitizers ;;
 *)
-    echo "usage: tools/gpu-suite.sh build [all] | run [all]" >&2
+    echo "usage: tools/gpu-suite.sh build [all] | run [all] | tests [all] | sanitizers" >&2
     exit 2
     ;;
 esac

@@ -122,13 +122,25 @@ __device__ __forceinline__ void warp_best(float& v, u32& at) {
     }
 }
 
-// best[r] = the greedy token of logits[r, :] (0 for an empty row). One block per row.
+// best[r] = the greedy token of logits[r, :] (0 for an empty row). One block per row; each
+// thread loads 8 elements before comparing them (the order is total: any order of visits
+// gives the same winner), so that a row costs a few memory round trips, not one an element.
 extern "C" __global__ void argmax(const float* logits, u32* best, int width) {
     const float* row = logits + (size_t)blockIdx.x * width;
     float v = 0.0f;
     u32 at = NONE;
-    for (u32 i = threadIdx.x; i < (u32)width; i += blockDim.x) {
-        if (ranks_before(row[i], i, v, at)) { v = row[i]; at = i; }
+    for (u32 base = threadIdx.x; base < (u32)width; base += 8 * blockDim.x) {
+        float got[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 i = base + j * blockDim.x;
+            got[j] = i < (u32)width ? row[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 i = base + j * blockDim.x;
+            if (i < (u32)width && ranks_before(got[j], i, v, at)) { v = got[j]; at = i; }
+        }
     }
     warp_best(v, at);
     __shared__ float vs[32];

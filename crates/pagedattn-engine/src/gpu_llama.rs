@@ -35,8 +35,12 @@ pub const KERNEL_NAMES: [&str; 5] = ["embed", "rms_norm", "split_rope", "swiglu"
 /// Bytes of cuBLAS's workspace (what it asks for on Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
 
-/// Threads per block of every kernel (a multiple of 32: the reductions use whole warps).
+/// Threads per block of every kernel but `argmax` (a multiple of 32: the reductions use whole
+/// warps).
 const THREADS: u32 = 256;
+
+/// Threads per block of `argmax` (one block a row of the whole vocabulary).
+const ARGMAX_THREADS: u32 = 1024;
 
 /// The loaded kernels of [`KERNEL_SOURCE`].
 struct Kernels {
@@ -605,7 +609,10 @@ impl GpuLlama {
                     .arg(&acts.logits.addr)
                     .arg(&acts.greedy.addr)
                     .arg(&vocab)
-                    .launch(grid(rows)?)
+                    .launch(LaunchConfig {
+                        block_dim: (ARGMAX_THREADS, 1, 1),
+                        ..grid(rows)?
+                    })
             }
             .map_err(|e| gpu_error("argmax", e))?;
         }
