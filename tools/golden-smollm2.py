@@ -3,7 +3,7 @@
 
 transformers reads the GGUF itself (tokenizer from its metadata, weights dequantized to f32), so
 the ids here are what a correct f32 implementation of the same file produces. Writes
-crates/pagedattn-engine/tests/golden/smollm2.json with:
+crates/pagedattn-engine/tests/engine_tests/golden/smollm2.json with:
   - the model file's name and sha256, the library versions, the settings;
   - tokenizer cases: varied strings with transformers' ids and decoded text;
   - chat cases: one-turn chats (with and without a system message) rendered by
@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-OUT = ROOT / "crates" / "pagedattn-engine" / "tests" / "golden" / "smollm2.json"
+OUT = ROOT / "crates" / "pagedattn-engine" / "tests" / "engine_tests" / "golden" / "smollm2.json"
 NEW_TOKENS = 32
 
 # Strings for the tokenizer test: spaces, newlines, digits, unicode, emoji, code, chat markers.

@@ -16,9 +16,9 @@
 #                                  the CUDA-graph test (test-cuda_graph), the replay cases
 #                                  through `pagedattn run --backend cuda`, the engine's built-in
 #                                  workloads on cuda (verified), SmolLM2's golden tokens
-#                                  (test-golden) and the bf16 GPU model against f32
-#                                  (test-gpu_model; the GGUF at PAGEDATTN_SMOLLM2, default
-#                                  models/, must be there), the three binaries
+#                                  and the bf16 GPU model against f32 (the `golden` and
+#                                  `gpu_model` modules of test-engine_tests; the GGUF at
+#                                  PAGEDATTN_SMOLLM2, default models/, must be there), the three binaries
 #                                  under compute-sanitizer (memcheck, initcheck, racecheck); with
 #                                  `all`, every other test executable too (test-long_context's
 #                                  GPU tests among them).
@@ -76,7 +76,7 @@ EOF
         # Without `all`, the binaries `run` needs: every test executable together (~66 MB)
         # is more than the device tool carries (64 MiB with the working tree).
         case "$all:$name" in
-        all:* | *:test-cuda | *:test-cuda_attention | *:test-cuda_graph | *:test-golden | *:test-gpu_model | *:pagedattn) ;;
+        all:* | *:test-cuda | *:test-cuda_attention | *:test-cuda_graph | *:test-engine_tests | *:pagedattn) ;;
         *) continue ;;
         esac
         # Symbols stay (backtraces name functions); line tables go, to keep gpu-bin small
@@ -258,10 +258,10 @@ run() {
     else
         record "engine workloads" FAIL "$served served, $refused failed"
     fi
-    for part in test-golden test-gpu_model; do
+    for part in golden gpu_model; do
         part_log=$(mktemp)
         PAGEDATTN_REQUIRE_MODEL=1 PAGEDATTN_SMOLLM2=${PAGEDATTN_SMOLLM2:-models/SmolLM2-135M-Instruct.Q4_1.gguf} \
-            timeout "$TIMEOUT" "$BIN/$part" --include-ignored --nocapture >"$part_log" 2>&1
+            timeout "$TIMEOUT" "$BIN/test-engine_tests" "$part::" --include-ignored --nocapture >"$part_log" 2>&1
         status=$?
         verdict=$(test_verdict "$part_log" "$status")
         record "engine $part" "${verdict%%|*}" "${verdict#*|}"
@@ -327,7 +327,7 @@ finish() {
         : >"$out/other-tests.log"
         for exe in "$BIN"/test-*; do
             name=${exe#"$BIN"/}
-            case "$name" in test-cuda | test-cuda_attention | test-cuda_graph | test-golden | test-gpu_model) continue ;; esac
+            case "$name" in test-cuda | test-cuda_attention | test-cuda_graph) continue ;; esac
             timeout "$TIMEOUT" "$exe" --include-ignored >"$log" 2>&1
             status=$?
             verdict=$(test_verdict "$log" "$status")

@@ -11,7 +11,7 @@ use super::{check_len, isa_from_env, Isa, OpsError, Result};
 use crate::weights::WeightType;
 
 /// From this many activation rows on (and for a single row), the exact path multiplies with the
-/// `gemm` crate; between, with its own f32 kernel (which measured faster up to 64 rows on Zen 5: `cargo bench
+/// `gemm` project (its `gemm-f32` crate); between, with its own f32 kernel (which measured faster up to 64 rows on Zen 5: `cargo bench
 /// --bench ops -- gemm`).
 pub const GEMM_MIN_ROWS: usize = 96;
 
@@ -226,15 +226,15 @@ impl Linear {
         // A single row too: gemm's matrix-vector kernel measured about 1.5-2x this one's.
         if t >= self.gemm_min_rows || (t == 1 && self.gemm_min_rows != usize::MAX) {
             let par = if t * out * k < SERIAL_MACS || threads == 1 {
-                gemm::Parallelism::None
+                gemm_common::Parallelism::None
             } else {
-                gemm::Parallelism::Rayon(threads)
+                gemm_common::Parallelism::Rayon(threads)
             };
             // SAFETY: dst is y as [t, out] (column stride 1, row stride out), lhs x as [t, k]
             // (1, k), rhs Wᵀ as [k, out] (row stride 1, column stride k): every index the
             // product reads or writes lies in the slices, whose lengths were checked.
             unsafe {
-                gemm::gemm(
+                gemm_f32::gemm::f32::get_gemm_fn()(
                     t,
                     out,
                     k,

@@ -1,8 +1,8 @@
 //! The tokenizer and the chat template built from the SmolLM2 GGUF against transformers' own
-//! (tests/golden/smollm2.json, written by tools/golden-smollm2.py), and their errors on
+//! (golden/smollm2.json, written by tools/golden-smollm2.py), and their errors on
 //! synthetic files.
 
-mod gguf_writer;
+use crate::gguf_writer;
 
 use gguf_writer::*;
 use pagedattn_engine::chat::{ChatMessage, ChatTemplate};

@@ -1,7 +1,7 @@
 //! The GGUF reader on the real SmolLM2 file and on synthetic, hostile files: every malformed
 //! input is an error naming what is wrong, never a panic.
 
-mod gguf_writer;
+use crate::gguf_writer;
 
 use gguf_writer::*;
 use pagedattn_engine::gguf::{Gguf, GgufError, LlamaConfig, MetaArray, MetaValue};

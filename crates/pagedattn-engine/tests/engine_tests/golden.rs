@@ -1,9 +1,9 @@
 //! SmolLM2-135M-Instruct (the Q4_1 GGUF) served by the engine: with f32 activations and
 //! weights dequantized as transformers dequantizes them, the greedy tokens of every prompt of
-//! tests/golden/smollm2.json (written by tools/golden-smollm2.py from transformers on the same
+//! golden/smollm2.json (written by tools/golden-smollm2.py from transformers on the same
 //! file) are transformers' tokens, all prompts served in one batch.
 
-mod gguf_writer;
+use crate::gguf_writer;
 
 use std::sync::atomic::AtomicBool;
 

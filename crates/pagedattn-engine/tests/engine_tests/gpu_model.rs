@@ -3,8 +3,8 @@
 //! and on SmolLM2 (the golden sequences); the engine serving it with every attention call
 //! verified. The host-only test checks `prompt_logits` itself against the engine.
 
-mod common;
-mod gguf_writer;
+use crate::common;
+use crate::gguf_writer;
 
 use pagedattn::registry;
 use pagedattn_engine::model::ModelKind;

@@ -1,8 +1,6 @@
 //! What the engine's end-to-end tests share: small synthetic models, a built-in workload's
 //! requests, and a run of the engine.
 
-#![allow(dead_code)] // (each test file uses a part)
-
 use std::sync::atomic::AtomicBool;
 
 use pagedattn::registry;

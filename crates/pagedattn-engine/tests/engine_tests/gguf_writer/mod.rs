@@ -1,6 +1,4 @@
 //! A minimal GGUF writer for the tests: synthetic files, well-formed or deliberately broken.
-// Shared by the gguf and tokenizer test crates, each of which uses only part of it.
-#![allow(dead_code)]
 
 /// GGUF's metadata value type codes.
 pub const U8: u32 = 0;

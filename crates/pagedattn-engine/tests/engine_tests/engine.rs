@@ -9,7 +9,7 @@ use pagedattn_engine::synthetic::SyntheticConfig;
 use pagedattn_engine::verify::VerifyMode;
 use pagedattn_engine::workload::Builtin;
 
-mod common;
+use crate::common;
 
 use common::{preemption_changes_nothing, requests, serve, small};
 

@@ -1,0 +1,17 @@
+//! The engine's integration tests, one module a subject, in one executable: one build and
+//! link of the test harness and the shared helpers instead of one per file (a cold
+//! `cargo test` spent most of its time building and linking ten executables).
+
+mod common;
+mod gguf_writer;
+
+mod blocks;
+mod encdec;
+mod engine;
+mod gguf;
+mod golden;
+mod gpu_model;
+mod ops;
+mod scheduler;
+mod tokenizer;
+mod verify;
