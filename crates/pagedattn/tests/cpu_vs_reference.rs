@@ -113,12 +113,18 @@ const U: f64 = f32::EPSILON as f64 / 2.0;
 ///   `2^-8 * sum p_j |v_j| / l <= 2^-8 * vmax`: `pv = 2^-8 * vmax`, a strict bound of that
 ///   rounding (the queries, bf16 keys and fp8 codes are exact in bf16, and the scores are
 ///   accumulated in f32). The largest seen is 0.41 of it.
+/// * `flush`, for bf16 calls on AVX512-BF16 and AMX: their dot-product instructions read
+///   subnormal inputs as zero and flush subnormal products and sums (docs/semantics.md,
+///   "Subnormal bf16 inputs"): `vmax (e^(2δ) - 1) + (n + 1) 2^-126` with `δ = D 2^-126 (1 +
+///   |scale|) (qmax + kmax + 1)` and `n` keys at most `max_pos + 1`. Below f32's resolution for
+///   the usual amplitudes; it matters for tiny ones.
 #[derive(Debug, Clone, Copy)]
 struct Tolerance {
     ulp: f64,
     tiny: f64,
     abs: f64,
     pv: f64,
+    flush: f64,
     /// Whether `pv` applies to decode rows too.
     pv_decode: bool,
     /// `vmax * U` and the parts of `smag` (dot, ALiBi, soft cap), for calibration.
@@ -176,11 +182,22 @@ impl Tolerance {
         // decode takes the f32 path, a looser bound there, while the forced `avx512` run checks
         // that same f32 path at the f32 bound.)
         let pv_decode = bf16_pv && isa == Isa::Avx512Bf16 && st.head_size.is_multiple_of(32);
+        let flush = if st.dtype == DType::BF16 && matches!(isa, Isa::Avx512Bf16 | Isa::Amx) {
+            let tiny = 2f64.powi(-126);
+            let delta = st.head_size as f64
+                * tiny
+                * (1.0 + (config.scale() as f64).abs())
+                * (amp + kmax + 1.0);
+            vmax * (2.0 * delta).exp_m1() + (max_pos + 2) as f64 * tiny
+        } else {
+            0.0
+        };
         Tolerance {
             ulp,
             tiny,
             abs: vmax * U * (C0 + C1 * smag),
             pv: if bf16_pv { 2f64.powi(-8) * vmax } else { 0.0 },
+            flush,
             pv_decode,
             unit: vmax * U,
             parts,
@@ -195,7 +212,7 @@ impl Tolerance {
         } else {
             0.0
         };
-        self.ulp * got.abs().max(want.abs()) + self.tiny + self.abs + pv
+        self.ulp * got.abs().max(want.abs()) + self.tiny + self.abs + pv + self.flush
     }
 
     fn allows(&self, got: f64, want: f64, prefill: bool) -> bool {
@@ -805,6 +822,32 @@ fn decoder_queries_without_keys_give_zeros() {
                 all_zeros(&call, |cpu| Some(model.build(cpu.kv_cache_layout())));
             }
         }
+    }
+}
+
+/// bf16 inputs in the subnormal range (uniform in ±2^-120: about one in 64 below 2^-126, and
+/// every product underflows): the cache writes keep every subnormal exactly, and the outputs
+/// agree with the reference within the tolerance, whose `flush` term covers the AVX512-BF16
+/// and AMX instructions' flush to zero (docs/semantics.md, "Subnormal bf16 inputs"); prefill
+/// and decode rows, every head size, on every ISA.
+#[test]
+fn bf16_subnormal_inputs_meet_the_contract() {
+    for d in HEAD_SIZES {
+        let mut st = fixed_settings(DType::BF16, KvCacheDtype::Auto, d);
+        st.amplitude = 2f32.powi(-120);
+        let seq = |context, new, decode| DecoderSeq {
+            context,
+            new,
+            decode,
+            pad: vec![false; new],
+            extra_blocks: 0,
+        };
+        let case = DecoderCase {
+            settings: st,
+            seqs: vec![seq(5, 40, false), seq(70, 1, true)],
+            spare_blocks: 1,
+        };
+        run_decoder_paged(&case).unwrap();
     }
 }
 
