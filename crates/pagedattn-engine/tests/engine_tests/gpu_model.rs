@@ -4,7 +4,6 @@
 //! verified. The host-only test checks `prompt_logits` itself against the engine.
 
 use crate::common;
-use crate::gguf_writer;
 
 use pagedattn::registry;
 use pagedattn_engine::model::ModelKind;
@@ -116,6 +115,7 @@ fn llama_new_refuses_parts_that_disagree_with_its_shape() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
+    use crate::gguf_writer;
     use pagedattn::cuda::Cuda;
     use pagedattn_engine::gguf::Gguf;
     use pagedattn_engine::gpu_llama::GpuLlama;
