@@ -65,17 +65,10 @@ pub fn check(
     let group = config.num_queries_per_kv();
     let keys = KeyStats::new(case, want)?;
     let out = Output::of(w.dtype());
-    // Probabilities rounded to bf16 for P·V: AVX512-BF16's prefill (D % 16 == 0) and decode
-    // (D % 32 == 0), AMX's prefill (D % 32 == 0), as tests/cpu_vs_reference.rs allows.
-    let bf16_pv = w.dtype() == DType::BF16
-        && match isa {
-            Isa::Avx512Bf16 => d.is_multiple_of(16),
-            Isa::Amx => d.is_multiple_of(32),
-            _ => false,
-        };
-    // Subnormal bf16 inputs, products and partial sums flushed to zero by `vdpbf16ps` /
-    // `tdpbf16ps` (docs/semantics.md, "Subnormal bf16 inputs"): the bound it states, per row.
-    let flushes = w.dtype() == DType::BF16 && matches!(isa, Isa::Avx512Bf16 | Isa::Amx);
+    // The bf16 dot-product kernels (`Isa::bf16_dot_products`; prefill rows, a superset of
+    // the decode's): probabilities rounded to bf16 for P·V, and subnormal inputs, products
+    // and partial sums flushed to zero (docs/semantics.md, "Subnormal bf16 inputs").
+    let bf16_pv = w.dtype() == DType::BF16 && isa.bf16_dot_products(d, true);
     let mut first: Option<String> = None;
     let mut bad = 0usize;
     for s in 0..md.num_seqs() {
@@ -114,7 +107,7 @@ pub fn check(
                     // The bf16 kernels round each probability to bf16 (8 significant bits)
                     // for their P·V: at most 2^-8 of each weight, so 2^-8 * vmax.
                     pv: if bf16_pv { kv.vmax / 256.0 } else { 0.0 },
-                    flush: if flushes {
+                    flush: if bf16_pv {
                         flush_bound(d, config.scale(), qmax, kv)
                     } else {
                         0.0

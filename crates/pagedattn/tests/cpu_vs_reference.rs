@@ -170,19 +170,14 @@ impl Tolerance {
             st.soft_cap.map_or(0.0, f64::from),
         ];
         let smag: f64 = parts.iter().sum();
-        // Probabilities rounded to bf16 for P·V: AVX512-BF16's prefill (D % 16 == 0) and
-        // decode (D % 32 == 0), AMX's prefill (D % 32 == 0; its decode is AVX-512's f32).
-        let bf16_pv = st.dtype == DType::BF16
-            && match isa {
-                Isa::Avx512Bf16 => st.head_size.is_multiple_of(16),
-                Isa::Amx => st.head_size.is_multiple_of(32),
-                _ => false,
-            };
+        // The bf16 dot-product kernels (prefill rows; decode rows where the ISA says so):
+        // probabilities rounded to bf16 for P·V, subnormals flushed.
+        let bf16_pv = st.dtype == DType::BF16 && isa.bf16_dot_products(st.head_size, true);
         // (fp8 caches: their codes widen to bf16 exactly, with AVX512-VBMI; without it the
         // decode takes the f32 path, a looser bound there, while the forced `avx512` run checks
         // that same f32 path at the f32 bound.)
-        let pv_decode = bf16_pv && isa == Isa::Avx512Bf16 && st.head_size.is_multiple_of(32);
-        let flush = if st.dtype == DType::BF16 && matches!(isa, Isa::Avx512Bf16 | Isa::Amx) {
+        let pv_decode = bf16_pv && isa.bf16_dot_products(st.head_size, false);
+        let flush = if bf16_pv {
             let tiny = 2f64.powi(-126);
             let delta = st.head_size as f64
                 * tiny

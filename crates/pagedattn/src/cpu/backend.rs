@@ -204,9 +204,7 @@ impl CpuAttention {
             cache_geometry: cache.map(|c| *c.spec()),
             scales: self.config.kv_scales(),
             #[cfg(target_arch = "x86_64")]
-            bf16_dot: self.backend.isa == Isa::Avx512Bf16,
-            #[cfg(target_arch = "x86_64")]
-            amx: self.backend.isa == Isa::Amx,
+            isa: self.backend.isa,
         };
         let output = output.host_mut()?;
         run_isa(self.backend.isa, &call, output, partials)

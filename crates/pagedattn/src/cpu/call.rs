@@ -16,6 +16,8 @@ use crate::shared::SharedMut;
 use super::kernel::{KvRows, RowLayout, RowStates, ScoreMods};
 use super::plan::Plan;
 use super::simd::{prefetch, Load, Simd};
+#[cfg(target_arch = "x86_64")]
+use super::Isa;
 
 /// The query rows of a call in the caller's element type. The kernels read them once per
 /// unit of work, converted to f32 or bf16 pairs, so they are not generic over it: an element
@@ -52,12 +54,9 @@ pub(super) struct CallRows<'a> {
     pub(super) score_scale: f32,
     /// Multiplies the output: the fp8 v_scale.
     pub(super) v_scale: f32,
-    /// Whether the AVX512-BF16 kernels may be used.
+    /// The instruction set: which bf16 kernels may run (`Isa::bf16_dot_products`).
     #[cfg(target_arch = "x86_64")]
-    pub(super) bf16_dot: bool,
-    /// Whether the AMX prefill may be used.
-    #[cfg(target_arch = "x86_64")]
-    pub(super) amx: bool,
+    pub(super) isa: Isa,
 }
 
 /// A forward call with its ISA `S` and key/value element `E` fixed: the [`CallRows`] (through

@@ -104,7 +104,7 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
     #[cfg(target_arch = "x86_64")]
     fn decode_bf16(&self, rows: DecodeHeads<'_, '_, E>, states: &mut [RowStates]) -> bool {
         use widen::Bf16Rows;
-        if !(self.bf16_dot && self.bf16_queries() && self.cfg.head_size().is_multiple_of(32)) {
+        if !(self.isa.bf16_dot_products(self.cfg.head_size(), false) && self.bf16_queries()) {
             return false;
         }
         match (E::as_bf16_rows(self.keys), E::as_bf16_rows(self.values)) {

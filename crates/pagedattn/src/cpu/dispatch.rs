@@ -33,12 +33,9 @@ pub(super) struct ForwardCall<'a> {
     pub(super) values: &'a HostStorage,
     pub(super) cache_geometry: Option<KvCacheSpec>,
     pub(super) scales: KvScales,
-    /// Whether the AVX512-BF16 kernels may be used.
+    /// The instruction set: which bf16 kernels may run (`Isa::bf16_dot_products`).
     #[cfg(target_arch = "x86_64")]
-    pub(super) bf16_dot: bool,
-    /// Whether the AMX prefill may be used.
-    #[cfg(target_arch = "x86_64")]
-    pub(super) amx: bool,
+    pub(super) isa: Isa,
 }
 
 /// Runs the call on the widest vectors of `isa` whose width divides the head size (so kernels
@@ -86,9 +83,7 @@ pub(super) fn run_isa(
         score_scale: (cfg.scale() as f64 * k_scale as f64) as f32,
         v_scale,
         #[cfg(target_arch = "x86_64")]
-        bf16_dot: call.bf16_dot,
-        #[cfg(target_arch = "x86_64")]
-        amx: call.amx,
+        isa: call.isa,
     };
     isa.vectorize_dividing(cfg.head_size(), RunKv { call, rows: &rows })?;
     // The split-K merges, once every partition is written.

@@ -54,6 +54,20 @@ impl Isa {
         }
     }
 
+    /// Whether bf16 calls of head size `head_size` run on bf16 dot-product instructions
+    /// here: AVX512-BF16's `vdpbf16ps` for prefill rows (sequences of more than one query
+    /// token) with `head_size` a multiple of 16 and for decode rows with a multiple of 32;
+    /// AMX's `tdpbf16ps` for prefill rows with a multiple of 32 (its decode is AVX-512's f32).
+    /// Those kernels round each probability to bf16 for P·V and flush subnormal inputs,
+    /// products and sums to zero (docs/semantics.md); the tests' tolerances ask this too.
+    pub fn bf16_dot_products(self, head_size: usize, prefill: bool) -> bool {
+        match self {
+            Isa::Avx512Bf16 => head_size.is_multiple_of(if prefill { 16 } else { 32 }),
+            Isa::Amx => prefill && head_size.is_multiple_of(32),
+            _ => false,
+        }
+    }
+
     /// Whether this CPU can run it.
     pub fn is_available(self) -> bool {
         match self {

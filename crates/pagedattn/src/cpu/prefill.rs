@@ -11,6 +11,8 @@ use super::parallel;
 use super::plan::PrefillGroup;
 use super::simd::{Load, Simd};
 #[cfg(target_arch = "x86_64")]
+use super::Isa;
+#[cfg(target_arch = "x86_64")]
 use super::{amx, bf16};
 
 use super::call::TypedCall;
@@ -27,13 +29,13 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
         let absent = &self.plan.absent[pg.seq];
         #[cfg(target_arch = "x86_64")]
         {
-            let amx = self.amx && d.is_multiple_of(32);
+            let amx = self.isa == Isa::Amx;
             // An `if` on the constants alone first: the compiler then builds the bf16
             // kernels only for the ISA token and the element types that can run them.
             if S::BF16_KERNELS
                 && E::BF16_EXACT
                 && self.bf16_queries()
-                && (amx || (self.bf16_dot && d.is_multiple_of(16)))
+                && self.isa.bf16_dot_products(d, true)
             {
                 let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent)?;
                 parallel::for_each(pg.tiles.len(), &|i| {
