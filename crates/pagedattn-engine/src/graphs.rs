@@ -184,9 +184,10 @@ mod gpu {
                 Some(g) if g.generation == generation => {
                     attention[layer].replan(&mut g.plan, &metadata, Some(&spec))?;
                     // SAFETY: the graph's tensors (the model's, unchanged since its
-                    // generation matches: `GraphStages`' contract), caches (the engine's, never reallocated),
-                    // workspace and plan (this entry's, refreshed by `replan` only) are
-                    // alive, and the metadata was validated for these caches by `replan`.
+                    // generation matches: `GraphStages`' contract), caches (the engine's,
+                    // never reallocated), workspace and plan (this entry's, refreshed by
+                    // `replan` only) are alive, and the metadata was validated for these
+                    // caches by `replan`.
                     unsafe { g.graph.replay()? };
                 }
                 _ => {

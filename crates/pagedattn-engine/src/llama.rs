@@ -308,63 +308,48 @@ fn check_parts(
     head: &Linear,
 ) -> Result<()> {
     let (q, kv) = (s.heads * s.head_size, s.kv_heads * s.head_size);
-    let mut want: Vec<(String, usize, usize, usize, usize)> = vec![
-        (
-            "token embedding".into(),
-            embedding.vocab(),
-            embedding.hidden(),
-            s.vocab,
-            s.hidden,
-        ),
-        ("output norm".into(), out_norm.len(), 1, s.hidden, 1),
-        (
-            "LM head".into(),
-            head.out_features(),
-            head.in_features(),
-            s.vocab,
-            s.hidden,
-        ),
-    ];
+    let linear = |w: &Linear| (w.out_features(), w.in_features());
+    let embedding = (embedding.vocab(), embedding.hidden());
+    check_part(|| "token embedding".into(), embedding, (s.vocab, s.hidden))?;
+    check_part(|| "output norm".into(), (out_norm.len(), 1), (s.hidden, 1))?;
+    check_part(|| "LM head".into(), linear(head), (s.vocab, s.hidden))?;
     for (i, l) in layers.iter().enumerate() {
-        let linear = |name: &str, w: &Linear, out: usize, inp: usize| {
-            (
-                format!("layer {i} {name}"),
-                w.out_features(),
-                w.in_features(),
-                out,
-                inp,
-            )
-        };
-        want.extend([
-            (
-                format!("layer {i} attention norm"),
-                l.attn_norm.len(),
-                1,
-                s.hidden,
-                1,
-            ),
-            (
-                format!("layer {i} MLP norm"),
-                l.ffn_norm.len(),
-                1,
-                s.hidden,
-                1,
-            ),
-            linear("wq", &l.wq, q, s.hidden),
-            linear("wk", &l.wk, kv, s.hidden),
-            linear("wv", &l.wv, kv, s.hidden),
-            linear("wo", &l.wo, s.hidden, q),
-            linear("gate", &l.gate, s.ffn, s.hidden),
-            linear("up", &l.up, s.ffn, s.hidden),
-            linear("down", &l.down, s.hidden, s.ffn),
-        ]);
+        let parts = [
+            ("attention norm", (l.attn_norm.len(), 1), (s.hidden, 1)),
+            ("MLP norm", (l.ffn_norm.len(), 1), (s.hidden, 1)),
+            ("wq", linear(&l.wq), (q, s.hidden)),
+            ("wk", linear(&l.wk), (kv, s.hidden)),
+            ("wv", linear(&l.wv), (kv, s.hidden)),
+            ("wo", linear(&l.wo), (s.hidden, q)),
+            ("gate", linear(&l.gate), (s.ffn, s.hidden)),
+            ("up", linear(&l.up), (s.ffn, s.hidden)),
+            ("down", linear(&l.down), (s.hidden, s.ffn)),
+        ];
+        for (name, got, want) in parts {
+            check_part(|| format!("layer {i} {name}"), got, want)?;
+        }
     }
-    match want.into_iter().find(|w| (w.1, w.2) != (w.3, w.4)) {
-        Some((name, rows, cols, want_rows, want_cols)) => Err(Error::Model(format!(
-            "{name} is {rows}x{cols}, expected {want_rows}x{want_cols} for the model's shape"
-        ))),
-        None => Ok(()),
+    Ok(())
+}
+
+/// A part of `got` (rows, columns) where the shape wants `want`: an error naming it (`name`
+/// is only formatted then).
+fn check_part(
+    name: impl FnOnce() -> String,
+    got: (usize, usize),
+    want: (usize, usize),
+) -> Result<()> {
+    if got == want {
+        return Ok(());
     }
+    Err(Error::Model(format!(
+        "{} is {}x{}, expected {}x{} for the model's shape",
+        name(),
+        got.0,
+        got.1,
+        want.0,
+        want.1
+    )))
 }
 
 /// A GGUF tensor's dimensions, checked against the model's (GGUF order: the contiguous

@@ -11,8 +11,8 @@ use super::{check_len, isa_from_env, Isa, OpsError, Result};
 use crate::weights::WeightType;
 
 /// From this many activation rows on (and for a single row), the exact path multiplies with the
-/// `gemm` project (its `gemm-f32` crate); between, with its own f32 kernel (which measured faster up to 64 rows on Zen 5: `cargo bench
-/// --bench ops -- gemm`).
+/// `gemm` project (its `gemm-f32` crate); between, with its own f32 kernel (which measured
+/// faster up to 64 rows on Zen 5: `cargo bench --bench ops -- gemm`).
 pub const GEMM_MIN_ROWS: usize = 96;
 
 /// Multiply-adds under which a product runs on the calling thread alone.

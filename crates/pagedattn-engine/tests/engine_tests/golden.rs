@@ -4,6 +4,7 @@
 //! file) are transformers' tokens, all prompts served in one batch.
 
 use crate::gguf_writer;
+use crate::golden_file::{golden, ids};
 
 use std::sync::atomic::AtomicBool;
 
@@ -15,15 +16,6 @@ use pagedattn_engine::llama::Llama;
 use pagedattn_engine::ops::{Precision, SamplingParams};
 use pagedattn_engine::scheduler::{PreemptionPolicy, SchedulerConfig};
 use pagedattn_engine::verify::VerifyMode;
-use serde_json::Value;
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("an id list")
-        .iter()
-        .map(|x| x.as_u64().expect("an id") as u32)
-        .collect()
-}
 
 /// Serves every golden prompt on `backend` in one run (chunked prefill: 64 tokens a step)
 /// and compares each request's 32 greedy tokens with transformers'.
@@ -31,8 +23,7 @@ fn greedy_tokens_match_on(backend: &str) {
     let Some(path) = gguf_writer::model_path() else {
         return;
     };
-    let golden: Value =
-        serde_json::from_str(include_str!("golden/smollm2.json")).expect("the golden file parses");
+    let golden = golden();
     let cases = golden["generation_cases"]
         .as_array()
         .expect("generation cases");

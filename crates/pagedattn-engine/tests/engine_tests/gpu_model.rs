@@ -116,13 +116,13 @@ fn llama_new_refuses_parts_that_disagree_with_its_shape() {
 mod gpu {
     use super::*;
     use crate::gguf_writer;
+    use crate::golden_file::{golden, ids};
     use pagedattn::cuda::Cuda;
     use pagedattn_engine::gguf::Gguf;
     use pagedattn_engine::gpu_llama::GpuLlama;
     use pagedattn_engine::llama::Llama;
     use pagedattn_engine::model::Model;
     use pagedattn_engine::ops::{argmax, Precision};
-    use serde_json::Value;
 
     /// Serves `reqs` with `model` on `cuda`: blocks of 16 tokens, 2048 of them, at most 16
     /// sequences and `max_batched_tokens` tokens a step.
@@ -321,7 +321,7 @@ mod gpu {
         let Some(path) = gguf_writer::model_path() else {
             return;
         };
-        let golden: Value = serde_json::from_str(include_str!("golden/smollm2.json")).unwrap();
+        let golden = golden();
         let file = Gguf::open(&path).unwrap();
         let mut host = Llama::from_gguf(&file, Precision::Exact).unwrap();
         let cuda = Cuda::new(0).unwrap();
@@ -329,13 +329,6 @@ mod gpu {
         let cpu = registry::backend("cpu").unwrap();
         let backend = registry::backend("cuda").unwrap();
         let vocab = gpu.vocab_size();
-        let ids = |v: &Value| -> Vec<u32> {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect()
-        };
         let (mut rows, mut same, mut worst) = (0, 0, 0f32);
         for case in golden["generation_cases"].as_array().unwrap() {
             let prompt = ids(&case["prompt_ids"]);

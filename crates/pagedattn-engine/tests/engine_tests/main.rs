@@ -4,6 +4,7 @@
 
 mod common;
 mod gguf_writer;
+mod golden_file;
 
 mod blocks;
 mod encdec;

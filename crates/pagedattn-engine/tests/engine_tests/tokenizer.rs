@@ -3,25 +3,12 @@
 //! synthetic files.
 
 use crate::gguf_writer;
+use crate::golden_file::{golden, ids};
 
 use gguf_writer::*;
 use pagedattn_engine::chat::{ChatMessage, ChatTemplate};
 use pagedattn_engine::gguf::Gguf;
 use pagedattn_engine::tokenizer::{SpecialTokens, Tokenizer};
-use serde_json::Value;
-
-fn golden() -> Value {
-    let text = include_str!("golden/smollm2.json");
-    serde_json::from_str(text).expect("golden/smollm2.json parses")
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("an id list")
-        .iter()
-        .map(|x| x.as_u64().expect("an id") as u32)
-        .collect()
-}
 
 fn smollm2() -> Option<Gguf> {
     model_path().map(|p| Gguf::open(p).expect("the SmolLM2 file reads"))
