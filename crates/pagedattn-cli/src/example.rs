@@ -52,7 +52,7 @@ pub fn mixed_batch(seed: u64) -> ReplayCase {
         .build()
         .expect("valid config");
     let spec = config.kv_cache_spec(DType::BF16, NUM_BLOCKS, BLOCK);
-    let nan = HostStorage::BF16(vec![bf16::NAN; spec.buffer_elems()]);
+    let nan = HostStorage::BF16(vec![bf16::NAN; spec.buffer_elems()].into());
     let mut cache =
         KvCache::from_canonical(spec, CacheLayout::Nhd, nan.clone(), nan).expect("spec matches");
     let mut random = |shape: &[usize]| {

@@ -263,6 +263,19 @@ impl KvCache {
         key: HostStorage,
         value: HostStorage,
     ) -> Result<Self> {
+        KvCache::from_storages(spec, CacheLayout::Nhd, key.into(), value.into())?.to_layout(layout)
+    }
+
+    /// A cache made of two buffers already in `layout`, on one device: how memory another
+    /// library owns (see [`HostBuffer::from_external`](crate::HostBuffer::from_external))
+    /// becomes a cache without a copy. Each buffer holds `NB * B * Hkv * D` elements of the
+    /// spec's storage dtype.
+    pub fn from_storages(
+        spec: KvCacheSpec,
+        layout: CacheLayout,
+        key: Storage,
+        value: Storage,
+    ) -> Result<Self> {
         spec.validate()?;
         for (field, buf) in [("key_cache", &key), ("value_cache", &value)] {
             ensure(
@@ -284,13 +297,18 @@ impl KvCache {
                 || format!("{} (= NB * B * Hkv * D)", spec.buffer_elems()),
             )?;
         }
-        let canonical = KvCache {
+        ensure(
+            key.device() == value.device(),
+            || "value_cache device".into(),
+            value.device(),
+            || format!("{} (the key cache's)", key.device()),
+        )?;
+        Ok(KvCache {
             spec,
-            layout: CacheLayout::Nhd,
-            key: key.into(),
-            value: value.into(),
-        };
-        canonical.to_layout(layout)
+            layout,
+            key,
+            value,
+        })
     }
 
     /// The key and value buffers in the canonical `[NB, B, Hkv, D]` layout, in host memory

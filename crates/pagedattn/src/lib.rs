@@ -93,6 +93,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod fp8;
+mod host_buffer;
 pub mod kv_cache;
 pub mod metadata;
 pub mod reference;
@@ -124,4 +125,4 @@ pub use metadata::{
     AttentionMetadata, BlockTables, EncoderDesc, EncoderMetadata, MetadataBuilder, SequenceDesc,
 };
 pub use step::{Inputs, KvPair, Plan, Workspace};
-pub use tensor::{HostSliceMut, HostStorage, Storage, Tensor};
+pub use tensor::{HostBuffer, HostSliceMut, HostStorage, Storage, Tensor};

@@ -7,18 +7,20 @@ use half::{bf16, f16};
 use crate::device::Device;
 use crate::dtype::{DType, Element};
 use crate::error::{ensure, Error, Result};
+pub use crate::host_buffer::HostBuffer;
 
-/// Typed, contiguous element storage in host memory.
+/// Typed, contiguous element storage in host memory: owned, or lent by another library
+/// ([`HostBuffer::from_external`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum HostStorage {
     /// f32 elements.
-    F32(Vec<f32>),
+    F32(HostBuffer<f32>),
     /// f16 elements.
-    F16(Vec<f16>),
+    F16(HostBuffer<f16>),
     /// bf16 elements.
-    BF16(Vec<bf16>),
+    BF16(HostBuffer<bf16>),
     /// Bytes (fp8 codes).
-    U8(Vec<u8>),
+    U8(HostBuffer<u8>),
 }
 
 /// The host elements of a tensor or cache, writable in place: slices, whose length and type
@@ -34,12 +36,12 @@ pub enum HostStorage {
 /// None of these compile:
 /// ```compile_fail,E0614
 /// # fn probe(cache: &mut pagedattn::KvCache) -> pagedattn::Result<()> {
-/// *cache.host_buffers_mut()?.0 = pagedattn::HostStorage::F32(vec![0.0; 256]);
+/// *cache.host_buffers_mut()?.0 = pagedattn::HostStorage::F32(vec![0.0; 256].into());
 /// # Ok(()) }
 /// ```
 /// ```compile_fail,E0614
 /// # fn probe(t: &mut pagedattn::Tensor) -> pagedattn::Result<()> {
-/// *t.host_mut()? = pagedattn::HostStorage::F32(vec![]);
+/// *t.host_mut()? = pagedattn::HostStorage::F32(vec![].into());
 /// # Ok(()) }
 /// ```
 /// ```compile_fail
@@ -168,19 +170,19 @@ impl HostStorage {
     /// allocation the host cannot make is [`Error::OutOfMemory`].
     pub fn zeros(dtype: DType, len: usize) -> Result<Self> {
         Ok(match dtype {
-            DType::F32 => HostStorage::F32(zeroed_vec(len)?),
-            DType::F16 => HostStorage::F16(zeroed_vec(len)?),
-            DType::BF16 => HostStorage::BF16(zeroed_vec(len)?),
-            DType::U8 => HostStorage::U8(zeroed_vec(len)?),
+            DType::F32 => HostStorage::F32(zeroed_vec(len)?.into()),
+            DType::F16 => HostStorage::F16(zeroed_vec(len)?.into()),
+            DType::BF16 => HostStorage::BF16(zeroed_vec(len)?.into()),
+            DType::U8 => HostStorage::U8(zeroed_vec(len)?.into()),
         })
     }
 
     /// A copy, or [`Error::OutOfMemory`] (`Clone` aborts the process instead).
     pub fn try_clone(&self) -> Result<Self> {
-        fn copy<T: Clone>(v: &[T]) -> Result<Vec<T>> {
+        fn copy<T: Clone>(v: &[T]) -> Result<HostBuffer<T>> {
             let mut out = vec_with_capacity(v.len())?;
             out.extend_from_slice(v);
-            Ok(out)
+            Ok(out.into())
         }
         Ok(match self {
             HostStorage::F32(v) => HostStorage::F32(copy(v)?),
@@ -210,12 +212,13 @@ impl HostStorage {
                 format!("a multiple of {size} for {dtype}"),
             ));
         }
-        fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<Vec<T>> {
+        fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<HostBuffer<T>> {
             let size = std::mem::size_of::<T>();
             try_collect(
                 bytes.len() / size,
                 bytes.chunks_exact(size).map(bytemuck::pod_read_unaligned),
             )
+            .map(HostBuffer::from)
         }
         Ok(match dtype {
             DType::F32 => HostStorage::F32(cast(bytes)?),

@@ -81,7 +81,7 @@ fn cache_size_overflow_is_an_error_not_a_segfault() {
 #[test]
 fn element_counts_that_overflow_are_errors() {
     assert_invalid(
-        Tensor::new(vec![1, 1 << 32, 1 << 32], HostStorage::F32(vec![])),
+        Tensor::new(vec![1, 1 << 32, 1 << 32], HostStorage::F32(vec![].into())),
         "tensor shape",
     );
     assert_invalid(
@@ -100,7 +100,7 @@ fn element_counts_that_overflow_are_errors() {
         kv_cache_dtype: KvCacheDtype::Auto,
     };
     assert_invalid(spec.validate(), "kv_cache.block_size");
-    let empty = || HostStorage::F32(vec![]);
+    let empty = || HostStorage::F32(vec![].into());
     let cache = KvCache::from_canonical(spec, CacheLayout::Nhd, empty(), empty());
     assert_invalid(cache, "kv_cache.block_size");
 }

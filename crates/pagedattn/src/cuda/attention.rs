@@ -141,7 +141,12 @@ impl CudaAttention {
     ) -> Result<Self> {
         let slopes = config
             .alibi_slopes()
-            .map(|s| CudaStorage::upload(&HostStorage::F32(s.to_vec()), Device::Cuda(gpu.ordinal)))
+            .map(|s| {
+                CudaStorage::upload(
+                    &HostStorage::F32(s.to_vec().into()),
+                    Device::Cuda(gpu.ordinal),
+                )
+            })
             .transpose()?;
         Ok(CudaAttention {
             config: config.clone(),

@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::result::{self as driver, DriverError};
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
 use super::compile;
 use super::kernels::Kernels;
@@ -32,6 +32,9 @@ pub(crate) struct Gpu {
     pub(crate) variants: variant::Loaded,
     /// Staging memory of plans that were dropped, for the next plans (`packed.rs`).
     pub(crate) staging: Mutex<Vec<Pinned>>,
+    /// The events that order `stream` after a caller's stream and the caller's after it
+    /// (`external.rs`), made at first use; the lock keeps each record-and-wait pair whole.
+    pub(crate) join_events: Mutex<Option<[CudaEvent; 2]>>,
 }
 
 impl Gpu {
@@ -80,6 +83,7 @@ impl Gpu {
             kernels: OnceLock::new(),
             variants: Default::default(),
             staging: Mutex::new(Vec::new()),
+            join_events: Mutex::new(None),
         })
     }
 

@@ -1,15 +1,17 @@
 //! What code outside this crate needs to run kernels of its own beside the attention, in
 //! order with it and without a host wait (a model's layers between attention calls): the
 //! backend's stream, NVRTC through this crate's kernel caches, and the device addresses of
-//! tensors.
+//! tensors; or to run this crate's work in order with a stream of its own
+//! ([`Cuda::on_stream`]).
 //!
 //! The stream and kernels are `cudarc`'s types (version 0.19, the `cudarc` a caller depends
 //! on for launches).
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 
-use cudarc::driver::{CudaFunction, CudaStream};
+use cudarc::driver::{sys, CudaFunction, CudaStream};
 
+use super::device::{driver_error, Gpu};
 use super::kernels::{self, KernelSource};
 use super::storage::{cuda_storage, cuda_storage_mut};
 use super::Cuda;
@@ -22,6 +24,37 @@ impl Cuda {
     /// copies; [`Backend::synchronize`](crate::Backend::synchronize) waits for it too.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.gpu.stream
+    }
+
+    /// Runs `work` (calls of this backend: forward calls, cache writes, copies, plans) in
+    /// order with the caller's `stream`: after the work queued there before this call, and
+    /// before the work queued there after it, without a host wait. The backend's stream
+    /// waits for an event recorded on `stream`, `work` queues on the backend's stream, and
+    /// `stream` waits for an event recorded after it. While `stream` is being captured into
+    /// a CUDA graph, the backend's work joins the capture (what `work` queues must then be
+    /// capturable: see [`capture`](Cuda::capture)). `work`'s error comes first; the join is
+    /// queued whatever it returns.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this GPU's primary context (the null stream included)
+    /// for the length of the call.
+    pub unsafe fn on_stream<R>(
+        &self,
+        stream: sys::CUstream,
+        work: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let ours = self.gpu.stream.cu_stream();
+        if stream == ours {
+            return work();
+        }
+        // SAFETY: the caller's stream is live (this function's contract); ours is.
+        unsafe { order(&self.gpu, stream, ours)? };
+        let result = work();
+        // SAFETY: as above.
+        let joined = unsafe { order(&self.gpu, ours, stream) };
+        let value = result?;
+        joined?;
+        Ok(value)
     }
 
     /// Compiles the CUDA C++ program `code` for this GPU with NVRTC (the options and caches
@@ -66,5 +99,47 @@ impl Tensor {
         Ok(cuda_storage_mut(self.storage_mut(), "tensor")?
             .kernel_address("tensor")?
             .unwrap_or(0))
+    }
+}
+
+/// Makes `later` wait for the work queued on `earlier` so far (an event recorded on `earlier`,
+/// waited for by `later`; `later` = the backend's stream uses the first of the GPU's two
+/// events, the caller's stream the second).
+///
+/// # Safety
+/// Both streams are live streams of `gpu`'s primary context.
+unsafe fn order(gpu: &Gpu, earlier: sys::CUstream, later: sys::CUstream) -> Result<()> {
+    gpu.ctx
+        .bind_to_thread()
+        .map_err(|e| driver_error("cuCtxSetCurrent", e))?;
+    // A panic never happens while the lock is held; the events stay valid if one did.
+    let mut events = gpu
+        .join_events
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if events.is_none() {
+        let new = || {
+            gpu.ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(|e| driver_error("cuEventCreate", e))
+        };
+        *events = Some([new()?, new()?]);
+    }
+    let [fork, join] = events.as_ref().expect("made above");
+    let event = if later == gpu.stream.cu_stream() {
+        fork
+    } else {
+        join
+    };
+    // SAFETY: the event belongs to this context; the streams are live (the caller's
+    // contract). The lock keeps another thread from re-recording the event between the
+    // record and the wait, which reads its state when it is queued.
+    unsafe {
+        sys::cuEventRecord(event.cu_event(), earlier)
+            .result()
+            .map_err(|e| driver_error("cuEventRecord on the caller's stream", e))?;
+        sys::cuStreamWaitEvent(later, event.cu_event(), 0)
+            .result()
+            .map_err(|e| driver_error("cuStreamWaitEvent", e))
     }
 }

@@ -34,7 +34,7 @@ pub(crate) fn device_address(gpu: &Gpu, slice: &CudaSlice<u8>) -> u64 {
 }
 
 /// Refuses sizes the allocators would panic on (cudarc asserts `bytes < isize::MAX`).
-fn check_size(bytes: usize) -> Result<()> {
+pub(crate) fn check_size(bytes: usize) -> Result<()> {
     if bytes < isize::MAX as usize {
         Ok(())
     } else {

@@ -1,6 +1,7 @@
 //! [`CudaStorage`]: the elements of a tensor or cache buffer in a GPU's memory or in pinned
 //! host memory registered with it.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
@@ -33,6 +34,14 @@ enum Memory {
     },
     Device(CudaSlice<u8>),
     Pinned(Pinned),
+    /// Memory another library lends (zero-copy interchange): a GPU's memory, or host memory
+    /// the GPU copies to and from (`host`).
+    External {
+        address: u64,
+        host: bool,
+        /// Keeps the memory alive; dropped with the storage.
+        _owner: Box<dyn Any + Send + Sync>,
+    },
 }
 
 impl fmt::Debug for CudaStorage {
@@ -99,6 +108,56 @@ impl CudaStorage {
         })
     }
 
+    /// `len` elements of `dtype` at `address`, lent by `owner` (dropped with the storage):
+    /// memory of a GPU for [`Device::Cuda`], host memory the GPU copies to and from for
+    /// [`Device::CudaHost`] (pinned is fastest; pageable memory works, with copies that wait).
+    /// Kernels read and write device memory in the order of the backend's stream.
+    ///
+    /// An [`Error::Invalid`] for a null or misaligned address with `len > 0` or a size that
+    /// overflows; the GPU's errors if it cannot be opened.
+    ///
+    /// # Safety
+    /// For as long as `owner` lives, `address` is the start of `len` elements of `dtype` on
+    /// `device` (in the GPU's primary context, which this crate uses) that stay allocated and
+    /// in place, and nothing but this storage reads or writes them except work ordered
+    /// before or after this crate's (on the caller's stream, see
+    /// [`Cuda::on_stream`](super::Cuda::on_stream)) or host code after a synchronization.
+    pub unsafe fn from_external(
+        device: Device,
+        dtype: DType,
+        len: usize,
+        address: u64,
+        owner: impl Any + Send + Sync,
+    ) -> Result<Self> {
+        let (gpu, host) = target(device)?;
+        let bytes = byte_len(dtype, len)?;
+        memory::check_size(bytes)?;
+        let memory = if bytes == 0 {
+            Memory::Empty { pinned: host }
+        } else if address == 0 || !address.is_multiple_of(dtype.size_bytes() as u64) {
+            return Err(Error::invalid(
+                "external buffer address",
+                format!("{address:#x}"),
+                format!(
+                    "a non-null address aligned to {} bytes for {dtype}",
+                    dtype.size_bytes()
+                ),
+            ));
+        } else {
+            Memory::External {
+                address,
+                host,
+                _owner: Box::new(owner),
+            }
+        };
+        Ok(CudaStorage {
+            gpu,
+            dtype,
+            len,
+            memory,
+        })
+    }
+
     /// A copy of `host` on `device` (a GPU or its pinned host memory). Returns once `host` may
     /// be dropped; the upload to a GPU may still be running.
     pub fn upload(host: &HostStorage, device: Device) -> Result<Self> {
@@ -116,8 +175,20 @@ impl CudaStorage {
         match &mut self.memory {
             Memory::Empty { .. } => {}
             Memory::Pinned(pinned) => pinned.bytes_mut()?.copy_from_slice(src),
-            Memory::Device(slice) => {
-                let dst = memory::device_address(&self.gpu, slice);
+            Memory::External {
+                address,
+                host: true,
+                ..
+            } => {
+                // Copies queued on the stream may still use it.
+                self.gpu.synchronize()?;
+                // SAFETY: `src.len()` bytes of host memory lent to this storage alone (the
+                // constructor's contract), no copy in flight after the synchronization.
+                unsafe { std::slice::from_raw_parts_mut(*address as *mut u8, src.len()) }
+                    .copy_from_slice(src);
+            }
+            Memory::Device(_) | Memory::External { host: false, .. } => {
+                let dst = self.address()?.unwrap_or(0);
                 // SAFETY: the destination is this whole buffer (as long as `host`, the
                 // caller checks), freed in stream order; the source is borrowed for this
                 // call, which is all a copy from pageable memory needs.
@@ -133,7 +204,20 @@ impl CudaStorage {
         match &self.memory {
             Memory::Empty { .. } => {}
             Memory::Pinned(pinned) => host.as_bytes_mut().copy_from_slice(pinned.bytes()?),
-            Memory::Device(slice) => {
+            Memory::External {
+                address,
+                host: true,
+                ..
+            } => {
+                self.gpu.synchronize()?;
+                let dst = host.as_bytes_mut();
+                // SAFETY: `dst.len()` bytes of host memory lent to this storage (the
+                // constructor's contract), no copy in flight after the synchronization.
+                dst.copy_from_slice(unsafe {
+                    std::slice::from_raw_parts(*address as *const u8, dst.len())
+                });
+            }
+            Memory::Device(_) | Memory::External { host: false, .. } => {
                 let dst = host.as_bytes_mut();
                 // SAFETY: the source is this buffer, alive for this call; the destination is
                 // pageable memory borrowed for this call and written before it returns (the
@@ -142,7 +226,7 @@ impl CudaStorage {
                     memory::copy_async(
                         &self.gpu,
                         dst.as_mut_ptr() as u64,
-                        memory::device_address(&self.gpu, slice),
+                        self.address()?.unwrap_or(0),
                         dst.len(),
                     )?
                 };
@@ -204,7 +288,7 @@ impl CudaStorage {
     /// [`Error::DeviceMismatch`] naming `what` for pinned memory.
     pub(crate) fn kernel_address(&self, what: &str) -> Result<Option<u64>> {
         match &self.memory {
-            Memory::Pinned(_) => Err(Error::device_mismatch(
+            Memory::Pinned(_) | Memory::External { host: true, .. } => Err(Error::device_mismatch(
                 what,
                 self.device(),
                 format!(
@@ -223,6 +307,7 @@ impl CudaStorage {
             Memory::Empty { .. } => Ok(None),
             Memory::Device(slice) => Ok(Some(memory::device_address(&self.gpu, slice))),
             Memory::Pinned(pinned) => pinned.address().map(Some),
+            Memory::External { address, .. } => Ok(Some(*address)),
         }
     }
 
@@ -238,7 +323,9 @@ impl CudaStorage {
     fn is_pinned(&self) -> bool {
         matches!(
             self.memory,
-            Memory::Pinned(_) | Memory::Empty { pinned: true }
+            Memory::Pinned(_)
+                | Memory::Empty { pinned: true }
+                | Memory::External { host: true, .. }
         )
     }
 }
