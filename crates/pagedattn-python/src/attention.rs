@@ -211,11 +211,18 @@ impl PyAttention {
             None => new_like(query)?,
         };
         let o = tensors::argument(&out, "out", device, true)?;
-        if o.shape != q.shape || o.elem != q.elem {
+        if o.elem != q.elem {
+            return Err(type_error(
+                "out.dtype",
+                o.elem,
+                &format!("{} (the query's)", q.elem),
+            ));
+        }
+        if o.shape != q.shape {
             return Err(value_error(
-                "out",
-                format!("{:?} of {}", o.shape, o.elem),
-                &format!("{:?} of {} (the query's shape and dtype)", q.shape, q.elem),
+                "out.shape",
+                format!("{:?}", o.shape),
+                &format!("{:?} (the query's)", q.shape),
             ));
         }
         let mut ranges = Ranges::default();

@@ -81,7 +81,7 @@ impl PyBackend {
         block_size: usize,
         num_kv_heads: usize,
         head_size: usize,
-    ) -> Vec<usize> {
+    ) -> (usize, usize, usize, usize, usize) {
         let spec = KvCacheSpec {
             num_blocks,
             block_size,
@@ -90,7 +90,10 @@ impl PyBackend {
             dtype: DType::F32,
             kv_cache_dtype: KvCacheDtype::Auto,
         };
-        self.kind.backend().kv_cache_layout().shape(&spec)
+        match self.kind.backend().kv_cache_layout().shape(&spec)[..] {
+            [a, b, c, d, e] => (a, b, c, d, e),
+            ref other => unreachable!("a cache shape has five axes, not {other:?}"),
+        }
     }
 
     /// What the backend runs on, as (key, value) pairs.

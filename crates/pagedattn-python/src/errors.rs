@@ -12,7 +12,10 @@ pub fn to_py(e: pagedattn::Error) -> PyErr {
     use pagedattn::Error;
     let message = e.to_string();
     match e {
-        Error::Invalid { field, .. } if field.ends_with("dtype") => PyTypeError::new_err(message),
+        // A tensor's dtype (`query.dtype`, `key_cache dtype`), not the `kv_cache_dtype` setting.
+        Error::Invalid { field, .. } if field.ends_with("dtype") && !field.ends_with("_dtype") => {
+            PyTypeError::new_err(message)
+        }
         Error::Invalid { .. } => PyValueError::new_err(message),
         Error::DeviceMismatch { .. } => PyTypeError::new_err(message),
         Error::Unsupported { .. } => PyNotImplementedError::new_err(message),

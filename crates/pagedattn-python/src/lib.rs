@@ -24,6 +24,13 @@ fn backends() -> Vec<&'static str> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Python's NVIDIA wheels (torch's libnvrtc) are found under sys.path, without a
+    // library path set.
+    #[cfg(feature = "cuda")]
+    {
+        let path: Vec<std::path::PathBuf> = m.py().import("sys")?.getattr("path")?.extract()?;
+        pagedattn::cuda::add_nvrtc_search_dirs(path);
+    }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(backends, m)?)?;
     m.add_class::<backend::PyBackend>()?;

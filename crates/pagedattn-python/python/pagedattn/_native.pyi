@@ -89,7 +89,7 @@ class Metadata:
         cache slot (``block * B + offset``) each new key/value token is written to, -1 = not
         written. ``block_tables[S, M]``: each sequence's physical blocks (padding after its
         last block is ignored). ``num_prefills``: how many of the sequences are prefills
-        (default: those whose query is longer than 1 token, all of them without
+        (default: all but the trailing ones whose query is 1 token; all of them without
         ``context_lens``/``query_start_loc``). Query lengths come from ``query_start_loc[S+1]``
         if given, else ``seq_lens - context_lens`` for prefills and 1 for decodes, else
         ``seq_lens`` for prefills. ``block_size`` is checked against the cache's at plan time.
@@ -154,7 +154,7 @@ class Attention:
         """``scale`` defaults to ``head_size ** -0.5``; ``num_kv_heads`` to ``num_heads``.
         ``alibi_slopes``: one per query head. ``sliding_window``: a query at position p sees
         keys at positions ``> p - sliding_window``. ``logits_soft_cap``: scores become
-        ``cap * tanh(score / cap)``. ``kv_cache_dtype``: ``auto`` (the cache holds the
+        ``cap * tanh(score / cap)`` (0 or None: no cap, as in vLLM). ``kv_cache_dtype``: ``auto`` (the cache holds the
         activations' dtype), ``fp8`` / ``fp8_e4m3`` or ``fp8_e5m2`` (the cache holds fp8 codes,
         stored ``x / k_scale`` and read ``code * k_scale``; a ``uint8``,
         ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` tensor). ``attn_type``: ``decoder``

@@ -66,13 +66,15 @@ pub fn nvrtc_version() -> Result<(u32, u32)> {
     static VERSION: OnceLock<Result<(u32, u32)>> = OnceLock::new();
     VERSION
         .get_or_init(|| {
+            super::nvrtc_path::preload();
             // SAFETY: only tries to open the library under the names cudarc loads it by;
             // cudarc panics on its first call into a library it cannot find.
             if !unsafe { sys::is_culib_present() } {
                 return Err(Error::Driver(
                     "libnvrtc not found: the cuda backend compiles its kernels with NVRTC at run \
-                     time; install the CUDA 13 NVRTC (e.g. `pip install nvidia-cuda-nvrtc`) and put \
-                     the directory of libnvrtc.so.13 on LD_LIBRARY_PATH"
+                     time; install the CUDA 13 NVRTC (`pip install torch` brings it, or `pip install \
+                     nvidia-cuda-nvrtc`; it is found in Python's site-packages) or put the \
+                     directory of libnvrtc.so.13 on LD_LIBRARY_PATH"
                         .into(),
                 ));
             }

@@ -23,6 +23,7 @@ mod external;
 mod graph;
 mod kernels;
 mod memory;
+mod nvrtc_path;
 mod packed;
 mod plan;
 mod storage;
@@ -38,6 +39,7 @@ pub use compile::{
 };
 pub use device::{gpu_present, info, DeviceInfo};
 pub use graph::Graph;
+pub use nvrtc_path::add_nvrtc_search_dirs;
 pub use storage::CudaStorage;
 pub use timing::{CopyProbe, GpuEvent, PeakProbe};
 pub use variant::ATTENTION_HEAD_SIZES;

@@ -1,0 +1,794 @@
+"""A vLLM-shaped attention backend over pagedattn's native module.
+
+The classes here have the shape of vLLM's v0 attention backends (``TorchSDPA``, ``XFormers``,
+``IPEX``; ``vllm/attention/backends/abstract.py``), so that a vLLM-style model runner can use
+pagedattn where it uses those today:
+
+* :class:`AttentionType`: the attention types, as vLLM spells them.
+* :class:`PagedAttnBackend`: the static side (names, classes, the cache shape, block swaps and
+  copies).
+* :class:`PagedAttnMetadata`: one step's batch, with vLLM's field names.
+* :class:`PagedAttnImpl`: one layer's attention; ``forward`` writes the new keys and values into
+  the layer's cache and attends.
+
+What is computed is pagedattn's contract (``docs/semantics.md``), not any one vLLM backend's
+quirks: causal masks aligned to the end of each sequence, every key read from the cache, the
+soft cap and fp8 caches honoured on every device.
+
+The native backend is chosen by the tensors' device (a CUDA tensor: ``cuda`` on its GPU; a CPU
+tensor: ``cpu``), unless :func:`set_backend` or the environment variable ``PAGEDATTN_BACKEND``
+names one (``reference``, ``cpu``, ``cuda`` or ``auto``). Native :class:`~pagedattn.Backend`
+objects are created once per (name, device) and reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+
+from . import _native
+
+__all__ = [
+    "AttentionType",
+    "PagedAttnBackend",
+    "PagedAttnMetadata",
+    "PagedAttnImpl",
+    "BlocksparseNotSupported",
+    "set_backend",
+    "get_backend",
+    "backend_for",
+]
+
+#: Environment variable that overrides the native backend's name (see :func:`set_backend`).
+BACKEND_ENV = "PAGEDATTN_BACKEND"
+
+_KNOWN_BACKENDS = ("auto", "reference", "cpu", "cuda")
+
+
+class AttentionType:
+    """Attention types, the string constants of vLLM's ``AttentionType``."""
+
+    #: Decoder self-attention: causal, over the paged KV cache.
+    DECODER = "decoder"
+    #: The encoder of an encoder-decoder model: bidirectional, never touches a cache.
+    ENCODER = "encoder"
+    #: Encoder-only models (BERT-like): bidirectional, no cache.
+    ENCODER_ONLY = "encoder_only"
+    #: Cross-attention: decoder queries over the encoder's keys and values (the cross cache).
+    ENCODER_DECODER = "encoder_decoder"
+
+
+_ATTN_TYPES = (
+    AttentionType.DECODER,
+    AttentionType.ENCODER,
+    AttentionType.ENCODER_ONLY,
+    AttentionType.ENCODER_DECODER,
+)
+
+
+class BlocksparseNotSupported(NotImplementedError, ValueError):
+    """Raised for ``blocksparse_params``: pagedattn has no block-sparse attention. It is a
+    ``NotImplementedError`` and, as vLLM's own backends raise ``ValueError`` for it, a
+    ``ValueError`` too."""
+
+
+# --------------------------------------------------------------------------------------------
+# Native backend selection
+# --------------------------------------------------------------------------------------------
+
+_backend_override: Optional[str] = None
+_backends: Dict[Tuple[str, int], Any] = {}
+_backends_lock = threading.Lock()
+
+
+def set_backend(name: Optional[str]) -> None:
+    """Forces the native backend used for every later call: ``reference``, ``cpu``, ``cuda``
+    or ``auto``; ``None`` goes back to the default (the ``PAGEDATTN_BACKEND`` environment
+    variable if set, else the tensors' device: ``cuda`` on a CUDA tensor's GPU, ``cpu`` for a
+    CPU tensor). ``ValueError`` for another name. A backend must match the tensors' device
+    (``reference`` and ``cpu`` run on CPU tensors, ``cuda`` on CUDA tensors); the native module
+    raises ``TypeError`` otherwise."""
+    global _backend_override
+    if name is not None:
+        _check_backend_name(name, "set_backend")
+    _backend_override = name
+
+
+def _check_backend_name(name: str, where: str) -> None:
+    if name not in _KNOWN_BACKENDS:
+        raise ValueError(
+            f"{where}: unknown pagedattn backend {name!r}; expected one of {', '.join(_KNOWN_BACKENDS)}"
+        )
+
+
+def _device_of(tensor: Any) -> Tuple[str, int]:
+    """``("cuda", ordinal)`` or ``("cpu", 0)`` for a torch tensor (or anything else: cpu)."""
+    dev = getattr(tensor, "device", None)
+    dev_type = getattr(dev, "type", None)
+    if dev_type == "cuda":
+        index = dev.index
+        if index is None:
+            import torch
+
+            index = torch.cuda.current_device()
+        return "cuda", int(index)
+    return "cpu", 0
+
+
+def get_backend(name: str = "auto", device: int = 0) -> Any:
+    """The native ``Backend(name, device)``, created at the first request and cached (``device``
+    only matters for ``cuda``)."""
+    _check_backend_name(name, "get_backend")
+    key = (name, device if name in ("cuda", "auto") else 0)
+    with _backends_lock:
+        backend = _backends.get(key)
+        if backend is None:
+            backend = _native.Backend(name, key[1])
+            _backends[key] = backend
+        return backend
+
+
+def backend_for(tensor: Any) -> Any:
+    """The native backend for tensors on ``tensor``'s device: the one :func:`set_backend` or
+    ``PAGEDATTN_BACKEND`` names, else ``cuda`` on a CUDA tensor's GPU and ``cpu`` for a CPU
+    tensor. ``auto`` (forced) means the device's default too. Cached."""
+    kind, ordinal = _device_of(tensor)
+    name = _backend_override
+    if name is None:
+        env = os.environ.get(BACKEND_ENV, "").strip()
+        if env:
+            _check_backend_name(env, BACKEND_ENV)
+            name = env
+    if name is None or name == "auto":
+        name = kind
+    return get_backend(name, ordinal)
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _to_list(x: Any) -> Optional[list]:
+    """A tensor, array or sequence as a (nested) Python list; None stays None."""
+    if x is None:
+        return None
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return [(_to_list(v) if isinstance(v, (list, tuple)) or hasattr(v, "tolist") else v) for v in x]
+
+
+def _numel(x: Any) -> int:
+    if x is None:
+        return 0
+    if hasattr(x, "numel"):
+        n = x.numel
+        return int(n() if callable(n) else n)
+    if hasattr(x, "size") and not callable(x.size):
+        return int(x.size)  # numpy
+    return len(x)
+
+
+def _len(x: Any) -> Optional[int]:
+    """Length of the first axis, None for None."""
+    if x is None:
+        return None
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) > 0 else 0
+    return len(x)
+
+
+def _index_table(x: Any) -> Any:
+    """A 2-D index table for the native module: tensors and arrays as they are, nested Python
+    lists as an int32 tensor (``[S, M]``, rows padded with 0)."""
+    if x is None or hasattr(x, "__dlpack__"):
+        return x
+    import torch
+
+    rows = [list(map(int, r)) for r in x]
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).reshape(
+        len(rows), width
+    )
+
+
+def _scale_value(x: Any) -> float:
+    """A k/v scale as a float (vLLM passes floats, later versions 0-d tensors)."""
+    return float(x.item()) if hasattr(x, "item") else float(x)
+
+
+def _block_size_of(kv_cache: Any, num_kv_heads: int, head_size: int) -> int:
+    """Block size of a cache of shape ``(2, NB, ...)`` holding ``B * Hkv * D`` elements per
+    block (vLLM's flat shape or the native 5-D one)."""
+    per_block = 1
+    for n in kv_cache.shape[2:]:
+        per_block *= int(n)
+    row = num_kv_heads * head_size
+    if len(kv_cache.shape) < 3 or per_block % row != 0:
+        raise ValueError(
+            f"kv_cache.shape: {tuple(kv_cache.shape)} is not (2, num_blocks, block_size * "
+            f"{num_kv_heads} * {head_size}) for {num_kv_heads} kv heads of size {head_size}"
+        )
+    return per_block // row
+
+
+# --------------------------------------------------------------------------------------------
+# Backend (static side)
+# --------------------------------------------------------------------------------------------
+
+
+class PagedAttnBackend:
+    """vLLM's ``AttentionBackend`` for pagedattn: static and class methods only, never
+    instantiated."""
+
+    @staticmethod
+    def get_name() -> str:
+        """``"PAGEDATTN"``."""
+        return "PAGEDATTN"
+
+    @staticmethod
+    def get_impl_cls() -> Type["PagedAttnImpl"]:
+        """:class:`PagedAttnImpl`."""
+        return PagedAttnImpl
+
+    @staticmethod
+    def get_metadata_cls() -> Type["PagedAttnMetadata"]:
+        """:class:`PagedAttnMetadata`."""
+        return PagedAttnMetadata
+
+    @classmethod
+    def make_metadata(cls, *args: Any, **kwargs: Any) -> "PagedAttnMetadata":
+        """``get_metadata_cls()(*args, **kwargs)``."""
+        return cls.get_metadata_cls()(*args, **kwargs)
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> Tuple[int, ...]:
+        """One layer's cache shape, exactly vLLM's: ``(2, num_blocks, block_size * num_kv_heads
+        * head_size)``; index 0 of the first axis holds keys, 1 values. Allocate it on the
+        device the layer runs on, of the activations' dtype (``kv_cache_dtype="auto"``) or
+        ``torch.uint8`` for an fp8 cache. Each block's ``B * Hkv * D`` elements are read in the
+        native backend's layout, ``Backend.kv_cache_layout``: ``HND`` (``[Hkv, B, D]``,
+        head-major) for ``cpu`` and ``cuda``, ``NHD`` (``[B, Hkv, D]``) for ``reference`` — not
+        vLLM's x-split key layout."""
+        return (2, num_blocks, block_size * num_kv_heads * head_size)
+
+    @staticmethod
+    def swap_blocks(src_kv_cache: Any, dst_kv_cache: Any, src_to_dst: Any) -> None:
+        """Copies whole blocks ``src_kv_cache[:, s] -> dst_kv_cache[:, d]`` (keys and values)
+        for each row ``(s, d)`` of ``src_to_dst`` (``[N, 2]``, int32/int64, any device): a GPU
+        cache and a CPU tensor either way, or two caches on one device. Runs on the backend of
+        the GPU involved (the cpu backend for two CPU tensors), on its current stream."""
+        involved = dst_kv_cache if _device_of(dst_kv_cache)[0] == "cuda" else src_kv_cache
+        backend_for(involved).swap_blocks(src_kv_cache, dst_kv_cache, src_to_dst)
+
+    @staticmethod
+    def copy_blocks(kv_caches: Sequence[Any], src_to_dists: Any) -> None:
+        """Copies block ``s`` to block ``d`` for each row ``(s, d)`` of ``src_to_dists``
+        (``[N, 2]``) in every layer's cache of ``kv_caches`` (copy-on-write of a forked
+        sequence). Nothing to do for no layer."""
+        kv_caches = list(kv_caches)
+        if not kv_caches:
+            return
+        backend_for(kv_caches[0]).copy_blocks(kv_caches, src_to_dists)
+
+
+# --------------------------------------------------------------------------------------------
+# Metadata
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class PagedAttnMetadata:
+    """One step's batch, with vLLM's field names (``XFormersMetadata`` / ``TorchSDPAMetadata``).
+
+    Sequences are ordered prefills first, then decodes (one query token each); the step's query
+    tokens in that order. Tensors may live on any device; they are read once per step, when the
+    first layer runs, and converted to a native :class:`pagedattn.Metadata` that is cached on
+    this object together with the plans every layer shares.
+
+    Accepted conventions (vLLM's backends differ here):
+
+    * ``seq_lens`` holds every sequence's length (XFormers), or only the prefills' with the
+      decodes' in ``seq_lens_tensor`` (TorchSDPA); without ``seq_lens``, ``seq_lens_tensor``
+      holds every sequence's.
+    * Query lengths come from ``query_start_loc`` (``[S+1]``, or ``[num_prefills+1]`` for the
+      prefills only), else from ``context_lens_tensor`` (``seq_len - context_len`` for
+      prefills), else a prefill's query is its whole sequence; decodes have 1 token.
+    * ``block_tables`` has one row per sequence, or one per decode (TorchSDPA; the prefills'
+      rows then come from ``prefill_block_tables`` when set). A prefill without cached context
+      whose tokens all have a slot reads its keys from the blocks its ``slot_mapping`` names
+      (vLLM gives such prefills an empty, zero-padded table row).
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slot_mapping: Any
+    seq_lens: Optional[List[int]] = None
+    seq_lens_tensor: Any = None
+    max_prefill_seq_len: int = 0
+    max_decode_seq_len: int = 0
+    context_lens_tensor: Any = None
+    block_tables: Any = None
+    query_start_loc: Any = None
+    max_query_len: Optional[int] = None
+    # Encoder and cross-attention fields (encoder-decoder models).
+    encoder_seq_lens: Optional[List[int]] = None
+    encoder_seq_lens_tensor: Any = None
+    max_encoder_seq_len: Optional[int] = None
+    num_encoder_tokens: Optional[int] = None
+    cross_slot_mapping: Any = None
+    cross_block_tables: Any = None
+    # Not vLLM's: accepted for runners that carry them.
+    use_cuda_graph: bool = False
+    prefill_block_tables: Any = None
+    multi_modal_placeholder_index_maps: Any = None
+    #: The block size the slots and tables were computed for; checked against the cache's.
+    block_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self._native_cache: Dict[Any, Any] = {}
+        self._plans: Dict[Any, Any] = {}
+        self._cached_prefill_metadata: Optional["PagedAttnMetadata"] = None
+        self._cached_decode_metadata: Optional["PagedAttnMetadata"] = None
+
+    # ---- vLLM's views ------------------------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequences: prefills plus decodes."""
+        return self.num_prefills + self.num_decode_tokens
+
+    @property
+    def is_all_encoder_attn_metadata_set(self) -> bool:
+        """Whether the encoder fields are all set (as vLLM's property)."""
+        return (
+            self.encoder_seq_lens is not None
+            and self.encoder_seq_lens_tensor is not None
+            and self.max_encoder_seq_len is not None
+        )
+
+    @property
+    def is_all_cross_attn_metadata_set(self) -> bool:
+        """Whether the encoder and cross-attention fields are all set (as vLLM's property)."""
+        return (
+            self.is_all_encoder_attn_metadata_set
+            and self.cross_slot_mapping is not None
+            and self.cross_block_tables is not None
+        )
+
+    def _encoder_fields(self) -> Dict[str, Any]:
+        return dict(
+            encoder_seq_lens=self.encoder_seq_lens,
+            encoder_seq_lens_tensor=self.encoder_seq_lens_tensor,
+            max_encoder_seq_len=self.max_encoder_seq_len,
+            cross_slot_mapping=self.cross_slot_mapping,
+            cross_block_tables=self.cross_block_tables,
+            block_size=self.block_size,
+        )
+
+    @property
+    def prefill_metadata(self) -> Optional["PagedAttnMetadata"]:
+        """The prefills alone (as XFormers' property): None without prefills, else a new
+        metadata (cached) with the first ``num_prefills`` sequences and their tokens."""
+        if self.num_prefills == 0:
+            return None
+        if self._cached_prefill_metadata is not None:
+            return self._cached_prefill_metadata
+        np_, npt = self.num_prefills, self.num_prefill_tokens
+        sl = self.seq_lens
+        sel = lambda x: None if x is None or _len(x) is None else x[:np_]
+        qsl = self.query_start_loc
+        if qsl is not None:
+            qsl = qsl[: np_ + 1]
+        block_tables = self.block_tables
+        if block_tables is not None and _len(block_tables) == self.num_seqs:
+            block_tables = block_tables[:np_]
+        elif self.prefill_block_tables is not None:
+            block_tables = self.prefill_block_tables
+        seq_lens_tensor = self.seq_lens_tensor
+        if seq_lens_tensor is not None and _len(seq_lens_tensor) == self.num_seqs:
+            seq_lens_tensor = seq_lens_tensor[:np_]
+        self._cached_prefill_metadata = PagedAttnMetadata(
+            num_prefills=np_,
+            num_prefill_tokens=npt,
+            num_decode_tokens=0,
+            slot_mapping=self.slot_mapping[:npt],
+            seq_lens=None if sl is None else list(sl[:np_]),
+            seq_lens_tensor=seq_lens_tensor,
+            max_prefill_seq_len=self.max_prefill_seq_len,
+            max_decode_seq_len=0,
+            context_lens_tensor=sel(self.context_lens_tensor),
+            block_tables=block_tables,
+            query_start_loc=qsl,
+            max_query_len=self.max_query_len,
+            use_cuda_graph=False,
+            **self._encoder_fields(),
+        )
+        return self._cached_prefill_metadata
+
+    @property
+    def decode_metadata(self) -> Optional["PagedAttnMetadata"]:
+        """The decodes alone (as XFormers' property): None without decode tokens, else a new
+        metadata (cached) with the last ``num_decode_tokens`` sequences and their tokens."""
+        if self.num_decode_tokens == 0:
+            return None
+        if self._cached_decode_metadata is not None:
+            return self._cached_decode_metadata
+        np_, npt, nd = self.num_prefills, self.num_prefill_tokens, self.num_decode_tokens
+        s = self.num_seqs
+        tail = lambda x: None if x is None else (x[np_:] if _len(x) == s else x)
+        sl = self.seq_lens
+        if sl is not None:
+            sl = list(sl[np_:]) if len(sl) == s else None
+        seq_lens_tensor = tail(self.seq_lens_tensor)
+        if sl is None and seq_lens_tensor is not None:
+            sl = [int(v) for v in _to_list(seq_lens_tensor)]
+        qsl = None
+        if self.query_start_loc is not None and _len(self.query_start_loc) == s + 1:
+            q = self.query_start_loc[np_:]
+            qsl = [v - q[0] for v in q] if isinstance(q, (list, tuple)) else q - q[0]
+        self._cached_decode_metadata = PagedAttnMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=nd,
+            slot_mapping=self.slot_mapping[npt:],
+            seq_lens=sl,
+            seq_lens_tensor=seq_lens_tensor,
+            max_prefill_seq_len=0,
+            max_decode_seq_len=self.max_decode_seq_len,
+            context_lens_tensor=tail(self.context_lens_tensor),
+            block_tables=tail(self.block_tables),
+            query_start_loc=qsl,
+            max_query_len=1,
+            use_cuda_graph=self.use_cuda_graph,
+            **self._encoder_fields(),
+        )
+        return self._cached_decode_metadata
+
+    def asdict_zerocopy(self, skip_fields: Optional[set] = None) -> Dict[str, Any]:
+        """The dataclass fields as a dict, without copying tensors (vLLM's method)."""
+        skip = skip_fields or set()
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
+        }
+
+    # ---- native conversion -------------------------------------------------------------------
+
+    def _decoder_lengths(self) -> Tuple[List[int], Optional[list], Optional[list], List[int]]:
+        """``(seq_lens, query_start_loc, context_lens, query_lens)`` of every sequence, on the
+        host, from whichever of vLLM's conventions this object follows."""
+        np_, s = self.num_prefills, self.num_seqs
+        nd = s - np_
+        sl = None if self.seq_lens is None else [int(v) for v in self.seq_lens]
+        slt = None if self.seq_lens_tensor is None else [int(v) for v in _to_list(self.seq_lens_tensor)]
+        if sl is not None and len(sl) == s:
+            seq_lens = sl
+        elif sl is not None and len(sl) == np_ and slt is not None and len(slt) in (nd, s):
+            seq_lens = sl + slt[len(slt) - nd :]
+        elif slt is not None and len(slt) == s:
+            seq_lens = slt
+        else:
+            raise ValueError(
+                f"metadata.seq_lens: {sl!r} (seq_lens_tensor {slt!r}) gives no length for each of "
+                f"the {s} sequences ({np_} prefills + {nd} decodes)"
+            )
+        qsl = None if self.query_start_loc is None else [int(v) for v in _to_list(self.query_start_loc)]
+        if qsl is not None:
+            if len(qsl) == np_ + 1 and nd > 0:
+                qsl = qsl + [qsl[-1] + i for i in range(1, nd + 1)]
+            elif len(qsl) != s + 1:
+                raise ValueError(
+                    f"metadata.query_start_loc: {len(qsl)} entries; expected {s + 1} (S + 1) or "
+                    f"{np_ + 1} (num_prefills + 1)"
+                )
+        ctx = None
+        if self.context_lens_tensor is not None and _numel(self.context_lens_tensor) > 0:
+            ctx = [int(v) for v in _to_list(self.context_lens_tensor)]
+            if len(ctx) != s:
+                raise ValueError(
+                    f"metadata.context_lens_tensor: {len(ctx)} entries; expected {s}, one per sequence"
+                )
+        if qsl is not None:
+            query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+        elif ctx is not None:
+            query_lens = [seq_lens[i] - ctx[i] for i in range(np_)] + [1] * nd
+        else:
+            query_lens = seq_lens[:np_] + [1] * nd
+        return seq_lens, qsl, ctx, query_lens
+
+    def _decoder_block_tables(
+        self, seq_lens: List[int], query_lens: List[int], block_size: int
+    ) -> List[List[int]]:
+        """One block-table row per sequence (see the class docstring), padded with 0."""
+        np_, s = self.num_prefills, self.num_seqs
+        nd = s - np_
+        given = _to_list(self.block_tables) if _numel(self.block_tables) > 0 else []
+        given = [list(map(int, r)) for r in given]
+        if len(given) == s:
+            rows = given
+        elif len(given) == nd:
+            pre = _to_list(self.prefill_block_tables) if _numel(self.prefill_block_tables) > 0 else []
+            pre = [list(map(int, r)) for r in pre]
+            rows = (pre if len(pre) == np_ else [[] for _ in range(np_)]) + given
+        elif not given:
+            rows = [[] for _ in range(s)]
+        else:
+            raise ValueError(
+                f"metadata.block_tables: {len(given)} rows; expected {s} (one per sequence) or "
+                f"{nd} (one per decode)"
+            )
+        slots = [int(v) for v in _to_list(self.slot_mapping)]
+        start = 0
+        for i in range(s):
+            n = query_lens[i]
+            ctx = seq_lens[i] - n
+            if i < np_ and ctx == 0 and n > 0:
+                own = slots[start : start + n]
+                if len(own) == n and all(v >= 0 for v in own) and all(
+                    own[p] % block_size == p % block_size for p in range(n)
+                ):
+                    rows[i] = [own[p] // block_size for p in range(0, n, block_size)]
+            start += n
+        width = max((len(r) for r in rows), default=0)
+        return [r + [0] * (width - len(r)) for r in rows]
+
+    def native(self, attn_type: str = AttentionType.DECODER, *, with_kv: bool = True,
+               block_size: Optional[int] = None) -> Any:
+        """This step as a native :class:`pagedattn.Metadata` for a layer of ``attn_type``
+        (cached on this object): ``decoder`` reads the decoder fields; ``encoder`` the encoder
+        tokens (``encoder_seq_lens``, no cache); ``encoder_only`` the decoder fields with no
+        cache; ``encoder_decoder`` the decoder queries and the cross fields
+        (``encoder_seq_lens``, ``cross_block_tables``, and ``cross_slot_mapping`` when
+        ``with_kv``: the call carries the encoder's keys and values). ``block_size``: the
+        cache's, for the block tables of prefills (see the class docstring); None without a
+        cache."""
+        if attn_type not in _ATTN_TYPES:
+            raise AttributeError(f"Invalid attention type {attn_type}")
+        if attn_type != AttentionType.ENCODER_DECODER:
+            with_kv = True
+        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            block_size = None
+        key = (attn_type, with_kv, block_size)
+        cached = self._native_cache.get(key)
+        if cached is not None:
+            return cached
+        md = self._build_native(attn_type, with_kv, block_size)
+        self._native_cache[key] = md
+        return md
+
+    def _encoder_seq_lens(self) -> List[int]:
+        if self.encoder_seq_lens is not None:
+            return [int(v) for v in self.encoder_seq_lens]
+        return [int(v) for v in _to_list(self.encoder_seq_lens_tensor)]
+
+    def _build_native(self, attn_type: str, with_kv: bool, block_size: Optional[int]) -> Any:
+        if attn_type == AttentionType.ENCODER:
+            if self.encoder_seq_lens is None and self.encoder_seq_lens_tensor is None:
+                raise AttributeError("Encoder attention requires setting encoder metadata attributes.")
+            lens = self._encoder_seq_lens()
+            return _native.Metadata(
+                seq_lens=lens, slot_mapping=[-1] * sum(lens), num_prefills=len(lens)
+            )
+        seq_lens, qsl, ctx, query_lens = self._decoder_lengths()
+        if attn_type == AttentionType.ENCODER_ONLY:
+            return _native.Metadata(
+                seq_lens=seq_lens,
+                slot_mapping=[-1] * sum(query_lens),
+                num_prefills=len(seq_lens),
+                query_start_loc=qsl,
+            )
+        common = dict(
+            seq_lens=seq_lens,
+            slot_mapping=self.slot_mapping,
+            num_prefills=self.num_prefills,
+            context_lens=ctx,
+            query_start_loc=qsl,
+            block_size=self.block_size,
+        )
+        if attn_type == AttentionType.DECODER:
+            tables = None
+            if block_size is not None:
+                tables = self._decoder_block_tables(seq_lens, query_lens, block_size)
+            return _native.Metadata(block_tables=_index_table(tables), **common)
+        # encoder_decoder
+        if (
+            (self.encoder_seq_lens is None and self.encoder_seq_lens_tensor is None)
+            or (block_size is not None and self.cross_block_tables is None)
+        ):
+            raise AttributeError(
+                "Encoder/decoder cross-attention requires setting cross-attention metadata attributes."
+            )
+        cross_slots = None
+        if with_kv and block_size is not None:
+            if self.cross_slot_mapping is None:
+                raise AttributeError(
+                    "Encoder/decoder cross-attention requires setting cross-attention metadata attributes."
+                )
+            cross_slots = self.cross_slot_mapping
+        return _native.Metadata(
+            encoder_seq_lens=self._encoder_seq_lens(),
+            cross_block_tables=_index_table(self.cross_block_tables) if block_size is not None else None,
+            cross_slot_mapping=cross_slots,
+            **common,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Impl
+# --------------------------------------------------------------------------------------------
+
+
+class PagedAttnImpl:
+    """One layer's attention, vLLM's ``AttentionImpl`` over pagedattn.
+
+    ``num_kv_heads`` defaults to ``num_heads`` (it must divide it: query head ``h`` reads kv
+    head ``h // (num_heads // num_kv_heads)``); ``alibi_slopes``: one per query head;
+    ``sliding_window``: a query at position p sees keys at positions ``> p - W``;
+    ``logits_soft_cap``: scores become ``cap * tanh(score / cap)`` (None or 0: off);
+    ``kv_cache_dtype``: ``auto`` or ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` (a ``uint8`` cache);
+    ``blocksparse_params``: not supported (:class:`BlocksparseNotSupported`, a
+    ``NotImplementedError``). Every feature works on every backend and attention type the
+    contract allows (a sliding window only with ``decoder``).
+
+    The native layer objects are created at the first ``forward``, on the backend of the
+    query's device (:func:`backend_for`), one per ``(k_scale, v_scale)`` pair.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: Optional[int] = None,
+        alibi_slopes: Optional[List[float]] = None,
+        sliding_window: Optional[int] = None,
+        kv_cache_dtype: str = "auto",
+        blocksparse_params: Optional[Dict[str, Any]] = None,
+        logits_soft_cap: Optional[float] = None,
+        attn_type: str = AttentionType.DECODER,
+    ) -> None:
+        """See the class docstring. ``ValueError`` for inconsistent head counts or an unknown
+        ``attn_type``; the native module checks the rest at the first ``forward``."""
+        if blocksparse_params is not None:
+            raise BlocksparseNotSupported("pagedattn does not support block-sparse attention.")
+        if attn_type not in _ATTN_TYPES:
+            raise ValueError(
+                f"attn_type: {attn_type!r}; expected one of {', '.join(_ATTN_TYPES)}"
+            )
+        self.num_heads = int(num_heads)
+        self.head_size = int(head_size)
+        self.scale = float(scale)
+        self.num_kv_heads = int(num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}"
+            )
+        self.num_queries_per_kv = self.num_heads // self.num_kv_heads
+        if alibi_slopes is not None:
+            alibi_slopes = [float(v) for v in _to_list(alibi_slopes)]
+        self.alibi_slopes = alibi_slopes
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        self.attn_type = attn_type
+        self._layers: Dict[Any, Any] = {}
+
+    def _layer(self, backend: Any, k_scale: float, v_scale: float) -> Any:
+        """The native ``Attention`` for ``backend`` and these scales (cached)."""
+        key = (id(backend), k_scale, v_scale)
+        layer = self._layers.get(key)
+        if layer is None:
+            layer = _native.Attention(
+                backend,
+                self.num_heads,
+                self.head_size,
+                scale=self.scale,
+                num_kv_heads=self.num_kv_heads,
+                alibi_slopes=self.alibi_slopes,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
+                kv_cache_dtype=self.kv_cache_dtype,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                attn_type=self.attn_type,
+            )
+            self._layers[key] = layer
+        return layer
+
+    def _plan(self, layer: Any, backend: Any, md: PagedAttnMetadata, cache: Any,
+              block_size: Optional[int], with_kv: bool, num_kv_tokens: Optional[int],
+              dtype: Any) -> Any:
+        """The step's plan for this layer's shape, made once per metadata object and shared
+        by every layer of the same shape (heads, head size, window, attention type, cache
+        geometry and dtype, activation dtype)."""
+        cache_key = None
+        if cache is not None:
+            cache_key = (int(cache.shape[1]), block_size, str(cache.dtype))
+        key = (
+            id(backend),
+            self.attn_type,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.sliding_window,
+            self.kv_cache_dtype,
+            cache_key,
+            str(dtype),
+            with_kv,
+            num_kv_tokens,
+        )
+        plan = md._plans.get(key)
+        if plan is None:
+            native_md = md.native(self.attn_type, with_kv=with_kv, block_size=block_size)
+            plan = layer.plan(native_md, cache, dtype=dtype)
+            md._plans[key] = plan
+        return plan
+
+    def forward(
+        self,
+        query: Any,
+        key: Optional[Any],
+        value: Optional[Any],
+        kv_cache: Any,
+        attn_metadata: PagedAttnMetadata,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        output: Optional[Any] = None,
+    ) -> Any:
+        """vLLM's ``forward``: writes the new ``key``/``value`` into ``kv_cache`` through
+        ``slot_mapping`` (``cross_slot_mapping`` for ``encoder_decoder``), then attends.
+
+        ``query``: ``[T, H * D]`` or ``[T, H, D]``; ``key``/``value``: ``[Tk, Hkv * D]`` or
+        ``[Tk, Hkv, D]``, both or neither (None: a cross-attention decode step reading the
+        cached encoder keys); ``kv_cache``: ``(2, NB, B * Hkv * D)`` (see
+        :meth:`PagedAttnBackend.get_kv_cache_shape`), or an empty tensor (``numel() == 0``,
+        e.g. a profiling run): no cache, attend over the new tokens. ``encoder`` and
+        ``encoder_only`` layers never use a cache. Non-contiguous inputs (vLLM's slices of a
+        fused qkv) are made contiguous first (a copy). Returns ``[T, H * D]``, written into
+        ``output`` when given (``[T, H * D]`` or ``[T, H, D]``)."""
+        if (key is None) != (value is None):
+            raise ValueError("key and value: both or neither")
+        md = attn_metadata
+        t = int(query.shape[0])
+        hd = self.num_heads * self.head_size
+        backend = backend_for(query)
+        layer = self._layer(backend, _scale_value(k_scale), _scale_value(v_scale))
+
+        cache = kv_cache
+        if (
+            cache is None
+            or _numel(cache) == 0
+            or self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+        ):
+            cache = None
+        block_size = None
+        if cache is not None:
+            block_size = _block_size_of(cache, self.num_kv_heads, self.head_size)
+
+        q = query if query.is_contiguous() else query.contiguous()
+        k = v = None
+        if key is not None:
+            k = key if key.is_contiguous() else key.contiguous()
+            v = value if value.is_contiguous() else value.contiguous()
+        with_kv = k is not None
+        plan = self._plan(
+            layer, backend, md, cache, block_size, with_kv,
+            None if k is None else int(k.shape[0]), q.dtype,
+        )
+
+        out = None
+        if output is not None and output.is_contiguous() and output.numel() == q.numel():
+            out = output.view(q.shape)
+        result = layer.run(plan, q, k, v, cache, out)
+        if output is None:
+            return result.view(t, hd)
+        if out is None:  # a non-contiguous output: computed aside, then copied in
+            output.copy_(result.reshape(output.shape))
+        return output.view(t, hd) if output.is_contiguous() else output

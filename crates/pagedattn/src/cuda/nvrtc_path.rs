@@ -1,0 +1,79 @@
+//! Finding libnvrtc where Python's NVIDIA wheels put it (`nvidia/cu13/lib` under a
+//! site-packages directory: what `pip install torch` brings), so that a machine whose only
+//! CUDA libraries came with PyTorch needs no `LD_LIBRARY_PATH`. The library is loaded by its
+//! full path before cudarc asks for it by name: the dynamic loader then answers cudarc's
+//! request with the library already loaded under that name (its SONAME).
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// The name cudarc (built for CUDA 13) asks for, and the library's SONAME.
+const SONAME: &str = "libnvrtc.so.13";
+
+/// Where the NVIDIA wheels put it, under a site-packages directory.
+const WHEEL_DIRS: [&str; 2] = ["nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"];
+
+/// Directories the embedding program adds (the Python module adds `sys.path`).
+static EXTRA_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Adds directories to search for Python's NVIDIA wheels (site-packages directories), before
+/// the first use of NVRTC in the process.
+pub fn add_nvrtc_search_dirs(dirs: impl IntoIterator<Item = PathBuf>) {
+    let mut extra = EXTRA_DIRS.lock().unwrap_or_else(|e| e.into_inner());
+    extra.extend(dirs);
+}
+
+/// Loads libnvrtc from a Python wheel if the dynamic loader does not find it by name; the
+/// path it came from, if it was loaded that way.
+pub(crate) fn preload() -> Option<PathBuf> {
+    if open(SONAME) {
+        return None;
+    }
+    site_packages()
+        .into_iter()
+        .flat_map(|site| WHEEL_DIRS.map(|dir| site.join(dir).join(SONAME)))
+        .find(|path| path.is_file() && path.to_str().is_some_and(open))
+}
+
+/// Whether `dlopen` loads `name` (a name to search for, or a path). The handle is kept: the
+/// library stays loaded for the process, as cudarc keeps it.
+fn open(name: &str) -> bool {
+    let Ok(name) = CString::new(name) else {
+        return false;
+    };
+    // SAFETY: loads a library by a valid C string; a failure is a null handle. libnvrtc's
+    // initializers do nothing but set up the library.
+    !unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW) }.is_null()
+}
+
+/// Site-packages directories to look in: those added by the embedding program, the active
+/// virtual or conda environment's, those of the `python3` on `PATH`, the user's and the
+/// system's.
+fn site_packages() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = EXTRA_DIRS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let var = |name| std::env::var_os(name).map(PathBuf::from);
+    let mut prefixes: Vec<PathBuf> = [var("VIRTUAL_ENV"), var("CONDA_PREFIX")]
+        .into_iter()
+        .flatten()
+        .collect();
+    if let Some(path) = std::env::var_os("PATH") {
+        let python = std::env::split_paths(&path).find(|d| d.join("python3").is_file());
+        prefixes.extend(python.and_then(|bin| bin.parent().map(Path::to_path_buf)));
+    }
+    if let Some(home) = var("HOME") {
+        prefixes.push(home.join(".local"));
+    }
+    prefixes.extend(["/usr/local", "/usr"].map(PathBuf::from));
+    for prefix in prefixes {
+        let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with("python3") {
+                dirs.extend(["site-packages", "dist-packages"].map(|d| entry.path().join(d)));
+            }
+        }
+    }
+    dirs
+}
