@@ -418,6 +418,10 @@ impl Context<'_> {
         let load = before
             .zip(load::CpuTimes::now())
             .and_then(|(a, b)| a.load_until(&b));
+        let host_us = match self.backend.device() {
+            Device::Cpu => None,
+            _ => Some(host_us_per_call(self.backend, &mut prepared[0])?),
+        };
         let during = During {
             mem_bw: probe_mem.then(|| timing::median(&mem)),
             paged_read: (probe_mem && !paged.is_empty()).then(|| timing::median(&paged)),
@@ -431,10 +435,29 @@ impl Context<'_> {
             .map(|((w, p), s)| {
                 let mut row = Row::new(w, p.layers(), s, &bounds, during);
                 row.load = load;
+                row.host_us = host_us;
                 row
             })
             .collect())
     }
+}
+
+/// Host time to queue one call of `prepared` on a device backend, µs: the median over 20
+/// bursts of 32 calls queued back to back after a synchronization (few enough that the
+/// driver's launch queue never fills and blocks the host).
+fn host_us_per_call(backend: &dyn Backend, prepared: &mut Prepared) -> Result<f64> {
+    const CALLS: usize = 32;
+    let mut bursts = Vec::with_capacity(20);
+    for _ in 0..20 {
+        backend.synchronize()?;
+        let start = std::time::Instant::now();
+        for i in 0..CALLS {
+            prepared.run(i)?;
+        }
+        bursts.push(start.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
+    }
+    backend.synchronize()?;
+    Ok(timing::median(&bursts))
 }
 
 /// Samples the load of other processes, for up to `seconds` until it is under 5%.

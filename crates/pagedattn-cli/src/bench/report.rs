@@ -64,6 +64,9 @@ pub struct Row {
     pub pct_compute: f64,
     /// What other processes used while the row was timed.
     pub load: Option<Load>,
+    /// On a device backend: host time to queue one call, µs (median of bursts of calls
+    /// queued back to back after a synchronization), what a caller's thread spends per call.
+    pub host_us: Option<f64>,
 }
 
 impl Row {
@@ -108,6 +111,7 @@ impl Row {
                 .map(|paged| 100.0 * gbs / paged),
             pct_compute: 100.0 * gflops / during.compute.unwrap_or(bounds.compute_gflops),
             load: None,
+            host_us: None,
         }
     }
 
@@ -204,6 +208,7 @@ impl Row {
             "pct_mem_bw": self.pct_mem_bw,
             "pct_compute_peak": self.pct_compute,
             "load": self.load.map(Load::to_json),
+            "host_us_per_call": self.host_us,
         })
     }
 }
