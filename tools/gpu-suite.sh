@@ -6,7 +6,9 @@
 #                                  needs (with `all`: every one), debug info stripped, into
 #                                  gpu-bin/ (git-ignored) under stable names: gpu-bin/pagedattn,
 #                                  gpu-bin/test-cuda, gpu-bin/test-api, ... (unit tests:
-#                                  gpu-bin/test-<crate>-lib, test-<bin>-bin).
+#                                  gpu-bin/test-<crate>-lib, test-<bin>-bin), and the Python
+#                                  wheel (maturin; `pip install maturin` first) as
+#                                  gpu-bin/pagedattn-*.whl.
 #   tools/gpu-suite.sh run [all]   on the GPU machine (no cargo), from the repository root with
 #                                  gpu-bin/ carried: `pagedattn info`, the kernel cache filled
 #                                  for the GPU's architecture (`pagedattn compile-kernels
@@ -18,7 +20,11 @@
 #                                  workloads on cuda (verified), SmolLM2's golden tokens
 #                                  and the bf16 GPU model against f32 (the `golden` and
 #                                  `gpu_model` modules of test-engine_tests; the GGUF at
-#                                  PAGEDATTN_SMOLLM2, default models/, must be there), the three binaries
+#                                  PAGEDATTN_SMOLLM2, default models/, must be there), the Python
+#                                  package's pytest suite on CUDA tensors (the wheel installed
+#                                  with --target into a temporary directory beside the machine's
+#                                  torch; pytest and transformers from the machine or from the
+#                                  wheels in GPU_SUITE_WHEELS, default .whl/), the three binaries
 #                                  under compute-sanitizer (memcheck, initcheck, racecheck); with
 #                                  `all`, every other test executable too (test-long_context's
 #                                  GPU tests among them).
@@ -85,26 +91,13 @@ EOF
         echo "$BIN/$name"
     done <"$json.list"
     rm -f "$json" "$json.list"
+    python3 -m maturin build --release -m crates/pagedattn-python/Cargo.toml -o "$BIN" \
+        2>&1 | tail -1
     [ -x "$BIN/test-cuda" ] && [ -x "$BIN/test-cuda_attention" ] && [ -x "$BIN/pagedattn" ] || {
         echo "gpu-suite build: test-cuda, test-cuda_attention or pagedattn is missing from $BIN" >&2
         exit 1
     }
     du -sh "$BIN"
-}
-
-# Puts the directory of libnvrtc (CUDA 13) on LD_LIBRARY_PATH unless the loader finds it.
-find_nvrtc() {
-    # (grep without -q: with pipefail, -q's early exit would fail ldconfig with SIGPIPE)
-    ldconfig -p 2>/dev/null | grep 'libnvrtc\.so' >/dev/null && return
-    local dir
-    for dir in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 \
-        /usr/local/cuda/targets/x86_64-linux/lib \
-        $(python3 -c 'import site; print(*site.getsitepackages())' 2>/dev/null | tr ' ' '\n' | sed 's|$|/nvidia/cu13/lib|'); do
-        if [ -e "$dir/libnvrtc.so.13" ] || [ -e "$dir/libnvrtc.so" ]; then
-            export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-            return
-        fi
-    done
 }
 
 SUMMARY=()
@@ -156,7 +149,8 @@ run() {
             exit 2
         }
     done
-    find_nvrtc
+    # No LD_LIBRARY_PATH for NVRTC: the library finds it itself, in the CUDA toolkit or in
+    # Python's NVIDIA wheels (what `pip install torch` brings), as a user's machine needs.
     # Kernels compile once per machine, then come from this cache.
     export PAGEDATTN_CACHE_DIR=${PAGEDATTN_CACHE_DIR:-/tmp/pagedattn-kernels}
     export RUST_BACKTRACE=1
@@ -269,9 +263,38 @@ run() {
         rm -f "$part_log"
     done
 
+    python_tests
+
     [ "$parts" = tests ] && finish
     sanitizers
     finish
+}
+
+# The Python package's pytest suite, CUDA tests included (they must not skip).
+python_tests() {
+    local wheel target log status result
+    log="$out/python-tests.log"
+    wheel=$(ls "$BIN"/pagedattn-*.whl 2>/dev/null | head -1)
+    if [ -z "$wheel" ]; then
+        record "python tests" FAIL "no wheel in $BIN: run 'tools/gpu-suite.sh build'"
+        return
+    fi
+    target=$(mktemp -d)
+    local wheels=${GPU_SUITE_WHEELS:-.whl} names=""
+    [ -d "$wheels" ] && names=$(ls "$wheels" | grep 'whl$' | cut -d- -f1 | sort -u | tr '\n' ' ')
+    # shellcheck disable=SC2086
+    python3 -m pip install -q --no-index --no-deps --target "$target" "$wheel" \
+        ${names:+--find-links "$wheels" $names} >"$log" 2>&1
+    (cd crates/pagedattn-python && PYTHONPATH="$target" timeout "$TIMEOUT" \
+        python3 -m pytest -q -p no:cacheprovider -rs tests) >>"$log" 2>&1
+    status=$?
+    rm -rf "$target"
+    result=$(grep -E '^[0-9]+ (passed|failed)' "$log" | tail -1)
+    if [ "$status" = 0 ] && ! grep -E 'SKIPPED.*(needs a CUDA GPU|cuda)' "$log" >/dev/null; then
+        record "python tests" PASS "$result"
+    else
+        record "python tests" FAIL "exit status $status: ${result:-no pytest summary}"
+    fi
 }
 
 # The three CUDA test executables under compute-sanitizer.

@@ -161,7 +161,8 @@ class Attention:
         (causal, cached), ``encoder`` / ``encoder_only`` (bidirectional, no cache),
         ``encoder_decoder`` (cross-attention: decoder queries over the encoder's cached keys
         and values). ``ValueError`` for a value out of range; ``NotImplementedError`` if the
-        backend lacks a feature."""
+        backend lacks a feature (for a head size the ``cuda`` backend's attention lacks: at
+        ``run``, since its cache write takes any head size)."""
     @property
     def num_heads(self) -> int: ...
     @property

@@ -1,4 +1,4 @@
-//! Finding libnvrtc where Python's NVIDIA wheels put it (`nvidia/cu13/lib` under a
+//! Finding libnvrtc where the CUDA toolkit or Python's NVIDIA wheels put it (`nvidia/cu13/lib` under a
 //! site-packages directory: what `pip install torch` brings), so that a machine whose only
 //! CUDA libraries came with PyTorch needs no `LD_LIBRARY_PATH`. The library is loaded by its
 //! full path before cudarc asks for it by name: the dynamic loader then answers cudarc's
@@ -24,15 +24,24 @@ pub fn add_nvrtc_search_dirs(dirs: impl IntoIterator<Item = PathBuf>) {
     extra.extend(dirs);
 }
 
-/// Loads libnvrtc from a Python wheel if the dynamic loader does not find it by name; the
-/// path it came from, if it was loaded that way.
+/// Loads libnvrtc from a CUDA toolkit (`CUDA_HOME`, `CUDA_PATH`, `/usr/local/cuda`) or a
+/// Python wheel if the dynamic loader does not find it by name; the path it came from, if it
+/// was loaded that way.
 pub(crate) fn preload() -> Option<PathBuf> {
     if open(SONAME) {
         return None;
     }
-    site_packages()
+    let toolkits = [std::env::var_os("CUDA_HOME"), std::env::var_os("CUDA_PATH")]
         .into_iter()
-        .flat_map(|site| WHEEL_DIRS.map(|dir| site.join(dir).join(SONAME)))
+        .flatten()
+        .map(PathBuf::from)
+        .chain([PathBuf::from("/usr/local/cuda")])
+        .map(|home| home.join("lib64").join(SONAME));
+    let wheels = site_packages()
+        .into_iter()
+        .flat_map(|site| WHEEL_DIRS.map(|dir| site.join(dir).join(SONAME)));
+    toolkits
+        .chain(wheels)
         .find(|path| path.is_file() && path.to_str().is_some_and(open))
 }
 
