@@ -29,7 +29,8 @@
 #                                  `all`, every other test executable too (test-long_context's
 #                                  GPU tests among them).
 #   tools/gpu-suite.sh tests [all] the same without the sanitizers; `sanitizers`: only them
-#                                  (the two halves fit separate device calls of 10 minutes).
+#                                  (the two halves fit separate device calls of 10 minutes);
+#                                  `python`: only the Python package's tests.
 #
 # The tests that need a GPU are `#[ignore]`d (`cargo test` without one lists them as ignored,
 # and they fail saying why where no GPU is usable): `run` passes `--include-ignored` to every
@@ -158,6 +159,10 @@ run() {
         sanitizers
         finish
     fi
+    if [ "$parts" = python ]; then
+        python_tests
+        finish
+    fi
 
     # The CLI lists each backend as `backend NAME ...`; the cuda one must be available. Its
     # details name the architecture the kernels are compiled for.
@@ -255,7 +260,7 @@ run() {
     for part in golden gpu_model; do
         part_log=$(mktemp)
         PAGEDATTN_REQUIRE_MODEL=1 PAGEDATTN_SMOLLM2=${PAGEDATTN_SMOLLM2:-models/SmolLM2-135M-Instruct.Q4_1.gguf} \
-            timeout "$TIMEOUT" "$BIN/test-engine_tests" "$part::" --include-ignored --nocapture >"$part_log" 2>&1
+            timeout "$TIMEOUT" "$BIN/test-engine_tests" "$part::" --include-ignored --nocapture --test-threads=1 >"$part_log" 2>&1
         status=$?
         verdict=$(test_verdict "$part_log" "$status")
         record "engine $part" "${verdict%%|*}" "${verdict#*|}"
@@ -285,7 +290,7 @@ python_tests() {
     # shellcheck disable=SC2086
     python3 -m pip install -q --no-index --no-deps --target "$target" "$wheel" \
         ${names:+--find-links "$wheels" $names} >"$log" 2>&1
-    (cd crates/pagedattn-python && PYTHONPATH="$target" timeout "$TIMEOUT" \
+    (cd crates/pagedattn-python && PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" timeout "$TIMEOUT" \
         python3 -m pytest -q -p no:cacheprovider -rs tests) >>"$log" 2>&1
     status=$?
     rm -rf "$target"
@@ -370,8 +375,9 @@ build) build "${2:-}" ;;
 run) run everything "${2:-}" ;;
 tests) run tests "${2:-}" ;;
 sanitizers) run sanitizers ;;
+python) run python ;;
 *)
-    echo "usage: tools/gpu-suite.sh build [all] | run [all] | tests [all] | sanitizers" >&2
+    echo "usage: tools/gpu-suite.sh build [all] | run [all] | tests [all] | sanitizers | python" >&2
     exit 2
     ;;
 esac
