@@ -183,12 +183,12 @@ impl PyBackend {
 impl PyBackend {
     /// One side of a block copy: on the backend's device, or (for a GPU) in host memory.
     fn copy_side(&self, obj: &Bound<'_, PyAny>, name: &str, write: bool) -> PyResult<Imported> {
-        let device = self.kind.device();
-        let place_device = match (device, crate::dlpack::import(obj, name)?.place) {
+        let t = crate::dlpack::import(obj, name)?;
+        let device = match (self.kind.device(), t.place) {
             (Device::Cuda(_), Place::Cpu) => Device::Cpu,
-            _ => device,
+            (device, _) => device,
         };
-        tensors::argument(obj, name, place_device, write)
+        tensors::check_argument(t, name, device, write)
     }
 
     /// A cache over `t`'s memory whose geometry is its blocks alone (a block copy moves whole

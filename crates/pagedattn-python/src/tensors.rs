@@ -20,7 +20,11 @@ pub fn argument(
     device: Device,
     write: bool,
 ) -> PyResult<Imported> {
-    let t = import(obj, name)?;
+    check_argument(import(obj, name)?, name, device, write)
+}
+
+/// [`argument`]'s checks on a tensor already imported.
+pub fn check_argument(t: Imported, name: &str, device: Device, write: bool) -> PyResult<Imported> {
     if !t.contiguous {
         return Err(PyValueError::new_err(format!(
             "{name} is not contiguous (shape {:?}): expected a C-contiguous tensor (call \
@@ -224,11 +228,10 @@ pub fn indices(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(Vec<i64>, Vec<us
             t = import(&host, name)?;
         }
         if !t.contiguous {
-            let contiguous = obj.call_method0("contiguous").ok();
-            match contiguous {
+            match obj.call_method0("contiguous") {
                 // An index tensor is read once into a vector: a copy costs nothing extra.
-                Some(c) if c.is_truthy().is_ok() => t = import(&c, name)?,
-                _ => {
+                Ok(c) => t = import(&c, name)?,
+                Err(_) => {
                     return Err(value_error(
                         name,
                         "a non-contiguous array",

@@ -1,6 +1,6 @@
-//! Finding libnvrtc where the CUDA toolkit or Python's NVIDIA wheels put it (`nvidia/cu13/lib` under a
-//! site-packages directory: what `pip install torch` brings), so that a machine whose only
-//! CUDA libraries came with PyTorch needs no `LD_LIBRARY_PATH`. The library is loaded by its
+//! Finding libnvrtc where the CUDA toolkit or Python's NVIDIA wheels put it (`nvidia/cu13/lib`
+//! under a site-packages directory: what `pip install torch` brings), so that a machine whose
+//! only CUDA libraries came with PyTorch needs no `LD_LIBRARY_PATH`. The library is loaded by its
 //! full path before cudarc asks for it by name: the dynamic loader then answers cudarc's
 //! request with the library already loaded under that name (its SONAME).
 
@@ -25,11 +25,11 @@ pub fn add_nvrtc_search_dirs(dirs: impl IntoIterator<Item = PathBuf>) {
 }
 
 /// Loads libnvrtc from a CUDA toolkit (`CUDA_HOME`, `CUDA_PATH`, `/usr/local/cuda`) or a
-/// Python wheel if the dynamic loader does not find it by name; the path it came from, if it
-/// was loaded that way.
-pub(crate) fn preload() -> Option<PathBuf> {
+/// Python wheel if the dynamic loader does not find it by name (if neither has it, cudarc's
+/// own lookup reports it missing).
+pub(crate) fn preload() {
     if open(SONAME) {
-        return None;
+        return;
     }
     let toolkits = [std::env::var_os("CUDA_HOME"), std::env::var_os("CUDA_PATH")]
         .into_iter()
@@ -40,9 +40,10 @@ pub(crate) fn preload() -> Option<PathBuf> {
     let wheels = site_packages()
         .into_iter()
         .flat_map(|site| WHEEL_DIRS.map(|dir| site.join(dir).join(SONAME)));
-    toolkits
+    // The first that loads; the rest are not tried.
+    let _loaded = toolkits
         .chain(wheels)
-        .find(|path| path.is_file() && path.to_str().is_some_and(open))
+        .any(|path| path.is_file() && path.to_str().is_some_and(open));
 }
 
 /// Whether `dlopen` loads `name` (a name to search for, or a path). The handle is kept: the
