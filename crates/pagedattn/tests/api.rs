@@ -1099,3 +1099,40 @@ fn errors_read_as_one_sentence() {
         errors[3]
     );
 }
+
+#[test]
+fn caches_from_storages_check_their_buffers() {
+    let s = spec(3, KvCacheDtype::Auto);
+    let n = s.buffer_elems();
+    let buf = |dtype, len| Storage::from(HostStorage::zeros(dtype, len).unwrap());
+    // A buffer one element short, or of another dtype, would let a kernel read past it.
+    assert_invalid(
+        KvCache::from_storages(
+            s,
+            CacheLayout::Hnd,
+            buf(DType::F16, n - 1),
+            buf(DType::F16, n),
+        ),
+        "key_cache element count",
+    );
+    assert_invalid(
+        KvCache::from_storages(s, CacheLayout::Hnd, buf(DType::F16, n), buf(DType::F32, n)),
+        "value_cache dtype",
+    );
+    let fp8 = spec(3, KvCacheDtype::Fp8E4m3);
+    assert_invalid(
+        KvCache::from_storages(
+            fp8,
+            CacheLayout::Nhd,
+            buf(DType::F16, n),
+            buf(DType::F16, n),
+        ),
+        "key_cache dtype",
+    );
+    let cache = KvCache::from_storages(s, CacheLayout::Hnd, buf(DType::F16, n), buf(DType::F16, n))
+        .unwrap();
+    assert_eq!(
+        (cache.layout(), cache.shape()),
+        (CacheLayout::Hnd, vec![2, 3, 2, 4, 8])
+    );
+}
