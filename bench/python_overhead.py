@@ -12,8 +12,8 @@ table gives the medians of the rounds' medians and their ratio.
 On the CPU both sides are timed on the host wall clock (per call). On a GPU both are timed with
 CUDA events (device time: pagedattn's events on its stream in Rust; events on torch's current
 stream around each Python call, which the call's work is ordered on), and the host time a call
-costs its caller's thread is measured too: bursts of 32 calls queued back to back after a
-synchronization (the Rust bench's `host_us_per_call`).
+costs its caller's thread is measured too: the median of 100 bursts of 32 calls queued back to
+back after a synchronization (the Rust bench's `host_us_per_call`).
 
 torch allocates the Python side's caches; THP_MEM_ALLOC_ENABLE=1 (set here before torch loads)
 gives them transparent huge pages as pagedattn's own cache allocation asks for.
@@ -136,7 +136,7 @@ class PythonRow:
         host = None
         if cuda:
             bursts = []
-            for _ in range(20):
+            for _ in range(100):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter_ns()
                 for j in range(32):

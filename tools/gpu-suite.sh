@@ -21,10 +21,11 @@
 #                                  and the bf16 GPU model against f32 (the `golden` and
 #                                  `gpu_model` modules of test-engine_tests; the GGUF at
 #                                  PAGEDATTN_SMOLLM2, default models/, must be there), the Python
-#                                  package's pytest suite on CUDA tensors (the wheel installed
-#                                  with --target into a temporary directory beside the machine's
-#                                  torch; pytest and transformers from the machine or from the
-#                                  wheels in GPU_SUITE_WHEELS, default .whl/), the three binaries
+#                                  package (the wheel pip-installed into a fresh venv that also
+#                                  sees the machine's torch; pytest and transformers from the
+#                                  machine or from the wheels in GPU_SUITE_WHEELS, default
+#                                  .whl/): the README's Python example on cuda and the pytest
+#                                  suite on CUDA tensors, with no LD_LIBRARY_PATH; the three binaries
 #                                  under compute-sanitizer (memcheck, initcheck, racecheck); with
 #                                  `all`, every other test executable too (test-long_context's
 #                                  GPU tests among them).
@@ -275,25 +276,39 @@ run() {
     finish
 }
 
-# The Python package's pytest suite, CUDA tests included (they must not skip).
+# The Python package in a fresh venv (the machine's torch reached through a .pth file, since
+# nothing downloads here): the README's Python example on CUDA tensors with no
+# LD_LIBRARY_PATH, then the pytest suite, CUDA tests included (they must not skip).
 python_tests() {
-    local wheel target log status result
+    local wheel venv log status result
     log="$out/python-tests.log"
     wheel=$(ls "$BIN"/pagedattn-*.whl 2>/dev/null | head -1)
     if [ -z "$wheel" ]; then
         record "python tests" FAIL "no wheel in $BIN: run 'tools/gpu-suite.sh build'"
         return
     fi
-    target=$(mktemp -d)
+    venv=$(mktemp -d)
+    python3 -m venv "$venv" >"$log" 2>&1
+    # The machine's packages (torch; python3 may itself be a venv's) after the venv's own.
+    python3 -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' \
+        >"$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/machine.pth"
     local wheels=${GPU_SUITE_WHEELS:-.whl} names=""
     [ -d "$wheels" ] && names=$(ls "$wheels" | grep 'whl$' | cut -d- -f1 | sort -u | tr '\n' ' ')
     # shellcheck disable=SC2086
-    python3 -m pip install -q --no-index --no-deps --target "$target" "$wheel" \
-        ${names:+--find-links "$wheels" $names} >"$log" 2>&1
-    (cd crates/pagedattn-python && PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" timeout "$TIMEOUT" \
-        python3 -m pytest -q -p no:cacheprovider -rs tests) >>"$log" 2>&1
+    "$venv/bin/python" -m pip install -q --no-index --no-deps "$wheel" \
+        ${names:+--find-links "$wheels" $names} >>"$log" 2>&1
+    awk '/^```python$/ {on = 1; next} /^```$/ {on = 0} on' README.md >"$venv/readme_example.py"
+    echo "-- the README's Python example" >>"$log"
+    if ! (cd "$venv" && env -u LD_LIBRARY_PATH timeout "$TIMEOUT" bin/python readme_example.py) \
+        >>"$log" 2>&1 || ! tail -1 "$log" | grep '^cuda ' >/dev/null; then
+        record "python tests" FAIL "the README's Python example did not run on cuda"
+        rm -rf "$venv"
+        return
+    fi
+    (cd crates/pagedattn-python && env -u LD_LIBRARY_PATH timeout "$TIMEOUT" \
+        "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests) >>"$log" 2>&1
     status=$?
-    rm -rf "$target"
+    rm -rf "$venv"
     result=$(grep -E '^[0-9]+ (passed|failed)' "$log" | tail -1)
     if [ "$status" = 0 ] && ! grep -E 'SKIPPED.*(needs a CUDA GPU|cuda)' "$log" >/dev/null; then
         record "python tests" PASS "$result"

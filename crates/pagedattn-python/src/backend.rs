@@ -74,6 +74,16 @@ impl PyBackend {
         layout_name(self.kind.backend().kv_cache_layout())
     }
 
+    /// The backend's own CUDA stream (a `cudaStream_t` as an int; `None` off the GPU).
+    #[getter]
+    fn stream(&self) -> Option<u64> {
+        match &*self.kind {
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(cuda) => Some(cuda.stream().cu_stream() as u64),
+            _ => None,
+        }
+    }
+
     /// One layer's cache shape in this backend's layout.
     fn kv_cache_shape(
         &self,

@@ -129,6 +129,52 @@ def test_work_is_ordered_on_a_non_default_stream():
     torch.testing.assert_close(result.double().cpu(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_plans_made_and_dropped_between_calls_on_a_busy_stream():
+    """Steps on a side stream kept far behind the host: each step's plan is made, run and
+    dropped at once, and the next step's plan allocated and uploaded, while the earlier
+    steps' kernels have yet to run. A plan freed or overwritten before the side stream is
+    done with it would give a wrong answer."""
+    torch.manual_seed(3)
+    backend = pagedattn.Backend("cuda")
+    attn = pagedattn.Attention(backend, H, D, num_kv_heads=HKV)
+    num_blocks = 16
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks, B, HKV, D), device=DEV)
+    keys = torch.randn(60, HKV, D, device=DEV)
+    values = torch.randn(60, HKV, D, device=DEV)
+    queries = torch.randn(60, 1, H, D, device=DEV)
+    tables = [[7, 2, 11, 4]]
+    outs = []
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for n in range(1, 61):
+            torch.cuda._sleep(200_000)
+            plan = attn.plan(decode_step(tables, [n]), cache)
+            outs.append(attn.run(plan, queries[n - 1], keys[n - 1 : n], values[n - 1 : n], cache))
+            del plan
+    side.synchronize()
+    for n, out in enumerate(outs, start=1):
+        want = dense_attention(queries[n - 1], keys[:n], values[:n], [n - 1], causal=True)
+        torch.testing.assert_close(out.double().cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_calls_on_the_backends_own_stream():
+    """``stream=backend.stream`` runs the call there; the caller orders its work with it."""
+    torch.manual_seed(4)
+    backend = pagedattn.Backend("cuda")
+    assert isinstance(backend.stream, int)
+    attn = pagedattn.Attention(backend, H, D, num_kv_heads=HKV)
+    cache = torch.zeros(backend.kv_cache_shape(4, B, HKV, D), device=DEV)
+    q = torch.randn(1, H, D, device=DEV)
+    k = torch.randn(1, HKV, D, device=DEV)
+    v = torch.randn(1, HKV, D, device=DEV)
+    plan = attn.plan(decode_step([[2]], [1]), cache, stream=backend.stream)
+    torch.cuda.synchronize()
+    out = attn.run(plan, q, k, v, cache, stream=backend.stream)
+    backend.synchronize()
+    want = dense_attention(q, k, v, [0], causal=True)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-4, atol=1e-4)
+
+
 def test_swap_to_host_and_back():
     torch.manual_seed(2)
     backend = pagedattn.Backend("cuda")

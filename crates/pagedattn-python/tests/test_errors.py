@@ -453,3 +453,8 @@ def test_cache_and_plan_disagree(backend, gen):
         attn.run(plan, enc.query, enc.key, enc.value, s.batch.kv_cache)
     out = attn.run(plan, enc.query, enc.key, enc.value)
     assert bool(torch.isfinite(out).all())
+
+
+def test_host_backends_have_no_stream():
+    for name in ("reference", "cpu"):
+        assert pagedattn.Backend(name).stream is None

@@ -436,7 +436,7 @@ impl KvCache {
             ensure(
                 shape.len() == 3 && shape[1..] == [spec.num_kv_heads, spec.head_size],
                 || format!("{name}.shape"),
-                format!("{shape:?}"),
+                format_args!("{shape:?}"),
                 || {
                     format!(
                         "[Tk, {}, {}] (num_kv_heads, head_size)",

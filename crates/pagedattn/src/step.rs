@@ -438,14 +438,14 @@ impl ForwardCheck<'_> {
         ensure(
             plan.backend == self.backend,
             || "plan".into(),
-            format!("a plan of backend {}", plan.backend),
+            format_args!("a plan of backend {}", plan.backend),
             || format!("a plan made by backend {}", self.backend),
         )?;
         let shape = PlanShape::of(self.config);
         ensure(
             plan.shape == shape,
             || "plan".into(),
-            format!("a plan for a {}", plan.shape),
+            format_args!("a plan for a {}", plan.shape),
             || format!("a plan made for this layer's shape (a {shape})"),
         )
     }
@@ -484,7 +484,7 @@ impl ForwardCheck<'_> {
             ensure(
                 cache.spec() == spec,
                 || "kv_cache".into(),
-                format!("a {}", cache.spec()),
+                format_args!("a {}", cache.spec()),
                 || format!("a {spec}: the geometry the plan was made for"),
             )?;
         }
@@ -561,7 +561,7 @@ fn check_shape(name: &str, t: &Tensor, expected: &[Option<usize>]) -> Result<()>
     ensure(
         ok,
         || format!("{name}.shape"),
-        format!("{shape:?}"),
+        format_args!("{shape:?}"),
         || format!("[{}]", want.join(", ")),
     )
 }

@@ -416,7 +416,7 @@ impl Storage {
         ensure(
             (self.dtype(), self.len()) == (src.dtype(), src.len()),
             || "copy source".into(),
-            format!("{} elements of {}", src.len(), src.dtype()),
+            format_args!("{} elements of {}", src.len(), src.dtype()),
             || format!("{} elements of {}", self.len(), self.dtype()),
         )?;
         match (self, src) {
@@ -596,7 +596,7 @@ impl Tensor {
         ensure(
             self.shape == src.shape,
             || "copy source shape".into(),
-            format!("{:?}", src.shape),
+            format_args!("{:?}", src.shape),
             || format!("{:?}", self.shape),
         )?;
         self.storage.copy_from(&src.storage)

@@ -2,6 +2,8 @@
 //! whose metadata changed (longer sequences, new slots, new block tables), each replay checked
 //! against `reference` run on host copies of the same caches, and the caches compared byte for
 //! byte at the end. A plan made for graphs refuses steps it cannot hold, and stays usable.
+//! And the same layers' steps on a caller's stream (`Cuda::on_stream`), in order with the
+//! caller's kernels and with plans made and dropped around them.
 //!
 //! The test needs a GPU and is `#[ignore]`d: a run without one lists it as ignored;
 //! `tools/gpu-suite.sh` (or `--include-ignored` on a GPU machine) runs it, and run where no GPU
@@ -21,6 +23,11 @@ use pagedattn::{
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+
+/// Held by each test for its whole run: a capture (global mode, on the backend's stream,
+/// which every caller in the process shares) would take in, or refuse, the work another test
+/// queued meanwhile.
+static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 const LAYERS: usize = 3;
 const SEQS: usize = 5;
@@ -191,6 +198,9 @@ impl GpuLayers {
 #[test]
 #[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn a_captured_decode_step_replays_later_steps() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let cuda = gpu();
     let seed = seed();
     let result = std::panic::catch_unwind(|| run(&cuda, seed));
@@ -200,10 +210,14 @@ fn a_captured_decode_step_replays_later_steps() {
     }
 }
 
-fn run(cuda: &pagedattn::cuda::Cuda, seed: u64) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let reference = registry::backend("reference").unwrap();
-    // Layers that share the plan but not their scores: a soft cap and another scale.
+/// The layers' configurations (sharing the plan but not their scores: a soft cap and
+/// another scale), the cache geometry, host caches of random finite values, and the GPU's
+/// layers over copies of them.
+fn layers(
+    rng: &mut StdRng,
+    cuda: &pagedattn::cuda::Cuda,
+    reference: &dyn Backend,
+) -> (Vec<AttentionConfig>, KvCacheSpec, Vec<KvCache>, GpuLayers) {
     let configs: Vec<AttentionConfig> = (0..LAYERS)
         .map(|l| {
             AttentionConfig::builder(HEADS, HEAD_SIZE)
@@ -225,18 +239,18 @@ fn run(cuda: &pagedattn::cuda::Cuda, seed: u64) {
     };
     // Every slot holds a finite value, so that a kernel reading a stale table or length
     // gets a wrong answer rather than the right one or NaN.
-    let mut host_caches: Vec<KvCache> = (0..LAYERS)
+    let host_caches: Vec<KvCache> = (0..LAYERS)
         .map(|_| {
             let n = spec.buffer_elems();
             let mut half = || {
-                let t = random_tensor(&mut rng, &[n]);
+                let t = random_tensor(rng, &[n]);
                 HostStorage::from_bytes(DType::BF16, t.host().unwrap().as_bytes()).unwrap()
             };
             let canonical = KvCache::from_canonical(spec, CacheLayout::Nhd, half(), half());
             reference.load_kv_cache(&canonical.unwrap()).unwrap()
         })
         .collect();
-    let mut layers = GpuLayers {
+    let layers = GpuLayers {
         attention: configs.iter().map(|c| cuda.attention(c).unwrap()).collect(),
         caches: host_caches
             .iter()
@@ -245,6 +259,13 @@ fn run(cuda: &pagedattn::cuda::Cuda, seed: u64) {
         inputs: Vec::new(),
         outputs: Vec::new(),
     };
+    (configs, spec, host_caches, layers)
+}
+
+fn run(cuda: &pagedattn::cuda::Cuda, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let reference = registry::backend("reference").unwrap();
+    let (configs, spec, mut host_caches, mut layers) = layers(&mut rng, cuda, &*reference);
 
     // Step 0: short sequences (one of a single key), on a plan for graphs.
     let lens: Vec<usize> = (0..SEQS)
@@ -337,4 +358,134 @@ fn run(cuda: &pagedattn::cuda::Cuda, seed: u64) {
     unsafe { graph.replay() }.unwrap();
     let want = reference_step(&*reference, &configs, &mut host_caches, &host_inputs, &step);
     check_outputs(&layers.outputs, &want, "replay after refusals");
+}
+
+/// A caller's kernel: spins for `cycles` clock cycles (so that the caller's stream runs well
+/// behind the host), then copies `n` 16-bit elements from `src` to `dst`.
+const SPIN_COPY: &str = r#"
+__device__ long long now() {
+    long long t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+    return t;
+}
+extern "C" __global__ void spin_copy(const unsigned short* src, unsigned short* dst,
+                                     long long n, long long cycles) {
+    long long start = now();
+    while (now() - start < cycles) {}
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+"#;
+
+/// About 5 ms of spinning at the H100's clock: far longer than the host takes to queue a step.
+const SPIN_CYCLES: i64 = 10_000_000;
+
+#[test]
+#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
+fn calls_on_a_callers_stream_order_with_its_work() {
+    let _alone = ALONE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let cuda = gpu();
+    let seed = seed();
+    let result = std::panic::catch_unwind(|| on_callers_stream(&cuda, seed));
+    if let Err(panic) = result {
+        eprintln!("calls_on_a_callers_stream_order_with_its_work failed with seed {seed}");
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Decode steps queued back to back on a caller's stream that runs behind the host: the
+/// caller's kernel writes each layer's inputs just before the layer's call, plans are made
+/// on the backend's stream (even steps) or inside the call (odd steps) and dropped right
+/// after, so that a free or an upload not ordered after the caller's stream would overwrite
+/// a plan its queued kernels have yet to read. Every step's outputs and the caches at the end
+/// are checked against `reference`.
+fn on_callers_stream(cuda: &pagedattn::cuda::Cuda, seed: u64) {
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+    let mut rng = StdRng::seed_from_u64(seed);
+    let reference = registry::backend("reference").unwrap();
+    let (configs, spec, mut host_caches, mut layers) = layers(&mut rng, cuda, &*reference);
+    let spin = cuda
+        .load_kernels("test_spin_copy", SPIN_COPY, &["spin_copy"])
+        .unwrap()
+        .remove(0);
+    let caller = cuda.stream().context().new_stream().unwrap();
+    let zeros = || Tensor::zeros_on(cuda.device(), DType::BF16, &[SEQS, HEADS, HEAD_SIZE]);
+    layers.inputs = (0..LAYERS)
+        .map(|_| LayerInputs::random(&mut rng).to_device(cuda))
+        .collect();
+    // The caller's copy of `src` into `dst`, after its spin.
+    let copy = |src: &Tensor, dst: &mut Tensor| {
+        let n = src.numel() as i64;
+        let (from, to) = (src.cuda_address().unwrap(), dst.cuda_address_mut().unwrap());
+        let mut launch = caller.launch_builder(&spin);
+        launch.arg(&from).arg(&to).arg(&n).arg(&SPIN_CYCLES);
+        let config = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel's parameters are (ushort*, ushort*, i64, i64); both tensors hold
+        // `n` bf16 elements and outlive the kernel (the test synchronizes before dropping).
+        unsafe { launch.launch(config) }.unwrap();
+    };
+
+    let lens: Vec<usize> = (0..SEQS).map(|_| rng.random_range(100..400)).collect();
+    let mut step = Step::shuffled(&mut rng, lens);
+    let mut queued = Vec::new();
+    for n in 0..6 {
+        if n > 0 {
+            let grow: Vec<usize> = (0..SEQS).map(|_| rng.random_range(1..40)).collect();
+            step = step.grown(&grow);
+        }
+        let md = step.metadata();
+        let host_inputs: Vec<LayerInputs> =
+            (0..LAYERS).map(|_| LayerInputs::random(&mut rng)).collect();
+        let staged: Vec<LayerInputs> = host_inputs.iter().map(|x| x.to_device(cuda)).collect();
+        layers.outputs = (0..LAYERS).map(|_| zeros().unwrap()).collect();
+        let outside = (n % 2 == 0).then(|| {
+            let plan = layers.attention[0].plan(&md, Some(&spec)).unwrap();
+            let workspace = cuda.workspace(&plan).unwrap();
+            (plan, workspace)
+        });
+        // SAFETY: the stream is alive until the end of the test.
+        let inside = unsafe {
+            cuda.on_stream(caller.cu_stream(), || {
+                let (plan, mut workspace) = match outside {
+                    Some(made) => made,
+                    None => {
+                        let plan = layers.attention[0].plan(&md, Some(&spec))?;
+                        let workspace = cuda.workspace(&plan)?;
+                        (plan, workspace)
+                    }
+                };
+                for (l, staged) in staged.iter().enumerate() {
+                    let x = &mut layers.inputs[l];
+                    copy(&staged.query, &mut x.query);
+                    copy(&staged.key, &mut x.key);
+                    copy(&staged.value, &mut x.value);
+                }
+                assert!(workspace.bytes() > 0, "split-K partials in the workspace");
+                layers.queue(&plan, &mut workspace)?;
+                Ok((plan, workspace))
+            })
+        };
+        // Dropped on the host at once: the backend's stream frees them after the caller's.
+        drop(inside.unwrap());
+        queued.push((
+            step.clone(),
+            host_inputs,
+            std::mem::take(&mut layers.outputs),
+            staged,
+        ));
+    }
+    for (n, (step, host_inputs, outputs, _staged)) in queued.iter().enumerate() {
+        let want = reference_step(&*reference, &configs, &mut host_caches, host_inputs, step);
+        check_outputs(outputs, &want, &format!("step {n} on the caller's stream"));
+    }
+    for (l, (got, want)) in layers.caches.iter().zip(&host_caches).enumerate() {
+        same_cache(got, want, &format!("layer {l} after the steps")).unwrap();
+    }
+    caller.synchronize().unwrap();
 }

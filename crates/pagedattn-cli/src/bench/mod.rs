@@ -442,13 +442,14 @@ impl Context<'_> {
     }
 }
 
-/// Host time to queue one call of `prepared` on a device backend, µs: the median over 20
+/// Host time to queue one call of `prepared` on a device backend, µs: the median over 100
 /// bursts of 32 calls queued back to back after a synchronization (few enough that the
 /// driver's launch queue never fills and blocks the host).
 fn host_us_per_call(backend: &dyn Backend, prepared: &mut Prepared) -> Result<f64> {
     const CALLS: usize = 32;
-    let mut bursts = Vec::with_capacity(20);
-    for _ in 0..20 {
+    const BURSTS: usize = 100;
+    let mut bursts = Vec::with_capacity(BURSTS);
+    for _ in 0..BURSTS {
         backend.synchronize()?;
         let start = std::time::Instant::now();
         for i in 0..CALLS {

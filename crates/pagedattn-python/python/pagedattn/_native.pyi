@@ -46,6 +46,12 @@ class Backend:
     def kv_cache_layout(self) -> str:
         """How a block's keys (and values) are ordered inside a cache: ``NHD`` (``[B, Hkv, D]``,
         token-major; ``reference``) or ``HND`` (``[Hkv, B, D]``, head-major; ``cpu``, ``cuda``)."""
+    @property
+    def stream(self) -> Optional[int]:
+        """The backend's own CUDA stream (a ``cudaStream_t``; ``None`` off the GPU). Calls run
+        on torch's current stream unless given ``stream=``; ``stream=backend.stream`` runs them
+        on this one, which orders them with each other only (the caller orders its own work
+        with it, e.g. through ``torch.cuda.ExternalStream(backend.stream)``)."""
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, int, int, int, int]:

@@ -298,9 +298,7 @@ impl CudaAttention {
             value: address(value.storage(), "value")?,
             key_cache: address_mut(key_cache, "kv_cache.key")?,
             value_cache: address_mut(value_cache, "kv_cache.value")?,
-            slot_mapping: prepared
-                .metadata
-                .address(&self.gpu, prepared.slot_mapping.start),
+            slot_mapping: prepared.metadata.address(prepared.slot_mapping.start),
             num_tokens,
             spec,
             scales: self.config.kv_scales(),
@@ -324,7 +322,7 @@ impl CudaAttention {
             return Ok(());
         }
         let params = Params {
-            units: prepared.metadata.address(&self.gpu, units.start),
+            units: prepared.metadata.address(units.start),
             ..params
         };
         let config = LaunchConfig {
@@ -332,26 +330,28 @@ impl CudaAttention {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shape.1,
         };
-        let mut launch = self.gpu.stream.launch_builder(kernel);
-        launch.arg(&params);
-        // SAFETY: `params` matches the kernel's one parameter (`Params`, by value); the dynamic
-        // shared memory is what the kernel takes (the variant's prefill shape or decode bytes,
-        // allowed on the function when it was loaded), and a kernel given less traps instead of
-        // overrunning it. Every index the kernel computes stays inside the buffer it reads or
-        // writes, because the gate validated the metadata against the call and the plan derived
-        // every record from it: units and sequences name tokens inside the query and output
-        // `[T, H, D]` (query_start_loc) and heads below H; keys are read only at positions
-        // below the sequence's key count, either through the compacted block-table entries
-        // (each a block inside the cache, checked by the metadata's validation) at kv heads
-        // below Hkv, or as rows of the key/value tensors (whose shape the gate checked against
-        // the sequences' lengths); slot lookups index the write's slot mapping within the new
-        // tokens' range; partial slots lie below the plan's partial count, which the workspace
-        // holds (the gate checked its size). The memory outlives the kernel: the tensors and
-        // cache are borrowed for this call and freed in stream order, and the plan's buffer is
-        // freed in stream order too.
-        unsafe { launch.launch(config) }
-            .map_err(|e| driver_error(&format!("cuLaunchKernel({what})"), e))?;
-        Ok(())
+        self.gpu.with_queue(|stream| {
+            let mut launch = stream.launch_builder(kernel);
+            launch.arg(&params);
+            // SAFETY: `params` matches the kernel's one parameter (`Params`, by value); the dynamic
+            // shared memory is what the kernel takes (the variant's prefill shape or decode bytes,
+            // allowed on the function when it was loaded), and a kernel given less traps instead of
+            // overrunning it. Every index the kernel computes stays inside the buffer it reads or
+            // writes, because the gate validated the metadata against the call and the plan derived
+            // every record from it: units and sequences name tokens inside the query and output
+            // `[T, H, D]` (query_start_loc) and heads below H; keys are read only at positions
+            // below the sequence's key count, either through the compacted block-table entries
+            // (each a block inside the cache, checked by the metadata's validation) at kv heads
+            // below Hkv, or as rows of the key/value tensors (whose shape the gate checked against
+            // the sequences' lengths); slot lookups index the write's slot mapping within the new
+            // tokens' range; partial slots lie below the plan's partial count, which the workspace
+            // holds (the gate checked its size). The memory outlives the kernel: the tensors and
+            // cache are borrowed for this call, and device memory of this crate's (the plan's
+            // buffer) is freed after the streams that use it.
+            unsafe { launch.launch(config) }
+                .map_err(|e| driver_error(&format!("cuLaunchKernel({what})"), e))?;
+            Ok(())
+        })
     }
 }
 
@@ -534,9 +534,9 @@ impl AttentionImpl for CudaAttention {
             value,
             output: address_mut(output.storage_mut(), "output")?,
             partials,
-            seqs: metadata.address(&self.gpu, prepared.seqs.start),
-            tables: metadata.address(&self.gpu, prepared.tables.start),
-            slots: metadata.address(&self.gpu, prepared.slot_mapping.start),
+            seqs: metadata.address(prepared.seqs.start),
+            tables: metadata.address(prepared.tables.start),
+            slots: metadata.address(prepared.slot_mapping.start),
             units: 0,
             slopes: match &self.slopes {
                 Some(s) => s.kernel_address("alibi slopes")?.unwrap_or(0),
@@ -579,7 +579,7 @@ impl AttentionImpl for CudaAttention {
             &self.gpu,
             &Merge {
                 partials,
-                merges: metadata.address(&self.gpu, prepared.merges.start),
+                merges: metadata.address(prepared.merges.start),
                 count: prepared.merges.len() / plan::MERGE_FIELDS,
                 output: params.output,
                 dtype,

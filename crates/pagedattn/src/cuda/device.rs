@@ -5,17 +5,19 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::result::{self as driver, DriverError};
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::compile;
 use super::kernels::Kernels;
 use super::memory::Pinned;
+use super::queue::StreamOrder;
 use super::variant;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
-/// One GPU: its context, the one stream every operation of this crate on it is queued to,
-/// and its kernels (loaded at first use).
+/// One GPU: its context, the stream every operation of this crate on it is queued to (but
+/// those of calls on a caller's stream, see `queue.rs`), and its kernels (loaded at first
+/// use).
 pub(crate) struct Gpu {
     /// The device ordinal.
     pub(crate) ordinal: usize,
@@ -32,9 +34,8 @@ pub(crate) struct Gpu {
     pub(crate) variants: variant::Loaded,
     /// Staging memory of plans that were dropped, for the next plans (`packed.rs`).
     pub(crate) staging: Mutex<Vec<Pinned>>,
-    /// The events that order `stream` after a caller's stream and the caller's after it
-    /// (`external.rs`), made at first use; the lock keeps each record-and-wait pair whole.
-    pub(crate) join_events: Mutex<Option<[CudaEvent; 2]>>,
+    /// How `stream` is ordered with the callers' streams work went to (`queue.rs`).
+    pub(crate) order: StreamOrder,
 }
 
 impl Gpu {
@@ -46,11 +47,13 @@ impl Gpu {
                 e,
             )
         })?;
-        // SAFETY: cudarc's event tracking orders uses of one buffer across several streams.
-        // This crate queues all work on this context to `stream` alone, so stream order is
-        // the synchronization (copies between two GPUs synchronize both streams explicitly,
-        // and pinned memory, which the host also reads, carries its own event). Disabling it
-        // before anything is allocated leaves no buffer with half of the bookkeeping.
+        // SAFETY: cudarc's event tracking orders uses of one buffer across several streams
+        // with events recorded at every use. This crate orders its streams itself: buffers
+        // are allocated and freed on `stream`, which waits for the callers' streams before a
+        // free, and a caller's stream waits for `stream` before using what it queued
+        // (`queue.rs`); copies between two GPUs synchronize, and pinned memory, which the
+        // host also reads, carries its own event. Disabling it before anything is allocated
+        // leaves no buffer with half of the bookkeeping.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| {
             driver_error(
@@ -83,7 +86,7 @@ impl Gpu {
             kernels: OnceLock::new(),
             variants: Default::default(),
             staging: Mutex::new(Vec::new()),
-            join_events: Mutex::new(None),
+            order: StreamOrder::default(),
         })
     }
 
@@ -95,16 +98,6 @@ impl Gpu {
         // Two threads may both load at the first call; one result is kept, the other dropped.
         let loaded = Kernels::load(self)?;
         Ok(self.kernels.get_or_init(|| loaded))
-    }
-
-    /// Waits until everything queued on the stream is done.
-    pub(crate) fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| {
-            driver_error(
-                &format!("synchronizing cuda:{} (cuStreamSynchronize)", self.ordinal),
-                e,
-            )
-        })
     }
 }
 

@@ -31,6 +31,9 @@ impl std::fmt::Debug for Graph {
 /// thread, so that nothing such slips into the captured step unnoticed. The capture ends
 /// whatever `work` returns; its error comes first.
 pub(crate) fn capture(gpu: &Arc<Gpu>, work: impl FnOnce() -> Result<()>) -> Result<Graph> {
+    // Outside the capture: a captured stream cannot wait for work that is not.
+    gpu.wait_for_callers()
+        .map_err(|e| driver_error("ordering the stream after callers' streams", e))?;
     gpu.stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
         .map_err(|e| driver_error("cuStreamBeginCapture", e))?;

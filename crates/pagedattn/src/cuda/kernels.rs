@@ -2,14 +2,14 @@
 //! loading on a GPU, and the launches of the cache write, the block copy and the split-K merge
 //! (the attention kernels' variants are in `variant.rs`, their launches in `attention.rs`).
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use super::compile;
 use super::device::{driver_error, Gpu};
-use super::memory;
+use super::memory::{self, DeviceBuffer};
 use crate::config::KvCacheDtype;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -192,24 +192,27 @@ pub(crate) fn write_kv(gpu: &Gpu, w: &WriteKv) -> Result<()> {
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = gpu.stream.launch_builder(kernel);
-    launch
-        .arg(&w.key)
-        .arg(&w.value)
-        .arg(&w.key_cache)
-        .arg(&w.value_cache)
-        .arg(&w.slot_mapping)
-        .arg(&heads)
-        .arg(&head_size)
-        .arg(&block_size)
-        .arg(&w.scales.k_scale)
-        .arg(&w.scales.v_scale);
-    // SAFETY: the arguments match the kernel's parameters in order and type (pointers as
-    // 64-bit addresses). The caller's checks keep every access in bounds: T rows of keys and
-    // values, T slots, each -1 or a slot of the cache. The memory outlives the kernel: frees
-    // are queued on the same stream.
-    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(write_kv)", e))?;
-    Ok(())
+    gpu.with_queue(|stream| {
+        let mut launch = stream.launch_builder(kernel);
+        launch
+            .arg(&w.key)
+            .arg(&w.value)
+            .arg(&w.key_cache)
+            .arg(&w.value_cache)
+            .arg(&w.slot_mapping)
+            .arg(&heads)
+            .arg(&head_size)
+            .arg(&block_size)
+            .arg(&w.scales.k_scale)
+            .arg(&w.scales.v_scale);
+        // SAFETY: the arguments match the kernel's parameters in order and type (pointers as
+        // 64-bit addresses). The caller's checks keep every access in bounds: T rows of keys and
+        // values, T slots, each -1 or a slot of the cache. The memory outlives the kernel:
+        // device memory is freed after the streams that use it.
+        unsafe { launch.launch(config) }
+            .map_err(|e| driver_error("cuLaunchKernel(write_kv)", e))?;
+        Ok(())
+    })
 }
 
 /// One layer of a block copy: the device addresses of its key and value buffers and the
@@ -222,7 +225,11 @@ pub(crate) struct CopyLayer {
 
 /// Queues the copy of `(src, dst)` block pairs, in order, inside every layer, in one launch.
 /// The pairs lie inside every layer (the caller checks).
-pub(crate) fn copy_blocks(gpu: &Gpu, layers: &[CopyLayer], pairs: &[(usize, usize)]) -> Result<()> {
+pub(crate) fn copy_blocks(
+    gpu: &Arc<Gpu>,
+    layers: &[CopyLayer],
+    pairs: &[(usize, usize)],
+) -> Result<()> {
     if layers.is_empty() || pairs.is_empty() {
         return Ok(());
     }
@@ -240,27 +247,29 @@ pub(crate) fn copy_blocks(gpu: &Gpu, layers: &[CopyLayer], pairs: &[(usize, usiz
     let kernel = &gpu.kernels()?.copy_blocks;
     let bytes: &[u8] = bytemuck::cast_slice(&table);
     // SAFETY: the copy below overwrites every byte.
-    let device_table = unsafe { memory::alloc_device(gpu, bytes.len())? };
-    let table_address = memory::device_address(gpu, &device_table);
-    // SAFETY: the destination is the whole new buffer; the pageable source is borrowed for
-    // this call, which is all an upload from pageable memory needs.
-    unsafe { memory::copy_async(gpu, table_address, bytes.as_ptr() as u64, bytes.len())? };
+    let device_table = unsafe { DeviceBuffer::uninit(gpu, bytes.len())? };
+    let table_address = device_table.address();
     let (layer_count, pair_count) = (layers.len() as i64, pairs.len() as i64);
     let config = LaunchConfig {
         grid_dim: (num_layers, 2, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = gpu.stream.launch_builder(kernel);
-    launch
-        .arg(&table_address)
-        .arg(&layer_count)
-        .arg(&pair_count);
-    // SAFETY: the arguments match the kernel's parameters; the table holds 3 words per layer
-    // and 2 per pair as the kernel reads them, every block of every pair lies inside its
-    // layer's buffers, and the table is freed (when it drops here) in stream order, after
-    // the kernel.
-    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(copy_blocks)", e))?;
+    gpu.with_queue(|stream| {
+        // SAFETY: the destination is the whole new buffer; the pageable source is borrowed
+        // for this call, which is all an upload from pageable memory needs.
+        unsafe { memory::copy_async(stream, table_address, bytes.as_ptr() as u64, bytes.len())? };
+        let mut launch = stream.launch_builder(kernel);
+        launch
+            .arg(&table_address)
+            .arg(&layer_count)
+            .arg(&pair_count);
+        // SAFETY: the arguments match the kernel's parameters; the table holds 3 words per
+        // layer and 2 per pair as the kernel reads them, every block of every pair lies
+        // inside its layer's buffers, and the table is freed (when it drops here) after the
+        // streams that use it, so after the kernel.
+        unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(copy_blocks)", e))
+    })?;
     Ok(())
 }
 
@@ -293,22 +302,24 @@ pub(crate) fn merge(gpu: &Gpu, m: &Merge) -> Result<()> {
         block_dim: (MERGE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = gpu.stream.launch_builder(kernel);
-    launch
-        .arg(&m.partials)
-        .arg(&m.merges)
-        .arg(&m.output)
-        .arg(&num_heads)
-        .arg(&head_size)
-        .arg(&m.v_scale);
-    // SAFETY: the arguments match the kernel's parameters in order and type. The plan wrote
-    // `count` merge records whose partial slots lie inside the workspace (checked to hold the
-    // plan's workspace bytes) and were all written by the attention kernels queued before
-    // this launch on the same stream; each record's (token, head) row lies inside the output,
-    // whose shape the forward gate checked.
-    unsafe { launch.launch(config) }
-        .map_err(|e| driver_error("cuLaunchKernel(attention_merge)", e))?;
-    Ok(())
+    gpu.with_queue(|stream| {
+        let mut launch = stream.launch_builder(kernel);
+        launch
+            .arg(&m.partials)
+            .arg(&m.merges)
+            .arg(&m.output)
+            .arg(&num_heads)
+            .arg(&head_size)
+            .arg(&m.v_scale);
+        // SAFETY: the arguments match the kernel's parameters in order and type. The plan wrote
+        // `count` merge records whose partial slots lie inside the workspace (checked to hold the
+        // plan's workspace bytes) and were all written by the attention kernels queued before
+        // this launch on the same stream; each record's (token, head) row lies inside the output,
+        // whose shape the forward gate checked.
+        unsafe { launch.launch(config) }
+            .map_err(|e| driver_error("cuLaunchKernel(attention_merge)", e))?;
+        Ok(())
+    })
 }
 
 /// A launch's block count, or `Unsupported` past the grid's limit (2^31 - 1 blocks).

@@ -1,36 +1,79 @@
 //! Raw memory of a GPU: device buffers, pinned host buffers (with the event that tells when
 //! the GPU is done with them) and the one asynchronous copy every transfer goes through.
 
-use cudarc::driver::{sys, CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use super::device::{alloc_error, driver_error, Gpu};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
-/// `bytes` of uninitialized device memory on `gpu`.
-///
-/// # Safety
-/// The caller overwrites every byte (with work queued on `gpu.stream`) before anything reads it.
-pub(crate) unsafe fn alloc_device(gpu: &Gpu, bytes: usize) -> Result<CudaSlice<u8>> {
-    check_size(bytes)?;
-    // SAFETY: the caller initializes the memory before reading it.
-    unsafe { gpu.stream.alloc::<u8>(bytes) }
-        .map_err(|e| alloc_error(Device::Cuda(gpu.ordinal), bytes, "cuMemAllocAsync", e))
+/// Device memory this crate owns: allocated on the GPU's own stream, and freed there after
+/// that stream has waited for the callers' streams that may still use it (`queue.rs`).
+pub(crate) struct DeviceBuffer {
+    /// `None` only while dropping.
+    slice: Option<CudaSlice<u8>>,
+    gpu: Arc<Gpu>,
 }
 
-/// `bytes` of zeroed device memory on `gpu` (zeroed by a memset queued on its stream).
-pub(crate) fn zeroed_device(gpu: &Gpu, bytes: usize) -> Result<CudaSlice<u8>> {
-    check_size(bytes)?;
-    gpu.stream
-        .alloc_zeros::<u8>(bytes)
-        .map_err(|e| alloc_error(Device::Cuda(gpu.ordinal), bytes, "cuMemAllocAsync", e))
+impl DeviceBuffer {
+    /// `bytes` of uninitialized device memory on `gpu`.
+    ///
+    /// # Safety
+    /// The caller overwrites every byte before anything reads it.
+    pub(crate) unsafe fn uninit(gpu: &Arc<Gpu>, bytes: usize) -> Result<Self> {
+        // SAFETY: the caller initializes the memory before reading it.
+        Self::alloc(gpu, bytes, |s| unsafe { s.alloc::<u8>(bytes) })
+    }
+
+    /// `bytes` of zeroed device memory on `gpu` (zeroed by a memset queued on its stream).
+    pub(crate) fn zeroed(gpu: &Arc<Gpu>, bytes: usize) -> Result<Self> {
+        Self::alloc(gpu, bytes, |s| s.alloc_zeros::<u8>(bytes))
+    }
+
+    fn alloc(
+        gpu: &Arc<Gpu>,
+        bytes: usize,
+        alloc: impl FnOnce(
+            &Arc<CudaStream>,
+        ) -> std::result::Result<CudaSlice<u8>, cudarc::driver::DriverError>,
+    ) -> Result<Self> {
+        check_size(bytes)?;
+        if gpu.capturing_caller() {
+            // The memory would be freed while the graph that uses it may still be replayed.
+            return Err(Error::unsupported(
+                "cuda",
+                "allocating GPU memory while the caller's stream is being captured into a \
+                 graph (make plans, workspaces and tensors before the capture)",
+            ));
+        }
+        let slice = gpu.with_own_stream(false, |stream| {
+            alloc(stream)
+                .map_err(|e| alloc_error(Device::Cuda(gpu.ordinal), bytes, "cuMemAllocAsync", e))
+        })?;
+        Ok(DeviceBuffer {
+            slice: Some(slice),
+            gpu: gpu.clone(),
+        })
+    }
+
+    /// Its device address.
+    pub(crate) fn address(&self) -> u64 {
+        let slice = self.slice.as_ref().expect("only None while dropping");
+        // Event tracking is off (see `Gpu::open`), so the guard records nothing.
+        let (address, _guard) = slice.device_ptr(&self.gpu.stream);
+        address
+    }
 }
 
-/// The device address of a buffer.
-pub(crate) fn device_address(gpu: &Gpu, slice: &CudaSlice<u8>) -> u64 {
-    // Event tracking is off (see `Gpu::open`), so the guard records nothing.
-    let (address, _guard) = slice.device_ptr(&gpu.stream);
-    address
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // The free is queued on the GPU's own stream when the slice drops, right after this.
+        // A failure is kept by the context and reported by its next call.
+        self.gpu.ctx.record_err(self.gpu.wait_for_callers());
+        self.slice = None;
+    }
 }
 
 /// Refuses sizes the allocators would panic on (cudarc asserts `bytes < isize::MAX`).
@@ -116,10 +159,10 @@ impl Pinned {
         Ok(ptr as u64)
     }
 
-    /// Records that copies queued on `gpu`'s stream (its own GPU's) so far use this memory.
-    pub(crate) fn mark_used(&self, gpu: &Gpu) -> Result<()> {
+    /// Records that copies queued on `stream` (of its own GPU) so far use this memory.
+    pub(crate) fn mark_used(&self, stream: &CudaStream) -> Result<()> {
         self.done
-            .record(&gpu.stream)
+            .record(stream)
             .map_err(|e| driver_error("cuEventRecord", e))
     }
 
@@ -140,26 +183,31 @@ impl Drop for Pinned {
 }
 
 /// Queues a copy of `bytes` bytes from address `src` to address `dst` (device memory, pinned
-/// or pageable host memory: unified addressing tells them apart) on `gpu`'s stream.
+/// or pageable host memory: unified addressing tells them apart) on `stream`.
 ///
 /// # Safety
 /// Both ranges are valid for `bytes` bytes until the copy is done: device and pinned memory
 /// freed in stream order or after a synchronization, pageable host memory for the duration of
 /// this call (the driver stages uploads from it and finishes downloads to it before
 /// returning).
-pub(crate) unsafe fn copy_async(gpu: &Gpu, dst: u64, src: u64, bytes: usize) -> Result<()> {
+pub(crate) unsafe fn copy_async(
+    stream: &CudaStream,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+) -> Result<()> {
     if bytes == 0 {
         return Ok(());
     }
-    gpu.ctx
-        .bind_to_thread()
+    let ctx = stream.context();
+    ctx.bind_to_thread()
         .map_err(|e| driver_error("cuCtxSetCurrent", e))?;
     // SAFETY: the caller guarantees both ranges; the stream belongs to the current context.
-    unsafe { sys::cuMemcpyAsync(dst, src, bytes, gpu.stream.cu_stream()) }
+    unsafe { sys::cuMemcpyAsync(dst, src, bytes, stream.cu_stream()) }
         .result()
         .map_err(|e| {
             driver_error(
-                &format!("cuMemcpyAsync of {bytes} bytes on cuda:{}", gpu.ordinal),
+                &format!("cuMemcpyAsync of {bytes} bytes on cuda:{}", ctx.ordinal()),
                 e,
             )
         })

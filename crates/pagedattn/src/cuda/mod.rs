@@ -1,10 +1,11 @@
 //! The `cuda` backend: tensors and caches in a GPU's memory, swap space in pinned host memory,
 //! and kernels compiled at first use by NVRTC for the GPU's architecture.
 //!
-//! Everything on one GPU is queued on one stream per GPU, shared by the process: operations
-//! run in the order they were issued, asynchronously to the host. Only downloads to host
-//! memory, [`Backend::synchronize`], copies between two GPUs and the freeing of pinned memory
-//! (which waits for the copies that use it) wait.
+//! Everything on one GPU is queued on one stream per GPU, shared by the process, or on a
+//! caller's stream inside [`Cuda::on_stream`]: operations run in the order they were issued,
+//! asynchronously to the host. Only downloads to host memory, [`Backend::synchronize`], copies
+//! between two GPUs and the freeing of pinned memory (which waits for the copies that use it)
+//! wait.
 //!
 //! Cache layout: `[NB, Hkv, B, D]` (head-major), the `cpu` backend's, so that caches compare
 //! byte for byte. Attention runs for the head sizes in [`ATTENTION_HEAD_SIZES`] (a forward
@@ -26,6 +27,7 @@ mod memory;
 mod nvrtc_path;
 mod packed;
 mod plan;
+mod queue;
 mod storage;
 mod timing;
 mod variant;

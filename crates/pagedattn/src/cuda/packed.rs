@@ -9,10 +9,8 @@
 use std::ops::Range;
 use std::sync::{Arc, PoisonError};
 
-use cudarc::driver::CudaSlice;
-
 use super::device::Gpu;
-use super::memory::{self, Pinned};
+use super::memory::{self, DeviceBuffer, Pinned};
 use crate::error::Result;
 
 /// Staging buffers a GPU's pool keeps at most (a step's plans, a few steps deep).
@@ -22,7 +20,7 @@ const POOLED: usize = 16;
 #[derive(Default)]
 pub(crate) struct Packed {
     /// The device buffer; `None` when every section is empty.
-    device: Option<CudaSlice<u8>>,
+    device: Option<DeviceBuffer>,
     /// Where uploads are copied from, and the GPU whose pool it returns to; kept until the
     /// plan drops: an upload may still be reading it (its event tells when it is done, and
     /// whoever takes it from the pool waits for that before writing).
@@ -79,7 +77,7 @@ impl Packed {
         let staging = take_staging(gpu, bytes)?;
         // SAFETY: the upload (queued by `rewrite`, before anything reads the buffer)
         // overwrites every byte.
-        let device = unsafe { memory::alloc_device(gpu, bytes)? };
+        let device = unsafe { DeviceBuffer::uninit(gpu, bytes)? };
         let mut packed = Packed {
             device: Some(device),
             staging: Some((staging, gpu.clone())),
@@ -107,26 +105,21 @@ impl Packed {
             host[range.start * 8..range.end * 8].copy_from_slice(bytemuck::cast_slice(section));
         }
         let bytes = ranges.last().map_or(0, |r| r.end * 8);
-        // SAFETY: the device buffer holds `bytes` bytes and the staging memory at least as
-        // many (both made by `upload` for these ranges); both live until the copy is done:
-        // the device buffer is freed in stream order, the staging memory is reused or freed
-        // only after its event, recorded next.
-        unsafe {
-            memory::copy_async(
-                gpu,
-                memory::device_address(gpu, device),
-                staging.address()?,
-                bytes,
-            )?
-        };
-        staging.mark_used(gpu)
+        gpu.with_queue(|stream| {
+            // SAFETY: the device buffer holds `bytes` bytes and the staging memory at least as
+            // many (both made by `upload` for these ranges); both live until the copy is done:
+            // the device buffer is freed after the streams that use it, the staging memory is
+            // reused or freed only after its event, recorded next.
+            unsafe { memory::copy_async(stream, device.address(), staging.address()?, bytes)? };
+            staging.mark_used(stream)
+        })
     }
 
     /// The device address of element `index` (0 when the buffer is empty, for empty sections
     /// that no kernel reads).
-    pub(crate) fn address(&self, gpu: &Gpu, index: usize) -> u64 {
+    pub(crate) fn address(&self, index: usize) -> u64 {
         self.device.as_ref().map_or(0, |device| {
-            memory::device_address(gpu, device) + (index * std::mem::size_of::<i64>()) as u64
+            device.address() + (index * std::mem::size_of::<i64>()) as u64
         })
     }
 }

@@ -5,19 +5,19 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::CudaStream;
 
-use super::device::{gpu, Gpu};
-use super::memory::{self, Pinned};
+use super::device::{driver_error, gpu, Gpu};
+use super::memory::{self, DeviceBuffer, Pinned};
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{HostStorage, Storage};
 
 /// Typed elements on a CUDA GPU ([`Device::Cuda`]) or in pinned host memory registered with
-/// one ([`Device::CudaHost`]), kept as raw bytes. Operations are queued on the GPU's stream:
-/// in order with each other and the kernels, asynchronous to the host except where a method
-/// says it synchronizes.
+/// one ([`Device::CudaHost`]), kept as raw bytes. Operations are queued on the GPU's stream
+/// (or the caller's, inside [`Cuda::on_stream`](super::Cuda::on_stream)): in order with each
+/// other and the kernels, asynchronous to the host except where a method says it synchronizes.
 pub struct CudaStorage {
     gpu: Arc<Gpu>,
     dtype: DType,
@@ -32,7 +32,7 @@ enum Memory {
         /// Whether this is pinned host memory (an empty buffer still has a device).
         pinned: bool,
     },
-    Device(CudaSlice<u8>),
+    Device(DeviceBuffer),
     Pinned(Pinned),
     /// Memory another library lends (zero-copy interchange): a GPU's memory, or host memory
     /// the GPU copies to and from (`host`).
@@ -96,9 +96,9 @@ impl CudaStorage {
         let memory = match (bytes, pinned, zero) {
             (0, _, _) => Memory::Empty { pinned },
             (_, true, _) => Memory::Pinned(Pinned::zeroed(&gpu, bytes, memory::PORTABLE)?),
-            (_, false, true) => Memory::Device(memory::zeroed_device(&gpu, bytes)?),
+            (_, false, true) => Memory::Device(DeviceBuffer::zeroed(&gpu, bytes)?),
             // SAFETY: the caller overwrites it.
-            (_, false, false) => Memory::Device(unsafe { memory::alloc_device(&gpu, bytes)? }),
+            (_, false, false) => Memory::Device(unsafe { DeviceBuffer::uninit(&gpu, bytes)? }),
         };
         Ok(CudaStorage {
             gpu,
@@ -111,7 +111,8 @@ impl CudaStorage {
     /// `len` elements of `dtype` at `address`, lent by `owner` (dropped with the storage):
     /// memory of a GPU for [`Device::Cuda`], host memory the GPU copies to and from for
     /// [`Device::CudaHost`] (pinned is fastest; pageable memory works, with copies that wait).
-    /// Kernels read and write device memory in the order of the backend's stream.
+    /// Kernels read and write device memory in the order of the stream the backend's work
+    /// goes to.
     ///
     /// An [`Error::Invalid`] for a null or misaligned address with `len > 0` or a size that
     /// overflows; the GPU's errors if it cannot be opened.
@@ -189,10 +190,12 @@ impl CudaStorage {
             }
             Memory::Device(_) | Memory::External { host: false, .. } => {
                 let dst = self.address()?.unwrap_or(0);
-                // SAFETY: the destination is this whole buffer (as long as `host`, the
-                // caller checks), freed in stream order; the source is borrowed for this
-                // call, which is all a copy from pageable memory needs.
-                unsafe { memory::copy_async(&self.gpu, dst, src.as_ptr() as u64, src.len())? };
+                self.gpu.with_queue(|stream| {
+                    // SAFETY: the destination is this whole buffer (as long as `host`, the
+                    // caller checks), freed after the streams that use it; the source is
+                    // borrowed for this call, which is all a copy from pageable memory needs.
+                    unsafe { memory::copy_async(stream, dst, src.as_ptr() as u64, src.len()) }
+                })?;
             }
         }
         Ok(())
@@ -219,18 +222,16 @@ impl CudaStorage {
             }
             Memory::Device(_) | Memory::External { host: false, .. } => {
                 let dst = host.as_bytes_mut();
-                // SAFETY: the source is this buffer, alive for this call; the destination is
-                // pageable memory borrowed for this call and written before it returns (the
-                // synchronization below, on top of the driver's own rule).
-                unsafe {
-                    memory::copy_async(
-                        &self.gpu,
-                        dst.as_mut_ptr() as u64,
-                        self.address()?.unwrap_or(0),
-                        dst.len(),
-                    )?
-                };
-                self.gpu.synchronize()?;
+                let src = self.address()?.unwrap_or(0);
+                self.gpu.with_queue(|stream| {
+                    // SAFETY: the source is this buffer, alive for this call; the destination
+                    // is pageable memory borrowed for this call and written before it
+                    // returns (the synchronization below, on top of the driver's own rule).
+                    unsafe { memory::copy_async(stream, dst.as_mut_ptr() as u64, src, dst.len())? };
+                    stream
+                        .synchronize()
+                        .map_err(|e| driver_error("cuStreamSynchronize", e))
+                })?;
             }
         }
         Ok(host)
@@ -263,25 +264,30 @@ impl CudaStorage {
             // The other GPU's stream may still be writing the source.
             src.gpu.synchronize()?;
         }
-        for (src_offset, dst_offset, len) in ranges {
-            // SAFETY: the caller keeps the ranges inside both buffers; both stay allocated
-            // until the copy is done (freed in stream order, pinned memory after its event,
-            // and a copy between two GPUs is waited for below).
-            unsafe {
-                memory::copy_async(
-                    &self.gpu,
-                    to + dst_offset as u64,
-                    from + src_offset as u64,
-                    len,
-                )?
-            };
-        }
-        if same_gpu {
-            src.mark_used()?;
-            self.mark_used()
-        } else {
-            self.gpu.synchronize()
-        }
+        self.gpu.with_queue(|stream| {
+            for (src_offset, dst_offset, len) in ranges {
+                // SAFETY: the caller keeps the ranges inside both buffers; both stay allocated
+                // until the copy is done (device memory freed after the streams that use it,
+                // pinned memory after its event, and a copy between two GPUs is waited for
+                // below).
+                unsafe {
+                    memory::copy_async(
+                        stream,
+                        to + dst_offset as u64,
+                        from + src_offset as u64,
+                        len,
+                    )?
+                };
+            }
+            if same_gpu {
+                src.mark_used(stream)?;
+                self.mark_used(stream)
+            } else {
+                stream
+                    .synchronize()
+                    .map_err(|e| driver_error("cuStreamSynchronize", e))
+            }
+        })
     }
 
     /// The device address of device memory, for a kernel (`None` for an empty buffer), or
@@ -305,17 +311,17 @@ impl CudaStorage {
     fn address(&self) -> Result<Option<u64>> {
         match &self.memory {
             Memory::Empty { .. } => Ok(None),
-            Memory::Device(slice) => Ok(Some(memory::device_address(&self.gpu, slice))),
+            Memory::Device(buffer) => Ok(Some(buffer.address())),
             Memory::Pinned(pinned) => pinned.address().map(Some),
             Memory::External { address, .. } => Ok(Some(*address)),
         }
     }
 
-    /// Records that work queued so far on the GPU's stream uses this storage.
-    fn mark_used(&self) -> Result<()> {
+    /// Records that work queued so far on `stream` uses this storage.
+    fn mark_used(&self, stream: &CudaStream) -> Result<()> {
         match &self.memory {
-            Memory::Pinned(pinned) => pinned.mark_used(&self.gpu),
-            // Device memory is freed in stream order: nothing to record.
+            Memory::Pinned(pinned) => pinned.mark_used(stream),
+            // Device memory is freed after the streams that use it: nothing to record.
             _ => Ok(()),
         }
     }

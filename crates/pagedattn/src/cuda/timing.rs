@@ -3,17 +3,19 @@
 //! bf16 rate through `mma.sync` ([`PeakProbe`]), and the sizes a benchmark needs
 //! ([`Cuda::l2_cache_bytes`], [`Cuda::sm_count`]).
 //!
-//! Work of this crate is queued on one stream per GPU; the events are recorded on that same
-//! stream, so the time between two of them is the GPU's time for the work queued between
-//! them (launch gaps included when the host does not keep the stream ahead).
+//! The events are recorded on the stream the backend's work goes to (its own stream, or the
+//! caller's inside [`Cuda::on_stream`]), so the time between two of them is the GPU's time
+//! for the work queued between them (launch gaps included when the host does not keep the
+//! stream ahead).
 
 use std::sync::Arc;
 
-use cudarc::driver::{result as driver, sys, CudaEvent, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{result as driver, sys, CudaEvent, LaunchConfig, PushKernelArg};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{self, KernelSource};
-use super::{memory, Cuda};
+use super::memory::DeviceBuffer;
+use super::Cuda;
 use crate::error::{Error, Result};
 
 /// A timing event recorded on a GPU's stream.
@@ -41,18 +43,21 @@ impl GpuEvent {
     /// Records the event again, now, on `cuda`'s stream (an event is reused once its time
     /// has been read).
     pub fn record(&self, cuda: &Cuda) -> Result<()> {
-        self.event
-            .record(&cuda.gpu.stream)
-            .map_err(|e| driver_error("cuEventRecord", e))
+        cuda.gpu.with_queue(|stream| {
+            self.event
+                .record(stream)
+                .map_err(|e| driver_error("cuEventRecord", e))
+        })
     }
 }
 
 /// A timing event recorded now on `gpu`'s stream.
 fn record_on(gpu: &Gpu) -> Result<GpuEvent> {
-    let event = gpu
-        .stream
-        .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-        .map_err(|e| driver_error("cuEventCreate / cuEventRecord", e))?;
+    let event = gpu.with_queue(|stream| {
+        stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| driver_error("cuEventCreate / cuEventRecord", e))
+    })?;
     Ok(GpuEvent { event })
 }
 
@@ -94,8 +99,8 @@ impl Cuda {
 
     /// Two device buffers of `bytes` each, to time device-to-device copies.
     pub fn copy_probe(&self, bytes: usize) -> Result<CopyProbe> {
-        let src = memory::zeroed_device(&self.gpu, bytes)?;
-        let dst = memory::zeroed_device(&self.gpu, bytes)?;
+        let src = DeviceBuffer::zeroed(&self.gpu, bytes)?;
+        let dst = DeviceBuffer::zeroed(&self.gpu, bytes)?;
         Ok(CopyProbe {
             gpu: self.gpu.clone(),
             src,
@@ -113,7 +118,7 @@ impl Cuda {
         };
         let kernel = kernels::load(&self.gpu, &source)?.swap_remove(0);
         let blocks = PEAK_BLOCKS_PER_SM * self.gpu.sm_count;
-        let out = memory::zeroed_device(&self.gpu, blocks * PEAK_THREADS * 4)?;
+        let out = DeviceBuffer::zeroed(&self.gpu, blocks * PEAK_THREADS * 4)?;
         Ok(PeakProbe {
             gpu: self.gpu.clone(),
             kernel,
@@ -126,8 +131,8 @@ impl Cuda {
 /// Device-to-device copies of one large buffer into another (`cuMemcpyDtoDAsync`).
 pub struct CopyProbe {
     gpu: Arc<Gpu>,
-    src: CudaSlice<u8>,
-    dst: CudaSlice<u8>,
+    src: DeviceBuffer,
+    dst: DeviceBuffer,
     bytes: usize,
 }
 
@@ -147,16 +152,17 @@ impl CopyProbe {
 
     /// Queues one copy of the whole buffer, on the backend's stream.
     pub fn queue(&self) -> Result<()> {
-        let src = memory::device_address(&self.gpu, &self.src);
-        let dst = memory::device_address(&self.gpu, &self.dst);
+        let (src, dst) = (self.src.address(), self.dst.address());
         self.gpu
             .ctx
             .bind_to_thread()
             .map_err(|e| driver_error("cuCtxSetCurrent", e))?;
-        // SAFETY: both ranges are whole buffers of `bytes` allocated on this GPU and alive
-        // while the copy runs (they are freed in stream order, after it).
-        unsafe { driver::memcpy_dtod_async(dst, src, self.bytes, self.gpu.stream.cu_stream()) }
-            .map_err(|e| driver_error(&format!("cuMemcpyDtoDAsync of {} bytes", self.bytes), e))
+        self.gpu.with_queue(|stream| {
+            // SAFETY: both ranges are whole buffers of `bytes` allocated on this GPU and alive
+            // while the copy runs (freed after the streams that use them).
+            unsafe { driver::memcpy_dtod_async(dst, src, self.bytes, stream.cu_stream()) }
+                .map_err(|e| driver_error(&format!("cuMemcpyDtoDAsync of {} bytes", self.bytes), e))
+        })
     }
 
     /// GPU seconds of one copy, timed with events.
@@ -180,7 +186,7 @@ const MMA_FLOPS: u64 = 2 * 16 * 8 * 16;
 pub struct PeakProbe {
     gpu: Arc<Gpu>,
     kernel: cudarc::driver::CudaFunction,
-    out: CudaSlice<u8>,
+    out: DeviceBuffer,
     blocks: usize,
 }
 
@@ -203,19 +209,22 @@ impl PeakProbe {
     pub fn queue(&self, iters: u32) -> Result<()> {
         let iters = i32::try_from(iters)
             .map_err(|_| Error::invalid("peak iterations", iters, "at most i32::MAX"))?;
-        let out = memory::device_address(&self.gpu, &self.out);
+        let out = self.out.address();
         let config = LaunchConfig {
             grid_dim: (self.blocks as u32, 1, 1),
             block_dim: (PEAK_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = self.gpu.stream.launch_builder(&self.kernel);
-        launch.arg(&out).arg(&iters);
-        // SAFETY: the arguments match the kernel's (float*, int); `out` holds one float per
-        // thread of the grid and outlives the launch (freed in stream order).
-        unsafe { launch.launch(config) }
-            .map_err(|e| driver_error("cuLaunchKernel(mma_bf16_peak)", e))?;
-        Ok(())
+        self.gpu.with_queue(|stream| {
+            let mut launch = stream.launch_builder(&self.kernel);
+            launch.arg(&out).arg(&iters);
+            // SAFETY: the arguments match the kernel's (float*, int); `out` holds one float
+            // per thread of the grid and outlives the launch (freed after the streams that
+            // use it).
+            unsafe { launch.launch(config) }
+                .map_err(|e| driver_error("cuLaunchKernel(mma_bf16_peak)", e))?;
+            Ok(())
+        })
     }
 
     /// FLOP/s of one launch of `iters` iterations, timed with events.
