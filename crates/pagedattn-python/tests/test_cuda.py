@@ -99,6 +99,30 @@ def test_replan_refuses_a_step_that_does_not_fit_the_graph_plan():
         attn.replan(plan, decode_step([[0, 2], [1, 3], [4, 5]], [3, 5, 7]))
 
 
+def test_a_plan_made_during_a_capture_is_refused():
+    """A plan allocates memory that a graph would outlive: refused during a capture, which
+    stays valid (a plan made before it is captured as usual)."""
+    backend = pagedattn.Backend("cuda")
+    attn = pagedattn.Attention(backend, H, D, num_kv_heads=HKV)
+    cache = torch.zeros(backend.kv_cache_shape(8, B, HKV, D), device=DEV)
+    md = decode_step([[0], [1]], [3, 5])
+    plan = attn.plan_for_graph(md, cache, 16)
+    q = torch.randn(2, H, D, device=DEV)
+    k = torch.randn(2, HKV, D, device=DEV)
+    v = torch.randn(2, HKV, D, device=DEV)
+    out = torch.empty_like(q)
+    attn.run(plan, q, k, v, cache, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        with pytest.raises(NotImplementedError, match="captured into a graph"):
+            attn.plan(md, cache)
+        attn.run(plan, q, k, v, cache, out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
 def test_work_is_ordered_on_a_non_default_stream():
     """Producer, attention and consumer all on a side stream, with a long kernel first: the
     attention must wait for the producer and the consumer for the attention."""

@@ -196,7 +196,9 @@ class Attention:
         """A plan whose ``run`` calls can be captured in a ``torch.cuda.CUDAGraph`` and replayed
         for later steps of the same batch shape (sequences and query tokens per sequence)
         whose sequences have at most ``max_seq_len`` keys: ``replan`` refreshes it in place.
-        Run each call once before capturing it (kernels are compiled at their first use)."""
+        Run each call once before capturing it (kernels are compiled at their first use), and
+        make the plan before the capture: a plan made while the stream is being captured
+        raises ``NotImplementedError`` (it would allocate memory the graph outlives)."""
     def replan(self, plan: Plan, metadata: Metadata, *, stream: Stream = None) -> None:
         """Refreshes ``plan`` for a new step: in place for a ``plan_for_graph`` plan (a graph
         captured on it then runs the new step; ``ValueError`` naming what no longer fits,

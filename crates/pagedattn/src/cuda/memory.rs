@@ -40,14 +40,7 @@ impl DeviceBuffer {
         ) -> std::result::Result<CudaSlice<u8>, cudarc::driver::DriverError>,
     ) -> Result<Self> {
         check_size(bytes)?;
-        if gpu.capturing_caller() {
-            // The memory would be freed while the graph that uses it may still be replayed.
-            return Err(Error::unsupported(
-                "cuda",
-                "allocating GPU memory while the caller's stream is being captured into a \
-                 graph (make plans, workspaces and tensors before the capture)",
-            ));
-        }
+        refuse_in_capture(gpu)?;
         let slice = gpu.with_own_stream(false, |stream| {
             alloc(stream)
                 .map_err(|e| alloc_error(Device::Cuda(gpu.ordinal), bytes, "cuMemAllocAsync", e))
@@ -74,6 +67,20 @@ impl Drop for DeviceBuffer {
         self.gpu.ctx.record_err(self.gpu.wait_for_callers());
         self.slice = None;
     }
+}
+
+/// [`Error::Unsupported`] inside an `on_stream` call whose stream is being captured into a
+/// graph: the memory would be freed while the graph that uses it may still be replayed (and a
+/// pinned allocation would end the capture).
+fn refuse_in_capture(gpu: &Gpu) -> Result<()> {
+    if gpu.capturing_caller() {
+        return Err(Error::unsupported(
+            "cuda",
+            "allocating memory while the caller's stream is being captured into a graph (make \
+             plans, workspaces and tensors before the capture)",
+        ));
+    }
+    Ok(())
 }
 
 /// Refuses sizes the allocators would panic on (cudarc asserts `bytes < isize::MAX`).
@@ -111,6 +118,7 @@ impl Pinned {
             // cudarc asserts a non-null pointer, which a zero-byte request need not give.
             return Err(Error::invalid("pinned buffer size", 0, "at least 1 byte"));
         }
+        refuse_in_capture(gpu)?;
         let device = Device::CudaHost(gpu.ordinal);
         // SAFETY: the memory is uninitialized; it is zero-filled below, through the raw
         // pointer, before any reference to it exists.

@@ -5,7 +5,7 @@
 //! [`Cuda::on_stream`](super::Cuda::on_stream), to the backend's stream otherwise. Instead of a
 //! fork and a join around every call, two rules order the streams:
 //! - before work goes to a caller's stream, that stream waits for the backend's stream if
-//!   anything (an allocation, an upload, a free) was queued there since it last waited: the
+//!   anything (an allocation, a memset, an upload) was queued there since it last waited: the
 //!   backend's stream counts what it queues (a generation), each caller's stream remembers
 //!   the count it waited for;
 //! - before anything goes to the backend's stream, the backend's stream waits for the callers'
@@ -13,7 +13,9 @@
 //!   and, inside an `on_stream` call on this thread, for the work queued on its stream so far.
 //!
 //! A steady run of calls on one caller's stream (a model's layers on torch's stream) thus
-//! costs one event record per call and no cross-stream wait on the GPU.
+//! costs one event record per call and no cross-stream wait on the GPU. A stream being captured
+//! into a graph follows neither rule (its work runs when the graph is replayed, ordered by
+//! whoever replays it) and may not allocate.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
