@@ -198,14 +198,19 @@ impl GpuLayers {
 #[test]
 #[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn a_captured_decode_step_replays_later_steps() {
+    alone_with_seed("a_captured_decode_step_replays_later_steps", run);
+}
+
+/// Runs `test` on the GPU with a fresh seed, holding [`ALONE`]; prints the seed if it fails.
+fn alone_with_seed(name: &str, test: fn(&pagedattn::cuda::Cuda, u64)) {
     let _alone = ALONE
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let cuda = gpu();
     let seed = seed();
-    let result = std::panic::catch_unwind(|| run(&cuda, seed));
+    let result = std::panic::catch_unwind(|| test(&cuda, seed));
     if let Err(panic) = result {
-        eprintln!("a_captured_decode_step_replays_later_steps failed with seed {seed}");
+        eprintln!("{name} failed with seed {seed}");
         std::panic::resume_unwind(panic);
     }
 }
@@ -382,16 +387,10 @@ const SPIN_CYCLES: i64 = 10_000_000;
 #[test]
 #[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn calls_on_a_callers_stream_order_with_its_work() {
-    let _alone = ALONE
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let cuda = gpu();
-    let seed = seed();
-    let result = std::panic::catch_unwind(|| on_callers_stream(&cuda, seed));
-    if let Err(panic) = result {
-        eprintln!("calls_on_a_callers_stream_order_with_its_work failed with seed {seed}");
-        std::panic::resume_unwind(panic);
-    }
+    alone_with_seed(
+        "calls_on_a_callers_stream_order_with_its_work",
+        on_callers_stream,
+    );
 }
 
 /// Decode steps queued back to back on a caller's stream that runs behind the host: the

@@ -95,10 +95,8 @@ impl Gpu {
         work: impl FnOnce(&Arc<CudaStream>) -> Result<R>,
     ) -> Result<R> {
         let caller = CALLERS.with_borrow_mut(|callers| {
-            let caller = callers
-                .iter_mut()
-                .rev()
-                .find(|c| c.ordinal == self.ordinal)?;
+            let i = innermost(callers, self.ordinal)?;
+            let caller = &mut callers[i];
             Some(self.catch_up(caller).map(|()| caller.stream.clone()))
         });
         match caller {
@@ -132,7 +130,7 @@ impl Gpu {
     pub(crate) fn wait_for_callers(&self) -> std::result::Result<(), DriverError> {
         let ours = self.stream.cu_stream();
         CALLERS.with_borrow(|callers| -> std::result::Result<(), DriverError> {
-            let current = callers.iter().rev().find(|c| c.ordinal == self.ordinal);
+            let current = innermost(callers, self.ordinal).map(|i| &callers[i]);
             if let Some(caller) = current.filter(|c| !c.capturing) {
                 let mut state = self.order_state();
                 let entry = state.entry(&self.ctx, caller.id)?;
@@ -262,11 +260,7 @@ impl Gpu {
     /// captured into a graph (where nothing may be allocated: the graph would outlive it).
     pub(crate) fn capturing_caller(&self) -> bool {
         CALLERS.with_borrow(|callers| {
-            callers
-                .iter()
-                .rev()
-                .find(|c| c.ordinal == self.ordinal)
-                .is_some_and(|c| c.capturing)
+            innermost(callers, self.ordinal).is_some_and(|i| callers[i].capturing)
         })
     }
 
@@ -283,6 +277,11 @@ impl Gpu {
             })
         })
     }
+}
+
+/// The index of this thread's innermost `on_stream` call on GPU `ordinal`, if any.
+fn innermost(callers: &[Caller], ordinal: usize) -> Option<usize> {
+    callers.iter().rposition(|c| c.ordinal == ordinal)
 }
 
 /// Pops this thread's innermost `on_stream` call when dropped, so that a panic in its work

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::device::{driver_error, gpu, Gpu};
+use super::device::{gpu, Gpu};
 use super::memory::{self, DeviceBuffer, Pinned};
 use crate::device::Device;
 use crate::dtype::DType;
@@ -227,11 +227,9 @@ impl CudaStorage {
                     // SAFETY: the source is this buffer, alive for this call; the destination
                     // is pageable memory borrowed for this call and written before it
                     // returns (the synchronization below, on top of the driver's own rule).
-                    unsafe { memory::copy_async(stream, dst.as_mut_ptr() as u64, src, dst.len())? };
-                    stream
-                        .synchronize()
-                        .map_err(|e| driver_error("cuStreamSynchronize", e))
+                    unsafe { memory::copy_async(stream, dst.as_mut_ptr() as u64, src, dst.len()) }
                 })?;
+                self.gpu.synchronize()?;
             }
         }
         Ok(host)
@@ -281,13 +279,15 @@ impl CudaStorage {
             }
             if same_gpu {
                 src.mark_used(stream)?;
-                self.mark_used(stream)
-            } else {
-                stream
-                    .synchronize()
-                    .map_err(|e| driver_error("cuStreamSynchronize", e))
+                self.mark_used(stream)?;
             }
-        })
+            Ok(())
+        })?;
+        if same_gpu {
+            Ok(())
+        } else {
+            self.gpu.synchronize()
+        }
     }
 
     /// The device address of device memory, for a kernel (`None` for an empty buffer), or
