@@ -224,7 +224,7 @@ run() {
         echo "==== $case_file" >>"$log"
         if timeout "$TIMEOUT" "$BIN/pagedattn" run --backend cuda --input "$case_file" >>"$log" 2>&1; then
             ok=$((ok + 1))
-        elif tail -1 "$log" | grep 'does not support attention with head size' >/dev/null; then
+        elif tail -1 "$log" | grep 'does not support head size' >/dev/null; then
             refused=$((refused + 1))
         else
             failed=$((failed + 1))

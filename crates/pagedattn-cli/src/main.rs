@@ -93,6 +93,10 @@ enum Command {
         /// time, what CI runs). Not with `--cache`.
         #[arg(long, value_enum, default_value_t = Depth::Full, conflicts_with = "cache")]
         depth: Depth,
+        /// Also print, per kernel compiled to machine code, what the assembler reports: its
+        /// registers per thread and its stack frame in bytes. Not with `--cache`.
+        #[arg(long, conflicts_with = "cache")]
+        report: bool,
     },
     /// Writes an example replay case: a mixed batch of chunked prefills with cached context,
     /// a fresh prompt and decodes, GQA, bf16.
@@ -273,13 +277,17 @@ fn simd_features() -> Vec<&'static str> {
 }
 
 /// `pagedattn compile-kernels`: every kernel for every architecture, one line each: how many
-/// compiled, in how long, per family (the attention variants counted, not listed).
+/// compiled, in how long, per family (the attention variants counted, not listed); with
+/// `report`, first a line per kernel compiled to machine code: `ARCH KERNEL registers N stack
+/// N`. A kernel that spills registers fails it (unless
+/// `kernels/attention/known-spills.txt` lists it).
 #[cfg(feature = "cuda")]
 fn compile_kernels(
     archs: &[String],
     cache: bool,
     only: Option<&str>,
     depth: pagedattn::cuda::CheckDepth,
+    report: bool,
 ) -> Result<()> {
     use pagedattn::cuda::{compile_check, DiskCache, ImageOrigin};
     let disk = if cache {
@@ -297,7 +305,22 @@ fn compile_kernels(
         let start = std::time::Instant::now();
         let line = match &disk {
             None => {
-                let mut kernels = compile_check(arch, only, depth)?;
+                let compiled = compile_check(arch, only, depth)?;
+                if report {
+                    let lines: String = compiled
+                        .iter()
+                        .filter_map(|(_, r)| r.as_ref())
+                        .map(|r| {
+                            format!(
+                                "{arch} {} registers {} stack {}\n",
+                                r.kernel, r.registers, r.stack_bytes
+                            )
+                        })
+                        .collect();
+                    print_ignoring_closed_pipe(&lines);
+                }
+                pagedattn::cuda::check_spills(arch, &compiled)?;
+                let mut kernels: Vec<String> = compiled.into_iter().map(|(k, _)| k).collect();
                 // The engine's GPU model's kernels, compiled at its first use like these.
                 if only.is_none_or(|o| "llama".contains(o)) {
                     use pagedattn_engine::gpu_llama::{KERNEL_NAMES, KERNEL_SOURCE};
@@ -475,12 +498,14 @@ fn main() -> ExitCode {
             cache,
             only,
             depth,
+            report,
         } => {
             let depth = match depth {
                 Depth::Full => pagedattn::cuda::CheckDepth::Full,
                 Depth::Representative => pagedattn::cuda::CheckDepth::Representative,
             };
-            compile_kernels(&archs, cache, only.as_deref(), depth).map_err(|e| e.to_string())
+            compile_kernels(&archs, cache, only.as_deref(), depth, report)
+                .map_err(|e| e.to_string())
         }
         Command::Example { output, seed } => replay::write_case(&example::mixed_batch(seed))
             .and_then(|bytes| write(&output, &bytes))

@@ -20,7 +20,9 @@ pub fn to_py(e: pagedattn::Error) -> PyErr {
         Error::DeviceMismatch { .. } => PyTypeError::new_err(message),
         Error::Unsupported { .. } => PyNotImplementedError::new_err(message),
         Error::OutOfMemory { .. } => PyMemoryError::new_err(message),
-        Error::Format(_) | Error::Driver(_) | Error::Io { .. } => PyRuntimeError::new_err(message),
+        Error::Format(_) | Error::Driver(_) | Error::CudaDriver { .. } | Error::Io { .. } => {
+            PyRuntimeError::new_err(message)
+        }
     }
 }
 

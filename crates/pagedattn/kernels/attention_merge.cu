@@ -1,5 +1,5 @@
 // The split-K merge: one output row (token, query head) from the partials its partitions left
-// in the workspace (attention.cu), combined exactly by their log-sum-exp:
+// in the workspace (attention/decode.cuh), combined exactly by their log-sum-exp:
 //   M = max_p m_p,  L = sum_p l_p e^(m_p - M),  out = (sum_p acc_p e^(m_p - M)) * v_scale / L.
 // Compiled after elements.cuh.
 //
@@ -9,14 +9,9 @@
 // NaN if any partition attended a key (all its scores were -Inf or NaN) and exactly 0 if none
 // did.
 
-// The fields of one merge in the plan's `merges` section (i64 each); plan.rs writes them.
-enum {
-    MERGE_TOKEN,  // the output row's token
-    MERGE_HEAD,   // and query head
-    MERGE_FIRST,  // its partitions' partial slots: [first, first + count)
-    MERGE_COUNT,
-    MERGE_FIELDS
-};
+// The fields of one merge record (MERGE_TOKEN, MERGE_HEAD, MERGE_FIRST, MERGE_COUNT: the
+// output row and its partitions' partial slots [first, first + count)) are generated before
+// this file from src/cuda/abi.rs.
 
 // Partitions whose weights one pass computes, one per thread (the launch's 128 threads).
 constexpr int MERGE_BATCH = 128;
@@ -24,7 +19,7 @@ constexpr int MERGE_BATCH = 128;
 // The sums run in f64: recursive f32 summation of P partitions errs by up to (P - 1) 2^-24
 // of the magnitudes' sum (plan.rs splits a unit into up to 2 per multiprocessor: P = 264 on
 // an H100, 1.6e-5), f64 by (P - 1) 2^-53, nothing next to the f32 rounding each partial
-// carries (attention.cu's fold bounds that). Each weight e^(m_p - M) is computed once
+// carries (attention/decode.cuh's fold bounds that). Each weight e^(m_p - M) is computed once
 // per partition (f64, from the exact difference of two f32 maxima) and shared through shared
 // memory, not once per dimension.
 template <class E>

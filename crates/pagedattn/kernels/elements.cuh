@@ -1,4 +1,4 @@
-// Element types of the attention kernels, shared by attention.cu and attention_merge.cu (the
+// Element types of the attention kernels, shared by attention/ and attention_merge.cu (the
 // library prepends this file to theirs before NVRTC sees them).
 //
 // No CUDA header is included: conversions are bit operations and PTX, so NVRTC needs no
@@ -34,7 +34,7 @@ struct F16 {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(x));
         return bits;
     }
-    // Tensor-core support (attention.cu's prefill): two f32 rounded into one register (lo in
+    // Tensor-core support (attention/tensor_core_sm80.cuh): two f32 rounded into one register (lo in
     // the low half), the exponent field that marks an element non-finite, and
     // D += A * B on m16n8k16 fragments with f32 accumulators.
     static __device__ __forceinline__ u32 pack2(float lo, float hi) {

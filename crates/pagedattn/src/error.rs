@@ -43,6 +43,18 @@ pub enum Error {
     /// The device's driver or run-time compiler failed (or no device is usable).
     #[error("{0}")]
     Driver(String),
+    /// A CUDA driver call failed with a `CUresult` other than out of memory.
+    #[error("{call} failed: {name} ({description})")]
+    CudaDriver {
+        /// The call and what it was for, e.g. `cuLaunchKernel(write_kv)`.
+        call: String,
+        /// The `CUresult` code, e.g. 700 for `CUDA_ERROR_ILLEGAL_ADDRESS`.
+        code: u32,
+        /// Its name, e.g. `CUDA_ERROR_ILLEGAL_ADDRESS`.
+        name: String,
+        /// The driver's description of it.
+        description: String,
+    },
     /// A device allocation failed for lack of memory.
     #[error("out of memory on {device}: {bytes} bytes requested")]
     OutOfMemory {

@@ -178,6 +178,7 @@ fn kernels_compile_for_sm80_and_sm90a() {
     for arch in ["sm_80", "sm_90a"] {
         let names = cuda::compile_check(arch, None, cuda::CheckDepth::Representative)
             .unwrap_or_else(|e| panic!("{arch}: {e}"));
+        cuda::check_spills(arch, &names).unwrap_or_else(|e| panic!("{e}"));
         for kernel in [
             "write_kv_f32_auto",
             "write_kv_f16_e4m3",
@@ -185,7 +186,7 @@ fn kernels_compile_for_sm80_and_sm90a() {
             "copy_blocks",
         ] {
             assert!(
-                names.iter().any(|n| n == kernel),
+                names.iter().any(|(n, _)| n == kernel),
                 "{arch}: {kernel} missing from {names:?}"
             );
         }
@@ -496,7 +497,8 @@ fn write_case(
 ) -> WriteCase {
     let block_size = rng.random_range(1..=16);
     let num_kv_heads = rng.random_range(1..=4);
-    let head_size = [1, 3, 8, 16, 64, 80, 128, 256][rng.random_range(0..8)];
+    let sizes = cuda::ATTENTION_HEAD_SIZES;
+    let head_size = sizes[rng.random_range(0..sizes.len())];
     let cross = rng.random_bool(0.2);
     let num_seqs = rng.random_range(1..=4);
     // (tokens already cached, new tokens) per sequence; decodes last.
@@ -677,8 +679,8 @@ fn swaps_and_block_copies_match_the_host() {
     let mut rng = StdRng::seed_from_u64(seed);
     for (dtype, kv_cache_dtype, head_size) in [
         (DType::F16, KvCacheDtype::Auto, 64),
-        (DType::F32, KvCacheDtype::Auto, 3),
-        (DType::BF16, KvCacheDtype::Fp8E4m3, 5),
+        (DType::F32, KvCacheDtype::Auto, 80),
+        (DType::BF16, KvCacheDtype::Fp8E4m3, 120),
     ] {
         let what = format!("seed {seed}: {dtype} {kv_cache_dtype} head size {head_size}");
         let spec = |num_blocks| KvCacheSpec {
@@ -774,7 +776,7 @@ fn swaps_and_block_copies_match_the_host() {
                 num_blocks: 9,
                 block_size: 4,
                 num_kv_heads: 2,
-                head_size: 16,
+                head_size: 32,
                 dtype: DType::F16,
                 kv_cache_dtype: KvCacheDtype::Auto,
             },
@@ -782,7 +784,7 @@ fn swaps_and_block_copies_match_the_host() {
                 num_blocks: 9,
                 block_size: 3,
                 num_kv_heads: 1,
-                head_size: 5,
+                head_size: 120,
                 dtype: DType::BF16,
                 kv_cache_dtype: KvCacheDtype::Fp8E5m2,
             },
@@ -790,7 +792,7 @@ fn swaps_and_block_copies_match_the_host() {
                 num_blocks: 9,
                 block_size: 2,
                 num_kv_heads: 3,
-                head_size: 7,
+                head_size: 80,
                 dtype: DType::F32,
                 kv_cache_dtype: KvCacheDtype::Auto,
             },
@@ -831,7 +833,7 @@ fn swaps_and_block_copies_match_the_host() {
             num_blocks: 2,
             block_size: 1,
             num_kv_heads: 1,
-            head_size: 1,
+            head_size: 32,
             dtype: DType::F32,
             kv_cache_dtype: KvCacheDtype::Auto,
         })
@@ -846,54 +848,41 @@ fn swaps_and_block_copies_match_the_host() {
 
 #[test]
 #[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
-fn forward_answers_unsupported_and_writes_nothing() {
+fn attention_refuses_head_sizes_without_kernels() {
     let cuda = gpu();
-    let mut rng = StdRng::seed_from_u64(seed());
-    let config = AttentionConfig::builder(4, 8)
-        .num_kv_heads(2)
-        .build()
-        .unwrap();
-    let spec = config.kv_cache_spec(DType::BF16, 4, 2);
-    let start = random_cache(&mut rng, spec);
-    let mut cache = cuda.load_kv_cache(&start).unwrap();
-    let metadata = MetadataBuilder::for_cache(&spec)
-        .push(SequenceDesc::prompt(0, 3, &[2, 0]))
-        .build()
-        .unwrap();
-    let attention = cuda.attention(&config).unwrap();
-    let plan = attention.plan(&metadata, Some(&spec)).unwrap();
-    let mut workspace = cuda.workspace(&plan).unwrap();
-    let tensor = |shape: &[usize]| {
-        let n = shape.iter().product();
-        let values: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
-        Tensor::from_f32(DType::BF16, shape, &values)
-            .unwrap()
-            .to_device(Device::Cuda(0))
-            .unwrap()
+    // The capabilities tell the truth: head sizes without an attention kernel are refused
+    // when the layer is made, naming the ones there are (tests/cuda_attention.rs runs them).
+    let sizes = match cuda.capabilities().head_sizes {
+        Sizes::Only(sizes) => sizes,
+        Sizes::Any => panic!("cuda lists its head sizes"),
     };
-    let (q, k, v) = (tensor(&[3, 4, 8]), tensor(&[3, 2, 8]), tensor(&[3, 2, 8]));
-    let inputs = Inputs::new(&q).with_kv(&k, &v).with_cache(&mut cache);
-    // Head size 8 has no attention kernel (tests/cuda_attention.rs runs the others).
-    match attention.forward(&plan, &mut workspace, inputs) {
-        Err(Error::Unsupported { backend, feature }) => {
-            assert_eq!(backend, "cuda");
-            assert!(
-                feature.starts_with("attention with head size 8"),
-                "{feature}"
-            );
+    assert_eq!(sizes, cuda::ATTENTION_HEAD_SIZES);
+    for head_size in [8, 48, 72, 100, 160, 512] {
+        let config = AttentionConfig::builder(4, head_size)
+            .num_kv_heads(2)
+            .build()
+            .unwrap();
+        match cuda.attention(&config) {
+            Err(Error::Unsupported { backend, feature }) => {
+                assert_eq!(backend, "cuda");
+                assert!(
+                    feature.starts_with(&format!("head size {head_size} (supported: 32, 64,")),
+                    "{feature}"
+                );
+            }
+            Err(other) => panic!("head size {head_size}: expected Unsupported, got {other}"),
+            Ok(_) => panic!("head size {head_size}: expected Unsupported, got a layer"),
         }
-        other => panic!("expected Unsupported, got {other:?}"),
     }
-    assert_eq!(
-        cache_bytes(&cache),
-        cache_bytes(&start),
-        "the cache is untouched"
-    );
-    // The gate runs first: a host query is refused as such.
-    let host_q = q.to_device(Device::Cpu).unwrap();
-    let inputs = Inputs::new(&host_q).with_kv(&k, &v).with_cache(&mut cache);
+    let config = AttentionConfig::builder(4, 96).build().unwrap();
+    assert!(cuda.attention(&config).is_ok());
+    // Nor is a cache of such a head size: nothing could attend over it.
+    let spec = AttentionConfig::builder(4, 72)
+        .build()
+        .unwrap()
+        .kv_cache_spec(DType::F16, 4, 2);
     assert!(matches!(
-        attention.forward(&plan, &mut workspace, inputs),
-        Err(Error::DeviceMismatch { .. })
+        cuda.allocate_kv_cache(&spec),
+        Err(Error::Unsupported { .. })
     ));
 }

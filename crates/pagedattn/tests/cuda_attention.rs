@@ -10,7 +10,7 @@
 //! must hold the same bytes. A quarter of the cases put NaN / ±Inf into queries, keys and
 //! values (`Settings::specials`).
 //!
-//! What the shapes reach in the kernels (`kernels/attention.cu`, `src/cuda/plan.rs`): every
+//! What the shapes reach in the kernels (`kernels/attention/`, `src/cuda/plan.rs`): every
 //! head size and dtype, fp8 caches; decode units (one token, up to 8 query heads: GQA groups
 //! above 8 take several units; the decode1 / decode4 / decode8 kernels by group size) and prefill units (64
 //! rows of tokens x heads: the tensor-core prefill for bf16 / f16 with tiles of 64 or 32 keys,
@@ -42,8 +42,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use common::*;
 use pagedattn::cuda::{Cuda, ATTENTION_HEAD_SIZES};
 use pagedattn::{
-    registry, AttentionConfig, AttnType, Backend, CacheLayout, DType, Device, Error, Inputs,
-    KvCache, KvCacheDtype, MetadataBuilder, SequenceDesc, Tensor,
+    registry, AttentionConfig, AttnType, Backend, CacheLayout, DType, Error, Inputs, KvCache,
+    KvCacheDtype, MetadataBuilder, SequenceDesc, Tensor,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -882,52 +882,6 @@ fn one_plan_serves_every_layer() {
             .fold(0.0f32, f32::max);
         // bf16 outputs: a few units of 2^-8 relative.
         assert!(worst < 0.02, "layer {i}: worst difference {worst}");
-    }
-}
-
-/// Head sizes without kernels answer `Unsupported` from the forward, before writing the
-/// cache; the cache write alone works for them.
-#[test]
-#[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
-fn unsupported_head_sizes_answer_unsupported() {
-    let cuda = gpu();
-    for d in [8, 48, 72, 100, 160, 512] {
-        let config = AttentionConfig::builder(4, d)
-            .num_kv_heads(2)
-            .build()
-            .unwrap();
-        let spec = config.kv_cache_spec(DType::F16, 4, 2);
-        let mut cache = cuda.allocate_kv_cache(&spec).unwrap();
-        let metadata = MetadataBuilder::for_cache(&spec)
-            .push(SequenceDesc::prompt(0, 3, &[2, 0]))
-            .build()
-            .unwrap();
-        let attention = cuda.attention(&config).unwrap();
-        let plan = attention.plan(&metadata, Some(&spec)).unwrap();
-        let mut workspace = cuda.workspace(&plan).unwrap();
-        let ones = |shape: &[usize]| {
-            Tensor::from_f32(DType::F16, shape, &vec![1.0; shape.iter().product()])
-                .unwrap()
-                .to_device(Device::Cuda(0))
-                .unwrap()
-        };
-        let (q, k, v) = (ones(&[3, 4, d]), ones(&[3, 2, d]), ones(&[3, 2, d]));
-        let inputs = Inputs::new(&q).with_kv(&k, &v).with_cache(&mut cache);
-        match attention.forward(&plan, &mut workspace, inputs) {
-            Err(Error::Unsupported { backend, feature }) => {
-                assert_eq!(backend, "cuda");
-                assert!(feature.contains(&format!("head size {d}")), "{feature}");
-            }
-            other => panic!("head size {d}: expected Unsupported, got {other:?}"),
-        }
-        let (key, _) = cache.to_canonical().unwrap();
-        assert!(
-            key.as_bytes().iter().all(|&b| b == 0),
-            "head size {d}: the forward wrote the cache"
-        );
-        attention.write_kv(&plan, &k, &v, &mut cache).unwrap();
-        let (key, _) = cache.to_canonical().unwrap();
-        assert!(key.as_bytes().iter().any(|&b| b != 0), "head size {d}");
     }
 }
 

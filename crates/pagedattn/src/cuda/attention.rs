@@ -11,12 +11,13 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::abi::{MergeField, Params, UnitField, DECODE_ROWS, THREADS};
 use super::device::{driver_error, Gpu};
 use super::kernels::{self, grid_size, Merge, WriteKv};
 use super::packed::Packed;
-use super::plan::{self, Split, Work, UNIT_FIELDS};
+use super::plan::{self, Split, Work};
 use super::storage::{cuda_storage, cuda_storage_mut, CudaStorage};
 use super::variant::{self, Variant};
 use crate::backend::{AttentionImpl, Capabilities, GraphCapacity};
@@ -98,40 +99,6 @@ struct GraphShape {
     tables: usize,
 }
 
-/// The arguments of the attention kernels: `struct Params` of `kernels/attention.cu`, field
-/// for field (device addresses as u64; 8-byte fields first, so that neither side pads).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct Params {
-    query: u64,
-    key: u64,
-    value: u64,
-    output: u64,
-    partials: u64,
-    seqs: u64,
-    tables: u64,
-    slots: u64,
-    units: u64,
-    slopes: u64,
-    block_size: i64,
-    window: i64,
-    num_heads: i64,
-    num_kv_heads: i64,
-    group: i64,
-    paged: i64,
-    score_scale: f32,
-    out_scale: f32,
-    soft_cap: f32,
-    unused: f32,
-}
-
-// SAFETY: a plain `repr(C)` struct of integers and floats, laid out as the kernels' `Params`
-// (no padding on either side), passed by value.
-unsafe impl DeviceRepr for Params {}
-
-/// Threads per block of the attention kernels (`THREADS` in attention.cu).
-const THREADS: u32 = 128;
-
 impl CudaAttention {
     /// The layer on `gpu`; uploads its ALiBi slopes.
     pub(crate) fn new(
@@ -212,9 +179,9 @@ impl CudaAttention {
             (&work.decode, "decode units"),
             (&work.prefill, "prefill units"),
         ] {
-            grid_size(records.len() / UNIT_FIELDS, what)?;
+            grid_size(records.len() / UnitField::COUNT, what)?;
         }
-        grid_size(work.merges.len() / plan::MERGE_FIELDS, "split-K merges")?;
+        grid_size(work.merges.len() / MergeField::COUNT, "split-K merges")?;
         let floats = plan::partial_floats(self.config.head_size());
         let workspace_bytes = partials_bytes("cuda", work.num_partials, floats)?;
         Ok((work, workspace_bytes))
@@ -317,7 +284,7 @@ impl CudaAttention {
         shape: (u32, u32),
         what: &str,
     ) -> Result<()> {
-        let count = units.len() / UNIT_FIELDS;
+        let count = units.len() / UnitField::COUNT;
         if count == 0 {
             return Ok(());
         }
@@ -377,7 +344,7 @@ impl AttentionImpl for CudaAttention {
             // The units before any split size the fixed split, as the automatic split
             // would for sequences of the capacity's length.
             let unsplit = plan::build(&self.config, md, block_size, has_new_kv, Split::Fixed(1));
-            let units = (unsplit.decode.len() + unsplit.prefill.len()) / UNIT_FIELDS;
+            let units = (unsplit.decode.len() + unsplit.prefill.len()) / UnitField::COUNT;
             let max_keys = capacity.max_seq_len;
             let tables = match block_size {
                 Some(b) => md
@@ -562,11 +529,10 @@ impl AttentionImpl for CudaAttention {
             params,
             prepared,
             &prepared.prefill,
-            variant.prefill_shape(),
+            kernels.prefill_launch,
             "attention prefill",
         )?;
-        let (decode, decode_shared) =
-            kernels.decode(cfg.num_queries_per_kv().min(plan::DECODE_ROWS));
+        let (decode, decode_shared) = kernels.decode(cfg.num_queries_per_kv().min(DECODE_ROWS));
         self.launch(
             decode,
             params,
@@ -580,7 +546,7 @@ impl AttentionImpl for CudaAttention {
             &Merge {
                 partials,
                 merges: metadata.address(prepared.merges.start),
-                count: prepared.merges.len() / plan::MERGE_FIELDS,
+                count: prepared.merges.len() / MergeField::COUNT,
                 output: params.output,
                 dtype,
                 num_heads: cfg.num_heads(),

@@ -40,6 +40,9 @@ fn options(arch: &str) -> Vec<String> {
         "--ftz=false".to_string(),
         "--prec-div=true".to_string(),
         "-lineinfo".to_string(),
+        // The assembler's report of each kernel's registers, stack and spills (an
+        // informational log, parsed by `resources`; it changes no code).
+        "--ptxas-options=-v".to_string(),
     ];
     // The kernels include no CUDA header (conversions are bit operations and PTX); a CUDA
     // include directory, when there is one, costs nothing.
@@ -102,12 +105,18 @@ pub enum CheckDepth {
 }
 
 /// Compiles every kernel source for `arch` (e.g. `sm_80`, `sm_90a`) with NVRTC alone, no
-/// GPU and no cache, to `depth`, and returns the names of the kernels: a check for CI. Any
-/// warning fails. Every attention variant is one program, as a GPU compiles it at its first
-/// use; the programs are compiled in parallel, one thread per CPU. `only`: just the programs
-/// whose name contains it (e.g. `bf16_bf16_d128_causal` for a few attention variants), a
-/// quick check while editing a kernel.
-pub fn compile_check(arch: &str, only: Option<&str>, depth: CheckDepth) -> Result<Vec<String>> {
+/// GPU and no cache, to `depth`, and returns each kernel's name with, where it was compiled to
+/// machine code, what the assembler reports of it: a check for CI (any warning fails it;
+/// [`KernelResources::spills`] tells a kernel that must not ship). Every attention variant is one
+/// program, as a GPU compiles it at its first use; the programs are compiled in parallel, one
+/// thread per CPU. `only`: just the programs whose name contains it (e.g.
+/// `bf16_bf16_d128_causal` for a few attention variants), a quick check while editing a
+/// kernel.
+pub fn compile_check(
+    arch: &str,
+    only: Option<&str>,
+    depth: CheckDepth,
+) -> Result<Vec<(String, Option<KernelResources>)>> {
     check_arch(arch)?;
     let fixed = fixed_sources().iter().map(|s| (s.clone(), Output::Cubin));
     let variants = Variant::all().map(|v| {
@@ -117,16 +126,25 @@ pub fn compile_check(arch: &str, only: Option<&str>, depth: CheckDepth) -> Resul
         } else {
             Output::Ptx
         };
-        (v.source(), output)
+        (v.source(arch), output)
     });
     let mut sources: Vec<(KernelSource, Output)> = fixed.chain(variants).collect();
     if let Some(only) = only {
         sources.retain(|(s, _)| s.name.contains(only));
     }
-    in_parallel(&sources, |(source, output)| {
+    let compiled = in_parallel(&sources, |(source, output)| {
         compile_to(source, arch, *output)
     })?;
-    Ok(sources.into_iter().flat_map(|(s, _)| s.kernels).collect())
+    Ok(sources
+        .iter()
+        .zip(compiled)
+        .flat_map(|((source, _), compiled)| {
+            source.kernels.iter().map(move |name| {
+                let found = compiled.resources.iter().find(|r| &r.kernel == name);
+                (name.clone(), found.cloned())
+            })
+        })
+        .collect())
 }
 
 /// Compiles a caller's program (what [`Cuda::load_kernels`](super::Cuda::load_kernels)
@@ -141,6 +159,110 @@ pub fn compile_program_check(name: &str, code: &str, arch: &str) -> Result<()> {
     compile_to(&source, arch, Output::Cubin).map(drop)
 }
 
+/// What the assembler reports of one kernel compiled to machine code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelResources {
+    /// The kernel's (`extern "C"`) name.
+    pub kernel: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes of stack frame (local memory) per thread.
+    pub stack_bytes: u32,
+    /// Bytes of registers spilled to local memory (stores).
+    pub spill_stores: u32,
+    /// Bytes of spilled registers loaded back from local memory.
+    pub spill_loads: u32,
+}
+
+impl KernelResources {
+    /// Whether the kernel spills registers to local memory.
+    pub fn spills(&self) -> bool {
+        self.spill_stores > 0 || self.spill_loads > 0
+    }
+}
+
+/// The kernels known to spill registers, one `ARCH KERNEL` per line (`#` starts a comment):
+/// each one a debt of the kernel work, listed so that the check can hold every other kernel
+/// to no spills while it is paid off.
+const KNOWN_SPILLS: &str = include_str!("../../kernels/attention/known-spills.txt");
+
+/// Checks what [`compile_check`] returned for `arch`: no kernel compiled to machine code
+/// spills registers unless `known-spills.txt` lists it, and no listed kernel that was compiled
+/// to machine code has stopped spilling (its line must go, so that the list only shrinks).
+pub fn check_spills(arch: &str, kernels: &[(String, Option<KernelResources>)]) -> Result<()> {
+    let known: Vec<&str> = KNOWN_SPILLS
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter_map(|l| l.strip_prefix(arch)?.strip_prefix(' '))
+        .collect();
+    let mut new = Vec::new();
+    let mut paid = Vec::new();
+    for (name, resources) in kernels {
+        let Some(r) = resources else { continue };
+        match (r.spills(), known.contains(&name.as_str())) {
+            (true, false) => new.push(format!("{name} ({} bytes)", r.spill_stores)),
+            (false, true) => paid.push(name.as_str()),
+            _ => {}
+        }
+    }
+    if !new.is_empty() {
+        return Err(Error::Driver(format!(
+            "{arch}: {} kernels spill registers to local memory: {}",
+            new.len(),
+            new.join(", ")
+        )));
+    }
+    if !paid.is_empty() {
+        return Err(Error::Driver(format!(
+            "{arch}: {} kernels listed in kernels/attention/known-spills.txt no longer spill \
+             (remove their lines): {}",
+            paid.len(),
+            paid.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// The kernels' resources in an NVRTC log with the assembler's `-v` report: per kernel, a
+/// `Function properties for NAME` line, then its stack and spills, then
+/// `Used N registers`.
+fn resources(log: &str) -> Vec<KernelResources> {
+    // The number before `word` in `line`, e.g. 24 in "24 bytes spill stores" for "bytes spill
+    // stores".
+    let number_before = |line: &str, word: &str| -> Option<u32> {
+        let end = line.find(word)?;
+        line[..end].split_whitespace().last()?.parse().ok()
+    };
+    let mut found: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            found.push(KernelResources {
+                kernel: name.trim().to_string(),
+                registers: 0,
+                stack_bytes: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+            });
+        } else if let Some(last) = found.last_mut() {
+            if let Some(n) = number_before(line, "bytes stack frame") {
+                last.stack_bytes = n;
+                last.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+                last.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+            } else if let Some(n) = number_before(line, "registers") {
+                last.registers = n;
+            }
+        }
+    }
+    found
+}
+
+/// Whether a line of NVRTC's log is the assembler's report (`ptxas info ...` and its
+/// continuation lines `ptxas    . ...`), not a warning.
+fn is_report(line: &str) -> bool {
+    line.strip_prefix("ptxas")
+        .is_some_and(|rest| rest.starts_with(" info") || rest.trim_start().starts_with('.'))
+}
+
 /// What NVRTC is asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Output {
@@ -150,12 +272,12 @@ enum Output {
     Ptx,
 }
 
-/// The fixed sources, then one program per attention variant.
-fn every_source() -> Vec<KernelSource> {
+/// The fixed sources, then one program per attention variant, for `arch`.
+fn every_source(arch: &str) -> Vec<KernelSource> {
     fixed_sources()
         .iter()
         .cloned()
-        .chain(Variant::all().map(|v| v.source()))
+        .chain(Variant::all().map(|v| v.source(arch)))
         .collect()
 }
 
@@ -307,7 +429,7 @@ impl DiskCache {
     /// waits for NVRTC (`pagedattn compile-kernels --cache`).
     pub fn fill(&self, arch: &str) -> Result<Vec<CachedImage>> {
         check_arch(arch)?;
-        in_parallel(&every_source(), |source| self.cached(source, arch))
+        in_parallel(&every_source(arch), |source| self.cached(source, arch))
     }
 
     /// `source`'s image for `arch` from this cache, or compiled and stored.
@@ -384,11 +506,19 @@ fn write_entry(dir: &Path, path: &Path, key: u64, image: &[u8]) -> std::io::Resu
 
 /// Compiles `source` for `arch` to CUBIN and checks that it defines every kernel it names.
 fn compile(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
-    compile_to(source, arch, Output::Cubin)
+    compile_to(source, arch, Output::Cubin).map(|c| c.image)
+}
+
+/// A compiled program.
+struct Compiled {
+    /// CUBIN or PTX.
+    image: Vec<u8>,
+    /// What the assembler reported of each kernel (CUBIN only).
+    resources: Vec<KernelResources>,
 }
 
 /// [`compile`], or only NVRTC's front end to PTX for `arch`'s virtual architecture.
-fn compile_to(source: &KernelSource, arch: &str, output: Output) -> Result<Vec<u8>> {
+fn compile_to(source: &KernelSource, arch: &str, output: Output) -> Result<Compiled> {
     check_arch(arch)?;
     nvrtc_version()?;
     let file = format!("{}.cu", source.name);
@@ -408,13 +538,18 @@ fn compile_to(source: &KernelSource, arch: &str, output: Output) -> Result<Vec<u
     // SAFETY: `program` was created above and is destroyed only when it drops.
     let compiled = unsafe { nvrtc::compile_program(program.0, &options(&target)) };
     let log = program.log().map_err(|e| fail("nvrtcGetProgramLog", e))?;
-    if compiled.is_err() || !log.is_empty() {
+    let warnings: Vec<&str> = log
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !is_report(l))
+        .collect();
+    if compiled.is_err() || !warnings.is_empty() {
         let verdict = match compiled {
             Err(e) => format!("failed ({:?})", e.0),
             Ok(()) => "warned (warnings are errors)".to_string(),
         };
         // The log's first lines on one line: an error reads as one sentence.
-        let first: Vec<&str> = log.lines().take(12).map(str::trim).collect();
+        let first = &warnings[..warnings.len().min(12)];
         return Err(Error::Driver(format!(
             "NVRTC {verdict} compiling {file} for {arch}: {}",
             first.join(" | ")
@@ -439,7 +574,10 @@ fn compile_to(source: &KernelSource, arch: &str, output: Output) -> Result<Vec<u
             )));
         }
     }
-    Ok(image)
+    Ok(Compiled {
+        image,
+        resources: resources(&log),
+    })
 }
 
 /// Checks that `arch` is `sm_<digits>`, optionally with the `a` suffix, before it becomes
@@ -576,6 +714,41 @@ mod tests {
         let home = env(&[("XDG_CACHE_HOME", "rel"), ("HOME", "/h")]);
         assert_eq!(cache_dir(home), Some("/h/.cache/pagedattn/kernels".into()));
         assert_eq!(cache_dir(env(&[])), None);
+    }
+
+    #[test]
+    fn the_assemblers_report_is_read_and_is_no_warning() {
+        let log = "ptxas info    : 0 bytes gmem\n\
+                   ptxas info    : Compiling entry function 'a' for 'sm_90a'\n\
+                   ptxas info    : Function properties for a\n\
+                   ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+                   ptxas info    : Used 168 registers, used 1 barriers, 2048 bytes smem\n\
+                   ptxas info    : Function properties for b\n\
+                   ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+                   ptxas info    : Used 40 registers, used 0 barriers";
+        assert!(log.lines().all(is_report));
+        assert!(!is_report(
+            "k.cu(3): warning #177-D: variable \"x\" was declared but never referenced"
+        ));
+        assert_eq!(
+            resources(log),
+            [
+                KernelResources {
+                    kernel: "a".into(),
+                    registers: 168,
+                    stack_bytes: 8,
+                    spill_stores: 4,
+                    spill_loads: 12
+                },
+                KernelResources {
+                    kernel: "b".into(),
+                    registers: 40,
+                    stack_bytes: 0,
+                    spill_stores: 0,
+                    spill_loads: 0
+                }
+            ]
+        );
     }
 
     #[test]

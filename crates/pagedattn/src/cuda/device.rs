@@ -138,9 +138,9 @@ fn device_count() -> Result<usize> {
                     "libcuda not found (no NVIDIA driver on this machine)",
                 ));
             }
-            driver::init().map_err(|e| no_gpu(&format!("cuInit failed: {}", describe(e))))?;
+            driver::init().map_err(|e| no_gpu(&driver_error("cuInit", e).to_string()))?;
             let count = driver::device::get_count()
-                .map_err(|e| no_gpu(&format!("cuDeviceGetCount failed: {}", describe(e))))?;
+                .map_err(|e| no_gpu(&driver_error("cuDeviceGetCount", e).to_string()))?;
             if count > 0 {
                 Ok(count as usize)
             } else {
@@ -244,21 +244,22 @@ fn no_gpu(reason: &str) -> Error {
     Error::Driver(format!("no usable CUDA GPU: {reason}"))
 }
 
-/// A driver error as `NAME (description)`.
-fn describe(e: DriverError) -> String {
+/// [`Error::CudaDriver`] for a failed driver call, naming what was being done and keeping the
+/// driver's code.
+pub(crate) fn driver_error(what: &str, e: DriverError) -> Error {
     let name = e
         .error_name()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|_| format!("{:?}", e.0));
-    match e.error_string() {
-        Ok(text) => format!("{name} ({})", text.to_string_lossy()),
-        Err(_) => name,
+    Error::CudaDriver {
+        call: what.to_string(),
+        code: e.0 as u32,
+        name,
+        description: e
+            .error_string()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "no description".to_string()),
     }
-}
-
-/// [`Error::Driver`] for a failed driver call, naming what was being done.
-pub(crate) fn driver_error(what: &str, e: DriverError) -> Error {
-    Error::Driver(format!("{what} failed: {}", describe(e)))
 }
 
 /// [`Error::OutOfMemory`] for an allocation that ran out of memory, [`driver_error`] otherwise.

@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
+use super::abi;
 use super::compile;
 use super::device::{driver_error, Gpu};
 use super::memory::{self, DeviceBuffer};
@@ -57,7 +58,12 @@ fn copy_blocks_source() -> KernelSource {
 fn attention_merge() -> KernelSource {
     KernelSource {
         name: "attention_merge".into(),
-        code: [ELEMENTS, include_str!("../../kernels/attention_merge.cu")].concat(),
+        code: [
+            ELEMENTS,
+            &abi::merge_header(),
+            include_str!("../../kernels/attention_merge.cu"),
+        ]
+        .concat(),
         kernels: ["f32", "f16", "bf16"]
             .iter()
             .map(|d| format!("attention_merge_{d}"))

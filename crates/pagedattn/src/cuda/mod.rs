@@ -8,15 +8,17 @@
 //! wait.
 //!
 //! Cache layout: `[NB, Hkv, B, D]` (head-major), the `cpu` backend's, so that caches compare
-//! byte for byte. Attention runs for the head sizes in [`ATTENTION_HEAD_SIZES`] (a forward
-//! with another head size answers [`Error::Unsupported`](crate::Error::Unsupported) having
-//! written nothing; the cache write takes any): one kernel variant per activation dtype,
-//! key/value storage, head size and score modifiers, compiled at the first call that needs it.
+//! byte for byte. Attention runs for the head sizes in [`ATTENTION_HEAD_SIZES`] (a layer of
+//! another head size is [`Error::Unsupported`](crate::Error::Unsupported) when it is made):
+//! one kernel variant per activation dtype, key/value storage, head size and score modifiers,
+//! compiled at the first call that needs it. A failed driver call is
+//! [`Error::CudaDriver`](crate::Error::CudaDriver), which keeps the driver's code.
 //!
 //! Without a usable GPU (no driver, no device) every entry point answers
 //! [`Error::Driver`](crate::Error::Driver) with one line starting `no usable CUDA GPU:`;
 //! [`compile_check`] needs NVRTC only.
 
+mod abi;
 mod attention;
 mod compile;
 mod device;
@@ -36,8 +38,8 @@ use std::sync::Arc;
 
 pub use attention::CudaAttention;
 pub use compile::{
-    arch_for, compile_check, compile_program_check, nvrtc_version, CachedImage, CheckDepth,
-    DiskCache, ImageOrigin, CACHE_DIR_ENV,
+    arch_for, check_spills, compile_check, compile_program_check, nvrtc_version, CachedImage,
+    CheckDepth, DiskCache, ImageOrigin, KernelResources, CACHE_DIR_ENV,
 };
 pub use device::{gpu_present, info, DeviceInfo};
 pub use graph::Graph;
@@ -46,7 +48,7 @@ pub use storage::CudaStorage;
 pub use timing::{CopyProbe, GpuEvent, PeakProbe};
 pub use variant::ATTENTION_HEAD_SIZES;
 
-use crate::backend::{check_sides, AttentionImpl, Backend, Capabilities};
+use crate::backend::{check_sides, AttentionImpl, Backend, Capabilities, Sizes};
 use crate::config::AttentionConfig;
 use crate::device::Device;
 use crate::error::Result;
@@ -111,7 +113,10 @@ impl Backend for Cuda {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::everything()
+        Capabilities {
+            head_sizes: Sizes::Only(ATTENTION_HEAD_SIZES.to_vec()),
+            ..Capabilities::everything()
+        }
     }
 
     fn kv_cache_layout(&self) -> CacheLayout {
@@ -152,11 +157,18 @@ impl Backend for Cuda {
                 format!("CUDA {}.{}", i.driver_version.0, i.driver_version.1),
             ),
             ("nvrtc", nvrtc),
-            ("attention head sizes", {
-                let sizes: Vec<String> =
-                    ATTENTION_HEAD_SIZES.iter().map(|d| d.to_string()).collect();
-                format!("{} (the cache write takes any)", sizes.join(", "))
-            }),
+            (
+                "kernel cache",
+                DiskCache::from_env().map_or_else(
+                    || format!("none: kernels compile in every process (set {CACHE_DIR_ENV})"),
+                    |cache| {
+                        format!(
+                            "{} (fill it: pagedattn compile-kernels --cache)",
+                            cache.dir().display()
+                        )
+                    },
+                ),
+            ),
         ]
     }
 

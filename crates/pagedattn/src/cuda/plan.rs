@@ -1,8 +1,8 @@
 //! The work of one step on a GPU, made once on the host when the step is planned: what the
 //! attention kernels need to know about each sequence, the block-table entries they read, and
 //! the work list, one record per thread block (a *unit*) plus the split-K merges. Every
-//! record is a run of i64 in the layout `kernels/attention.cu` and `attention_merge.cu`
-//! declare (the `SEQ_*`, `UNIT_*` and `MERGE_*` enums).
+//! record is a run of i64 in the layout `abi.rs` declares for both sides ([`SeqField`],
+//! [`UnitField`], [`MergeField`]).
 //!
 //! A unit is one sequence, one kv head, some query rows of it and a range of key positions:
 //! * decode units (sequences with one query token, run by the decode kernel): the query heads
@@ -20,21 +20,11 @@
 
 use std::ops::Range;
 
+use super::abi::{MergeField, SeqField, UnitField, DECODE_ROWS, PREFILL_ROWS};
 use crate::config::{AttentionConfig, AttnType};
 use crate::metadata::AttentionMetadata;
 use crate::semantics::{allowed_keys, query_position, KeyMap};
 
-/// i64 fields of a sequence record (`SEQ_FIELDS` in attention.cu).
-pub(crate) const SEQ_FIELDS: usize = 6;
-/// i64 fields of a unit record (`UNIT_FIELDS` in attention.cu).
-pub(crate) const UNIT_FIELDS: usize = 11;
-/// i64 fields of a merge record (`MERGE_FIELDS` in attention_merge.cu).
-pub(crate) const MERGE_FIELDS: usize = 4;
-/// Query rows of a decode unit (`DECODE_ROWS` in attention.cu).
-pub(crate) const DECODE_ROWS: usize = 8;
-/// Query rows of a prefill unit (`PREFILL_ROWS` in attention.cu): the tensor-core kernel's
-/// 4 warps x 32 rows (two CTAs of 4 x 16 above D = 128).
-pub(crate) const PREFILL_ROWS: usize = 128;
 /// The fewest keys a split-K partition gets.
 pub(crate) const MIN_PARTITION_KEYS: usize = 256;
 /// Partitions are multiples of the largest key tile, so that only a partition's last tile is
@@ -80,16 +70,16 @@ fn max_parts(blocks: usize, sm_count: usize) -> usize {
 /// The records of one step.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Work {
-    /// [`SEQ_FIELDS`] per sequence.
+    /// [`SeqField::COUNT`] per sequence.
     pub(crate) seqs: Vec<i64>,
     /// For a paged call, the block-table entries of each sequence's key positions (exactly
     /// `ceil(n / B)` per sequence, the ones the metadata's validation checked).
     pub(crate) tables: Vec<i64>,
-    /// Decode units, [`UNIT_FIELDS`] each.
+    /// Decode units, [`UnitField::COUNT`] each.
     pub(crate) decode: Vec<i64>,
     /// Prefill units.
     pub(crate) prefill: Vec<i64>,
-    /// [`MERGE_FIELDS`] per output row computed by split-K.
+    /// [`MergeField::COUNT`] per output row computed by split-K.
     pub(crate) merges: Vec<i64>,
     /// Partial records the split-K units write.
     pub(crate) num_partials: usize,
@@ -112,24 +102,24 @@ struct Unit {
 }
 
 impl Unit {
-    fn record(&self) -> [i64; UNIT_FIELDS] {
+    fn record(&self) -> [i64; UnitField::COUNT] {
         let (base, parts, part) = match self.split {
             Some((base, parts, part)) => (base as i64, parts as i64, part as i64),
             None => (-1, 1, 0),
         };
-        [
-            self.seq as i64,
-            self.kv_head as i64,
-            self.token as i64,
-            self.tokens as i64,
-            self.head as i64,
-            self.heads as i64,
-            self.keys.start as i64,
-            self.keys.end as i64,
-            base,
-            parts,
-            part,
-        ]
+        let mut r = [0; UnitField::COUNT];
+        r[UnitField::Seq] = self.seq as i64;
+        r[UnitField::KvHead] = self.kv_head as i64;
+        r[UnitField::Token] = self.token as i64;
+        r[UnitField::Tokens] = self.tokens as i64;
+        r[UnitField::Head] = self.head as i64;
+        r[UnitField::Heads] = self.heads as i64;
+        r[UnitField::KeyStart] = self.keys.start as i64;
+        r[UnitField::KeyEnd] = self.keys.end as i64;
+        r[UnitField::PartBase] = base;
+        r[UnitField::Parts] = parts;
+        r[UnitField::Part] = part;
+        r
     }
 }
 
@@ -176,8 +166,13 @@ pub(crate) fn build(
             (AttnType::EncoderDecoder, Some(_)) if has_new_kv => (0, encoder_start),
             _ => (n, 0),
         };
-        let record: [usize; SEQ_FIELDS] =
-            [tokens.start, n, first_pos, key_base, new_start, slot_base];
+        let mut record = [0; SeqField::COUNT];
+        record[SeqField::QueryStart] = tokens.start;
+        record[SeqField::Keys] = n;
+        record[SeqField::FirstPos] = first_pos;
+        record[SeqField::KeyBase] = key_base;
+        record[SeqField::NewStart] = new_start;
+        record[SeqField::SlotBase] = slot_base;
         work.seqs.extend(record.map(|x| x as i64));
         if cross {
             encoder_start += n;
@@ -256,8 +251,12 @@ pub(crate) fn build(
         let token = md.query_range(unit.seq).start;
         for r in 0..unit.heads {
             let head = unit.kv_head * group + unit.head + r;
-            work.merges
-                .extend([token, head, base + r * parts, parts].map(|x| x as i64));
+            let mut merge = [0; MergeField::COUNT];
+            merge[MergeField::Token] = token;
+            merge[MergeField::Head] = head;
+            merge[MergeField::First] = base + r * parts;
+            merge[MergeField::Count] = parts;
+            work.merges.extend(merge.map(|x| x as i64));
         }
     }
     // Longest units first: thread blocks start in grid order, so the short units fill the
@@ -287,7 +286,7 @@ mod tests {
     }
 
     fn units(records: &[i64]) -> Vec<&[i64]> {
-        records.chunks(UNIT_FIELDS).collect()
+        records.chunks(UnitField::COUNT).collect()
     }
 
     /// Every (token, head) row of the call is written exactly once: by an unsplit unit, or by
@@ -309,7 +308,7 @@ mod tests {
                 }
             }
         }
-        for m in work.merges.chunks(MERGE_FIELDS) {
+        for m in work.merges.chunks(MergeField::COUNT) {
             written[(m[0] * h as i64 + m[1]) as usize] += 1;
             let mut ranges: Vec<Range<i64>> = (m[2]..m[2] + m[3])
                 .flat_map(|slot| parts.remove(&(slot as usize)).unwrap())
@@ -382,7 +381,11 @@ mod tests {
         assert!(shapes.iter().all(|&s| s == shapes[0]), "{shapes:?}");
         assert_eq!(
             shapes[0],
-            (3 * 2 * 4 * UNIT_FIELDS, 3 * 8 * MERGE_FIELDS, 3 * 8 * 4)
+            (
+                3 * 2 * 4 * UnitField::COUNT,
+                3 * 8 * MergeField::COUNT,
+                3 * 8 * 4
+            )
         );
         assert_eq!(graph_parts(6, 4096, 132), 16);
         assert_eq!(graph_parts(6, 100, 132), 1);

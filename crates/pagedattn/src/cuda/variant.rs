@@ -1,8 +1,15 @@
 //! The attention kernels' variants: one NVRTC program per (activation dtype, key/value
-//! storage, head size, mask, ALiBi, soft cap), each holding a prefill kernel and three decode
-//! kernels (for kv-head groups of 1, up to 4 and up to 8 query heads) instantiated from
-//! `kernels/attention.cu`, compiled at the first call that needs it (then cached in the
-//! process and on disk like every kernel).
+//! storage, head size, mask, ALiBi, soft cap) and architecture, each holding a prefill kernel
+//! and three decode kernels (for kv-head groups of 1, up to 4 and up to 8 query heads),
+//! compiled at the first call that needs it (then cached in the process and on disk like
+//! every kernel).
+//!
+//! A program is assembled from the pieces in `kernels/attention/` (one file per piece: the
+//! variant's hooks, the paged-KV loader, the softmax, each architecture family's tensor-core
+//! steps, the mainloops, the epilogue, the decode), after the declarations the host shares
+//! with them (`abi.rs`) and before what this module generates: each kernel family's shape
+//! (threads come from `abi.rs`; rows, tiles and shared-memory layout from [`MmaShape`],
+//! [`ScalarShape`] and [`DecodeShape`], which the launches use too) and the entry points.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -10,29 +17,33 @@ use std::sync::{Arc, Mutex, PoisonError};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::CudaFunction;
 
+use super::abi::{self, Mask, DECODE_KERNEL_ROWS, PREFILL_ROWS, WARPS};
 use super::device::{driver_error, Gpu};
 use super::kernels::{self, KernelSource, ELEMENTS};
 use crate::config::{AttentionConfig, KvCacheDtype};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// The head sizes the `cuda` attention kernels are compiled for. A layer with another head
-/// size can still write its cache on the GPU; its forward answers
-/// [`Error::Unsupported`](crate::Error::Unsupported).
+/// The head sizes the `cuda` attention kernels are compiled for (the backend's capabilities:
+/// a layer of another head size is [`Error::Unsupported`](crate::Error::Unsupported)).
 pub const ATTENTION_HEAD_SIZES: [usize; 9] = [32, 64, 80, 96, 112, 120, 128, 192, 256];
 
-/// The template source of every variant.
-const ATTENTION: &str = include_str!("../../kernels/attention.cu");
-
-/// Which keys a query may see, as far as the kernel needs to know.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Mask {
-    /// Non-causal: encoder types and cross attention.
-    None,
-    /// Causal (decoder).
-    Causal,
-    /// Causal with a sliding window.
-    Window,
+/// The pieces of an attention program, in the order they are compiled (each file says what
+/// it holds). `tensor_core_sm90.cuh` joins only where a variant runs wgmma.
+mod pieces {
+    pub(super) const PTX: &str = include_str!("../../kernels/attention/ptx.cuh");
+    pub(super) const SOFTMAX: &str = include_str!("../../kernels/attention/softmax.cuh");
+    pub(super) const VARIANT: &str = include_str!("../../kernels/attention/variant.cuh");
+    pub(super) const PAGED_KV: &str = include_str!("../../kernels/attention/paged_kv.cuh");
+    pub(super) const PREFILL_SCALAR: &str =
+        include_str!("../../kernels/attention/prefill_scalar.cuh");
+    pub(super) const TENSOR_CORE_SM80: &str =
+        include_str!("../../kernels/attention/tensor_core_sm80.cuh");
+    pub(super) const TENSOR_CORE_SM90: &str =
+        include_str!("../../kernels/attention/tensor_core_sm90.cuh");
+    pub(super) const EPILOGUE: &str = include_str!("../../kernels/attention/epilogue.cuh");
+    pub(super) const PREFILL_MMA: &str = include_str!("../../kernels/attention/prefill_mma.cuh");
+    pub(super) const DECODE: &str = include_str!("../../kernels/attention/decode.cuh");
 }
 
 /// One compiled program of the attention kernels.
@@ -118,48 +129,30 @@ impl Variant {
         })
     }
 
-    /// Whether the prefill runs on the tensor cores (`prefill_mma` in attention.cu): bf16 and
+    /// Whether the prefill runs on the tensor cores (`prefill_mma.cuh`): bf16 and
     /// f16 activations whose keys and values are stored as such. Other variants run the
     /// scalar prefill.
     pub(crate) fn tensor_cores(&self) -> bool {
         matches!(self.dtype, DType::BF16 | DType::F16) && self.storage == KvCacheDtype::Auto
     }
 
-    /// The prefill kernel's launch shape: (CTAs per unit, dynamic shared memory in bytes).
-    /// The tensor-core kernel runs a unit's [`PREFILL_ROWS`](super::plan::PREFILL_ROWS) rows
-    /// in CTAs of [`mma_cta_rows`] on `MmaShape<D>::BYTES` (attention.cu); the scalar kernel
-    /// takes [`SCALAR_ROWS`] of them per CTA, in static shared memory.
-    pub(crate) fn prefill_shape(&self) -> (u32, u32) {
+    /// The prefill's shape on `arch`: the tensor cores' (see [`Variant::tensor_cores`]) or
+    /// the scalar kernel's.
+    pub(crate) fn prefill(&self, arch: &str) -> PrefillShape {
         if self.tensor_cores() {
-            (
-                (super::plan::PREFILL_ROWS / mma_cta_rows(self.head_size)) as u32,
-                mma_shared_bytes(self.head_size),
-            )
+            PrefillShape::Mma(MmaShape::new(self.head_size, arch))
         } else {
-            ((super::plan::PREFILL_ROWS / SCALAR_ROWS) as u32, 0)
+            PrefillShape::Scalar(ScalarShape::new(self.head_size))
         }
     }
 
-    /// Dynamic shared memory of the decode kernel of `rows` rows (1, 4 or 8):
-    /// `DecodeShape<C, D, ROWS>::BYTES` of attention.cu, computed the same way (the kernel
-    /// traps if a launch gives less). Each of the 4 warps keeps a ring of chunks of keys and
-    /// values staged in flight (about 16 KiB ahead, at most 8 chunks), then its f64
-    /// accumulators (rows x D), into which its f32 sums are folded every few chunks.
-    pub(crate) fn decode_shared_bytes(&self, rows: usize) -> u32 {
+    /// The decode kernel's shape for `rows` rows (1, 4 or 8).
+    pub(crate) fn decode(&self, rows: usize) -> DecodeShape {
         let stored = match self.storage {
             KvCacheDtype::Auto => self.dtype.size_bytes(),
             KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E5m2 => 1,
         };
-        let d = self.head_size;
-        let lanes = (d / 8).next_power_of_two();
-        let keys_per_step = 32 / lanes;
-        let words = 2 * stored;
-        let per_lane = 8.min(32 / words).min(32 / rows).min(32 / keys_per_step);
-        let stage = per_lane * 2 * 32 * 4 * words;
-        let stages = 8.min(1 + 16384usize.div_ceil(stage));
-        let staging = WARPS * stages * stage;
-        let outer = WARPS * rows * d * 8;
-        (staging + outer) as u32
+        DecodeShape::new(stored, self.head_size, rows)
     }
 
     /// The program's name, e.g. `attention_bf16_e4m3_d128_causal_alibi`; its kernels are
@@ -183,8 +176,9 @@ impl Variant {
         )
     }
 
-    /// The program: the element types, the template, and the line instantiating this variant.
-    pub(crate) fn source(&self) -> KernelSource {
+    /// The program for `arch`: the element types, the shared declarations, the pieces, then
+    /// this variant's shapes and entry points.
+    pub(crate) fn source(&self, arch: &str) -> KernelSource {
         let name = self.name();
         let element = match self.dtype {
             DType::F32 => "F32",
@@ -197,17 +191,70 @@ impl Variant {
             KvCacheDtype::Fp8E4m3 => "E4M3".to_string(),
             KvCacheDtype::Fp8E5m2 => "E5M2".to_string(),
         };
-        let mask = match self.mask {
-            Mask::None => "MASK_NONE",
-            Mask::Causal => "MASK_CAUSAL",
-            Mask::Window => "MASK_WINDOW",
-        };
-        let line = format!(
-            "ATTENTION_KERNELS({name}, {element}, {storage}, {}, {mask}, {}, {})\n",
-            self.head_size, self.alibi, self.soft_cap
+        let prefill = self.prefill(arch);
+        let wgmma = matches!(prefill, PrefillShape::Mma(s) if s.wgmma);
+        let header = abi::header();
+        let mut parts: Vec<&str> = vec![
+            ELEMENTS,
+            &header,
+            pieces::PTX,
+            pieces::SOFTMAX,
+            pieces::VARIANT,
+            pieces::PAGED_KV,
+            pieces::PREFILL_SCALAR,
+            pieces::TENSOR_CORE_SM80,
+        ];
+        if wgmma {
+            parts.push(pieces::TENSOR_CORE_SM90);
+        }
+        parts.extend([pieces::EPILOGUE, pieces::PREFILL_MMA, pieces::DECODE]);
+
+        // The generated part: the variant's hooks, its shapes, its kernels.
+        let mut code = format!(
+            "\n// Generated by src/cuda/variant.rs for {name} on {arch}.\n\
+             typedef Variant<{}, {}, {}> V;\n",
+            self.mask.c_name(),
+            self.alibi,
+            self.soft_cap
         );
+        let entry = |code: &mut String, kernel: &str, call: &str| {
+            code.push_str(&format!(
+                "extern \"C\" __global__ void __launch_bounds__(THREADS) {name}_{kernel}(const Params p) {{\n    {call}(p);\n}}\n"
+            ));
+        };
+        match prefill {
+            PrefillShape::Mma(shape) => {
+                code += &shape.cuda("PrefillShape");
+                let steps = if shape.wgmma { "WgmmaSync" } else { "MmaSync" };
+                entry(
+                    &mut code,
+                    "prefill",
+                    &format!(
+                        "prefill_mma<{element}, V, PrefillShape, {steps}<{element}, PrefillShape>>"
+                    ),
+                );
+            }
+            PrefillShape::Scalar(shape) => {
+                code += &shape.cuda("PrefillShape");
+                entry(
+                    &mut code,
+                    "prefill",
+                    &format!("prefill_scalar<{element}, {storage}, V, PrefillShape>"),
+                );
+            }
+        }
+        for rows in DECODE_KERNEL_ROWS {
+            let shape_name = format!("DecodeShape{rows}");
+            code += &self.decode(rows).cuda(&shape_name);
+            entry(
+                &mut code,
+                &format!("decode{rows}"),
+                &format!("decode<{element}, {storage}, V, {shape_name}>"),
+            );
+        }
+        parts.push(&code);
         KernelSource {
-            code: [ELEMENTS, ATTENTION, &line].concat(),
+            code: parts.concat(),
             kernels: ["prefill", "decode1", "decode4", "decode8"]
                 .iter()
                 .map(|k| format!("{name}_{k}"))
@@ -217,60 +264,272 @@ impl Variant {
     }
 }
 
-/// Query rows of the scalar prefill's CTAs (`SCALAR_ROWS` in attention.cu).
-const SCALAR_ROWS: usize = 16;
+/// A CUDA struct of compile-time constants: `struct NAME { static constexpr int A = 1; ... };`
+fn constants(name: &str, ints: &[(&str, usize)], flags: &[(&str, bool)]) -> String {
+    let mut s = format!("struct {name} {{\n");
+    for (field, value) in ints {
+        s += &format!("    static constexpr int {field} = {value};\n");
+    }
+    for (field, value) in flags {
+        s += &format!("    static constexpr bool {field} = {value};\n");
+    }
+    s + "};\n"
+}
 
-/// Row blocks of 16 per warp in the tensor-core prefill for head size `d` (`MmaShape<D>::MT`
-/// of attention.cu): two up to D = 128, one above (the accumulators would not fit).
-fn mma_row_blocks(d: usize) -> usize {
-    if d.div_ceil(16) * 16 <= 128 {
-        2
-    } else {
-        1
+/// A prefill kernel's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PrefillShape {
+    /// The tensor-core kernel (`prefill_mma.cuh`).
+    Mma(MmaShape),
+    /// The scalar kernel (`prefill_scalar.cuh`).
+    Scalar(ScalarShape),
+}
+
+impl PrefillShape {
+    /// CTAs per unit (a unit's [`PREFILL_ROWS`] rows, CTA by CTA) and dynamic shared memory
+    /// in bytes.
+    pub(crate) fn launch(&self) -> (u32, u32) {
+        match self {
+            PrefillShape::Mma(s) => ((PREFILL_ROWS / s.cta_rows) as u32, s.bytes as u32),
+            PrefillShape::Scalar(s) => ((PREFILL_ROWS / s.rows) as u32, 0),
+        }
     }
 }
 
-/// Query rows of one tensor-core prefill CTA for head size `d` (`MmaShape<D>::CTA_ROWS`).
-pub(crate) fn mma_cta_rows(d: usize) -> usize {
-    16 * WARPS * mma_row_blocks(d)
+/// The tensor-core prefill's shape and shared-memory layout (`S` of `prefill_mma.cuh`, which
+/// says what each field means).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MmaShape {
+    d: usize,
+    /// D padded to a multiple of 16.
+    dp: usize,
+    /// Row blocks of 16 per warp: two up to D = 128, one above (the accumulators would not
+    /// fit).
+    mt: usize,
+    cta_rows: usize,
+    /// Keys per tile: 64, or 32 above D = 128.
+    kt: usize,
+    /// Hopper's wgmma (sm_90a, D padded to 128): 128-byte-swizzled tiles, 1 KiB aligned;
+    /// otherwise mma.sync on tiles whose rows are padded by 16 bytes.
+    wgmma: bool,
+    row_bytes: usize,
+    tile_bytes: usize,
+    /// The query fragments live in registers (mma.sync, up to 128 columns of rows per warp).
+    q_regs: bool,
+    q_bytes: usize,
+    p_bytes: usize,
+    scratch_in_keys: bool,
+    scratch: usize,
+    align: usize,
+    /// Dynamic shared memory: four tiles (two stages of keys, two of values), the query tile
+    /// and the scratch, and the alignment's slack.
+    bytes: usize,
 }
 
-/// Dynamic shared memory of the tensor-core prefill for head size `d`: `MmaShape<D>::BYTES`
-/// of attention.cu, computed the same way (the kernel traps if a launch gives less). Two
-/// stages of key tiles and two of value tiles (64 keys, or 32 above D = 128; rows of D
-/// padded to a multiple of 16, plus 16 bytes), then the query tile and the scratch of the
-/// P.V by selects, one row block of each warp at a time (in the query tile's bytes when the
-/// query fragments live in registers, in the tile's key stage when that holds it, else
-/// after the query tile). The wgmma kernels of sm_90a (D = 120, 128) store the same tiles
-/// unpadded, 128-byte swizzled, from a 1 KiB-aligned start: fewer bytes, which this covers.
-pub(crate) fn mma_shared_bytes(d: usize) -> u32 {
-    let dp = d.div_ceil(16) * 16;
-    let keys = if d <= 128 { 64 } else { 32 };
-    let row_bytes = (dp + 8) * 2;
-    let tile = keys * row_bytes;
-    let q_regs = mma_row_blocks(d) * dp <= 128;
-    let q = mma_cta_rows(d) * row_bytes;
-    let p = WARPS * 16 * keys * 4;
-    let scratch = if q_regs {
-        q.max(p)
-    } else if tile >= p {
-        q
-    } else {
-        q + p
-    };
-    (4 * tile + scratch) as u32
+impl MmaShape {
+    /// The shape for head size `d` on `arch`.
+    pub(crate) fn new(d: usize, arch: &str) -> Self {
+        let dp = d.div_ceil(16) * 16;
+        let mt = if dp <= 128 { 2 } else { 1 };
+        let cta_rows = 16 * WARPS * mt;
+        let kt = if d <= 128 { 64 } else { 32 };
+        let wgmma = arch == "sm_90a" && dp == 128;
+        let row_bytes = (dp + 8) * 2;
+        let tile_bytes = if wgmma { kt * dp * 2 } else { kt * row_bytes };
+        let q_regs = !wgmma && mt * dp <= 128;
+        let q_bytes = if wgmma {
+            cta_rows * dp * 2
+        } else {
+            cta_rows * row_bytes
+        };
+        let p_bytes = WARPS * 16 * kt * 4;
+        let scratch_in_keys = !q_regs && tile_bytes >= p_bytes;
+        let scratch = if q_regs {
+            q_bytes.max(p_bytes)
+        } else if scratch_in_keys {
+            q_bytes
+        } else {
+            q_bytes + p_bytes
+        };
+        let align = if wgmma { 1024 } else { 16 };
+        MmaShape {
+            d,
+            dp,
+            mt,
+            cta_rows,
+            kt,
+            wgmma,
+            row_bytes,
+            tile_bytes,
+            q_regs,
+            q_bytes,
+            p_bytes,
+            scratch_in_keys,
+            scratch,
+            align,
+            bytes: 4 * tile_bytes + scratch + (align - 16),
+        }
+    }
+
+    fn cuda(&self, name: &str) -> String {
+        constants(
+            name,
+            &[
+                ("D", self.d),
+                ("DP", self.dp),
+                ("MT", self.mt),
+                ("CTA_ROWS", self.cta_rows),
+                ("KT", self.kt),
+                ("ROW_BYTES", self.row_bytes),
+                ("TILE_BYTES", self.tile_bytes),
+                ("Q_BYTES", self.q_bytes),
+                ("P_BYTES", self.p_bytes),
+                ("SCRATCH", self.scratch),
+                ("ALIGN", self.align),
+                ("BYTES", self.bytes),
+            ],
+            &[
+                ("WGMMA", self.wgmma),
+                ("Q_REGS", self.q_regs),
+                ("SCRATCH_IN_KEYS", self.scratch_in_keys),
+            ],
+        )
+    }
 }
 
-/// Warps of an attention kernel's CTA (`WARPS` in attention.cu).
-const WARPS: usize = 4;
+/// The scalar prefill's shape (`S` of `prefill_scalar.cuh`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ScalarShape {
+    d: usize,
+    /// Rows per CTA.
+    rows: usize,
+    /// Keys per tile: the most of 32, 16, 8, 4 whose f32 tiles fit in 44 KiB of static
+    /// shared memory.
+    kt: usize,
+}
 
-/// Rows of the three decode kernels (`_decode1`, `_decode4`, `_decode8`).
-const DECODE_KERNEL_ROWS: [usize; 3] = [1, 4, 8];
+impl ScalarShape {
+    const ROWS: usize = 16;
+
+    /// The shape for head size `d`.
+    pub(crate) fn new(d: usize) -> Self {
+        let rows = Self::ROWS;
+        // Queries, keys (rows padded by one float), values, probabilities.
+        let floats = |keys: usize| rows * d + keys * (d + 1) + keys * d + rows * keys;
+        let kt = [32, 16, 8]
+            .into_iter()
+            .find(|&keys| floats(keys) * 4 <= 44 * 1024)
+            .unwrap_or(4);
+        ScalarShape { d, rows, kt }
+    }
+
+    fn cuda(&self, name: &str) -> String {
+        constants(
+            name,
+            &[("D", self.d), ("ROWS", self.rows), ("KT", self.kt)],
+            &[],
+        )
+    }
+}
+
+/// The decode's shape (`S` of `decode.cuh`, which says what each field means).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DecodeShape {
+    d: usize,
+    rows: usize,
+    ch: usize,
+    lanes: usize,
+    kpw: usize,
+    /// Words of 8 stored elements.
+    w: usize,
+    /// Keys per lane and chunk: the scores s[U][ROWS] live in registers.
+    u: usize,
+    chunk: usize,
+    copy: usize,
+    copies: usize,
+    piece: usize,
+    stage_bytes: usize,
+    /// Chunks in a warp's ring: about 16 KiB of loads in flight per warp, at most 8 chunks.
+    stages: usize,
+    staging: usize,
+    /// Chunks between folds of a warp's f32 state into its f64 one: 128 keys per lane's sum.
+    fold: usize,
+    /// The rings, then the warps' f64 accumulators (rows x D each).
+    bytes: usize,
+}
+
+impl DecodeShape {
+    /// The shape for keys and values stored in `stored` bytes per element, head size `d`,
+    /// `rows` rows.
+    pub(crate) fn new(stored: usize, d: usize, rows: usize) -> Self {
+        let ch = d / 8;
+        let lanes = ch.next_power_of_two();
+        let kpw = 32 / lanes;
+        let w = 2 * stored;
+        let u = 8.min(32 / w).min(32 / rows).min(32 / kpw);
+        let copy = 16.min(4 * w);
+        let copies = 4 * w / copy;
+        let piece = 32 * copy;
+        let stage_bytes = u * 2 * copies * piece;
+        let stages = 8.min(1 + 16384usize.div_ceil(stage_bytes));
+        let staging = WARPS * stages * stage_bytes;
+        DecodeShape {
+            d,
+            rows,
+            ch,
+            lanes,
+            kpw,
+            w,
+            u,
+            chunk: kpw * u,
+            copy,
+            copies,
+            piece,
+            stage_bytes,
+            stages,
+            staging,
+            fold: 128 / u,
+            bytes: staging + WARPS * rows * d * 8,
+        }
+    }
+
+    /// Dynamic shared memory in bytes.
+    pub(crate) fn bytes(&self) -> u32 {
+        self.bytes as u32
+    }
+
+    fn cuda(&self, name: &str) -> String {
+        constants(
+            name,
+            &[
+                ("D", self.d),
+                ("ROWS", self.rows),
+                ("CH", self.ch),
+                ("LANES", self.lanes),
+                ("KPW", self.kpw),
+                ("W", self.w),
+                ("U", self.u),
+                ("CHUNK", self.chunk),
+                ("COPY", self.copy),
+                ("COPIES", self.copies),
+                ("PIECE", self.piece),
+                ("STAGE_BYTES", self.stage_bytes),
+                ("STAGES", self.stages),
+                ("STAGING", self.staging),
+                ("FOLD", self.fold),
+                ("BYTES", self.bytes),
+            ],
+            &[],
+        )
+    }
+}
 
 /// A variant's kernels, loaded on one GPU.
 pub(crate) struct AttentionKernels {
     /// Units of several query tokens.
     pub(crate) prefill: CudaFunction,
+    /// Its CTAs per unit and dynamic shared memory in bytes.
+    pub(crate) prefill_launch: (u32, u32),
     /// Units of one query token, for kv-head groups of 1, up to 4 and up to 8 query heads,
     /// each with its dynamic shared memory in bytes.
     decode: [(CudaFunction, u32); 3],
@@ -278,7 +537,7 @@ pub(crate) struct AttentionKernels {
 
 impl AttentionKernels {
     /// The decode kernel for units of up to `heads` query heads (at most
-    /// [`DECODE_ROWS`](super::plan::DECODE_ROWS)), with its dynamic shared memory: the one
+    /// [`DECODE_ROWS`](super::abi::DECODE_ROWS)), with its dynamic shared memory: the one
     /// with the fewest rows that hold them, since every row costs the same whether a head
     /// fills it or not.
     pub(crate) fn decode(&self, heads: usize) -> (&CudaFunction, u32) {
@@ -314,26 +573,30 @@ pub(crate) fn kernels(gpu: &Gpu, variant: Variant) -> Result<Arc<AttentionKernel
     if let Some(k) = loaded.get(&variant) {
         return Ok(k.clone());
     }
-    let functions = kernels::load(gpu, &variant.source())?;
+    let functions = kernels::load(gpu, &variant.source(&gpu.arch))?;
     let Ok([prefill, decode1, decode4, decode8]) = <[CudaFunction; 4]>::try_from(functions) else {
         unreachable!("a variant's source names four kernels");
     };
-    let (_, shared) = variant.prefill_shape();
-    if shared > 0 {
-        allow_shared(&prefill, shared)?;
+    let prefill_launch = variant.prefill(&gpu.arch).launch();
+    if prefill_launch.1 > 0 {
+        allow_shared(&prefill, prefill_launch.1)?;
     }
     let decode = [decode1, decode4, decode8]
         .into_iter()
         .zip(DECODE_KERNEL_ROWS)
         .map(|(f, rows)| {
-            let bytes = variant.decode_shared_bytes(rows);
+            let bytes = variant.decode(rows).bytes();
             allow_shared(&f, bytes).map(|()| (f, bytes))
         })
         .collect::<Result<Vec<_>>>()?;
     let Ok(decode) = <[(CudaFunction, u32); 3]>::try_from(decode) else {
         unreachable!("three decode kernels");
     };
-    let k = Arc::new(AttentionKernels { prefill, decode });
+    let k = Arc::new(AttentionKernels {
+        prefill,
+        prefill_launch,
+        decode,
+    });
     loaded.insert(variant, k.clone());
     Ok(k)
 }
@@ -385,10 +648,17 @@ mod tests {
     #[test]
     fn the_source_instantiates_the_variant() {
         let v = Variant::all().next().unwrap();
-        let source = v.source();
+        let source = v.source("sm_80");
         assert!(source
             .code
-            .ends_with("ATTENTION_KERNELS(attention_f32_f32_d32_full, F32, Plain<F32>, 32, MASK_NONE, false, false)\n"));
+            .contains("typedef Variant<MASK_NONE, false, false> V;"));
+        assert!(source.code.contains(
+            "attention_f32_f32_d32_full_prefill(const Params p) {\n    \
+             prefill_scalar<F32, Plain<F32>, V, PrefillShape>(p);"
+        ));
+        assert!(source
+            .code
+            .contains("decode<F32, Plain<F32>, V, DecodeShape8>(p);"));
         assert_eq!(
             source.kernels,
             [
@@ -398,6 +668,21 @@ mod tests {
                 "attention_f32_f32_d32_full_decode8"
             ]
         );
+        // The wgmma steps join on sm_90a where the prefill runs them, and only there.
+        let bf16 = |d| {
+            let config = AttentionConfig::builder(8, d).build().unwrap();
+            Variant::for_call(&config, DType::BF16, true).unwrap()
+        };
+        assert!(bf16(128)
+            .source("sm_90a")
+            .code
+            .contains("WgmmaSync<BF16, PrefillShape>"));
+        assert!(!bf16(128).source("sm_80").code.contains("struct WgmmaSync"));
+        assert!(!bf16(64).source("sm_90a").code.contains("struct WgmmaSync"));
+        assert!(bf16(64)
+            .source("sm_90a")
+            .code
+            .contains("MmaSync<BF16, PrefillShape>"));
     }
 
     #[test]
@@ -407,7 +692,13 @@ mod tests {
         assert!(v.tensor_cores());
         // D = 120 pads to 128: 4 tiles of 64 x 136 elements, then the query tile (128 rows,
         // 32 per warp); the scratch (4 warps x 16 rows x 64 f32) fits in a key stage.
-        assert_eq!(v.prefill_shape(), (1, 4 * 64 * 272 + 128 * 272));
+        assert_eq!(v.prefill("sm_80").launch(), (1, 4 * 64 * 272 + 128 * 272));
+        // On sm_90a the wgmma layout: four swizzled 64 x 128 tiles, the 128-row query tile
+        // (the scratch in a key stage), 1 KiB of alignment less the 16 any start has.
+        assert_eq!(
+            v.prefill("sm_90a").launch(),
+            (1, 4 * 64 * 128 * 2 + 128 * 128 * 2 + 1008)
+        );
         assert!(!Variant::for_call(&bf16, DType::F32, true)
             .unwrap()
             .tensor_cores());
@@ -416,26 +707,32 @@ mod tests {
             .build()
             .unwrap();
         let v = Variant::for_call(&fp8, DType::F16, true).unwrap();
-        // The scalar prefill: a unit's 128 rows in CTAs of 16.
-        assert_eq!(v.prefill_shape(), (8, 0));
+        // The scalar prefill: a unit's 128 rows in CTAs of 16, tiles of 32 keys.
+        assert_eq!(v.prefill("sm_90a").launch(), (8, 0));
+        assert_eq!(ScalarShape::new(64).kt, 32);
+        // D = 256: the f32 tiles of 16 keys would take 49 KiB; 8 keys take 33 KiB.
+        assert_eq!(ScalarShape::new(256).kt, 8);
         // D = 256: tiles of 32 keys, 16 rows per warp, two CTAs per unit; the scratch in a
         // key stage.
         let d256 = AttentionConfig::builder(8, 256).build().unwrap();
         let v = Variant::for_call(&d256, DType::BF16, true).unwrap();
-        assert_eq!(v.prefill_shape(), (2, 4 * 32 * 528 + 64 * 528));
+        assert_eq!(v.prefill("sm_80").launch(), (2, 4 * 32 * 528 + 64 * 528));
         // D = 32: the query fragments in registers; the scratch (4 warps x 16 rows x 64 f32)
         // is larger than the query tile it shares bytes with.
-        assert_eq!(mma_shared_bytes(32), 4 * 64 * 80 + 16384);
+        assert_eq!(MmaShape::new(32, "sm_80").bytes, 4 * 64 * 80 + 16384);
         // D = 80: a key stage (11 KiB) is too small for the scratch, which follows the query
         // tile. Every head size leaves room for two CTAs per multiprocessor (2 x 113 KiB).
-        assert_eq!(mma_shared_bytes(80), 4 * 64 * 176 + 128 * 176 + 16384);
-        for d in [32, 64, 80, 96, 112, 120, 128, 192, 256] {
-            assert!(mma_shared_bytes(d) <= 113 * 1024, "D = {d}");
-        }
-        // The wgmma layout (sm_90a, D = 120 and 128): four swizzled 64 x 128 tiles, the
-        // 128-row query tile (the scratch in a key stage), 1 KiB of alignment.
-        for d in [120, 128] {
-            assert!(4 * 64 * 128 * 2 + 128 * 128 * 2 + 1024 <= mma_shared_bytes(d));
+        assert_eq!(
+            MmaShape::new(80, "sm_80").bytes,
+            4 * 64 * 176 + 128 * 176 + 16384
+        );
+        for d in ATTENTION_HEAD_SIZES {
+            for arch in ["sm_80", "sm_90a"] {
+                assert!(
+                    MmaShape::new(d, arch).bytes <= 113 * 1024,
+                    "D = {d} on {arch}"
+                );
+            }
         }
     }
 
@@ -454,23 +751,23 @@ mod tests {
         // bf16, D = 128: chunks of 2 x 8 keys, 8 KiB of keys and values per warp; three
         // stages (two ahead), four warps.
         let bf16 = variant(DType::BF16, KvCacheDtype::Auto, 128);
-        assert_eq!(bf16.decode_shared_bytes(4), 4 * 3 * 8192 + outer(4, 128));
-        assert_eq!(bf16.decode_shared_bytes(1), 4 * 3 * 8192 + outer(1, 128));
+        assert_eq!(bf16.decode(4).bytes(), 4 * 3 * 8192 + outer(4, 128));
+        assert_eq!(bf16.decode(1).bytes(), 4 * 3 * 8192 + outer(1, 128));
         // Eight rows: 4 keys per lane, 4 KiB chunks, five stages; 112 KiB in all, so that two
         // CTAs still share an H100's 228 KiB.
-        assert_eq!(bf16.decode_shared_bytes(8), 4 * 5 * 4096 + outer(8, 128));
-        assert_eq!(bf16.decode_shared_bytes(8), 112 * 1024);
+        assert_eq!(bf16.decode(8).bytes(), 4 * 5 * 4096 + outer(8, 128));
+        assert_eq!(bf16.decode(8).bytes(), 112 * 1024);
         // fp8, D = 256: 2 KiB chunks, at most eight stages.
         let fp8 = variant(DType::BF16, KvCacheDtype::Fp8E4m3, 256);
-        assert_eq!(fp8.decode_shared_bytes(8), 4 * 8 * 2048 + outer(8, 256));
+        assert_eq!(fp8.decode(8).bytes(), 4 * 8 * 2048 + outer(8, 256));
         // f32, D = 256: two 16-byte copies per lane and key.
         let f32 = variant(DType::F32, KvCacheDtype::Auto, 256);
-        assert_eq!(f32.decode_shared_bytes(8), 4 * 3 * 8192 + outer(8, 256));
+        assert_eq!(f32.decode(8).bytes(), 4 * 3 * 8192 + outer(8, 256));
         // Every decode fits the 163 KiB a block may take on an A100 (sm_80), with its
         // static shared memory (under 1 KiB).
         for v in Variant::all() {
             for rows in DECODE_KERNEL_ROWS {
-                assert!(v.decode_shared_bytes(rows) <= 162 * 1024, "{}", v.name());
+                assert!(v.decode(rows).bytes() <= 162 * 1024, "{}", v.name());
             }
         }
     }
