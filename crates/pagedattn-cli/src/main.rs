@@ -319,7 +319,15 @@ fn compile_kernels(
                         .collect();
                     print_ignoring_closed_pipe(&lines);
                 }
-                pagedattn::cuda::check_spills(arch, &compiled)?;
+                let paid = pagedattn::cuda::check_spills(arch, &compiled)?;
+                if !paid.is_empty() {
+                    eprintln!(
+                        "note: {arch}: {} kernels listed in known-spills.txt no longer spill \
+                         (remove their lines): {}",
+                        paid.len(),
+                        paid.join(", ")
+                    );
+                }
                 let mut kernels: Vec<String> = compiled.into_iter().map(|(k, _)| k).collect();
                 // The engine's GPU model's kernels, compiled at its first use like these.
                 if only.is_none_or(|o| "llama".contains(o)) {

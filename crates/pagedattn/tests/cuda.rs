@@ -179,6 +179,17 @@ fn kernels_compile_for_sm80_and_sm90a() {
         let names = cuda::compile_check(arch, None, cuda::CheckDepth::Representative)
             .unwrap_or_else(|e| panic!("{arch}: {e}"));
         cuda::check_spills(arch, &names).unwrap_or_else(|e| panic!("{e}"));
+        // A kernel that spills and is not listed fails the check.
+        let mut spilling = names.clone();
+        let unlisted = spilling
+            .iter_mut()
+            .find(|(n, r)| n == "copy_blocks" && r.is_some())
+            .expect("copy_blocks compiled to machine code");
+        unlisted.1.as_mut().unwrap().spill_stores = 4;
+        assert!(matches!(
+            cuda::check_spills(arch, &spilling),
+            Err(Error::Driver(m)) if m.contains("copy_blocks (4 bytes)")
+        ));
         for kernel in [
             "write_kv_f32_auto",
             "write_kv_f16_e4m3",
