@@ -138,6 +138,9 @@ pub(crate) enum Mask {
 }
 
 impl Mask {
+    /// Every mask kind, in the order of their CUDA constants.
+    const ALL: [Mask; 3] = [Mask::None, Mask::Causal, Mask::Window];
+
     /// The CUDA constant naming it.
     pub(crate) fn c_name(self) -> &'static str {
         match self {
@@ -223,7 +226,8 @@ pub(crate) fn header() -> String {
     );
     s += &SeqField::declaration();
     s += &UnitField::declaration();
-    s += "enum { MASK_NONE, MASK_CAUSAL, MASK_WINDOW };\n";
+    let masks: Vec<&str> = Mask::ALL.iter().map(|m| m.c_name()).collect();
+    let _ = writeln!(s, "enum {{ {} }};", masks.join(", "));
     let _ = writeln!(
         s,
         "constexpr int THREADS = {THREADS};\nconstexpr int WARPS = {WARPS};"

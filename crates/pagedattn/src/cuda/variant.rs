@@ -217,7 +217,11 @@ impl Variant {
             self.alibi,
             self.soft_cap
         );
-        let entry = |code: &mut String, kernel: &str, call: &str| {
+        // The kernels' names, in the order their users index them, as the entry points are
+        // made.
+        let mut kernels = Vec::new();
+        let mut entry = |code: &mut String, kernel: &str, call: &str| {
+            kernels.push(format!("{name}_{kernel}"));
             code.push_str(&format!(
                 "extern \"C\" __global__ void __launch_bounds__(THREADS) {name}_{kernel}(const Params p) {{\n    {call}(p);\n}}\n"
             ));
@@ -255,10 +259,7 @@ impl Variant {
         parts.push(&code);
         KernelSource {
             code: parts.concat(),
-            kernels: ["prefill", "decode1", "decode4", "decode8"]
-                .iter()
-                .map(|k| format!("{name}_{k}"))
-                .collect(),
+            kernels,
             name,
         }
     }
@@ -541,11 +542,8 @@ impl AttentionKernels {
     /// with the fewest rows that hold them, since every row costs the same whether a head
     /// fills it or not.
     pub(crate) fn decode(&self, heads: usize) -> (&CudaFunction, u32) {
-        let (f, bytes) = match heads {
-            0 | 1 => &self.decode[0],
-            2..=4 => &self.decode[1],
-            _ => &self.decode[2],
-        };
+        let fits = DECODE_KERNEL_ROWS.iter().position(|&rows| heads <= rows);
+        let (f, bytes) = &self.decode[fits.unwrap_or(DECODE_KERNEL_ROWS.len() - 1)];
         (f, *bytes)
     }
 }
@@ -573,16 +571,16 @@ pub(crate) fn kernels(gpu: &Gpu, variant: Variant) -> Result<Arc<AttentionKernel
     if let Some(k) = loaded.get(&variant) {
         return Ok(k.clone());
     }
-    let functions = kernels::load(gpu, &variant.source(&gpu.arch))?;
-    let Ok([prefill, decode1, decode4, decode8]) = <[CudaFunction; 4]>::try_from(functions) else {
-        unreachable!("a variant's source names four kernels");
+    // The prefill, then one decode per DECODE_KERNEL_ROWS entry (`Variant::source`).
+    let mut functions = kernels::load(gpu, &variant.source(&gpu.arch))?.into_iter();
+    let Some(prefill) = functions.next() else {
+        unreachable!("a variant's source names its prefill first");
     };
     let prefill_launch = variant.prefill(&gpu.arch).launch();
     if prefill_launch.1 > 0 {
         allow_shared(&prefill, prefill_launch.1)?;
     }
-    let decode = [decode1, decode4, decode8]
-        .into_iter()
+    let decode = functions
         .zip(DECODE_KERNEL_ROWS)
         .map(|(f, rows)| {
             let bytes = variant.decode(rows).bytes();
