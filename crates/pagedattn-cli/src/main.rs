@@ -312,8 +312,8 @@ fn compile_kernels(
                         .filter_map(|(_, r)| r.as_ref())
                         .map(|r| {
                             format!(
-                                "{arch} {} registers {} stack {}\n",
-                                r.kernel, r.registers, r.stack_bytes
+                                "{arch} {} registers {} stack {} spills {}/{}\n",
+                                r.kernel, r.registers, r.stack_bytes, r.spill_stores, r.spill_loads
                             )
                         })
                         .collect();

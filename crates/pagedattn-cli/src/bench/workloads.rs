@@ -196,6 +196,13 @@ impl Workload {
         self
     }
 
+    /// Another head size than the scale's, named in the row (` D64`).
+    fn head_size(mut self, d: usize) -> Workload {
+        self.head_size = d;
+        self.name += &format!(" D{d}");
+        self
+    }
+
     /// Bytes per stored cache element.
     pub fn cache_elem_bytes(&self) -> usize {
         match self.kv_cache_dtype {
@@ -445,7 +452,8 @@ fn cpu_suite(suite: Suite, scale: Scale) -> Vec<Workload> {
 }
 
 /// A GPU's workloads (issue 12's targets): decode 64 x 4096 (32 query / 8 kv heads, D = 128,
-/// block 16, shuffled, bf16), prefill 1 x 8192 causal with 32 heads over the paged cache, a
+/// block 16, shuffled, bf16), prefill 1 x 8192 causal with 32 heads over the paged cache (the
+/// full suite also at D = 64 and 256), a
 /// mixed batch timed with its prefill and decode parts, the paging pair at the headline decode.
 /// Tiny shapes: the CPU's, the mixed batch with its parts.
 fn gpu_suite(suite: Suite, scale: Scale) -> Vec<Workload> {
@@ -479,6 +487,8 @@ fn gpu_suite(suite: Suite, scale: Scale) -> Vec<Workload> {
                 prefill(scale, 1, 8192, h).headline(),
                 prefill(scale, 4, 2048, h),
                 prefill(scale, 1, 8192, 8),
+                prefill(scale, 1, 8192, h).head_size(64),
+                prefill(scale, 1, 8192, h).head_size(256),
             ],
         },
         Suite::Mixed => with_parts(mixed(scale, 1024, 3072, 2048, 64, 4096)),

@@ -1,7 +1,7 @@
 // The FlashAttention-2 prefill on the tensor cores (bf16 and f16 activations with keys and
-// values stored as such), for any architecture family whose tensor-core steps TC provide
-// (MmaSync: tensor_core_sm80.cuh; WgmmaSync: tensor_core_sm90.cuh): TC stores the tiles,
-// computes S = Q K^T and O += P V; this file owns the pipeline, the masks and the softmax.
+// values stored as such) for the tensor-core steps TC (MmaSync: tensor_core_sm80.cuh), which
+// store the tiles and compute S = Q K^T and O += P V; this file owns the pipeline, and runs
+// the masks and the softmax (softmax.cuh) on the fragments. Hopper runs prefill_sm90.cuh.
 //
 // Its shape S (MmaShape in src/cuda/variant.rs, generated into the program): rows of keys,
 // values and queries are D elements padded with zero columns to DP, a multiple of the mma's
@@ -13,8 +13,7 @@
 // read into registers once, when Q_REGS) and the scratch of the P.V by selects (P_BYTES, one
 // row block at a time: in the query tile's bytes when the queries live in registers, else in
 // the tile's own key stage when that is large enough (SCRATCH_IN_KEYS: its keys are used up by
-// then), else after the query tile); ALIGN bytes allow for the tiles' alignment. BYTES in all,
-// which the kernel checks the launch gave.
+// then), else after the query tile). BYTES in all, which the kernel checks the launch gave.
 
 // CTA_ROWS rows of a prefill unit (row block mt of warp w, as MmaShape says: rows + lane / 4
 // and + 8 of it are this thread's, after the CTA's first row blockIdx.y * CTA_ROWS) over the
@@ -26,14 +25,14 @@
 // off_s[i % 3], with a bit mask of the tile's non-keys (past the unit, slot -1), whose rows
 // cp.async fills with zeros instead of reading: no thread waits on a lookup's global reads
 // (a warp that did would hold the others at the next barrier). Per tile: S = Q K^T
-// on the tensor cores (wgmma: after each thread's copies are fenced for the async proxy);
+// on the tensor cores;
 // the scale (unless `unscaled`), soft cap and ALiBi on the fragments; where the tile is
 // `masked` (a non-key in it, or a row that does not attend all of it) a select puts -Inf on
 // the scores rows do not attend; the online softmax per row (a quad of lanes holds a row); P
 // rounded to E, then O += P V on the tensor cores. A masked tile where some row does not
 // attend some key of it (`rows_full` false: the diagonal, a window's edge) is scanned for
 // non-finite values first; if it holds one, its P.V runs through selects instead (`P_BYTES`
-// of scratch), so that 0 * NaN never reaches a row that does not attend that key. (Non-keys
+// of scratch: 16 x KT elements per warp), so that 0 * NaN never reaches a row that does not attend that key. (Non-keys
 // are zeros: 0 * 0 enters.)
 template <class E, class V, class S, class TC>
 __device__ __forceinline__ void prefill_mma(const Params& p) {
@@ -41,6 +40,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     constexpr int CH = D / 8;   // 16-byte chunks of a stored row
     constexpr int NT = KT / 8;  // n-tiles of the scores
     constexpr int DT = DP / 8;  // n-tiles of the output
+    constexpr int WORDS = (KT + 31) / 32;  // of a tile's non-key mask
     static_assert(KT <= 64 && THREADS >= 64, "threads 0..63 look up a tile's keys");
     __shared__ i64 off_s[3][KT];     // element offset of each key's row; -1: not a key
     __shared__ i64 table_s[3][KT];   // paged: the block-table entry of each key
@@ -49,9 +49,8 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     __shared__ int range_s[2];       // the largest lo and the smallest hi of the real rows
     __shared__ i64 seq_s[3];         // the sequence's SEQ_NEW_START, SEQ_SLOT_BASE, SEQ_KEY_BASE
 
-    u8* const given = dynamic_shared(S::BYTES);
-    const u32 base = (smem_address(given) + S::ALIGN - 1) & ~(u32)(S::ALIGN - 1);
-    u8* const smem = given + (base - smem_address(given));
+    u8* const smem = dynamic_shared(S::BYTES);
+    const u32 base = smem_address(smem);
     const u32 q_base = base + 4 * S::TILE_BYTES;
 
     typedef typename E::Bits Bits;
@@ -266,9 +265,18 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         // (and, with wgmma, for the tensor cores' reads).
         __syncthreads();
         const int j0 = key_start + i * KT;
-        const u64 absent = (u64)invalid_s[i % 3][1] << 32 | invalid_s[i % 3][0];
+        u32 absent[WORDS];
+#pragma unroll
+        for (int x = 0; x < WORDS; ++x) {
+            absent[x] = invalid_s[i % 3][x];
+        }
+        bool any_absent = false;
+#pragma unroll
+        for (int x = 0; x < WORDS; ++x) {
+            any_absent |= absent[x] != 0;
+        }
         const bool rows_full = range_s[0] <= j0 && range_s[1] - j0 >= min(KT, key_end - j0);
-        const bool masked = !rows_full || absent != 0;
+        const bool masked = !rows_full || any_absent;
         const u32 k_tile = base + (i % 2) * S::TILE_BYTES;
         const u32 v_tile = k_tile + 2 * S::TILE_BYTES;
 
@@ -276,183 +284,67 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         float s[MT][NT][4];
         tc.qk(s, k_tile);
 
-        // Scores (element e of n-tile n: row e / 2, key 8 n + 2 t4 + e % 2) with their
-        // modifiers and, on a masked tile, -Inf where a row does not attend a key; then the
-        // online softmax of this thread's rows (a quad of lanes shares each row). The masked
-        // and the plain tile are two copies of the loop, so that the plain one carries no
-        // mask arithmetic. Variants without soft cap and ALiBi keep a positive scale out of the
-        // scores (`unscaled`): the max and the masks work on the dot products themselves, whose
-        // order is the scaled scores', and the scale joins the weights' exponent factor.
-        auto scores = [&](auto masked_tile, auto unscaled_tile) {
-            constexpr bool MASKED = decltype(masked_tile)::value;
-            constexpr bool UNSCALED = decltype(unscaled_tile)::value;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                int row_lo[2], row_hi[2];
-                if (MASKED) {
-#pragma unroll
-                    for (int ri = 0; ri < 2; ++ri) {
-                        row_lo[ri] = lo_s[row_index(mt, ri) - row_base];
-                        row_hi[ri] = hi_s[row_index(mt, ri) - row_base];
-                    }
-                }
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int t = 8 * n + 2 * t4 + e % 2, ri = e / 2;
-                        float x = UNSCALED ? s[mt][n][e]
-                                           : V::logits(p, s[mt][n][e],
-                                                 (i64)j0 + t - pos[mt][ri], slope[mt][ri]);
-                        if (MASKED) {
-                            const bool a = (((absent >> t) & 1) == 0) &
-                                           (t >= row_lo[ri] - j0) & (t < row_hi[ri] - j0);
-                            x = a ? x : -f32_inf();
-                            attended |= (u32)a << (2 * mt + ri);
-                        }
-                        s[mt][n][e] = x;
-                    }
-                }
-            }
-        };
-        if (masked && unscaled) {
-            scores(Flag<true>(), Flag<true>());
-        } else if (masked) {
-            scores(Flag<true>(), Flag<false>());
-        } else {
-            if (!unscaled) {
-                scores(Flag<false>(), Flag<false>());
-            }
-            attended = ~0u;
-        }
-        // Each row's new max, the factor rescaling its state, its softmax base.
-        float alpha[MT][2], base_of[MT][2];
-        bool all_foldable = true, changed = false;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int ri = 0; ri < 2; ++ri) {
-                float tile_max = -f32_inf();
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    tile_max = fmaxf(tile_max, fmaxf(s[mt][n][2 * ri], s[mt][n][2 * ri + 1]));
-                }
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 1));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, 2));
-                const float m_new =
-                    fmaxf(m[mt][ri], unscaled ? tile_max * p.score_scale : tile_max);
-                alpha[mt][ri] = rescale(m[mt][ri], m_new);
-                m[mt][ri] = m_new;
-                base_of[mt][ri] = softmax_base(m_new);
-                all_foldable &= foldable(base_of[mt][ri]);
-                changed |= alpha[mt][ri] != 1.0f;
-            }
-        }
-        // The weights and the rows' sums: one FFMA per score where every row of the warp has
-        // a small base, else `weight` (a warp-uniform choice). `to_score` turns a value of s
-        // into its score, `to_log2` into the score times log2(e).
-        const float to_score = unscaled ? p.score_scale : 1.0f;
-        const float to_log2 = to_score * LOG2E;
-        auto weights = [&](auto folded) {
+        // The scores with their modifiers and, on a masked tile, -Inf where a row does not
+        // attend a key (the rows' bounds wait in shared memory until then); the masked and
+        // the plain tile are two instances, so that the plain one carries no mask arithmetic.
+        // Variants without soft cap and ALiBi keep a positive scale out of the scores
+        // (`unscaled`): the max and the masks work on the dot products themselves, whose order
+        // is the scaled scores', and the scale joins the weights' exponent factor.
+        if (masked) {
+            int row_lo[MT][2], row_hi[MT][2];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
                 for (int ri = 0; ri < 2; ++ri) {
-                    const float base_log2e = base_of[mt][ri] * LOG2E;
-                    float sum = 0.0f;
-#pragma unroll
-                    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                        for (int e = 2 * ri; e < 2 * ri + 2; ++e) {
-                            s[mt][n][e] =
-                                decltype(folded)::value
-                                    ? weight_folded(s[mt][n][e], to_log2, base_log2e)
-                                    : weight(s[mt][n][e] * to_score, base_of[mt][ri]);
-                            sum += s[mt][n][e];
-                        }
-                    }
-                    l[mt][ri] = l[mt][ri] * alpha[mt][ri] + sum;
+                    row_lo[mt][ri] = lo_s[row_index(mt, ri) - row_base];
+                    row_hi[mt][ri] = hi_s[row_index(mt, ri) - row_base];
                 }
             }
-        };
-        if (__all_sync(FULL, all_foldable)) {
-            weights(Flag<true>());
+            if (unscaled) {
+                tile_scores<V, true, true>(p, s, j0, pos, slope, row_lo, row_hi, absent,
+                                           attended);
+            } else {
+                tile_scores<V, true, false>(p, s, j0, pos, slope, row_lo, row_hi, absent,
+                                            attended);
+            }
         } else {
-            weights(Flag<false>());
-        }
-        // The accumulators rescaled, unless no row of the warp changed its max (every factor
-        // exactly 1).
-        if (__any_sync(FULL, changed)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-                for (int n = 0; n < DT; ++n) {
-                    o[mt][n][0] *= alpha[mt][0];
-                    o[mt][n][1] *= alpha[mt][0];
-                    o[mt][n][2] *= alpha[mt][1];
-                    o[mt][n][3] *= alpha[mt][1];
-                }
+            if (!unscaled) {
+                tile_scores<V, false, false>(p, s, j0, pos, slope, lo, hi, absent, attended);
             }
+            attended = ~0u;
+        }
+        // The online softmax; the accumulators rescaled unless no row of the warp changed its
+        // max (every factor exactly 1).
+        float alpha[MT][2];
+        if (softmax_tile(s, m, l, alpha, unscaled ? p.score_scale : 1.0f)) {
+            rescale_rows(o, alpha);
         }
 
-        // A tile where some row does not attend some key: any non-finite value in it?
-        bool by_selects = false;
-        if (!rows_full) {
-            bool bad = false;
-            for (int c = tid; c < KT * CH; c += THREADS) {
-                const int t = c / CH, col = c % CH;
-                const U128 v =
-                    *(const U128*)(smem + (v_tile - base) + TC::chunk_at(KT, t, col));
-                const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int x = 0; x < 4; ++x) {
-                    bad |= (w[x] & E::EXPONENT) == E::EXPONENT ||
-                           ((w[x] >> 16) & E::EXPONENT) == E::EXPONENT;
-                }
-            }
-            by_selects = __syncthreads_or(bad) != 0;
-        }
-
+        // A tile where some row does not attend some key: any non-finite value in it? If so
+        // its P.V runs through selects (every warp is past this tile's S = Q K^T: the barrier
+        // of __syncthreads_or), each row block's probabilities through the warp's scratch.
+        const bool by_selects =
+            !rows_full && __syncthreads_or(tile_nonfinite<E, TC, KT, CH>(
+                              smem + (v_tile - base), tid, THREADS)) != 0;
         if (!by_selects) {
             tc.pv(o, s, v_tile);
         } else {
-            // The rare tile: each row block's probabilities through the warp's scratch, and
-            // each key's value added only to the rows that attend it. (Every warp is past
-            // this tile's S = Q K^T: the barrier of __syncthreads_or above.)
             u8* const scratch_at =
                 S::Q_REGS           ? smem + 4 * S::TILE_BYTES
                 : S::SCRATCH_IN_KEYS ? smem + (i % 2) * S::TILE_BYTES
                                      : smem + 4 * S::TILE_BYTES + S::Q_BYTES;
-            float* const ps = (float*)scratch_at + warp * 16 * KT;
-            const u8* const v_stage = smem + (v_tile - base);
+            u32* const scratch = (u32*)scratch_at + warp * 8 * KT;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
+                u32 a[KT / 16][4];
 #pragma unroll
-                for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        ps[(g + 8 * (e / 2)) * KT + 8 * n + 2 * t4 + e % 2] = s[mt][n][e];
-                    }
+                for (int kk = 0; kk < KT / 16; ++kk) {
+                    p_fragment<E>(a[kk], s, mt, kk);
                 }
-                __syncwarp();
-#pragma unroll 1
-                for (int t = 0; t < KT; ++t) {
-                    const bool key = !((absent >> t) & 1);
-                    const int r0 = row_index(mt, 0) - row_base, r1 = r0 + 8;
-                    const bool a0 = key && t >= lo_s[r0] - j0 && t < hi_s[r0] - j0;
-                    const bool a1 = key && t >= lo_s[r1] - j0 && t < hi_s[r1] - j0;
-                    const float p0 = ps[g * KT + t], p1 = ps[(g + 8) * KT + t];
-#pragma unroll
-                    for (int n = 0; n < DT; ++n) {
-                        const Bits* v = (const Bits*)(v_stage + TC::chunk_at(KT, t, n)) + 2 * t4;
-                        const float v0 = E::to_f32(v[0]), v1 = E::to_f32(v[1]);
-                        o[mt][n][0] = a0 ? fmaf(p0, v0, o[mt][n][0]) : o[mt][n][0];
-                        o[mt][n][1] = a0 ? fmaf(p0, v1, o[mt][n][1]) : o[mt][n][1];
-                        o[mt][n][2] = a1 ? fmaf(p1, v0, o[mt][n][2]) : o[mt][n][2];
-                        o[mt][n][3] = a1 ? fmaf(p1, v1, o[mt][n][3]) : o[mt][n][3];
-                    }
-                }
-                __syncwarp();
+                const int r0 = row_index(mt, 0) - row_base, r1 = r0 + 8;
+                const int row_lo[2] = {lo_s[r0], lo_s[r1]}, row_hi[2] = {hi_s[r0], hi_s[r1]};
+                pv_by_selects<E, TC, KT>(o[mt], a, scratch, smem + (v_tile - base), j0, row_lo,
+                                         row_hi, absent);
             }
         }
         // Tile i + 2's entries (every group but tile i + 1's), then its offsets: seen by tile
@@ -463,6 +355,11 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     // No copy outlives the kernel (with no tiles, the query tile's).
     cp_async_wait<0>();
 
-    prefill_epilogue<E, V, TC, D>(p, o, m, l, attended, row_base, rows, first_token, first_head,
-                                  heads);
+    int block_row[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        block_row[mt] = row_base + TC::row_block(warp, mt);
+    }
+    prefill_epilogue<E, V, D>(p, o, m, l, attended, block_row, rows, first_token, first_head,
+                              heads);
 }

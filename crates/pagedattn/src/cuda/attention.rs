@@ -274,14 +274,14 @@ impl CudaAttention {
     }
 
     /// Queues one attention kernel over the `units` section (nothing when it is empty):
-    /// `shape` is (CTAs per unit, dynamic shared memory in bytes).
+    /// `shape` is (CTAs per unit, threads per CTA, dynamic shared memory in bytes).
     fn launch(
         &self,
         kernel: &cudarc::driver::CudaFunction,
         params: Params,
         prepared: &Prepared,
         units: &Range<usize>,
-        shape: (u32, u32),
+        shape: (u32, u32, u32),
         what: &str,
     ) -> Result<()> {
         let count = units.len() / UnitField::COUNT;
@@ -294,8 +294,8 @@ impl CudaAttention {
         };
         let config = LaunchConfig {
             grid_dim: (grid_size(count, "attention units")?, shape.0, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: shape.1,
+            block_dim: (shape.1, 1, 1),
+            shared_mem_bytes: shape.2,
         };
         self.gpu.with_queue(|stream| {
             let mut launch = stream.launch_builder(kernel);
@@ -538,7 +538,7 @@ impl AttentionImpl for CudaAttention {
             params,
             prepared,
             &prepared.decode,
-            (1, decode_shared),
+            (1, THREADS, decode_shared),
             "attention decode",
         )?;
         kernels::merge(

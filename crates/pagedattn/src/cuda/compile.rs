@@ -256,10 +256,13 @@ fn resources(log: &str) -> Vec<KernelResources> {
 }
 
 /// Whether a line of NVRTC's log is the assembler's report (`ptxas info ...` and its
-/// continuation lines `ptxas    . ...`), not a warning.
+/// continuation lines `ptxas    . ...`), not a warning. The assembler's notes of a "Potential
+/// Performance Loss" (e.g. wgmma serialized) come as `ptxas info` too: they count as warnings.
 fn is_report(line: &str) -> bool {
-    line.strip_prefix("ptxas")
-        .is_some_and(|rest| rest.starts_with(" info") || rest.trim_start().starts_with('.'))
+    !line.contains("Performance Loss")
+        && line
+            .strip_prefix("ptxas")
+            .is_some_and(|rest| rest.starts_with(" info") || rest.trim_start().starts_with('.'))
 }
 
 /// What NVRTC is asked for.
@@ -728,6 +731,11 @@ mod tests {
         assert!(log.lines().all(is_report));
         assert!(!is_report(
             "k.cu(3): warning #177-D: variable \"x\" was declared but never referenced"
+        ));
+        // A serialized wgmma is a warning, though the assembler says it as info.
+        assert!(!is_report(
+            "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions \
+             are serialized due to non wgmma instructions defining accumulator registers"
         ));
         assert_eq!(
             resources(log),

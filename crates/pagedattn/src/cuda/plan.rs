@@ -32,6 +32,9 @@ pub(crate) const MIN_PARTITION_KEYS: usize = 256;
 pub(crate) const PARTITION_ALIGN: usize = 32;
 /// Thread blocks per multiprocessor below which long decodes are split.
 const BLOCKS_PER_SM: usize = 2;
+/// Bytes of keys and values (counted as 16-bit elements) of the kv heads whose prefill units
+/// run together: a third of an H100's L2 cache.
+const L2_GROUP_BYTES: usize = 16 << 20;
 
 /// f32 elements of one partial record: m, l, attended, padding, then the D accumulators
 /// (`None` where that overflows).
@@ -139,6 +142,12 @@ pub(crate) fn build(
     let group = config.num_queries_per_kv();
     let mut work = Work::default();
     let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+    // Prefill units come in groups of kv heads whose keys and values fit in a part of the L2
+    // cache (`L2_GROUP_BYTES`), so that the thread blocks running at once re-read keys and
+    // values from L2 rather than from memory (each unit of a long causal prompt reads its kv
+    // head's keys from the start).
+    let l2_rows = (L2_GROUP_BYTES / (4 * config.head_size())).max(1);
+    let (mut l2_group, mut group_rows) = (0, 0);
     // Where sequence s's encoder tokens start among the call's key/value rows.
     let mut encoder_start = 0;
     for s in 0..md.num_seqs() {
@@ -194,22 +203,31 @@ pub(crate) fn build(
                 }
                 continue;
             }
+            // This kv head's keys join the current L2 group, or open the next one.
+            if group_rows > 0 && group_rows + n > l2_rows {
+                l2_group += 1;
+                group_rows = 0;
+            }
+            group_rows += n;
             let heads = group.min(PREFILL_ROWS);
             let per_unit = PREFILL_ROWS / heads;
             for head in (0..group).step_by(heads) {
                 for token in (0..tokens.len()).step_by(per_unit) {
                     let last = (token + per_unit).min(tokens.len()) - 1;
                     let (a, b) = (keys_of(token), keys_of(last));
-                    prefill.push(Unit {
-                        seq: s,
-                        kv_head,
-                        token,
-                        tokens: last + 1 - token,
-                        head,
-                        heads: heads.min(group - head),
-                        keys: a.start.min(b.start)..a.end.max(b.end),
-                        split: None,
-                    });
+                    prefill.push((
+                        l2_group,
+                        Unit {
+                            seq: s,
+                            kv_head,
+                            token,
+                            tokens: last + 1 - token,
+                            head,
+                            heads: heads.min(group - head),
+                            keys: a.start.min(b.start)..a.end.max(b.end),
+                            split: None,
+                        },
+                    ));
                 }
             }
         }
@@ -259,11 +277,11 @@ pub(crate) fn build(
             work.merges.extend(merge.map(|x| x as i64));
         }
     }
-    // Longest units first: thread blocks start in grid order, so the short units fill the
-    // gaps the long ones leave at the end instead of the long ones running alone in a last
-    // wave (a causal prompt's units grow from 1 key tile to its whole length).
-    prefill.sort_by_key(|unit| std::cmp::Reverse(unit.keys.len()));
-    for unit in prefill {
+    // Within an L2 group, longest units first: thread blocks start in grid order, so the short
+    // units fill the gaps the long ones leave at the end instead of the long ones running alone
+    // in a last wave (a causal prompt's units grow from 1 key tile to its whole length).
+    prefill.sort_by_key(|(l2_group, unit)| (*l2_group, std::cmp::Reverse(unit.keys.len())));
+    for (_, unit) in prefill {
         work.prefill.extend(unit.record());
     }
     work
@@ -393,6 +411,24 @@ mod tests {
     }
 
     #[test]
+    fn prefill_units_come_in_l2_groups_of_kv_heads_longest_first() {
+        // D = 64: 65536 key rows per group, so four kv heads of a 16384-token prompt each.
+        let cfg = config(8, 8, None);
+        let md = MetadataBuilder::new(4096)
+            .push(SequenceDesc::prompt(0, 16384, &[0, 1, 2, 3]))
+            .build()
+            .unwrap();
+        let work = build(&cfg, &md, Some(4096), true, Split::Auto { sm_count: 132 });
+        let all = units(&work.prefill);
+        assert_eq!(all.len(), 8 * 128);
+        for (half, heads) in all.chunks(4 * 128).zip([0..4, 4..8]) {
+            assert!(half.iter().all(|u| heads.contains(&u[1])), "{heads:?}");
+            let lens: Vec<i64> = half.iter().map(|u| u[7] - u[6]).collect();
+            assert!(lens.windows(2).all(|w| w[0] >= w[1]), "{lens:?}");
+        }
+    }
+
+    #[test]
     fn prefill_units_cover_their_rows_keys() {
         // Groups of 3 (5 tokens per unit), 20 of them (16 heads, then 4), one window.
         for (heads, kv_heads) in [(6, 2), (20, 1), (32, 2)] {
@@ -412,6 +448,7 @@ mod tests {
                 let (first, last) = (ctx + u[2], ctx + u[2] + u[3] - 1);
                 assert_eq!(u[6]..u[7], (first - 6).max(0)..last + 1);
             }
+            // (All these kv heads' keys fit in one L2 group.)
             let lens: Vec<i64> = units(&work.prefill).iter().map(|u| u[7] - u[6]).collect();
             assert!(
                 lens.windows(2).all(|w| w[0] >= w[1]),

@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 pub const ATTENTION_HEAD_SIZES: [usize; 9] = [32, 64, 80, 96, 112, 120, 128, 192, 256];
 
 /// The pieces of an attention program, in the order they are compiled (each file says what
-/// it holds). `tensor_core_sm90.cuh` joins only where a variant runs wgmma.
+/// it holds). The prefill's pieces are those of its kernel family.
 mod pieces {
     pub(super) const PTX: &str = include_str!("../../kernels/attention/ptx.cuh");
     pub(super) const SOFTMAX: &str = include_str!("../../kernels/attention/softmax.cuh");
@@ -43,6 +43,7 @@ mod pieces {
         include_str!("../../kernels/attention/tensor_core_sm90.cuh");
     pub(super) const EPILOGUE: &str = include_str!("../../kernels/attention/epilogue.cuh");
     pub(super) const PREFILL_MMA: &str = include_str!("../../kernels/attention/prefill_mma.cuh");
+    pub(super) const PREFILL_SM90: &str = include_str!("../../kernels/attention/prefill_sm90.cuh");
     pub(super) const DECODE: &str = include_str!("../../kernels/attention/decode.cuh");
 }
 
@@ -129,7 +130,8 @@ impl Variant {
         })
     }
 
-    /// Whether the prefill runs on the tensor cores (`prefill_mma.cuh`): bf16 and
+    /// Whether the prefill runs on the tensor cores (`prefill_mma.cuh`, or on sm_90a from
+    /// D = 64 on `prefill_sm90.cuh`): bf16 and
     /// f16 activations whose keys and values are stored as such. Other variants run the
     /// scalar prefill.
     pub(crate) fn tensor_cores(&self) -> bool {
@@ -139,8 +141,10 @@ impl Variant {
     /// The prefill's shape on `arch`: the tensor cores' (see [`Variant::tensor_cores`]) or
     /// the scalar kernel's.
     pub(crate) fn prefill(&self, arch: &str) -> PrefillShape {
-        if self.tensor_cores() {
-            PrefillShape::Mma(MmaShape::new(self.head_size, arch))
+        if self.tensor_cores() && arch == "sm_90a" && self.head_size >= 64 {
+            PrefillShape::Sm90(Sm90Shape::new(self.head_size))
+        } else if self.tensor_cores() {
+            PrefillShape::Mma(MmaShape::new(self.head_size))
         } else {
             PrefillShape::Scalar(ScalarShape::new(self.head_size))
         }
@@ -192,7 +196,6 @@ impl Variant {
             KvCacheDtype::Fp8E5m2 => "E5M2".to_string(),
         };
         let prefill = self.prefill(arch);
-        let wgmma = matches!(prefill, PrefillShape::Mma(s) if s.wgmma);
         let header = abi::header();
         let mut parts: Vec<&str> = vec![
             ELEMENTS,
@@ -203,11 +206,16 @@ impl Variant {
             pieces::PAGED_KV,
             pieces::PREFILL_SCALAR,
             pieces::TENSOR_CORE_SM80,
+            pieces::EPILOGUE,
         ];
-        if wgmma {
-            parts.push(pieces::TENSOR_CORE_SM90);
+        match prefill {
+            PrefillShape::Mma(_) => parts.push(pieces::PREFILL_MMA),
+            PrefillShape::Sm90(_) => {
+                parts.extend([pieces::TENSOR_CORE_SM90, pieces::PREFILL_SM90]);
+            }
+            PrefillShape::Scalar(_) => {}
         }
-        parts.extend([pieces::EPILOGUE, pieces::PREFILL_MMA, pieces::DECODE]);
+        parts.push(pieces::DECODE);
 
         // The generated part: the variant's hooks, its shapes, its kernels.
         let mut code = format!(
@@ -220,39 +228,32 @@ impl Variant {
         // The kernels' names, in the order their users index them, as the entry points are
         // made.
         let mut kernels = Vec::new();
-        let mut entry = |code: &mut String, kernel: &str, call: &str| {
+        // (`threads`: the CTA's, which the launch gives; one CTA per multiprocessor where
+        // the kernel reallocates registers between its warpgroups.)
+        let mut entry = |code: &mut String, kernel: &str, threads: u32, call: &str| {
             kernels.push(format!("{name}_{kernel}"));
             code.push_str(&format!(
-                "extern \"C\" __global__ void __launch_bounds__(THREADS) {name}_{kernel}(const Params p) {{\n    {call}(p);\n}}\n"
+                "extern \"C\" __global__ void __launch_bounds__({threads}, 1) {name}_{kernel}(const Params p) {{\n    {call}(p);\n}}\n"
             ));
         };
-        match prefill {
-            PrefillShape::Mma(shape) => {
-                code += &shape.cuda("PrefillShape");
-                let steps = if shape.wgmma { "WgmmaSync" } else { "MmaSync" };
-                entry(
-                    &mut code,
-                    "prefill",
-                    &format!(
-                        "prefill_mma<{element}, V, PrefillShape, {steps}<{element}, PrefillShape>>"
-                    ),
-                );
+        code += &prefill.cuda("PrefillShape");
+        let call = match prefill {
+            PrefillShape::Mma(_) => {
+                format!("prefill_mma<{element}, V, PrefillShape, MmaSync<{element}, PrefillShape>>")
             }
-            PrefillShape::Scalar(shape) => {
-                code += &shape.cuda("PrefillShape");
-                entry(
-                    &mut code,
-                    "prefill",
-                    &format!("prefill_scalar<{element}, {storage}, V, PrefillShape>"),
-                );
+            PrefillShape::Sm90(_) => format!("prefill_sm90<{element}, V, PrefillShape>"),
+            PrefillShape::Scalar(_) => {
+                format!("prefill_scalar<{element}, {storage}, V, PrefillShape>")
             }
-        }
+        };
+        entry(&mut code, "prefill", prefill.launch().1, &call);
         for rows in DECODE_KERNEL_ROWS {
             let shape_name = format!("DecodeShape{rows}");
             code += &self.decode(rows).cuda(&shape_name);
             entry(
                 &mut code,
                 &format!("decode{rows}"),
+                abi::THREADS,
                 &format!("decode<{element}, {storage}, V, {shape_name}>"),
             );
         }
@@ -280,24 +281,121 @@ fn constants(name: &str, ints: &[(&str, usize)], flags: &[(&str, bool)]) -> Stri
 /// A prefill kernel's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PrefillShape {
-    /// The tensor-core kernel (`prefill_mma.cuh`).
+    /// The tensor-core kernel of mma.sync (`prefill_mma.cuh`).
     Mma(MmaShape),
+    /// Hopper's warp-specialized wgmma kernel (`prefill_sm90.cuh`).
+    Sm90(Sm90Shape),
     /// The scalar kernel (`prefill_scalar.cuh`).
     Scalar(ScalarShape),
 }
 
 impl PrefillShape {
-    /// CTAs per unit (a unit's [`PREFILL_ROWS`] rows, CTA by CTA) and dynamic shared memory
-    /// in bytes.
-    pub(crate) fn launch(&self) -> (u32, u32) {
+    /// CTAs per unit (a unit's [`PREFILL_ROWS`] rows, CTA by CTA), threads per CTA and
+    /// dynamic shared memory in bytes.
+    pub(crate) fn launch(&self) -> (u32, u32, u32) {
+        let (cta_rows, threads, bytes) = match self {
+            PrefillShape::Mma(s) => (s.cta_rows, abi::THREADS, s.bytes),
+            PrefillShape::Sm90(s) => (Sm90Shape::CTA_ROWS, Sm90Shape::THREADS, s.bytes),
+            PrefillShape::Scalar(s) => (s.rows, abi::THREADS, 0),
+        };
+        ((PREFILL_ROWS / cta_rows) as u32, threads, bytes as u32)
+    }
+
+    /// The shape as a CUDA struct of constants.
+    fn cuda(&self, name: &str) -> String {
         match self {
-            PrefillShape::Mma(s) => ((PREFILL_ROWS / s.cta_rows) as u32, s.bytes as u32),
-            PrefillShape::Scalar(s) => ((PREFILL_ROWS / s.rows) as u32, 0),
+            PrefillShape::Mma(s) => s.cuda(name),
+            PrefillShape::Sm90(s) => s.cuda(name),
+            PrefillShape::Scalar(s) => s.cuda(name),
         }
     }
 }
 
-/// The tensor-core prefill's shape and shared-memory layout (`S` of `prefill_mma.cuh`, which
+/// The Hopper prefill's shape and shared-memory layout (`S` of `prefill_sm90.cuh`, which says
+/// what each field means): a producer warpgroup and two consumer warpgroups of 64 rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sm90Shape {
+    d: usize,
+    /// D padded to a multiple of 64 (the swizzle atom).
+    dp: usize,
+    /// Keys per tile: 128, or 64 above D = 128 (the accumulators: O of DP and S of KT
+    /// columns per 64 rows).
+    kt: usize,
+    /// Tiles in each of the key and value rings: as many as shared memory holds, up to 4.
+    stages: usize,
+    q_bytes: usize,
+    tile_bytes: usize,
+    /// Per consumer warp: 16 rows of P as elements, for the P.V by selects.
+    scratch_bytes: usize,
+    /// Where the zero slab starts (after the rings and the scratch).
+    zero_at: usize,
+    bytes: usize,
+}
+
+impl Sm90Shape {
+    /// Threads: three warpgroups.
+    const THREADS: u32 = 384;
+    /// Rows per CTA: 64 per consumer warpgroup.
+    const CTA_ROWS: usize = 128;
+    /// Registers per thread of the producer and of the consumers (`setmaxnreg`): together
+    /// what one CTA of 384 threads holds (64 K registers).
+    const PRODUCER_REGS: usize = 40;
+    const CONSUMER_REGS: usize = 232;
+    const ALIGN: usize = 1024;
+    /// Zeros, the values of the dummy multiplications: 16 rows of 128 columns.
+    const ZERO_SLAB: usize = 4096;
+    /// Shared memory a CTA may take on sm_90 (227 KiB), less 8 KiB for the static arrays.
+    const SHARED: usize = 227 * 1024 - 8 * 1024;
+
+    /// The shape for head size `d`.
+    pub(crate) fn new(d: usize) -> Self {
+        let dp = d.div_ceil(64) * 64;
+        let kt = if dp <= 128 { 128 } else { 64 };
+        let q_bytes = Self::CTA_ROWS * dp * 2;
+        let tile_bytes = kt * dp * 2;
+        let scratch_bytes = 16 * kt * 2;
+        // The query tile, the warps' scratch, the zero slab, the alignment's slack.
+        let fixed = q_bytes + 8 * scratch_bytes + Self::ZERO_SLAB + (Self::ALIGN - 16);
+        let stages = ((Self::SHARED - fixed) / (2 * tile_bytes)).min(4);
+        Sm90Shape {
+            d,
+            dp,
+            kt,
+            stages,
+            q_bytes,
+            tile_bytes,
+            scratch_bytes,
+            zero_at: q_bytes + 2 * stages * tile_bytes + 8 * scratch_bytes,
+            bytes: fixed + 2 * stages * tile_bytes,
+        }
+    }
+
+    fn cuda(&self, name: &str) -> String {
+        constants(
+            name,
+            &[
+                ("D", self.d),
+                ("DP", self.dp),
+                ("KT", self.kt),
+                ("STAGES", self.stages),
+                ("THREADS", Self::THREADS as usize),
+                ("CTA_ROWS", Self::CTA_ROWS),
+                ("PRODUCER_REGS", Self::PRODUCER_REGS),
+                ("CONSUMER_REGS", Self::CONSUMER_REGS),
+                ("Q_BYTES", self.q_bytes),
+                ("TILE_BYTES", self.tile_bytes),
+                ("SCRATCH_BYTES", self.scratch_bytes),
+                ("ZERO_AT", self.zero_at),
+                ("ZERO_BYTES", Self::ZERO_SLAB),
+                ("ALIGN", Self::ALIGN),
+                ("BYTES", self.bytes),
+            ],
+            &[],
+        )
+    }
+}
+
+/// The mma.sync prefill's shape and shared-memory layout (`S` of `prefill_mma.cuh`, which
 /// says what each field means).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct MmaShape {
@@ -310,40 +408,33 @@ pub(crate) struct MmaShape {
     cta_rows: usize,
     /// Keys per tile: 64, or 32 above D = 128.
     kt: usize,
-    /// Hopper's wgmma (sm_90a, D padded to 128): 128-byte-swizzled tiles, 1 KiB aligned;
-    /// otherwise mma.sync on tiles whose rows are padded by 16 bytes.
-    wgmma: bool,
+    /// Tile rows padded by 16 bytes (ldmatrix without bank conflicts).
     row_bytes: usize,
     tile_bytes: usize,
-    /// The query fragments live in registers (mma.sync, up to 128 columns of rows per warp).
+    /// The query fragments live in registers (up to 128 columns of rows per warp).
     q_regs: bool,
     q_bytes: usize,
+    /// The P.V by selects' scratch: 16 rows of P as elements per warp.
     p_bytes: usize,
     scratch_in_keys: bool,
     scratch: usize,
-    align: usize,
     /// Dynamic shared memory: four tiles (two stages of keys, two of values), the query tile
-    /// and the scratch, and the alignment's slack.
+    /// and the scratch.
     bytes: usize,
 }
 
 impl MmaShape {
-    /// The shape for head size `d` on `arch`.
-    pub(crate) fn new(d: usize, arch: &str) -> Self {
+    /// The shape for head size `d`.
+    pub(crate) fn new(d: usize) -> Self {
         let dp = d.div_ceil(16) * 16;
         let mt = if dp <= 128 { 2 } else { 1 };
         let cta_rows = 16 * WARPS * mt;
         let kt = if d <= 128 { 64 } else { 32 };
-        let wgmma = arch == "sm_90a" && dp == 128;
         let row_bytes = (dp + 8) * 2;
-        let tile_bytes = if wgmma { kt * dp * 2 } else { kt * row_bytes };
-        let q_regs = !wgmma && mt * dp <= 128;
-        let q_bytes = if wgmma {
-            cta_rows * dp * 2
-        } else {
-            cta_rows * row_bytes
-        };
-        let p_bytes = WARPS * 16 * kt * 4;
+        let tile_bytes = kt * row_bytes;
+        let q_regs = mt * dp <= 128;
+        let q_bytes = cta_rows * row_bytes;
+        let p_bytes = WARPS * 16 * kt * 2;
         let scratch_in_keys = !q_regs && tile_bytes >= p_bytes;
         let scratch = if q_regs {
             q_bytes.max(p_bytes)
@@ -352,14 +443,12 @@ impl MmaShape {
         } else {
             q_bytes + p_bytes
         };
-        let align = if wgmma { 1024 } else { 16 };
         MmaShape {
             d,
             dp,
             mt,
             cta_rows,
             kt,
-            wgmma,
             row_bytes,
             tile_bytes,
             q_regs,
@@ -367,8 +456,7 @@ impl MmaShape {
             p_bytes,
             scratch_in_keys,
             scratch,
-            align,
-            bytes: 4 * tile_bytes + scratch + (align - 16),
+            bytes: 4 * tile_bytes + scratch,
         }
     }
 
@@ -386,11 +474,9 @@ impl MmaShape {
                 ("Q_BYTES", self.q_bytes),
                 ("P_BYTES", self.p_bytes),
                 ("SCRATCH", self.scratch),
-                ("ALIGN", self.align),
                 ("BYTES", self.bytes),
             ],
             &[
-                ("WGMMA", self.wgmma),
                 ("Q_REGS", self.q_regs),
                 ("SCRATCH_IN_KEYS", self.scratch_in_keys),
             ],
@@ -529,8 +615,8 @@ impl DecodeShape {
 pub(crate) struct AttentionKernels {
     /// Units of several query tokens.
     pub(crate) prefill: CudaFunction,
-    /// Its CTAs per unit and dynamic shared memory in bytes.
-    pub(crate) prefill_launch: (u32, u32),
+    /// Its CTAs per unit, threads per CTA and dynamic shared memory in bytes.
+    pub(crate) prefill_launch: (u32, u32, u32),
     /// Units of one query token, for kv-head groups of 1, up to 4 and up to 8 query heads,
     /// each with its dynamic shared memory in bytes.
     decode: [(CudaFunction, u32); 3],
@@ -577,8 +663,8 @@ pub(crate) fn kernels(gpu: &Gpu, variant: Variant) -> Result<Arc<AttentionKernel
         unreachable!("a variant's source names its prefill first");
     };
     let prefill_launch = variant.prefill(&gpu.arch).launch();
-    if prefill_launch.1 > 0 {
-        allow_shared(&prefill, prefill_launch.1)?;
+    if prefill_launch.2 > 0 {
+        allow_shared(&prefill, prefill_launch.2)?;
     }
     let decode = functions
         .zip(DECODE_KERNEL_ROWS)
@@ -666,21 +752,29 @@ mod tests {
                 "attention_f32_f32_d32_full_decode8"
             ]
         );
-        // The wgmma steps join on sm_90a where the prefill runs them, and only there.
+        // The Hopper prefill and its wgmma steps join on sm_90a from D = 64, and only there.
         let bf16 = |d| {
             let config = AttentionConfig::builder(8, d).build().unwrap();
             Variant::for_call(&config, DType::BF16, true).unwrap()
         };
-        assert!(bf16(128)
+        let hopper = bf16(128).source("sm_90a").code;
+        assert!(hopper.contains("prefill_sm90<BF16, V, PrefillShape>(p);"));
+        assert!(
+            hopper.contains("__launch_bounds__(384, 1) attention_bf16_bf16_d128_causal_prefill")
+        );
+        assert!(hopper.contains("PAGEDATTN_WGMMA(BF16") && !hopper.contains("void prefill_mma("));
+        assert!(!bf16(128)
+            .source("sm_80")
+            .code
+            .contains("PAGEDATTN_WGMMA(BF16"));
+        assert!(!bf16(32)
             .source("sm_90a")
             .code
-            .contains("WgmmaSync<BF16, PrefillShape>"));
-        assert!(!bf16(128).source("sm_80").code.contains("struct WgmmaSync"));
-        assert!(!bf16(64).source("sm_90a").code.contains("struct WgmmaSync"));
-        assert!(bf16(64)
+            .contains("PAGEDATTN_WGMMA(BF16"));
+        assert!(bf16(32)
             .source("sm_90a")
             .code
-            .contains("MmaSync<BF16, PrefillShape>"));
+            .contains("prefill_mma<BF16, V, PrefillShape, MmaSync<BF16, PrefillShape>>(p);"));
     }
 
     #[test]
@@ -689,14 +783,31 @@ mod tests {
         let v = Variant::for_call(&bf16, DType::BF16, true).unwrap();
         assert!(v.tensor_cores());
         // D = 120 pads to 128: 4 tiles of 64 x 136 elements, then the query tile (128 rows,
-        // 32 per warp); the scratch (4 warps x 16 rows x 64 f32) fits in a key stage.
-        assert_eq!(v.prefill("sm_80").launch(), (1, 4 * 64 * 272 + 128 * 272));
-        // On sm_90a the wgmma layout: four swizzled 64 x 128 tiles, the 128-row query tile
-        // (the scratch in a key stage), 1 KiB of alignment less the 16 any start has.
+        // 32 per warp); the scratch (4 warps x 16 rows x 64 elements) fits in a key stage.
+        assert_eq!(
+            v.prefill("sm_80").launch(),
+            (1, 128, 4 * 64 * 272 + 128 * 272)
+        );
+        // On sm_90a the warp-specialized kernel: D pads to 128, tiles of 128 keys; the query
+        // tile, two stages of key and value tiles, 8 warps' scratch of 16 x 128 elements, the
+        // zero slab, 1 KiB of alignment less the 16 any start has.
         assert_eq!(
             v.prefill("sm_90a").launch(),
-            (1, 4 * 64 * 128 * 2 + 128 * 128 * 2 + 1008)
+            (
+                1,
+                384,
+                128 * 128 * 2 + 4 * 128 * 128 * 2 + 8 * 16 * 128 * 2 + 4096 + 1008
+            )
         );
+        // D = 64: tiles of 64 columns, four stages.
+        assert_eq!(Sm90Shape::new(64).stages, 4);
+        // D = 256: tiles of 64 keys, two stages (208 KiB with the rest).
+        let d256 = Sm90Shape::new(256);
+        assert_eq!((d256.kt, d256.stages), (64, 2));
+        for d in ATTENTION_HEAD_SIZES.into_iter().filter(|&d| d >= 64) {
+            let s = Sm90Shape::new(d);
+            assert!(s.stages >= 2 && s.bytes <= Sm90Shape::SHARED, "D = {d}");
+        }
         assert!(!Variant::for_call(&bf16, DType::F32, true)
             .unwrap()
             .tensor_cores());
@@ -706,7 +817,7 @@ mod tests {
             .unwrap();
         let v = Variant::for_call(&fp8, DType::F16, true).unwrap();
         // The scalar prefill: a unit's 128 rows in CTAs of 16, tiles of 32 keys.
-        assert_eq!(v.prefill("sm_90a").launch(), (8, 0));
+        assert_eq!(v.prefill("sm_90a").launch(), (8, 128, 0));
         assert_eq!(ScalarShape::new(64).kt, 32);
         // D = 256: the f32 tiles of 16 keys would take 49 KiB; 8 keys take 33 KiB.
         assert_eq!(ScalarShape::new(256).kt, 8);
@@ -714,23 +825,18 @@ mod tests {
         // key stage.
         let d256 = AttentionConfig::builder(8, 256).build().unwrap();
         let v = Variant::for_call(&d256, DType::BF16, true).unwrap();
-        assert_eq!(v.prefill("sm_80").launch(), (2, 4 * 32 * 528 + 64 * 528));
-        // D = 32: the query fragments in registers; the scratch (4 warps x 16 rows x 64 f32)
-        // is larger than the query tile it shares bytes with.
-        assert_eq!(MmaShape::new(32, "sm_80").bytes, 4 * 64 * 80 + 16384);
-        // D = 80: a key stage (11 KiB) is too small for the scratch, which follows the query
-        // tile. Every head size leaves room for two CTAs per multiprocessor (2 x 113 KiB).
         assert_eq!(
-            MmaShape::new(80, "sm_80").bytes,
-            4 * 64 * 176 + 128 * 176 + 16384
+            v.prefill("sm_80").launch(),
+            (2, 128, 4 * 32 * 528 + 64 * 528)
         );
+        // D = 32: the query fragments in registers; the scratch (4 warps x 16 rows x 64
+        // elements) fits in the query tile's bytes.
+        assert_eq!(MmaShape::new(32).bytes, 4 * 64 * 80 + 128 * 80);
+        // D = 80: a key stage (11 KiB) holds the scratch (8 KiB). Every head size leaves room
+        // for two CTAs per multiprocessor (2 x 113 KiB).
+        assert_eq!(MmaShape::new(80).bytes, 4 * 64 * 176 + 128 * 176);
         for d in ATTENTION_HEAD_SIZES {
-            for arch in ["sm_80", "sm_90a"] {
-                assert!(
-                    MmaShape::new(d, arch).bytes <= 113 * 1024,
-                    "D = {d} on {arch}"
-                );
-            }
+            assert!(MmaShape::new(d).bytes <= 113 * 1024, "D = {d}");
         }
     }
 
