@@ -89,7 +89,7 @@ enum Command {
         only: Option<String>,
         /// Every program to machine code (`full`, as a GPU compiles it), or every program to
         /// PTX and to machine code only the fixed kernels and each dtype / storage / head
-        /// size's variant with every score modifier on (`representative`: a third of the
+        /// size's variant with every score modifier on (`representative`: a fifth of the
         /// time, what CI runs). Not with `--cache`.
         #[arg(long, value_enum, default_value_t = Depth::Full, conflicts_with = "cache")]
         depth: Depth,

@@ -270,13 +270,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         for (int x = 0; x < WORDS; ++x) {
             absent[x] = invalid_s[i % 3][x];
         }
-        bool any_absent = false;
-#pragma unroll
-        for (int x = 0; x < WORDS; ++x) {
-            any_absent |= absent[x] != 0;
-        }
         const bool rows_full = range_s[0] <= j0 && range_s[1] - j0 >= min(KT, key_end - j0);
-        const bool masked = !rows_full || any_absent;
         const u32 k_tile = base + (i % 2) * S::TILE_BYTES;
         const u32 v_tile = k_tile + 2 * S::TILE_BYTES;
 
@@ -285,34 +279,19 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         tc.qk(s, k_tile);
 
         // The scores with their modifiers and, on a masked tile, -Inf where a row does not
-        // attend a key (the rows' bounds wait in shared memory until then); the masked and
-        // the plain tile are two instances, so that the plain one carries no mask arithmetic.
-        // Variants without soft cap and ALiBi keep a positive scale out of the scores
-        // (`unscaled`): the max and the masks work on the dot products themselves, whose order
-        // is the scaled scores', and the scale joins the weights' exponent factor.
-        if (masked) {
-            int row_lo[MT][2], row_hi[MT][2];
+        // attend a key.
+        tile_logits<V>(p, s, j0, pos, slope, lo, hi, absent, rows_full, unscaled,
+                       [&](int (&row_lo)[MT][2], int (&row_hi)[MT][2]) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
+                           for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-                for (int ri = 0; ri < 2; ++ri) {
-                    row_lo[mt][ri] = lo_s[row_index(mt, ri) - row_base];
-                    row_hi[mt][ri] = hi_s[row_index(mt, ri) - row_base];
-                }
-            }
-            if (unscaled) {
-                tile_scores<V, true, true>(p, s, j0, pos, slope, row_lo, row_hi, absent,
-                                           attended);
-            } else {
-                tile_scores<V, true, false>(p, s, j0, pos, slope, row_lo, row_hi, absent,
-                                            attended);
-            }
-        } else {
-            if (!unscaled) {
-                tile_scores<V, false, false>(p, s, j0, pos, slope, lo, hi, absent, attended);
-            }
-            attended = ~0u;
-        }
+                               for (int ri = 0; ri < 2; ++ri) {
+                                   row_lo[mt][ri] = lo_s[row_index(mt, ri) - row_base];
+                                   row_hi[mt][ri] = hi_s[row_index(mt, ri) - row_base];
+                               }
+                           }
+                       },
+                       attended);
         // The online softmax; the accumulators rescaled unless no row of the warp changed its
         // max (every factor exactly 1).
         float alpha[MT][2];

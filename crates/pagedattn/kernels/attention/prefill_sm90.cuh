@@ -287,7 +287,7 @@ __device__ __forceinline__ void prefill_sm90(const Params& p) {
                         bar_or(BAR_CONSUMER + wg, GROUP,
                                tile_nonfinite<E, Swizzled, KT, CH>(v_stage, wt, GROUP)),
                         0);
-        if (pv && selects) {
+        if (selects) {
             // Before anything is issued: no wgmma writes O now. Its P V below is a dummy.
             const int r0 = block_row[0] - row_base + g;
             const int row_lo[2] = {lo_s[r0], lo_s[r0 + 8]}, row_hi[2] = {hi_s[r0], hi_s[r0 + 8]};
@@ -346,32 +346,17 @@ __device__ __forceinline__ void prefill_sm90(const Params& p) {
         hold(s[0]);
         if (qk) {
             mbar_arrive(&k_empty[ks]);
-            bool any_absent = false;
-#pragma unroll
-            for (int x = 0; x < WORDS; ++x) {
-                any_absent |= absent[x] != 0;
-            }
             full = range_lo <= j0 && range_hi - j0 >= min(KT, key_end - j0);
-            if (!full || any_absent) {
-                int row_lo[1][2], row_hi[1][2];
+            tile_logits<V>(p, s, j0, pos, slope, lo, hi, absent, full, unscaled,
+                           [&](int (&row_lo)[1][2], int (&row_hi)[1][2]) {
 #pragma unroll
-                for (int ri = 0; ri < 2; ++ri) {
-                    row_lo[0][ri] = lo_s[block_row[0] - row_base + g + 8 * ri];
-                    row_hi[0][ri] = hi_s[block_row[0] - row_base + g + 8 * ri];
-                }
-                if (unscaled) {
-                    tile_scores<V, true, true>(p, s, j0, pos, slope, row_lo, row_hi, absent,
-                                               attended);
-                } else {
-                    tile_scores<V, true, false>(p, s, j0, pos, slope, row_lo, row_hi, absent,
-                                                attended);
-                }
-            } else {
-                if (!unscaled) {
-                    tile_scores<V, false, false>(p, s, j0, pos, slope, lo, hi, absent, attended);
-                }
-                attended = ~0u;
-            }
+                               for (int ri = 0; ri < 2; ++ri) {
+                                   const int r = block_row[0] - row_base + g + 8 * ri;
+                                   row_lo[0][ri] = lo_s[r];
+                                   row_hi[0][ri] = hi_s[r];
+                               }
+                           },
+                           attended);
             changed = softmax_tile(s, m, l, alpha, unscaled ? p.score_scale : 1.0f);
         }
         wgmma_wait<0>();  // O += P V

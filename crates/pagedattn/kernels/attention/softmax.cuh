@@ -92,6 +92,39 @@ __device__ __forceinline__ void tile_scores(const Params& p, float (&s)[MT][NT][
     }
 }
 
+// A tile's scores by the right instance of `tile_scores`: masked where some row does not
+// attend the whole tile (`rows_full` false) or a key is absent, the rows' bounds then read by
+// `bounds(row_lo, row_hi)` (they wait in shared memory: registers are what limits the
+// mainloops); plain otherwise, with no mask arithmetic, and nothing at all where `unscaled`
+// (a positive scale kept out of the scores: the max and the masks work on the dot products,
+// whose order is the scaled scores', and the scale joins the weights' exponent factor).
+template <class V, int MT, int NT, int WORDS, class Bounds>
+__device__ __forceinline__ void tile_logits(const Params& p, float (&s)[MT][NT][4], int j0,
+                                            const int (&pos)[MT][2], const float (&slope)[MT][2],
+                                            const int (&lo)[MT][2], const int (&hi)[MT][2],
+                                            const u32 (&absent)[WORDS], bool rows_full,
+                                            bool unscaled, Bounds bounds, u32& attended) {
+    bool any_absent = false;
+#pragma unroll
+    for (int x = 0; x < WORDS; ++x) {
+        any_absent |= absent[x] != 0;
+    }
+    if (!rows_full || any_absent) {
+        int row_lo[MT][2], row_hi[MT][2];
+        bounds(row_lo, row_hi);
+        if (unscaled) {
+            tile_scores<V, true, true>(p, s, j0, pos, slope, row_lo, row_hi, absent, attended);
+        } else {
+            tile_scores<V, true, false>(p, s, j0, pos, slope, row_lo, row_hi, absent, attended);
+        }
+    } else {
+        if (!unscaled) {
+            tile_scores<V, false, false>(p, s, j0, pos, slope, lo, hi, absent, attended);
+        }
+        attended = ~0u;
+    }
+}
+
 // The online softmax of a tile: each row's new max m (over the quad of lanes sharing the
 // row), the factor alpha rescaling its older state, the weights in place of the scores, the
 // rows' sums l. `to_score` turns a value of s into its score (the scale where the dot products

@@ -228,9 +228,10 @@ pub(crate) fn header() -> String {
     s += &UnitField::declaration();
     let masks: Vec<&str> = Mask::ALL.iter().map(|m| m.c_name()).collect();
     let _ = writeln!(s, "enum {{ {} }};", masks.join(", "));
+    // `inline`: a program that uses neither (one kernel's) gets no unused-variable warning.
     let _ = writeln!(
         s,
-        "constexpr int THREADS = {THREADS};\nconstexpr int WARPS = {WARPS};"
+        "inline constexpr int THREADS = {THREADS};\ninline constexpr int WARPS = {WARPS};"
     );
     s += &Params::declaration();
     s
@@ -261,7 +262,7 @@ mod tests {
             at("    UNIT_SEQ,") < at("    UNIT_PART,") && at("    UNIT_PART,") < at("UNIT_FIELDS")
         );
         assert!(at("    const void* query;") < at("    float unused;"));
-        assert!(h.contains("constexpr int THREADS = 128;"));
+        assert!(h.contains("inline constexpr int THREADS = 128;"));
         assert!(merge_header().contains("    MERGE_COUNT,\n    MERGE_FIELDS\n};"));
         // Eight-byte fields first: no padding on either side.
         assert_eq!(std::mem::size_of::<Params>(), 16 * 8 + 4 * 4);

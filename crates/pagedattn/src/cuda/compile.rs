@@ -100,16 +100,17 @@ pub enum CheckDepth {
     /// every C++ error and warning of every variant), and to machine code the fixed kernels
     /// and, for each dtype, storage and head size, the variant with every score modifier on
     /// (window mask, ALiBi, soft cap: the most code and registers, so the assembler's limits
-    /// and the inline PTX are checked where they bind): about a third of the time, for CI.
+    /// and the inline PTX are checked where they bind): for CI, about a fifth of the time
+    /// (the PTX at NVVM's fastest optimization, which checks the same C++).
     Representative,
 }
 
 /// Compiles every kernel source for `arch` (e.g. `sm_80`, `sm_90a`) with NVRTC alone, no
 /// GPU and no cache, to `depth`, and returns each kernel's name with, where it was compiled to
 /// machine code, what the assembler reports of it: a check for CI (any warning fails it;
-/// [`KernelResources::spills`] tells a kernel that must not ship). Every attention variant is one
-/// program, as a GPU compiles it at its first use; the programs are compiled in parallel, one
-/// thread per CPU. `only`: just the programs whose name contains it (e.g.
+/// [`KernelResources::spills`] tells a kernel that must not ship). Each program is compiled as
+/// a GPU compiles it at its first use (an attention variant's kernels each their own), in
+/// parallel, one thread per CPU. `only`: just the programs whose name contains it (e.g.
 /// `bf16_bf16_d128_causal` for a few attention variants), a quick check while editing a
 /// kernel.
 pub fn compile_check(
@@ -119,14 +120,14 @@ pub fn compile_check(
 ) -> Result<Vec<(String, Option<KernelResources>)>> {
     check_arch(arch)?;
     let fixed = fixed_sources().iter().map(|s| (s.clone(), Output::Cubin));
-    let variants = Variant::all().map(|v| {
+    let variants = Variant::all().flat_map(|v| {
         let machine_code = depth == CheckDepth::Full || v.has_every_modifier();
         let output = if machine_code {
             Output::Cubin
         } else {
             Output::Ptx
         };
-        (v.source(arch), output)
+        v.sources(arch).into_iter().map(move |s| (s, output))
     });
     let mut sources: Vec<(KernelSource, Output)> = fixed.chain(variants).collect();
     if let Some(only) = only {
@@ -270,16 +271,18 @@ fn is_report(line: &str) -> bool {
 enum Output {
     /// Machine code for the real architecture (`sm_XY`).
     Cubin,
-    /// PTX for its virtual architecture (`compute_XY`): the front end only.
+    /// PTX for its virtual architecture (`compute_XY`): the front end's check of the C++,
+    /// with NVVM's optimizer at its fastest where NVRTC has the option (12.8 on), since the
+    /// PTX itself is thrown away and the optimizer is nine tenths of a program's time.
     Ptx,
 }
 
-/// The fixed sources, then one program per attention variant, for `arch`.
+/// The fixed sources, then every attention variant's programs, for `arch`.
 fn every_source(arch: &str) -> Vec<KernelSource> {
     fixed_sources()
         .iter()
         .cloned()
-        .chain(Variant::all().map(|v| v.source(arch)))
+        .chain(Variant::all().flat_map(|v| v.sources(arch)))
         .collect()
 }
 
@@ -330,23 +333,36 @@ fn in_parallel<S: Sync, T: Send>(
 /// The CUBIN of `source` for `arch`: from the process's map, else the disk cache (when there
 /// is a cache directory), else compiled.
 pub(crate) fn image(source: &KernelSource, arch: &str) -> Result<Arc<[u8]>> {
-    static IMAGES: OnceLock<Mutex<HashMap<u64, Arc<[u8]>>>> = OnceLock::new();
+    /// One image's place in the map: locked while it is compiled, so that two threads never
+    /// compile the same image, while other images compile beside it. Empty until it is had
+    /// (a failed compilation leaves it empty: the next call tries again).
+    type Slot = Arc<Mutex<Option<Arc<[u8]>>>>;
+    static IMAGES: OnceLock<Mutex<HashMap<u64, Slot>>> = OnceLock::new();
     let key = key(source, arch)?;
-    // Held while compiling, so that two threads never compile the same image. Nothing panics
-    // while it is held, and the map stays valid if something did.
-    let mut images = IMAGES
+    // Nothing panics while a lock is held, and the map stays valid if something did.
+    let slot = IMAGES
         .get_or_init(Default::default)
         .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    if let Some(image) = images.get(&key) {
+        .unwrap_or_else(PoisonError::into_inner)
+        .entry(key)
+        .or_default()
+        .clone();
+    let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(image) = &*slot {
         return Ok(image.clone());
     }
     let image: Arc<[u8]> = match DiskCache::from_env() {
         Some(disk) => disk.fetch(source, arch, key)?.0.into(),
         None => compile(source, arch)?.into(),
     };
-    images.insert(key, image.clone());
+    *slot = Some(image.clone());
     Ok(image)
+}
+
+/// [`image`] of each of `sources`, side by side (one thread per CPU): a first call waits for
+/// the slowest compilation rather than their sum.
+pub(crate) fn images(sources: &[KernelSource], arch: &str) -> Result<Vec<Arc<[u8]>>> {
+    in_parallel(sources, |source| image(source, arch))
 }
 
 /// The hash naming `source`'s image for `arch` with this NVRTC: FNV-1a over every input, each
@@ -537,8 +553,12 @@ fn compile_to(source: &KernelSource, arch: &str, output: Output) -> Result<Compi
         Output::Cubin => arch.to_string(),
         Output::Ptx => arch.replacen("sm_", "compute_", 1),
     };
+    let mut options = options(&target);
+    if output == Output::Ptx && nvrtc_version()? >= (12, 8) {
+        options.push("--Ofast-compile=max".to_string());
+    }
     // SAFETY: `program` was created above and is destroyed only when it drops.
-    let compiled = unsafe { nvrtc::compile_program(program.0, &options(&target)) };
+    let compiled = unsafe { nvrtc::compile_program(program.0, &options) };
     let log = program.log().map_err(|e| fail("nvrtcGetProgramLog", e))?;
     let warnings: Vec<&str> = log
         .lines()

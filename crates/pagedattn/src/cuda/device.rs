@@ -90,6 +90,11 @@ impl Gpu {
         })
     }
 
+    /// Whether [`kernels`](Gpu::kernels) has loaded the fixed kernels.
+    pub(crate) fn fixed_kernels_loaded(&self) -> bool {
+        self.kernels.get().is_some()
+    }
+
     /// The kernels, compiled (or read from the caches) and loaded at the first call.
     pub(crate) fn kernels(&self) -> Result<&Kernels> {
         if let Some(kernels) = self.kernels.get() {

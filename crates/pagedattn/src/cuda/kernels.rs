@@ -108,10 +108,12 @@ pub(crate) struct Kernels {
 }
 
 impl Kernels {
-    /// Compiles (or finds in the caches) every fixed source for `gpu`'s architecture and loads
-    /// it.
+    /// Compiles (or finds in the caches) every fixed source for `gpu`'s architecture, side by
+    /// side, and loads it.
     pub(crate) fn load(gpu: &Gpu) -> Result<Self> {
-        let [write, copy, merge] = fixed_sources();
+        let sources = fixed_sources();
+        compile::images(sources, &gpu.arch)?;
+        let [write, copy, merge] = sources;
         Ok(Kernels {
             write: load(gpu, write)?,
             copy_blocks: load(gpu, copy)?.swap_remove(0),
