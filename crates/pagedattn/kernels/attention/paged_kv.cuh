@@ -1,7 +1,8 @@
 // The paged-KV loader: where a unit's sequence stores key position j (a block of the paged
 // cache through the compacted block table, or a row of the call's own keys and values), and
 // which positions are no keys at all (past the unit, or a new token whose slot is -1), which
-// no kernel ever reads. The prefill's tile pipeline is in prefill_mma.cuh (`TileLoader`).
+// no kernel ever reads. Each mainloop gathers its tiles through these: prefill_mma.cuh's
+// `request` / `publish` / `fetch`, prefill_sm90.cuh's producer warpgroup.
 
 // Whether position j is a key of a unit whose keys end at `key_end`: a cached token, or a new
 // token (j >= new_start) whose slot, read by the caller only for those, is not -1.

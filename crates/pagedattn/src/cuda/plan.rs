@@ -12,8 +12,8 @@
 //!
 //! Split-K: when the units would leave the GPU underused (fewer than two thread blocks per
 //! multiprocessor), a decode unit with more than [`MIN_PARTITION_KEYS`] keys is split into
-//! partitions of at least that many keys (multiples of [`PARTITION_ALIGN`]), enough to bring
-//! the grid to that size; each partition leaves a partial result per row in the workspace,
+//! partitions of at least that many keys (multiples of [`PARTITION_ALIGN`]), as many as the
+//! grid holds without passing that size; each partition leaves a partial result per row in the workspace,
 //! and a merge per row combines them. A plan for CUDA graphs splits every decode unit into
 //! the same number of partitions whatever its length ([`Split::Fixed`], some of them empty
 //! when the unit is short), so that the records keep their count from step to step.
@@ -45,8 +45,9 @@ pub(crate) fn partial_floats(head_size: usize) -> Option<usize> {
 /// How decode units are split into partitions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Split {
-    /// As many as bring the grid to [`BLOCKS_PER_SM`] thread blocks per multiprocessor of a
-    /// GPU with this many, in partitions of at least [`MIN_PARTITION_KEYS`] keys.
+    /// As many as the grid holds without passing [`BLOCKS_PER_SM`] thread blocks per
+    /// multiprocessor of a GPU with this many, in partitions of at least
+    /// [`MIN_PARTITION_KEYS`] keys.
     Auto { sm_count: usize },
     /// Exactly this many per decode unit (1: none).
     Fixed(usize),
@@ -60,14 +61,13 @@ pub(crate) fn graph_parts(units: usize, max_keys: usize, sm_count: usize) -> usi
         .clamp(1, max_parts(units, sm_count))
 }
 
-/// The most partitions [`Split::Auto`] gives a unit when the grid has `blocks` thread blocks.
+/// The most partitions [`Split::Auto`] gives a unit when the grid has `blocks` thread blocks:
+/// as many as keep the split grid within one wave of [`BLOCKS_PER_SM`] blocks per
+/// multiprocessor. One more would start a second wave for a few blocks, and a wave takes as
+/// long as its partitions: 64 units on 264 places split in 5 run two waves of a fifth of the
+/// keys, in 4 one wave of a quarter.
 fn max_parts(blocks: usize, sm_count: usize) -> usize {
-    let target = BLOCKS_PER_SM * sm_count.max(1);
-    if blocks >= target {
-        1
-    } else {
-        target.div_ceil(blocks.max(1))
-    }
+    (BLOCKS_PER_SM * sm_count.max(1) / blocks.max(1)).max(1)
 }
 
 /// The records of one step.
@@ -368,6 +368,31 @@ mod tests {
         let busy = build(&cfg, &md, Some(16), true, Split::Auto { sm_count: 1 });
         assert!(busy.merges.is_empty() && busy.num_partials == 0);
         check_cover(&busy, &md, &cfg);
+    }
+
+    #[test]
+    fn a_split_grid_stays_within_one_wave() {
+        // 8 decodes of 16384 keys, 8 kv heads: 64 units on 132 x 2 places. Split in 5 they
+        // would run as two waves of a fifth of the keys; in 4, as one of a quarter.
+        let cfg = config(32, 8, None);
+        let tables: Vec<Vec<BlockId>> = (0..8)
+            .map(|i| (i * 1024..(i + 1) * 1024).collect())
+            .collect();
+        let mut b = MetadataBuilder::new(16);
+        for blocks in &tables {
+            b.push(SequenceDesc::decode(16383, blocks));
+        }
+        let md = b.build().unwrap();
+        let work = build(&cfg, &md, Some(16), true, Split::Auto { sm_count: 132 });
+        check_cover(&work, &md, &cfg);
+        let decode = units(&work.decode);
+        assert_eq!(decode.len(), 64 * 4);
+        assert!(decode.iter().all(|u| u[7] - u[6] == 4096), "{decode:?}");
+        assert_eq!(graph_parts(64, 16384, 132), 4);
+        // Fewer units than places but more than half: no split (two waves of halves would
+        // take as long as one of wholes).
+        assert_eq!(max_parts(200, 132), 1);
+        assert_eq!(max_parts(8, 132), 33);
     }
 
     #[test]
