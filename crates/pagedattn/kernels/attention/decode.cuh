@@ -227,7 +227,11 @@ __device__ __forceinline__ void decode(const Params& p) {
         }
     };
     const int chunks = (int)((key_end - key_start + CHUNK - 1) / CHUNK);
-    const int count = chunks > warp ? (chunks - warp + WARPS - 1) / WARPS : 0;  // this warp's
+    // This warp's chunks, as a value the compiler knows to be the same in every lane (a
+    // lane's broadcast): shuffles under a branch it cannot prove uniform get wrapped in
+    // code for a diverged warp.
+    const int count =
+        __shfl_sync(FULL, chunks > warp ? (chunks - warp + WARPS - 1) / WARPS : 0, 0);
     const u32 ring = smem_address(smem) + warp * STAGES * S::STAGE_BYTES + lane * COPY;
     const u8* const ring_ptr = smem + warp * STAGES * S::STAGE_BYTES + lane * COPY;
 
