@@ -13,10 +13,11 @@
 //! Split-K: when the units would leave the GPU underused (fewer than two thread blocks per
 //! multiprocessor), a decode unit with more than [`MIN_PARTITION_KEYS`] keys is split into
 //! partitions of at least that many keys (multiples of [`PARTITION_ALIGN`]), as many as the
-//! grid holds without passing that size; each partition leaves a partial result per row in the workspace,
-//! and a merge per row combines them. A plan for CUDA graphs splits every decode unit into
-//! the same number of partitions whatever its length ([`Split::Fixed`], some of them empty
-//! when the unit is short), so that the records keep their count from step to step.
+//! grid holds without passing that size; each partition leaves a partial result per row in
+//! the workspace, and a merge per row combines them. A plan for CUDA graphs splits every
+//! decode unit into the same number of partitions whatever its length ([`Split::Fixed`], some
+//! of them empty when the unit is short), so that the records keep their count from step to
+//! step.
 
 use std::ops::Range;
 

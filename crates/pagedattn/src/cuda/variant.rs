@@ -208,10 +208,10 @@ impl Variant {
             pieces::VARIANT,
             pieces::PAGED_KV,
         ];
-        // One program: its pieces, the variant's hooks, the kernel's shape `shape` (a struct
-        // named `shape_name`) and its entry point, which calls `call` with `threads` per CTA
-        // (one CTA per multiprocessor where the kernel reallocates registers between its
-        // warpgroups).
+        // One program: the shared pieces and `pieces`, the variant's hooks, the kernel's shape
+        // (the struct `shape` declares) and its entry point, which calls `call` with `threads`
+        // per CTA (one CTA per multiprocessor where the kernel reallocates registers between
+        // its warpgroups).
         let program = |pieces: &[&str], kernel: &str, shape: String, threads: u32, call: &str| {
             let kernel = format!("{name}_{kernel}");
             let code = format!(
@@ -670,23 +670,22 @@ pub(crate) fn kernels(gpu: &Gpu, variant: Variant) -> Result<Arc<AttentionKernel
     if let Some(k) = loaded.get(&variant) {
         return Ok(k.clone());
     }
-    let sources = variant.sources(&gpu.arch);
-    let fixed: &[KernelSource] = if gpu.fixed_kernels_loaded() {
-        &[]
-    } else {
-        kernels::fixed_sources()
-    };
-    let all: Vec<KernelSource> = sources.iter().chain(fixed).cloned().collect();
-    compile::images(&all, &gpu.arch)?;
+    let mut sources = variant.sources(&gpu.arch);
+    let own = sources.len();
+    if !gpu.fixed_kernels_loaded() {
+        sources.extend_from_slice(kernels::fixed_sources());
+    }
+    compile::images(&sources, &gpu.arch)?;
     // The prefill, then one decode per DECODE_KERNEL_ROWS entry (`Variant::sources`).
-    let mut functions = sources.iter().map(|source| {
-        let mut loaded = kernels::load(gpu, source)?;
-        Ok(loaded.swap_remove(0))
-    });
+    let mut functions = sources[..own]
+        .iter()
+        .map(|source| kernels::load(gpu, source))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .flatten();
     let Some(prefill) = functions.next() else {
         unreachable!("a variant's sources name its prefill first");
     };
-    let prefill = prefill?;
     let prefill_launch = variant.prefill(&gpu.arch).launch();
     if prefill_launch.2 > 0 {
         allow_shared(&prefill, prefill_launch.2)?;
@@ -694,7 +693,6 @@ pub(crate) fn kernels(gpu: &Gpu, variant: Variant) -> Result<Arc<AttentionKernel
     let decode = functions
         .zip(DECODE_KERNEL_ROWS)
         .map(|(f, rows)| {
-            let f = f?;
             let bytes = variant.decode(rows).bytes();
             allow_shared(&f, bytes).map(|()| (f, bytes))
         })
