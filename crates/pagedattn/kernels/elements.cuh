@@ -121,11 +121,14 @@ struct E4M3 {
         }
         return (code & 0x80) ? -magnitude : magnitude;
     }
-#if __CUDA_ARCH__ >= 890
+    // Two codes (the low byte in the low half) as the f16 pair of their values, exact.
     static __device__ __forceinline__ u32 pair_to_f16x2(u16 pair) {
+#if __CUDA_ARCH__ >= 890
         return fp8x2_to_f16x2<true>(pair);
-    }
+#else
+        return F16::pack2(read((u8)pair), read((u8)(pair >> 8)));
 #endif
+    }
 };
 
 // e5m2 is the upper byte of an IEEE half (same exponent field and bias): exact through f16,
@@ -135,9 +138,12 @@ struct E5M2 {
     static __device__ __forceinline__ float read(u8 code) {
         return F16::to_f32((u16)((u32)code << 8));
     }
-#if __CUDA_ARCH__ >= 890
+    // Two codes (the low byte in the low half) as the f16 pair of their values, exact.
     static __device__ __forceinline__ u32 pair_to_f16x2(u16 pair) {
+#if __CUDA_ARCH__ >= 890
         return fp8x2_to_f16x2<false>(pair);
-    }
+#else
+        return ((u32)(pair & 0xff) << 8) | ((u32)(pair & 0xff00) << 16);
 #endif
+    }
 };

@@ -143,12 +143,12 @@ const C1: f64 = 3.0;
 ///   quantities bounded by `vmax`: hence `C0`. Both constants are those the `cpu` suite
 ///   calibrated for the same f32 computation.
 ///
-/// Plus [`pv_allowance`] for the rows of the tensor-core prefill, which rounds each
-/// probability to the activation type for its P.V.
+/// Plus [`pv_allowance`] for the rows whose kernel runs the P.V on the tensor cores, which
+/// round each probability first (`rounding`: to what).
 fn allowed(
     st: &Settings,
     config: &AttentionConfig,
-    max_pos: usize,
+    (max_pos, rounding): (usize, Option<DType>),
     got: f64,
     want: f64,
 ) -> (f64, f64) {
@@ -158,6 +158,21 @@ fn allowed(
         DType::BF16 => (2f64.powi(-7), 0.0),
         DType::U8 => unreachable!(),
     };
+    let (kmax, vmax) = value_bounds(st);
+    let amplitude = st.amplitude as f64;
+    let slope = st.slopes().map_or(0.0, |s| {
+        s.iter().fold(0.0f64, |m, &x| m.max(x.abs() as f64))
+    });
+    let smag = (config.scale() as f64).abs() * st.head_size as f64 * amplitude * kmax
+        + slope * max_pos as f64
+        + st.soft_cap.map_or(0.0, f64::from);
+    let kernel =
+        vmax * U * (C0 + C1 * smag) + rounding.map_or(0.0, |r| pv_allowance(r, vmax, max_pos));
+    (ulp * got.abs().max(want.abs()) + tiny + kernel, kernel)
+}
+
+/// The largest key and value magnitudes a call with settings `st` can read (see [`allowed`]).
+fn value_bounds(st: &Settings) -> (f64, f64) {
     let amplitude = st.amplitude as f64;
     let growth = match st.kv_cache_dtype {
         KvCacheDtype::Auto => 1.0,
@@ -170,34 +185,33 @@ fn allowed(
         kmax = kmax.max(largest * st.k_scale as f64);
         vmax = vmax.max(largest * st.v_scale as f64);
     }
-    let slope = st.slopes().map_or(0.0, |s| {
-        s.iter().fold(0.0f64, |m, &x| m.max(x.abs() as f64))
-    });
-    let smag = (config.scale() as f64).abs() * st.head_size as f64 * amplitude * kmax
-        + slope * max_pos as f64
-        + st.soft_cap.map_or(0.0, f64::from);
-    let kernel = vmax * U * (C0 + C1 * smag);
-    (ulp * got.abs().max(want.abs()) + tiny + kernel, kernel)
+    (kmax, vmax)
 }
 
-/// The tensor-core prefill (bf16 and f16 activations with keys and values stored as such:
-/// `Variant::tensor_cores`) rounds each probability `p_j <= 1` to the activation type for its
-/// P.V, while the softmax denominator `l >= 1` sums the f32 probabilities (as the `cpu`
-/// suite's AVX512-BF16 kernels). Rounding to nearest changes `p_j` by at most `2^-9 p_j`
-/// (bf16, 8 significant bits) or `2^-11 p_j` (f16) plus, for f16, half its smallest
-/// subnormal step (`2^-25`) below `2^-14`; the output moves by at most that over `l`, times
-/// `vmax`: `2^-8 vmax` (bf16) and `(2^-10 + keys 2^-25) vmax` (f16), twice the bound, as in
-/// the `cpu` suite. `keys`: the most keys a row of the call attends (bounded by the largest
-/// position + 1). Zero where the prefill is scalar (f32 activations, fp8 caches read).
-fn pv_allowance(st: &Settings, cached: bool, max_pos: usize) -> f64 {
-    let stored_as_activations = !cached || st.kv_cache_dtype == KvCacheDtype::Auto;
-    if !stored_as_activations {
-        return 0.0;
-    }
-    let amplitude = st.amplitude as f64;
+/// What the tensor cores round each probability to for a row's P.V, where its kernel runs it
+/// there: the prefill's (bf16 and f16 activations with keys and values stored as such:
+/// `Variant::tensor_cores`) to the activation type; the decode's (bf16 and f16 activations)
+/// to the activation type, or to f16 where it reads fp8 codes (which it converts to f16).
+fn p_rounding(st: &Settings, cached: bool, prefill: bool) -> Option<DType> {
+    let fp8 = cached && st.kv_cache_dtype != KvCacheDtype::Auto;
     match st.dtype {
-        DType::BF16 => 2f64.powi(-8) * amplitude,
-        DType::F16 => (2f64.powi(-10) + (max_pos + 1) as f64 * 2f64.powi(-25)) * amplitude,
+        DType::BF16 | DType::F16 if !fp8 => Some(st.dtype),
+        DType::BF16 | DType::F16 if !prefill => Some(DType::F16),
+        _ => None,
+    }
+}
+
+/// The P.V's allowance for probabilities `p_j <= 1` rounded to `rounding`, while the softmax
+/// denominator `l >= 1` sums the f32 probabilities (as the `cpu` suite's AVX512-BF16
+/// kernels). Rounding to nearest changes `p_j` by at most `2^-9 p_j` (bf16, 8 significant
+/// bits) or `2^-11 p_j` (f16) plus, for f16, half its smallest subnormal step (`2^-25`)
+/// below `2^-14`; the output moves by at most that over `l`, times `vmax`: `2^-8 vmax`
+/// (bf16) and `(2^-10 + keys 2^-25) vmax` (f16), twice the bound, as in the `cpu` suite.
+/// `keys`: the most keys a row of the call attends (bounded by the largest position + 1).
+fn pv_allowance(rounding: DType, vmax: f64, max_pos: usize) -> f64 {
+    match rounding {
+        DType::BF16 => 2f64.powi(-8) * vmax,
+        DType::F16 => (2f64.powi(-10) + (max_pos + 1) as f64 * 2f64.powi(-25)) * vmax,
         _ => 0.0,
     }
 }
@@ -236,7 +250,7 @@ fn compare(
         let several = tokens.len() > 1;
         prefill_token[tokens].fill(several);
     }
-    let pv = pv_allowance(st, cached, max_pos);
+    let rounding = |i: usize| p_rounding(st, cached, prefill_token[i / (h * d)]);
     let at = |i: usize| format!("output[{}][{}][{}]", i / (h * d), i / d % h, i % d);
     let mut worst: Option<(usize, f64)> = None;
     let mut bad = 0;
@@ -251,12 +265,7 @@ fn compare(
             }
             continue;
         }
-        let (bound, kernel) = allowed(st, &call.config, max_pos, g, w);
-        let (bound, kernel) = if prefill_token[i / (h * d)] {
-            (bound + pv, kernel + pv)
-        } else {
-            (bound, kernel)
-        };
+        let (bound, kernel) = allowed(st, &call.config, (max_pos, rounding(i)), g, w);
         let excess = (g - w).abs() / bound;
         let used = ((g - w).abs() - (bound - kernel)).max(0.0) / kernel;
         WORST.fetch_max(used.to_bits(), Ordering::Relaxed);
@@ -274,8 +283,7 @@ fn compare(
              elements out of tolerance",
             at(i),
             (g - w).abs(),
-            allowed(st, &call.config, max_pos, g, w).0
-                + if prefill_token[i / (h * d)] { pv } else { 0.0 },
+            allowed(st, &call.config, (max_pos, rounding(i)), g, w).0,
             got.len()
         )));
     }

@@ -90,13 +90,9 @@ __device__ __forceinline__ void decode(const Params& p) {
     constexpr int STAGES = S::STAGES;
     constexpr int QW = 2 * (int)sizeof(typename E::Bits);
     static_assert(LANES <= 32 && CHUNK <= 32, "one lane per key of a chunk");
-    // Each warp's f64 state (see `fold`): its base, its sums of weights, its accumulators
-    // (after the staging ring); at the end, the merge's factors replace the sums.
-    __shared__ float base_w[WARPS][ROWS];
-    __shared__ double l_w[WARPS][ROWS];
-    __shared__ int attended_w[WARPS];
-    __shared__ float big_r[ROWS];
-    __shared__ double total_r[ROWS];  // the row's L, or v_scale / L for the output
+    // Each warp's f64 state (see `fold`): its base and sums of weights here, its
+    // accumulators after the staging ring.
+    __shared__ DecodeStates<ROWS> states;
     u8* const smem = dynamic_shared(S::BYTES);
 
     const T* keys = (const T*)p.key;
@@ -165,8 +161,8 @@ __device__ __forceinline__ void decode(const Params& p) {
             }
         }
         if (lane == 0) {
-            base_w[warp][r] = -f32_inf();
-            l_w[warp][r] = 0.0;
+            states.base[warp][r] = -f32_inf();
+            states.l[warp][r] = 0.0;
         }
     }
     // The fold: the warp's f32 state (m, l, acc, summed over its key groups) added into its
@@ -200,7 +196,7 @@ __device__ __forceinline__ void decode(const Params& p) {
             }
             // m only grows, so the f64 state rescales by at most 1; an unchanged base
             // (-Inf or +Inf included) by exactly 1.
-            const float base = base_w[warp][r];
+            const float base = states.base[warp][r];
             const double scale = base == m[r] ? 1.0 : exp((double)base - (double)m[r]);
             if (r % KPW == group && dims) {
 #pragma unroll
@@ -210,7 +206,7 @@ __device__ __forceinline__ void decode(const Params& p) {
                 }
             }
             if (lane == 0) {
-                l_w[warp][r] = fma(l_w[warp][r], scale, (double)l[r]);
+                states.l[warp][r] = fma(states.l[warp][r], scale, (double)l[r]);
             }
             l[r] = 0.0f;
 #pragma unroll
@@ -222,7 +218,7 @@ __device__ __forceinline__ void decode(const Params& p) {
         if (lane == 0) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
-                base_w[warp][r] = m[r];
+                states.base[warp][r] = m[r];
             }
         }
     };
@@ -360,57 +356,9 @@ __device__ __forceinline__ void decode(const Params& p) {
     fold();
     cp_async_wait<0>();
     if (lane == 0) {
-        attended_w[warp] = attended ? 1 : 0;
+        states.attended[warp] = attended ? 1 : 0;
     }
     __syncthreads();
-
-    // The warps merged in f64: M = max base_w, L = sum l_w e^(base_w - M), acc likewise
-    // (with M = -Inf every weight is 0 and NaN survives, as in attention_merge.cu). Thread r
-    // makes row r's factors once (they replace l_w), then every thread sums its elements.
-    const i64 part_base = unit[UNIT_PART_BASE];
-    if (tid < heads) {
-        const int r = tid;
-        float big = -f32_inf();
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            big = fmaxf(big, base_w[w][r]);
-        }
-        double sum = 0.0;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const double f =
-                big == -f32_inf() ? 0.0 : exp((double)base_w[w][r] - (double)big);
-            sum = fma(l_w[w][r], f, sum);
-            l_w[w][r] = f;
-        }
-        big_r[r] = big;
-        total_r[r] = part_base < 0 ? (double)p.out_scale / sum : sum;
-    }
-    __syncthreads();
-    const bool any = (attended_w[0] | attended_w[1] | attended_w[2] | attended_w[3]) != 0;
-    const double* const acc_all = (const double*)(smem + S::STAGING);  // [WARPS][ROWS][D]
-#pragma unroll 1
-    for (int x = tid; x < heads * D; x += THREADS) {
-        const int r = x / D, d = x % D;
-        double a = 0.0;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            a = fma(acc_all[(w * ROWS + r) * D + d], l_w[w][r], a);
-        }
-        const float big = big_r[r];
-        if (part_base < 0) {
-            Bits* out = (Bits*)p.output + (token * p.num_heads + first_head + r) * D;
-            out[d] = E::from_f32(V::output(a, big, any, total_r[r]));
-        } else {
-            float* record =
-                p.partials + (part_base + r * unit[UNIT_PARTS] + unit[UNIT_PART]) * (D + 4);
-            if (d == 0) {
-                record[0] = big;
-                record[1] = (float)total_r[r];
-                record[2] = any ? 1.0f : 0.0f;
-            }
-            record[4 + d] = (float)a;
-        }
-    }
+    merge_warps<E, V, D, ROWS>(p, unit, states, (const double*)(smem + S::STAGING), heads, token,
+                               first_head);
 }
-

@@ -18,6 +18,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 address) {
                  : "r"(address));
 }
 
+// An 8x8 matrix of 16-bit elements held as mma.sync fragments (lane l: row l / 4, columns
+// 2 (l % 4) and + 1) transposed among the lanes (sm_75 and later).
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+    u32 r;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
 // P's A fragment of row block mt for keys 16 kk .. 16 kk + 15: the score fragments of
 // n-tiles 2 kk and 2 kk + 1 (mma.sync's C layout), rounded to E.
 template <class E, int MT, int NT>

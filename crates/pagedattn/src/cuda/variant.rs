@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::CudaFunction;
 
-use super::abi::{self, Mask, DECODE_KERNEL_ROWS, PREFILL_ROWS, WARPS};
+use super::abi::{self, Mask, DECODE_KERNEL_ROWS, DECODE_ROWS, PREFILL_ROWS, WARPS};
 use super::compile;
 use super::device::{driver_error, Gpu};
 use super::kernels::{self, KernelSource, ELEMENTS};
@@ -45,7 +45,9 @@ mod pieces {
     pub(super) const EPILOGUE: &str = include_str!("../../kernels/attention/epilogue.cuh");
     pub(super) const PREFILL_MMA: &str = include_str!("../../kernels/attention/prefill_mma.cuh");
     pub(super) const PREFILL_SM90: &str = include_str!("../../kernels/attention/prefill_sm90.cuh");
+    pub(super) const DECODE_MERGE: &str = include_str!("../../kernels/attention/decode_merge.cuh");
     pub(super) const DECODE: &str = include_str!("../../kernels/attention/decode.cuh");
+    pub(super) const DECODE_MMA: &str = include_str!("../../kernels/attention/decode_mma.cuh");
 }
 
 /// One compiled program of the attention kernels.
@@ -151,13 +153,26 @@ impl Variant {
         }
     }
 
-    /// The decode kernel's shape for `rows` rows (1, 4 or 8).
-    pub(crate) fn decode(&self, rows: usize) -> DecodeShape {
-        let stored = match self.storage {
+    /// Bytes of a stored key or value element.
+    fn stored_bytes(&self) -> usize {
+        match self.storage {
             KvCacheDtype::Auto => self.dtype.size_bytes(),
             KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E5m2 => 1,
-        };
-        DecodeShape::new(stored, self.head_size, rows)
+        }
+    }
+
+    /// The decode kernel's shape for `rows` rows (1, 4 or 8): on the tensor cores
+    /// (`decode_mma.cuh`) for bf16 and f16 activations where its rings fit two CTAs per
+    /// multiprocessor, else on the CUDA cores (`decode.cuh`).
+    pub(crate) fn decode(&self, rows: usize) -> DecodeKernel {
+        let stored = self.stored_bytes();
+        if matches!(self.dtype, DType::BF16 | DType::F16) {
+            let scale_q = self.dtype == DType::BF16 && stored == 1;
+            if let Some(shape) = DecodeMmaShape::new(stored, self.head_size, rows, scale_q) {
+                return DecodeKernel::Mma(shape);
+            }
+        }
+        DecodeKernel::Cuda(DecodeShape::new(stored, self.head_size, rows))
     }
 
     /// The program's name, e.g. `attention_bf16_e4m3_d128_causal_alibi`; its kernels are
@@ -262,12 +277,35 @@ impl Variant {
             &call,
         )];
         for rows in DECODE_KERNEL_ROWS {
+            let decode = self.decode(rows);
+            let (decode_pieces, call): (&[&str], String) = match decode {
+                DecodeKernel::Cuda(_) => (
+                    &[pieces::DECODE_MERGE, pieces::DECODE],
+                    format!("decode<{element}, {storage}, V, DecodeShape>"),
+                ),
+                // fp8 codes convert into f16 for the tensor cores.
+                DecodeKernel::Mma(_) => (
+                    &[
+                        pieces::TENSOR_CORE_SM80,
+                        pieces::DECODE_MERGE,
+                        pieces::DECODE_MMA,
+                    ],
+                    format!(
+                        "decode_mma<{element}, {storage}, {}, V, DecodeShape>",
+                        if self.storage == KvCacheDtype::Auto {
+                            element
+                        } else {
+                            "F16"
+                        }
+                    ),
+                ),
+            };
             sources.push(program(
-                &[pieces::DECODE],
+                decode_pieces,
                 &format!("decode{rows}"),
-                self.decode(rows).cuda("DecodeShape"),
+                decode.cuda("DecodeShape"),
                 abi::THREADS,
-                &format!("decode<{element}, {storage}, V, DecodeShape>"),
+                &call,
             ));
         }
         sources
@@ -527,7 +565,129 @@ impl ScalarShape {
     }
 }
 
-/// The decode's shape (`S` of `decode.cuh`, which says what each field means).
+/// A decode kernel's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DecodeKernel {
+    /// The tensor-core decode (`decode_mma.cuh`).
+    Mma(DecodeMmaShape),
+    /// The CUDA-core decode (`decode.cuh`).
+    Cuda(DecodeShape),
+}
+
+impl DecodeKernel {
+    /// Dynamic shared memory in bytes.
+    pub(crate) fn bytes(&self) -> u32 {
+        match self {
+            DecodeKernel::Mma(s) => s.bytes as u32,
+            DecodeKernel::Cuda(s) => s.bytes as u32,
+        }
+    }
+
+    /// The shape as a CUDA struct of constants.
+    fn cuda(&self, name: &str) -> String {
+        match self {
+            DecodeKernel::Mma(s) => s.cuda(name),
+            DecodeKernel::Cuda(s) => s.cuda(name),
+        }
+    }
+}
+
+/// Dynamic shared memory a decode may take: two CTAs per multiprocessor share an H100's
+/// 228 KiB (less 1 KiB reserved per CTA and their static shared memory), as the split of
+/// long decodes assumes.
+const DECODE_SHARED: usize = 112 * 1024;
+
+/// The tensor-core decode's shape (`S` of `decode_mma.cuh`, which says what each field means).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DecodeMmaShape {
+    d: usize,
+    dp: usize,
+    rows: usize,
+    /// Keys per tile: 32 where a row takes at most 128 bytes, else 16 (the mma's rows).
+    kt: usize,
+    stored: usize,
+    row_bytes: usize,
+    copy: usize,
+    cpr: usize,
+    tile_bytes: usize,
+    /// Tiles in a warp's ring: as many as fit [`DECODE_SHARED`], 2 to 4.
+    stages: usize,
+    staging: usize,
+    /// Tiles between folds of a warp's f32 state into its f64 one: 128 keys.
+    fold: usize,
+    scale_q: bool,
+    /// The rings, then the warps' f64 accumulators (rows x D each).
+    bytes: usize,
+}
+
+impl DecodeMmaShape {
+    /// The shape for keys and values stored in `stored` bytes per element, head size `d`,
+    /// `rows` rows, the queries scaled into f16 (`scale_q`: bf16 queries, fp8 codes); `None`
+    /// where two stages with [`DECODE_ROWS`] rows do not fit [`DECODE_SHARED`]
+    /// (the variant's every decode then runs on the CUDA cores).
+    fn new(stored: usize, d: usize, rows: usize, scale_q: bool) -> Option<Self> {
+        let dp = d.next_multiple_of(16);
+        let kt = if d * stored <= 128 { 32 } else { 16 };
+        // An odd number of 16-byte units, past the padding.
+        let units = dp * stored / 16 + 1;
+        let row_bytes = 16 * (units + 1 - units % 2);
+        let copy = if (d * stored).is_multiple_of(16) {
+            16
+        } else {
+            8
+        };
+        let tile_bytes = kt * row_bytes;
+        let ring = |stages: usize| WARPS * stages * 2 * tile_bytes;
+        let outer = |rows: usize| WARPS * rows * d * 8;
+        if ring(2) + outer(DECODE_ROWS) > DECODE_SHARED {
+            return None;
+        }
+        let stages = (2..=4)
+            .rev()
+            .find(|&n| ring(n) + outer(rows) <= DECODE_SHARED)?;
+        Some(DecodeMmaShape {
+            d,
+            dp,
+            rows,
+            kt,
+            stored,
+            row_bytes,
+            copy,
+            cpr: d * stored / copy,
+            tile_bytes,
+            stages,
+            staging: ring(stages),
+            fold: 128 / kt,
+            scale_q,
+            bytes: ring(stages) + outer(rows),
+        })
+    }
+
+    fn cuda(&self, name: &str) -> String {
+        constants(
+            name,
+            &[
+                ("D", self.d),
+                ("DP", self.dp),
+                ("ROWS", self.rows),
+                ("KT", self.kt),
+                ("STORED", self.stored),
+                ("ROW_BYTES", self.row_bytes),
+                ("COPY", self.copy),
+                ("CPR", self.cpr),
+                ("TILE_BYTES", self.tile_bytes),
+                ("STAGE_BYTES", 2 * self.tile_bytes),
+                ("STAGES", self.stages),
+                ("STAGING", self.staging),
+                ("FOLD", self.fold),
+                ("BYTES", self.bytes),
+            ],
+            &[("SCALE_Q", self.scale_q)],
+        )
+    }
+}
+
+/// The CUDA-core decode's shape (`S` of `decode.cuh`, which says what each field means).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DecodeShape {
     d: usize,
@@ -586,11 +746,6 @@ impl DecodeShape {
             fold: 128 / u,
             bytes: staging + WARPS * rows * d * 8,
         }
-    }
-
-    /// Dynamic shared memory in bytes.
-    pub(crate) fn bytes(&self) -> u32 {
-        self.bytes as u32
     }
 
     fn cuda(&self, name: &str) -> String {
@@ -800,6 +955,18 @@ mod tests {
         assert!(!prefill(32, "sm_90a").contains("PAGEDATTN_WGMMA(BF16"));
         assert!(prefill(32, "sm_90a")
             .contains("prefill_mma<BF16, V, PrefillShape, MmaSync<BF16, PrefillShape>>(p);"));
+        // bf16 decodes run on the tensor cores (fp8 codes as f16), but for D = 256.
+        let decode4 = |d| bf16(d).sources("sm_80").swap_remove(2).code;
+        assert!(decode4(128).contains("decode_mma<BF16, Plain<BF16>, BF16, V, DecodeShape>(p);"));
+        assert!(decode4(256).contains("decode<BF16, Plain<BF16>, V, DecodeShape>(p);"));
+        let fp8 = AttentionConfig::builder(8, 64)
+            .kv_cache_dtype(KvCacheDtype::Fp8E4m3)
+            .build()
+            .unwrap();
+        let fp8 = Variant::for_call(&fp8, DType::BF16, true).unwrap();
+        assert!(fp8.sources("sm_90a")[3]
+            .code
+            .contains("decode_mma<BF16, E4M3, F16, V, DecodeShape>(p);"));
     }
 
     #[test]
@@ -866,7 +1033,7 @@ mod tests {
     }
 
     #[test]
-    fn decode_rings_hold_16_kib_ahead_per_warp() {
+    fn decode_shapes() {
         let variant = |dtype, storage, head_size| {
             let cfg = AttentionConfig::builder(32, head_size)
                 .num_kv_heads(8)
@@ -875,23 +1042,54 @@ mod tests {
                 .unwrap();
             Variant::for_call(&cfg, dtype, true).unwrap()
         };
+        let mma = |v: Variant, rows| match v.decode(rows) {
+            DecodeKernel::Mma(s) => s,
+            DecodeKernel::Cuda(_) => panic!("{} runs the CUDA-core decode", v.name()),
+        };
+        let cuda = |v: Variant, rows| match v.decode(rows) {
+            DecodeKernel::Cuda(s) => s,
+            DecodeKernel::Mma(_) => panic!("{} runs the tensor-core decode", v.name()),
+        };
         // After the rings, the warps' f64 accumulators: 4 warps x rows x D.
-        let outer = |rows: u32, d: u32| 4 * rows * d * 8;
-        // bf16, D = 128: chunks of 2 x 8 keys, 8 KiB of keys and values per warp; three
-        // stages (two ahead), four warps.
-        let bf16 = variant(DType::BF16, KvCacheDtype::Auto, 128);
-        assert_eq!(bf16.decode(4).bytes(), 4 * 3 * 8192 + outer(4, 128));
-        assert_eq!(bf16.decode(1).bytes(), 4 * 3 * 8192 + outer(1, 128));
-        // Eight rows: 4 keys per lane, 4 KiB chunks, five stages; 112 KiB in all, so that two
-        // CTAs still share an H100's 228 KiB.
-        assert_eq!(bf16.decode(8).bytes(), 4 * 5 * 4096 + outer(8, 128));
-        assert_eq!(bf16.decode(8).bytes(), 112 * 1024);
-        // fp8, D = 256: 2 KiB chunks, at most eight stages.
-        let fp8 = variant(DType::BF16, KvCacheDtype::Fp8E4m3, 256);
-        assert_eq!(fp8.decode(8).bytes(), 4 * 8 * 2048 + outer(8, 256));
-        // f32, D = 256: two 16-byte copies per lane and key.
-        let f32 = variant(DType::F32, KvCacheDtype::Auto, 256);
-        assert_eq!(f32.decode(8).bytes(), 4 * 3 * 8192 + outer(8, 256));
+        let outer = |rows: usize, d: usize| 4 * rows * d * 8;
+        // bf16, D = 128, on the tensor cores: tiles of 16 keys, rows of 256 bytes padded to
+        // 17 x 16; two stages of keys and values per warp (three would pass 112 KiB).
+        let bf16 = mma(variant(DType::BF16, KvCacheDtype::Auto, 128), 4);
+        assert_eq!((bf16.kt, bf16.row_bytes, bf16.stages), (16, 272, 2));
+        assert_eq!(bf16.bytes, 4 * 2 * 2 * 16 * 272 + outer(4, 128));
+        assert!(!bf16.scale_q);
+        // fp8 codes: tiles of 32 keys, 128-byte rows padded to 9 x 16; bf16 queries scale into
+        // f16, f16 queries need not.
+        let fp8 = mma(variant(DType::BF16, KvCacheDtype::Fp8E4m3, 128), 8);
+        assert_eq!(
+            (fp8.kt, fp8.row_bytes, fp8.copy, fp8.fold),
+            (32, 144, 16, 4)
+        );
+        assert!(fp8.scale_q);
+        assert!(!mma(variant(DType::F16, KvCacheDtype::Fp8E5m2, 128), 8).scale_q);
+        // D = 120 fp8: 8-byte copies; D = 80 fp8: rows of 5 units padded to 7.
+        assert_eq!(
+            mma(variant(DType::F16, KvCacheDtype::Fp8E4m3, 120), 1).copy,
+            8
+        );
+        assert_eq!(
+            mma(variant(DType::F16, KvCacheDtype::Fp8E4m3, 80), 1).row_bytes,
+            7 * 16
+        );
+        // Where two stages and eight rows' accumulators pass 112 KiB, and for f32, the
+        // CUDA-core decode.
+        assert!(DecodeMmaShape::new(2, 192, 1, false).is_none());
+        cuda(variant(DType::BF16, KvCacheDtype::Auto, 256), 1);
+        let f32 = cuda(variant(DType::F32, KvCacheDtype::Auto, 256), 8);
+        // f32, D = 256: two 16-byte copies per lane and key, three stages of 8 KiB.
+        assert_eq!(f32.bytes, 4 * 3 * 8192 + outer(8, 256));
+        for v in Variant::all() {
+            for rows in DECODE_KERNEL_ROWS {
+                if let DecodeKernel::Mma(s) = v.decode(rows) {
+                    assert!(s.bytes <= DECODE_SHARED, "{}", v.name());
+                }
+            }
+        }
         // Every decode fits the 163 KiB a block may take on an A100 (sm_80), with its
         // static shared memory (under 1 KiB).
         for v in Variant::all() {

@@ -1,0 +1,396 @@
+// The decode on the tensor cores (bf16 and f16 activations; keys and values stored as such
+// or as fp8 codes): units of one query token, as decode.cuh's, with the kv head's query
+// heads as the 8 columns of mma.sync m16n8k16 and keys as its rows, so that no element of an
+// accumulator is padding: S^T = K Q^T (A: a key tile read with ldmatrix, B: the queries, in
+// registers), then O^T += V^T P^T (A: the value tile read with ldmatrix.trans, B: the weights,
+// moved from S^T's layout with movmatrix). A lane (g = lane / 4, t4 = lane % 4) holds the
+// scores of keys g and g + 8 of each 16 for heads 2 t4 and 2 t4 + 1, and O^T's elements of
+// those heads for two dimensions of each 16 (`dim`).
+//
+// The tensor math runs on element type M: E for keys and values stored as E; f16 for fp8
+// codes, which convert exactly into f16 pairs. With bf16 queries and fp8 codes (SCALE_Q),
+// each head's queries are scaled by a power of two that puts their largest magnitude in
+// [2^14, 2^15) before rounding to f16 (exact where bf16's 8 bits fit f16's range, which that
+// scale makes so down to 2^-24 of the largest), and the scores are scaled back exactly.
+// For fp8 keys the dimensions of a k-step are taken in the order ldmatrix delivers the codes
+// (lane t4 gets dimensions 4 t4 .. 4 t4 + 3 of 16), the queries' B fragments likewise; for fp8
+// values O^T's rows g and g + 8 are dimensions 2 g and 2 g + 1 of 16 (ldmatrix.trans delivers
+// both of a key pair in one register, which a byte permute splits).
+//
+// Its shape S (DecodeMmaShape in src/cuda/variant.rs, generated into the program): rows of
+// keys and values are D elements (STORED bytes each), padded with zeros to DP (a multiple
+// of 16), ROW_BYTES apart in shared memory (an odd number of 16-byte units: the 8 rows an
+// ldmatrix reads fall in 8 different bank groups). Warps take interleaved tiles of KT keys,
+// each with its own ring of STAGES tiles (the keys' tile, then the values', TILE_BYTES each)
+// that its own lanes fill with cp.async (COPY bytes a copy, CPR copies a row), so that a warp
+// waits on no other; the lanes read the tile written by each other after their waits and a
+// __syncwarp. The warps' f64 states (fold, every FOLD tiles = 128 keys, and merge) are
+// decode.cuh's, after the rings (STAGING bytes); BYTES in all.
+
+// This lane's dimension of O^T's half hh (0: accumulators 0 and 1, 1: 2 and 3) of m-tile c.
+template <bool FP8>
+__device__ __forceinline__ int dim(int c, int hh) {
+    const int g = threadIdx.x % 32 / 4;
+    return FP8 ? 16 * c + 2 * g + hh : 16 * c + g + 8 * hh;
+}
+
+// The A fragments of S^T = K Q^T for keys 16 mk .. of the key tile at `tile` (row stride
+// RB), every k-step. 16-bit keys: one ldmatrix per k-step. fp8 codes: one per two k-steps,
+// each register's four codes (key g or g + 8, dimensions 4 t4 .. 4 t4 + 3 of the k-step)
+// converted into two f16 pairs: the k-step's columns 2 t4, 2 t4 + 1 (register 0 or 1) and
+// 2 t4 + 8, 2 t4 + 9 (register 2 or 3).
+template <class C, int KS, int RB>
+__device__ __forceinline__ void key_fragments(u32 (&a)[KS][4], u32 tile, int mk) {
+    const int lane = threadIdx.x % 32;
+    const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 8 % 2)) * RB + 16 * (lane / 16);
+    if constexpr (sizeof(typename C::Type) == 2) {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            ldmatrix_x4(a[kk], at + 32 * kk);
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < KS; kk += 2) {
+            u32 r[4];
+            ldmatrix_x4(r, at + 16 * kk);
+#pragma unroll
+            for (int h = 0; h < 2 && kk + h < KS; ++h) {
+                a[kk + h][0] = C::pair_to_f16x2((u16)r[2 * h]);
+                a[kk + h][1] = C::pair_to_f16x2((u16)r[2 * h + 1]);
+                a[kk + h][2] = C::pair_to_f16x2((u16)(r[2 * h] >> 16));
+                a[kk + h][3] = C::pair_to_f16x2((u16)(r[2 * h + 1] >> 16));
+            }
+        }
+    }
+}
+
+// The A fragments of O^T += V^T P^T for keys 16 mk .. of the value tile at `tile`, every
+// m-tile of dimensions. 16-bit values: one ldmatrix.trans per m-tile. fp8 codes: one per two
+// m-tiles, each register holding two keys' codes of dimensions 2 g and 2 g + 1, split by a
+// byte permute into the f16 pairs of dimension 2 g (rows g) and 2 g + 1 (rows g + 8).
+template <class C, int KS, int RB>
+__device__ __forceinline__ void value_fragments(u32 (&a)[KS][4], u32 tile, int mk) {
+    const int lane = threadIdx.x % 32;
+    if constexpr (sizeof(typename C::Type) == 2) {
+        const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 16)) * RB + 16 * (lane / 8 % 2);
+#pragma unroll
+        for (int c = 0; c < KS; ++c) {
+            ldmatrix_x4_trans(a[c], at + 32 * c);
+        }
+    } else {
+        const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 8 % 2)) * RB + 16 * (lane / 16);
+#pragma unroll
+        for (int c = 0; c < KS; c += 2) {
+            u32 r[4];
+            ldmatrix_x4_trans(r, at + 16 * c);
+#pragma unroll
+            for (int h = 0; h < 2 && c + h < KS; ++h) {
+                u32 x[2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    // Bytes (key 2 t4: dims 2 g, 2 g + 1; key 2 t4 + 1: the same) as
+                    // (dim 2 g: both keys; dim 2 g + 1: both keys).
+                    asm("prmt.b32 %0, %1, 0, 0x3120;" : "=r"(x[i]) : "r"(r[2 * h + i]));
+                }
+                a[c + h][0] = C::pair_to_f16x2((u16)x[0]);
+                a[c + h][1] = C::pair_to_f16x2((u16)(x[0] >> 16));
+                a[c + h][2] = C::pair_to_f16x2((u16)x[1]);
+                a[c + h][3] = C::pair_to_f16x2((u16)(x[1] >> 16));
+            }
+        }
+    }
+}
+
+template <class E, class C, class M, class V, class S>
+__device__ __forceinline__ void decode_mma(const Params& p) {
+    constexpr int D = S::D, DP = S::DP, ROWS = S::ROWS, KT = S::KT, RB = S::ROW_BYTES;
+    constexpr int KS = DP / 16;  // k-steps of S^T, m-tiles of O^T
+    constexpr int MK = KT / 16;  // m-tiles of S^T, k-steps of O^T
+    constexpr bool FP8 = sizeof(typename C::Type) == 1;
+    constexpr int STORED = S::STORED, COPY = S::COPY, CPR = S::CPR, STAGES = S::STAGES;
+    constexpr int COPIES = (KT * CPR + 31) / 32;  // per lane, of each tile
+    static_assert(KT % 16 == 0 && KT <= 32, "one lane per key of a tile");
+    static_assert(ROWS <= 8, "the heads are the mma's 8 columns");
+    __shared__ DecodeStates<ROWS> states;
+    u8* const smem = dynamic_shared(S::BYTES);
+    typedef typename E::Bits Bits;
+    const u8* keys = (const u8*)p.key;
+    const u8* values = (const u8*)p.value;
+
+    const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
+    const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
+    const i64 kv_head = unit[UNIT_KV_HEAD];
+    const int heads = (int)unit[UNIT_HEADS];  // <= ROWS
+    const i64 token = seq[SEQ_QUERY_START] + unit[UNIT_TOKEN];
+    const i64 first_head = kv_head * p.group + unit[UNIT_HEAD];
+    const i64 key_start = unit[UNIT_KEY_START];
+    const i64 key_end = unit[UNIT_KEY_END];
+    const u32 block_div = block_divisor(p);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const i64 pos = V::position(seq, unit[UNIT_TOKEN]);
+
+    // Q^T's B fragments: head g's dimensions (k-step kk) 2 t4, 2 t4 + 1 and 2 t4 + 8, 2 t4 + 9
+    // (fp8 keys: 4 t4 .. 4 t4 + 3); zeros past D and for heads past the unit's.
+    u32 qb[KS][2];
+    float qfactor[2] = {1.0f, 1.0f}, slope[2] = {0.0f, 0.0f};  // of heads 2 t4 + j
+    {
+        float q[KS][4];
+        float amax = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const int d = 16 * kk + (FP8 ? 4 * t4 + 2 * x : 2 * t4 + 8 * x);
+                u32 w = 0;
+                if (g < heads && d < D) {
+                    w = *(const u32*)((const Bits*)p.query +
+                                      (token * p.num_heads + first_head + g) * D + d);
+                }
+                q[kk][2 * x] = E::to_f32((u16)w);
+                q[kk][2 * x + 1] = E::to_f32((u16)(w >> 16));
+                amax = fmaxf(amax, fmaxf(fabsf(q[kk][2 * x]), fabsf(q[kk][2 * x + 1])));
+            }
+        }
+        float up = 1.0f;
+        if constexpr (S::SCALE_Q) {
+            amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 2));
+            // amax in [2^e, 2^(e + 1)) (e = 128 for Inf or NaN, -127 for 0 or a subnormal):
+            // 2^(14 - e), within what an f32 power of two holds.
+            const int e = (int)((__float_as_uint(amax) >> 23) & 0xff) - 127;
+            const int up_exp = max(-114, min(126, 14 - e));
+            up = __uint_as_float((u32)(127 + up_exp) << 23);
+            const float down = __uint_as_float((u32)(127 - up_exp) << 23);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                qfactor[j] = __shfl_sync(FULL, down, 4 * (2 * t4 + j));
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            qb[kk][0] = M::pack2(q[kk][0] * up, q[kk][1] * up);
+            qb[kk][1] = M::pack2(q[kk][2] * up, q[kk][3] * up);
+        }
+    }
+    if (V::ALIBI) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (2 * t4 + j < heads) {
+                slope[j] = p.slopes[first_head + 2 * t4 + j];
+            }
+        }
+    }
+
+    // The warp's ring; the padding of its rows zeroed once (cp.async writes D elements).
+    u8* const ring = smem + warp * STAGES * S::STAGE_BYTES;
+    const u32 ring_at = smem_address(ring);
+    constexpr int PAD_WORDS = (RB - D * STORED) / 4;
+#pragma unroll 1
+    for (int x = lane; x < STAGES * 2 * KT * PAD_WORDS; x += 32) {
+        ((u32*)(ring + x / PAD_WORDS * RB + D * STORED))[x % PAD_WORDS] = 0;
+    }
+
+    // The f32 state of heads 2 t4 + j (m agreed by the 8 lanes of a t4, l this lane's keys'),
+    // O^T, and the f64 state: the base (m at the last fold), this lane's sums, and the
+    // accumulators in shared memory, each element owned by the lane holding it in O^T.
+    float m[2] = {-f32_inf(), -f32_inf()}, l[2] = {0.0f, 0.0f}, base[2] = {-f32_inf(), -f32_inf()};
+    double l64[2] = {0.0, 0.0};
+    float o[KS][4];
+#pragma unroll
+    for (int c = 0; c < KS; ++c) {
+        o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.0f;
+    }
+    double* const acc = (double*)(smem + S::STAGING) + warp * ROWS * D;  // [ROWS][D]
+#pragma unroll
+    for (int c = 0; c < KS; ++c) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = 2 * t4 + e % 2, d = dim<FP8>(c, e / 2);
+            if (h < ROWS && d < D) {
+                acc[h * D + d] = 0.0;
+            }
+        }
+    }
+    // The f32 state added into the f64 one, as decode.cuh's fold (which says why): O^T has
+    // summed its keys already, so each element is one lane's.
+    auto fold = [&]() {
+        double scale[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            scale[j] = base[j] == m[j] ? 1.0 : exp((double)base[j] - (double)m[j]);
+            l64[j] = fma(l64[j], scale[j], (double)l[j]);
+            l[j] = 0.0f;
+            base[j] = m[j];
+        }
+#pragma unroll
+        for (int c = 0; c < KS; ++c) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = 2 * t4 + e % 2, d = dim<FP8>(c, e / 2);
+                if (h < ROWS && d < D) {
+                    double* const a = acc + h * D + d;
+                    *a = fma(*a, scale[e % 2], (double)o[c][e]);
+                }
+                o[c][e] = 0.0f;
+            }
+        }
+    };
+
+    const int tiles = (int)((key_end - key_start + KT - 1) / KT);
+    // This warp's tiles, warp-uniform (a lane's broadcast: see decode.cuh).
+    const int count = __shfl_sync(FULL, tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0, 0);
+    // This lane's key of the warp's k-th tile (lanes < KT): its storage, or -1.
+    auto lookup = [&](int k) -> i64 {
+        const i64 j = key_start + (i64)(warp + k * WARPS) * KT + lane;
+        return k < count && lane < KT ? key_offset<D>(p, seq, kv_head, key_end, block_div, j)
+                                      : -1;
+    };
+    // The warp's k-th tile, whose keys' storage `mine` holds, into stage k % STAGES (zeros
+    // for non-keys), as one commit group (empty past the warp's tiles). Returns the tile's
+    // keys that are keys, one bit each.
+    auto stage = [&](int k, i64 mine) -> u32 {
+        const u32 present = __ballot_sync(FULL, mine >= 0);
+        if (k < count) {
+            const u32 at = ring_at + (k % STAGES) * S::STAGE_BYTES;
+#pragma unroll
+            for (int x = 0; x < COPIES; ++x) {
+                const int c = lane + 32 * x;
+                const int t = min(c / CPR, KT - 1), col = c % CPR;
+                const i64 off = __shfl_sync(FULL, mine, t);
+                if (KT * CPR % 32 == 0 || c < KT * CPR) {
+                    const bool zeros = off < 0;
+                    const i64 src = (zeros ? 0 : off * STORED) + col * COPY;
+                    cp_async<COPY>(at + t * RB + col * COPY, keys + src, zeros);
+                    cp_async<COPY>(at + S::TILE_BYTES + t * RB + col * COPY, values + src, zeros);
+                }
+            }
+        }
+        cp_async_commit();
+        return present;
+    };
+
+    bool attended = false;
+    u32 present[STAGES];  // the staged tiles' key bits, oldest first
+    i64 next = lookup(0);
+#pragma unroll
+    for (int k = 0; k + 1 < STAGES; ++k) {
+        present[k] = stage(k, next);
+        next = lookup(k + 1);
+    }
+#pragma unroll 1
+    for (int k = 0; k < count; ++k) {
+        present[STAGES - 1] = stage(k + STAGES - 1, next);
+        next = lookup(k + STAGES);
+        cp_async_wait<STAGES - 1>();  // tile k has landed (this lane's copies of it)
+        __syncwarp();                 // and every lane's
+        const u32 keys_here = present[0];
+#pragma unroll
+        for (int x = 0; x + 1 < STAGES; ++x) {
+            present[x] = present[x + 1];
+        }
+        attended |= keys_here != 0;
+        const u32 k_tile = ring_at + (k % STAGES) * S::STAGE_BYTES;
+        const u32 v_tile = k_tile + S::TILE_BYTES;
+        const i64 j0 = key_start + (i64)(warp + k * WARPS) * KT;
+
+        // S^T = K Q^T, then the scores: element e of m-tile mk is key 16 mk + g + 8 (e / 2),
+        // head 2 t4 + e % 2.
+        float s[MK][4];
+#pragma unroll
+        for (int mk = 0; mk < MK; ++mk) {
+            s[mk][0] = s[mk][1] = s[mk][2] = s[mk][3] = 0.0f;
+            u32 a[KS][4];
+            key_fragments<C, KS, RB>(a, k_tile, mk);
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                M::mma(s[mk], a[kk], qb[kk][0], qb[kk][1]);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = 16 * mk + g + 8 * (e / 2);
+                const float dot = S::SCALE_Q ? s[mk][e] * qfactor[e % 2] : s[mk][e];
+                s[mk][e] = (keys_here >> t) & 1
+                               ? V::logits(p, dot, j0 + t - pos, slope[e % 2])
+                               : -f32_inf();
+            }
+        }
+        // The online softmax per head: one new max per tile (over the 8 lanes of a t4).
+        float alpha[2], row_base[2];
+        bool changed = false;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            float tile_max = -f32_inf();
+#pragma unroll
+            for (int mk = 0; mk < MK; ++mk) {
+                tile_max = fmaxf(tile_max, fmaxf(s[mk][j], s[mk][j + 2]));
+            }
+#pragma unroll
+            for (int x = 4; x < 32; x *= 2) {
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, x));
+            }
+            const float m_new = fmaxf(m[j], tile_max);
+            alpha[j] = rescale(m[j], m_new);
+            changed |= alpha[j] != 1.0f;
+            m[j] = m_new;
+            row_base[j] = softmax_base(m_new);
+            l[j] *= alpha[j];
+        }
+        // P^T's B fragments: the weights rounded to M, moved from S^T's layout (lane: key
+        // g, heads 2 t4, 2 t4 + 1) to B's (lane: head g, keys 2 t4, 2 t4 + 1).
+        u32 pb[MK][2];
+#pragma unroll
+        for (int mk = 0; mk < MK; ++mk) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[mk][e] = weight(s[mk][e], row_base[e % 2]);
+                l[e % 2] += s[mk][e];
+            }
+            pb[mk][0] = movmatrix_trans(M::pack2(s[mk][0], s[mk][1]));
+            pb[mk][1] = movmatrix_trans(M::pack2(s[mk][2], s[mk][3]));
+        }
+        if (__any_sync(FULL, changed)) {
+#pragma unroll
+            for (int c = 0; c < KS; ++c) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    o[c][e] *= alpha[e % 2];
+                }
+            }
+        }
+        // O^T += V^T P^T.
+#pragma unroll
+        for (int mk = 0; mk < MK; ++mk) {
+            u32 a[KS][4];
+            value_fragments<C, KS, RB>(a, v_tile, mk);
+#pragma unroll
+            for (int c = 0; c < KS; ++c) {
+                M::mma(o[c], a[c], pb[mk][0], pb[mk][1]);
+            }
+        }
+        __syncwarp();  // every lane has read the stage that the next iteration refills
+        if ((k + 1) % S::FOLD == 0) {
+            fold();
+        }
+    }
+    fold();
+    cp_async_wait<0>();
+    // Each head's sum over the warp's lanes; lanes 0..3 hold heads 2 t4 + j.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int x = 4; x < 32; x *= 2) {
+            l64[j] += __shfl_xor_sync(FULL, l64[j], x);
+        }
+        if (g == 0 && 2 * t4 + j < ROWS) {
+            states.base[warp][2 * t4 + j] = m[j];
+            states.l[warp][2 * t4 + j] = l64[j];
+        }
+    }
+    if (lane == 0) {
+        states.attended[warp] = attended ? 1 : 0;
+    }
+    __syncthreads();
+    merge_warps<E, V, D, ROWS>(p, unit, states, (const double*)(smem + S::STAGING), heads, token,
+                               first_head);
+}
