@@ -19,13 +19,21 @@
 //
 // Its shape S (DecodeMmaShape in src/cuda/variant.rs, generated into the program): rows of
 // keys and values are D elements (STORED bytes each), padded with zeros to DP (a multiple
-// of 16), ROW_BYTES apart in shared memory (an odd number of 16-byte units: the 8 rows an
-// ldmatrix reads fall in 8 different bank groups). Warps take interleaved tiles of KT keys,
+// of 16), ROW_BYTES apart in shared memory, laid out so that the 8 rows an ldmatrix reads
+// fall in 8 different bank groups: with SWIZZLE (rows of a multiple of 8 16-byte units, no
+// padding) unit u of row r is stored at unit u ^ (r % 8); else ROW_BYTES is an odd number of
+// units. Warps take interleaved tiles of KT keys,
 // each with its own ring of STAGES tiles (the keys' tile, then the values', TILE_BYTES each)
 // that its own lanes fill with cp.async (COPY bytes a copy, CPR copies a row), so that a warp
 // waits on no other; the lanes read the tile written by each other after their waits and a
 // __syncwarp. The warps' f64 states (fold, every FOLD tiles = 128 keys, and merge) are
 // decode.cuh's, after the rings (STAGING bytes); BYTES in all.
+
+// Where unit u of a row whose index is this lane's modulo 8 is stored (see the shape).
+template <bool SWIZZLE>
+__device__ __forceinline__ int unit(int u) {
+    return SWIZZLE ? u ^ (threadIdx.x % 8) : u;
+}
 
 // This lane's dimension of O^T's half hh (0: accumulators 0 and 1, 1: 2 and 3) of m-tile c.
 template <bool FP8>
@@ -35,68 +43,63 @@ __device__ __forceinline__ int dim(int c, int hh) {
 }
 
 // The A fragments of S^T = K Q^T for keys 16 mk .. of the key tile at `tile` (row stride
-// RB), every k-step. 16-bit keys: one ldmatrix per k-step. fp8 codes: one per two k-steps,
-// each register's four codes (key g or g + 8, dimensions 4 t4 .. 4 t4 + 3 of the k-step)
-// converted into two f16 pairs: the k-step's columns 2 t4, 2 t4 + 1 (register 0 or 1) and
-// 2 t4 + 8, 2 t4 + 9 (register 2 or 3).
-template <class C, int KS, int RB>
-__device__ __forceinline__ void key_fragments(u32 (&a)[KS][4], u32 tile, int mk) {
+// RB), k-steps kk and kk + 1 (kk even; the second only below KS). 16-bit keys: one ldmatrix
+// per k-step. fp8 codes: one for both, each register's four codes (key g or g + 8,
+// dimensions 4 t4 .. 4 t4 + 3 of the k-step) converted into two f16 pairs: the k-step's
+// columns 2 t4, 2 t4 + 1 (register 0 or 1) and 2 t4 + 8, 2 t4 + 9 (register 2 or 3).
+template <class C, int KS, int RB, bool SW>
+__device__ __forceinline__ void key_fragments(u32 (&a)[2][4], u32 tile, int mk, int kk) {
     const int lane = threadIdx.x % 32;
-    const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 8 % 2)) * RB + 16 * (lane / 16);
+    const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 8 % 2)) * RB;
     if constexpr (sizeof(typename C::Type) == 2) {
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            ldmatrix_x4(a[kk], at + 32 * kk);
+        for (int h = 0; h < 2 && kk + h < KS; ++h) {
+            ldmatrix_x4(a[h], at + 16 * unit<SW>(2 * (kk + h) + lane / 16));
         }
     } else {
+        u32 r[4];
+        ldmatrix_x4(r, at + 16 * unit<SW>(kk + lane / 16));
 #pragma unroll
-        for (int kk = 0; kk < KS; kk += 2) {
-            u32 r[4];
-            ldmatrix_x4(r, at + 16 * kk);
-#pragma unroll
-            for (int h = 0; h < 2 && kk + h < KS; ++h) {
-                a[kk + h][0] = C::pair_to_f16x2((u16)r[2 * h]);
-                a[kk + h][1] = C::pair_to_f16x2((u16)r[2 * h + 1]);
-                a[kk + h][2] = C::pair_to_f16x2((u16)(r[2 * h] >> 16));
-                a[kk + h][3] = C::pair_to_f16x2((u16)(r[2 * h + 1] >> 16));
-            }
+        for (int h = 0; h < 2 && kk + h < KS; ++h) {
+            a[h][0] = C::pair_to_f16x2((u16)r[2 * h]);
+            a[h][1] = C::pair_to_f16x2((u16)r[2 * h + 1]);
+            a[h][2] = C::pair_to_f16x2((u16)(r[2 * h] >> 16));
+            a[h][3] = C::pair_to_f16x2((u16)(r[2 * h + 1] >> 16));
         }
     }
 }
 
-// The A fragments of O^T += V^T P^T for keys 16 mk .. of the value tile at `tile`, every
-// m-tile of dimensions. 16-bit values: one ldmatrix.trans per m-tile. fp8 codes: one per two
-// m-tiles, each register holding two keys' codes of dimensions 2 g and 2 g + 1, split by a
-// byte permute into the f16 pairs of dimension 2 g (rows g) and 2 g + 1 (rows g + 8).
-template <class C, int KS, int RB>
-__device__ __forceinline__ void value_fragments(u32 (&a)[KS][4], u32 tile, int mk) {
+// The A fragments of O^T += V^T P^T for keys 16 mk .. of the value tile at `tile`, m-tiles
+// c and c + 1 of dimensions (c even; the second only below KS). 16-bit values: one
+// ldmatrix.trans per m-tile. fp8 codes: one for both, each register holding two keys' codes
+// of dimensions 2 g and 2 g + 1, split by a byte permute into the f16 pairs of dimension 2 g
+// (rows g) and 2 g + 1 (rows g + 8).
+template <class C, int KS, int RB, bool SW>
+__device__ __forceinline__ void value_fragments(u32 (&a)[2][4], u32 tile, int mk, int c) {
     const int lane = threadIdx.x % 32;
     if constexpr (sizeof(typename C::Type) == 2) {
-        const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 16)) * RB + 16 * (lane / 8 % 2);
+        const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 16)) * RB;
 #pragma unroll
-        for (int c = 0; c < KS; ++c) {
-            ldmatrix_x4_trans(a[c], at + 32 * c);
+        for (int h = 0; h < 2 && c + h < KS; ++h) {
+            ldmatrix_x4_trans(a[h], at + 16 * unit<SW>(2 * (c + h) + lane / 8 % 2));
         }
     } else {
-        const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 8 % 2)) * RB + 16 * (lane / 16);
+        const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 8 % 2)) * RB;
+        u32 r[4];
+        ldmatrix_x4_trans(r, at + 16 * unit<SW>(c + lane / 16));
 #pragma unroll
-        for (int c = 0; c < KS; c += 2) {
-            u32 r[4];
-            ldmatrix_x4_trans(r, at + 16 * c);
+        for (int h = 0; h < 2 && c + h < KS; ++h) {
+            u32 x[2];
 #pragma unroll
-            for (int h = 0; h < 2 && c + h < KS; ++h) {
-                u32 x[2];
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    // Bytes (key 2 t4: dims 2 g, 2 g + 1; key 2 t4 + 1: the same) as
-                    // (dim 2 g: both keys; dim 2 g + 1: both keys).
-                    asm("prmt.b32 %0, %1, 0, 0x3120;" : "=r"(x[i]) : "r"(r[2 * h + i]));
-                }
-                a[c + h][0] = C::pair_to_f16x2((u16)x[0]);
-                a[c + h][1] = C::pair_to_f16x2((u16)(x[0] >> 16));
-                a[c + h][2] = C::pair_to_f16x2((u16)x[1]);
-                a[c + h][3] = C::pair_to_f16x2((u16)(x[1] >> 16));
+            for (int i = 0; i < 2; ++i) {
+                // Bytes (key 2 t4: dims 2 g, 2 g + 1; key 2 t4 + 1: the same) as
+                // (dim 2 g: both keys; dim 2 g + 1: both keys).
+                asm("prmt.b32 %0, %1, 0, 0x3120;" : "=r"(x[i]) : "r"(r[2 * h + i]));
             }
+            a[h][0] = C::pair_to_f16x2((u16)x[0]);
+            a[h][1] = C::pair_to_f16x2((u16)(x[0] >> 16));
+            a[h][2] = C::pair_to_f16x2((u16)x[1]);
+            a[h][3] = C::pair_to_f16x2((u16)(x[1] >> 16));
         }
     }
 }
@@ -186,9 +189,11 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     u8* const ring = smem + warp * STAGES * S::STAGE_BYTES;
     const u32 ring_at = smem_address(ring);
     constexpr int PAD_WORDS = (RB - D * STORED) / 4;
+    if constexpr (PAD_WORDS > 0) {
 #pragma unroll 1
-    for (int x = lane; x < STAGES * 2 * KT * PAD_WORDS; x += 32) {
-        ((u32*)(ring + x / PAD_WORDS * RB + D * STORED))[x % PAD_WORDS] = 0;
+        for (int x = lane; x < STAGES * 2 * KT * PAD_WORDS; x += 32) {
+            ((u32*)(ring + x / PAD_WORDS * RB + D * STORED))[x % PAD_WORDS] = 0;
+        }
     }
 
     // The f32 state of heads 2 t4 + j (m agreed by the 8 lanes of a t4, l this lane's keys'),
@@ -261,8 +266,10 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
                 if (KT * CPR % 32 == 0 || c < KT * CPR) {
                     const bool zeros = off < 0;
                     const i64 src = (zeros ? 0 : off * STORED) + col * COPY;
-                    cp_async<COPY>(at + t * RB + col * COPY, keys + src, zeros);
-                    cp_async<COPY>(at + S::TILE_BYTES + t * RB + col * COPY, values + src, zeros);
+                    // (Swizzled rows take 16-byte copies: a copy is a unit.)
+                    const u32 dst = at + t * RB + (S::SWIZZLE ? col ^ (t % 8) : col) * COPY;
+                    cp_async<COPY>(dst, keys + src, zeros);
+                    cp_async<COPY>(dst + S::TILE_BYTES, values + src, zeros);
                 }
             }
         }
@@ -300,11 +307,14 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
 #pragma unroll
         for (int mk = 0; mk < MK; ++mk) {
             s[mk][0] = s[mk][1] = s[mk][2] = s[mk][3] = 0.0f;
-            u32 a[KS][4];
-            key_fragments<C, KS, RB>(a, k_tile, mk);
 #pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                M::mma(s[mk], a[kk], qb[kk][0], qb[kk][1]);
+            for (int kk = 0; kk < KS; kk += 2) {
+                u32 a[2][4];
+                key_fragments<C, KS, RB, S::SWIZZLE>(a, k_tile, mk, kk);
+#pragma unroll
+                for (int h = 0; h < 2 && kk + h < KS; ++h) {
+                    M::mma(s[mk], a[h], qb[kk + h][0], qb[kk + h][1]);
+                }
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -361,11 +371,14 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
         // O^T += V^T P^T.
 #pragma unroll
         for (int mk = 0; mk < MK; ++mk) {
-            u32 a[KS][4];
-            value_fragments<C, KS, RB>(a, v_tile, mk);
 #pragma unroll
-            for (int c = 0; c < KS; ++c) {
-                M::mma(o[c], a[c], pb[mk][0], pb[mk][1]);
+            for (int c = 0; c < KS; c += 2) {
+                u32 a[2][4];
+                value_fragments<C, KS, RB, S::SWIZZLE>(a, v_tile, mk, c);
+#pragma unroll
+                for (int h = 0; h < 2 && c + h < KS; ++h) {
+                    M::mma(o[c + h], a[h], pb[mk][0], pb[mk][1]);
+                }
             }
         }
         __syncwarp();  // every lane has read the stage that the next iteration refills

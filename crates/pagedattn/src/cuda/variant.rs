@@ -615,6 +615,7 @@ pub(crate) struct DecodeMmaShape {
     staging: usize,
     /// Tiles between folds of a warp's f32 state into its f64 one: 128 keys.
     fold: usize,
+    swizzle: bool,
     scale_q: bool,
     /// The rings, then the warps' f64 accumulators (rows x D each).
     bytes: usize,
@@ -628,9 +629,15 @@ impl DecodeMmaShape {
     fn new(stored: usize, d: usize, rows: usize, scale_q: bool) -> Option<Self> {
         let dp = d.next_multiple_of(16);
         let kt = if d * stored <= 128 { 32 } else { 16 };
-        // An odd number of 16-byte units, past the padding.
+        // Swizzled rows of a multiple of 8 16-byte units, else an odd number of units, past
+        // the padding.
+        let swizzle = (d * stored).is_multiple_of(128);
         let units = dp * stored / 16 + 1;
-        let row_bytes = 16 * (units + 1 - units % 2);
+        let row_bytes = if swizzle {
+            d * stored
+        } else {
+            16 * (units + 1 - units % 2)
+        };
         let copy = if (d * stored).is_multiple_of(16) {
             16
         } else {
@@ -658,6 +665,7 @@ impl DecodeMmaShape {
             stages,
             staging: ring(stages),
             fold: 128 / kt,
+            swizzle,
             scale_q,
             bytes: ring(stages) + outer(rows),
         })
@@ -682,7 +690,7 @@ impl DecodeMmaShape {
                 ("FOLD", self.fold),
                 ("BYTES", self.bytes),
             ],
-            &[("SCALE_Q", self.scale_q)],
+            &[("SWIZZLE", self.swizzle), ("SCALE_Q", self.scale_q)],
         )
     }
 }
@@ -1052,20 +1060,27 @@ mod tests {
         };
         // After the rings, the warps' f64 accumulators: 4 warps x rows x D.
         let outer = |rows: usize, d: usize| 4 * rows * d * 8;
-        // bf16, D = 128, on the tensor cores: tiles of 16 keys, rows of 256 bytes padded to
-        // 17 x 16; two stages of keys and values per warp (three would pass 112 KiB).
-        let bf16 = mma(variant(DType::BF16, KvCacheDtype::Auto, 128), 4);
-        assert_eq!((bf16.kt, bf16.row_bytes, bf16.stages), (16, 272, 2));
-        assert_eq!(bf16.bytes, 4 * 2 * 2 * 16 * 272 + outer(4, 128));
-        assert!(!bf16.scale_q);
-        // fp8 codes: tiles of 32 keys, 128-byte rows padded to 9 x 16; bf16 queries scale into
-        // f16, f16 queries need not.
+        // bf16, D = 128, on the tensor cores: tiles of 16 keys, swizzled rows of 256 bytes;
+        // three stages of keys and values per warp, 112 KiB in all with four rows (two with
+        // eight rows, whose accumulators take 16 KiB more).
+        let v = variant(DType::BF16, KvCacheDtype::Auto, 128);
+        let bf16 = mma(v, 4);
+        assert_eq!((bf16.kt, bf16.row_bytes, bf16.stages), (16, 256, 3));
+        assert!(bf16.swizzle && !bf16.scale_q);
+        assert_eq!(bf16.bytes, 4 * 3 * 2 * 16 * 256 + outer(4, 128));
+        assert_eq!(bf16.bytes, DECODE_SHARED);
+        assert_eq!(mma(v, 8).stages, 2);
+        // fp8 codes: tiles of 32 keys, swizzled 128-byte rows; bf16 queries scale into f16, f16
+        // queries need not.
         let fp8 = mma(variant(DType::BF16, KvCacheDtype::Fp8E4m3, 128), 8);
         assert_eq!(
             (fp8.kt, fp8.row_bytes, fp8.copy, fp8.fold),
-            (32, 144, 16, 4)
+            (32, 128, 16, 4)
         );
-        assert!(fp8.scale_q);
+        assert!(fp8.swizzle && fp8.scale_q);
+        // D = 96: rows of 12 units padded to 13.
+        let d96 = mma(variant(DType::F16, KvCacheDtype::Auto, 96), 4);
+        assert_eq!((d96.row_bytes, d96.swizzle), (13 * 16, false));
         assert!(!mma(variant(DType::F16, KvCacheDtype::Fp8E5m2, 128), 8).scale_q);
         // D = 120 fp8: 8-byte copies; D = 80 fp8: rows of 5 units padded to 7.
         assert_eq!(
