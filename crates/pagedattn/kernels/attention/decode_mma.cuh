@@ -10,8 +10,9 @@
 // The tensor math runs on element type M: E for keys and values stored as E; f16 for fp8
 // codes, which convert exactly into f16 pairs. With bf16 queries and fp8 codes (SCALE_Q),
 // each head's queries are scaled by a power of two that puts their largest magnitude in
-// [2^14, 2^15) before rounding to f16 (exact where bf16's 8 bits fit f16's range, which that
-// scale makes so down to 2^-24 of the largest), and the scores are scaled back exactly.
+// [2^14, 2^15) before rounding to f16 (exact for every element down to 2^-31 of the largest,
+// whose 8 significant bits then stay above f16's 2^-24), and the scores are scaled back
+// exactly.
 // For fp8 keys the dimensions of a k-step are taken in the order ldmatrix delivers the codes
 // (lane t4 gets dimensions 4 t4 .. 4 t4 + 3 of 16), the queries' B fragments likewise; for fp8
 // values O^T's rows g and g + 8 are dimensions 2 g and 2 g + 1 of 16 (ldmatrix.trans delivers
@@ -22,12 +23,12 @@
 // of 16), ROW_BYTES apart in shared memory, laid out so that the 8 rows an ldmatrix reads
 // fall in 8 different bank groups: with SWIZZLE (rows of a multiple of 8 16-byte units, no
 // padding) unit u of row r is stored at unit u ^ (r % 8); else ROW_BYTES is an odd number of
-// units. Warps take interleaved tiles of KT keys,
-// each with its own ring of STAGES tiles (the keys' tile, then the values', TILE_BYTES each)
-// that its own lanes fill with cp.async (COPY bytes a copy, CPR copies a row), so that a warp
-// waits on no other; the lanes read the tile written by each other after their waits and a
-// __syncwarp. The warps' f64 states (fold, every FOLD tiles = 128 keys, and merge) are
-// decode.cuh's, after the rings (STAGING bytes); BYTES in all.
+// units. Warps take interleaved tiles of KT keys, each with its own ring of STAGES tiles (the
+// keys' tile, then the values', TILE_BYTES each) that its own lanes fill with cp.async (COPY
+// bytes a copy, CPR copies a row), so that a warp waits on no other; the lanes read the tile
+// written by each other after their waits and a __syncwarp. Each warp folds its f32 state into
+// an f64 one every FOLD tiles (128 keys), as decode.cuh's, its accumulators after the rings
+// (STAGING bytes; BYTES in all), and the warps merge as decode_merge.cuh says.
 
 // Where unit u of a row whose index is this lane's modulo 8 is stored (see the shape).
 template <bool SWIZZLE>
