@@ -43,6 +43,8 @@ struct F16 {
         return r;
     }
     static constexpr u32 EXPONENT = 0x7c00;
+    // An f16 pair as a pair of this type (exact where the values are this type's).
+    static __device__ __forceinline__ u32 from_f16x2(u32 pair) { return pair; }
     static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
         asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
             "{%8,%9}, {%0,%1,%2,%3};"
@@ -68,6 +70,11 @@ struct BF16 {
         return r;
     }
     static constexpr u32 EXPONENT = 0x7f80;
+    // An f16 pair as a bf16 pair, through f32 (exact where the values are bf16's, as every
+    // fp8 code's is; NaN stays NaN).
+    static __device__ __forceinline__ u32 from_f16x2(u32 pair) {
+        return pack2(F16::to_f32((u16)pair), F16::to_f32((u16)(pair >> 16)));
+    }
     static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
         asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
             "{%8,%9}, {%0,%1,%2,%3};"

@@ -13,8 +13,8 @@
 //! What the shapes reach in the kernels (`kernels/attention/`, `src/cuda/plan.rs`): every
 //! head size and dtype, fp8 caches; decode units (one token, up to 8 query heads: GQA groups
 //! above 8 take several units; the decode1 / decode4 / decode8 kernels by group size) and prefill units (64
-//! rows of tokens x heads: the tensor-core prefill for bf16 / f16 with tiles of 64 or 32 keys,
-//! the scalar one for f32 and fp8 caches with tiles of 4 to 32 keys) with sequences longer
+//! rows of tokens x heads: the tensor-core prefills for bf16 / f16, fp8 caches widened into
+//! them, the scalar one for f32 with tiles of 4 to 32 keys) with sequences longer
 //! than several tiles; split-K partitions and their merge (long decodes in small batches);
 //! paged caches with block sizes
 //! 1..=128, shuffled blocks, table entries past the end, padding slots; all four attention
@@ -189,14 +189,14 @@ fn value_bounds(st: &Settings) -> (f64, f64) {
 }
 
 /// What the tensor cores round each probability to for a row's P.V, where its kernel runs it
-/// there: the prefill's (bf16 and f16 activations with keys and values stored as such:
-/// `Variant::tensor_cores`) to the activation type; the decode's (bf16 and f16 activations)
-/// to the activation type, or to f16 where it reads fp8 codes (which it converts to f16).
+/// there (bf16 and f16 activations): the prefill's to the activation type (fp8 codes are
+/// widened into it); the decode's to the activation type, or to f16 where it reads fp8 codes
+/// (which it converts to f16).
 fn p_rounding(st: &Settings, cached: bool, prefill: bool) -> Option<DType> {
     let fp8 = cached && st.kv_cache_dtype != KvCacheDtype::Auto;
     match st.dtype {
-        DType::BF16 | DType::F16 if !fp8 => Some(st.dtype),
-        DType::BF16 | DType::F16 if !prefill => Some(DType::F16),
+        DType::BF16 | DType::F16 if prefill || !fp8 => Some(st.dtype),
+        DType::BF16 | DType::F16 => Some(DType::F16),
         _ => None,
     }
 }
@@ -1266,19 +1266,28 @@ fn nan_and_inf_reach_exactly_the_outputs_they_should() {
 }
 
 /// The tensor-core prefill's tiles (64 keys, 32 above D = 128) against the reference: every
-/// head size (80, 96, 112 and 120 padded to multiples of 16), bf16 and f16, block sizes 8 to
-/// 128 (a 64-key tile gathers several blocks, or part of one), prefills of 150 tokens over 70
-/// tokens of prefix context (the causal diagonal spans two tiles) and of 65 fresh tokens (a
-/// last tile of one key), padding slots, windows, ALiBi, soft caps; the cache's unused slots
-/// hold NaN and infinities.
+/// head size (80, 96, 112 and 120 padded to multiples of 16), bf16 and f16, caches of the same
+/// dtype and of both fp8 formats (codes widened in the stage: 16-byte units, 8-byte ones at
+/// D = 120), block sizes 8 to 128 (a 64-key tile gathers several blocks, or part of one),
+/// prefills of 150 tokens over 70 tokens of prefix context (the causal diagonal spans two
+/// tiles) and of 65 fresh tokens (a last tile of one key), padding slots, windows, ALiBi, soft
+/// caps; the cache's unused slots hold NaN and infinities.
 #[test]
 #[ignore = "needs a usable CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn tensor_core_prefill_tiles_and_blocks() {
     let cuda = gpu();
     let block_sizes = [8, 16, 32, 64, 128];
-    for dtype in [DType::BF16, DType::F16] {
+    let storages = [
+        KvCacheDtype::Auto,
+        KvCacheDtype::Fp8E4m3,
+        KvCacheDtype::Fp8E5m2,
+    ];
+    for (dtype, storage) in [DType::BF16, DType::F16]
+        .into_iter()
+        .flat_map(|dtype| storages.map(|storage| (dtype, storage)))
+    {
         for (i, &d) in ATTENTION_HEAD_SIZES.iter().enumerate() {
-            let mut st = fixed_settings(dtype, KvCacheDtype::Auto, d);
+            let mut st = fixed_settings(dtype, storage, d);
             st.block_size = block_sizes[i % block_sizes.len()];
             st.num_kv_heads = 1;
             st.alibi = if i % 3 == 0 { Alibi::Bloom } else { Alibi::Off };
@@ -1301,7 +1310,7 @@ fn tensor_core_prefill_tiles_and_blocks() {
                     extra_blocks: 0,
                 },
             ];
-            let what = format!("{dtype} D={d} B={}", st.block_size);
+            let what = format!("{dtype} {storage} D={d} B={}", st.block_size);
             let case = DecoderCase {
                 settings: st,
                 seqs,

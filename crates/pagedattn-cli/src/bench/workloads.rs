@@ -383,6 +383,13 @@ fn fp8_decode(scale: Scale, batch: usize, ctx: usize, dtype: KvCacheDtype) -> Wo
     fp8
 }
 
+/// `prefill` over an fp8 cache: its name says which.
+fn fp8_prefill(scale: Scale, n: usize, len: usize, hkv: usize, dtype: KvCacheDtype) -> Workload {
+    let mut fp8 = prefill(scale, n, len, hkv).fp8(dtype);
+    fp8.name += &format!(" {}", dtype.name());
+    fp8
+}
+
 /// A decode sweep over `batches` x `contexts`; `keep` filters the pairs, `(hb, hc)` is the
 /// headline.
 fn decode_sweep(
@@ -489,6 +496,8 @@ fn gpu_suite(suite: Suite, scale: Scale) -> Vec<Workload> {
                 prefill(scale, 1, 8192, 8),
                 prefill(scale, 1, 8192, h).head_size(64),
                 prefill(scale, 1, 8192, h).head_size(256),
+                fp8_prefill(scale, 1, 8192, h, KvCacheDtype::Fp8E4m3),
+                fp8_prefill(scale, 1, 8192, h, KvCacheDtype::Fp8E5m2),
             ],
         },
         Suite::Mixed => with_parts(mixed(scale, 1024, 3072, 2048, 64, 4096)),
@@ -705,8 +714,13 @@ mod tests {
             for dtype in [KvCacheDtype::Fp8E4m3, KvCacheDtype::Fp8E5m2] {
                 assert!(decode.iter().any(|w| w.kv_cache_dtype == dtype));
             }
-            let p = suite(Suite::Prefill, scale, Target::Gpu);
-            let p = p.iter().find(|w| w.headline).unwrap();
+            let prefills = suite(Suite::Prefill, scale, Target::Gpu);
+            if scale == Scale::Full {
+                assert!(prefills
+                    .iter()
+                    .any(|w| w.kv_cache_dtype == KvCacheDtype::Fp8E4m3));
+            }
+            let p = prefills.iter().find(|w| w.headline).unwrap();
             assert_eq!(
                 (p.seqs.len(), p.seqs[0].query_len, p.seqs[0].context_len),
                 (1, 8192, 0)

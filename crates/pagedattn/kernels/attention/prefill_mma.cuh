@@ -1,7 +1,9 @@
-// The FlashAttention-2 prefill on the tensor cores (bf16 and f16 activations with keys and
-// values stored as such) for the tensor-core steps TC (MmaSync: tensor_core_sm80.cuh), which
-// store the tiles and compute S = Q K^T and O += P V; this file owns the pipeline, and runs
-// the masks and the softmax (softmax.cuh) on the fragments. Hopper runs prefill_sm90.cuh.
+// The FlashAttention-2 prefill on the tensor cores (bf16 and f16 activations, keys and values
+// stored as such or as fp8 codes, which each thread widens into E in the stage once its copies
+// landed: StageRows, paged_kv.cuh) for the tensor-core steps TC (MmaSync:
+// tensor_core_sm80.cuh), which store the tiles and compute S = Q K^T and O += P V; this file
+// owns the pipeline, and runs the masks and the softmax (softmax.cuh) on the fragments.
+// Hopper runs prefill_sm90.cuh from D = 64.
 //
 // Its shape S (MmaShape in src/cuda/variant.rs, generated into the program): rows of keys,
 // values and queries are D elements padded with zero columns to DP, a multiple of the mma's
@@ -34,10 +36,11 @@
 // non-finite values first; if it holds one, its P.V runs through selects instead (`P_BYTES`
 // of scratch: 16 x KT elements per warp), so that 0 * NaN never reaches a row that does not attend that key. (Non-keys
 // are zeros: 0 * 0 enters.)
-template <class E, class V, class S, class TC>
+template <class E, class C, class V, class S, class TC>
 __device__ __forceinline__ void prefill_mma(const Params& p) {
     constexpr int D = S::D, DP = S::DP, KT = S::KT, MT = S::MT;
-    constexpr int CH = D / 8;   // 16-byte chunks of a stored row
+    constexpr int CH = D / 8;   // 16-byte chunks of a row of E
+    typedef StageRows<C, E, D> R;  // how stored rows reach the stages
     constexpr int NT = KT / 8;  // n-tiles of the scores
     constexpr int DT = DP / 8;  // n-tiles of the output
     constexpr int WORDS = (KT + 31) / 32;  // of a tile's non-key mask
@@ -55,8 +58,6 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
 
     typedef typename E::Bits Bits;
     const Bits* query = (const Bits*)p.query;
-    const Bits* keys = (const Bits*)p.key;
-    const Bits* values = (const Bits*)p.value;
 
     const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
     const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
@@ -146,40 +147,61 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
             }
         }
     };
+    // This thread's copies of a tile: copy k (of COPIES) is unit u of key t's row (a stored
+    // row is R::UNITS units), if k is one (`copy_of` true).
+    constexpr int COPIES = (KT * R::UNITS + THREADS - 1) / THREADS;
+    auto copy_of = [&](int k, int& t, int& u) {
+        // Where the threads divide into whole rows (UNITS a divisor of THREADS), a thread's
+        // unit column is the same in every copy: its part of the address is made once.
+        constexpr bool FIXED_COL = THREADS % R::UNITS == 0;
+        const int c = tid + k * THREADS;
+        t = FIXED_COL ? tid / R::UNITS + k * (THREADS / R::UNITS) : c / R::UNITS;
+        u = FIXED_COL ? tid % R::UNITS : c % R::UNITS;
+        return KT * R::UNITS % THREADS == 0 || c < KT * R::UNITS;
+    };
+    // Where key t's chunks are in a tile.
+    auto row_at = [](int t) { return [=](int c) { return TC::chunk_at(KT, t, c); }; };
     // Tile i's keys and values into stage i % 2 (zeros for non-keys), one commit group (empty
     // past the tiles).
     auto fetch = [&](int i) {
         const u32 k_dst = base + (i % 2) * S::TILE_BYTES;
         const u32 v_dst = k_dst + 2 * S::TILE_BYTES;
-        constexpr int COPIES = (KT * CH + THREADS - 1) / THREADS;  // per thread
-        // Where the threads divide into whole rows (CH a divisor of THREADS), a thread's
-        // 16-byte column is the same in every copy: its part of the address is made once.
-        constexpr bool FIXED_COL = THREADS % CH == 0;
         if (i < tiles) {
             // Every offset first: one shared-memory latency for the tile, not one per copy.
             i64 offs[COPIES];
 #pragma unroll
             for (int k = 0; k < COPIES; ++k) {
-                const int c = tid + k * THREADS;
-                const int t = FIXED_COL ? tid / CH + k * (THREADS / CH) : c / CH;
-                offs[k] = KT * CH % THREADS != 0 && c >= KT * CH ? -1 : off_s[i % 3][t];
+                int t, u;
+                offs[k] = copy_of(k, t, u) ? off_s[i % 3][t] : -1;
             }
 #pragma unroll
             for (int k = 0; k < COPIES; ++k) {
-                const int c = tid + k * THREADS;
-                if (KT * CH % THREADS != 0 && c >= KT * CH) {
+                int t, u;
+                if (!copy_of(k, t, u)) {
                     break;
                 }
-                const int t = FIXED_COL ? tid / CH + k * (THREADS / CH) : c / CH;
-                const int col = FIXED_COL ? tid % CH : c % CH;
-                const u32 at = TC::chunk_at(KT, t, col);
-                // A non-key's row reads nothing (zeros), from any valid address.
-                const i64 src = (offs[k] >= 0 ? offs[k] : 0) + col * 8;
-                cp_async<16>(k_dst + at, keys + src, offs[k] < 0);
-                cp_async<16>(v_dst + at, values + src, offs[k] < 0);
+                const u32 at = TC::chunk_at(KT, t, R::chunk(u));
+                cp_async<R::UNIT>(k_dst + at, R::source(p.key, offs[k], u), offs[k] < 0);
+                cp_async<R::UNIT>(v_dst + at, R::source(p.value, offs[k], u), offs[k] < 0);
             }
         }
         cp_async_commit();
+    };
+    // The codes this thread copied into stage i % 2 (landed) widened into E (a loop, not
+    // unrolled: its registers are few, the accumulators' many).
+    auto widen = [&](int i) {
+        if constexpr (R::WIDEN) {
+            u8* const k_at = smem + (i % 2) * S::TILE_BYTES;
+#pragma unroll 1
+            for (int k = 0; k < COPIES; ++k) {
+                int t, u;
+                if (!copy_of(k, t, u)) {
+                    break;
+                }
+                R::widen(k_at, row_at(t), u);
+                R::widen(k_at + 2 * S::TILE_BYTES, row_at(t), u);
+            }
+        }
     };
 
     // Prologue: the sequence's fields, the padding columns of every stage (never written by
@@ -260,6 +282,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         request(i + 2);
         fetch(i + 1);
         cp_async_wait<2>();
+        widen(i);
         TC::copies_landed();
         // (B) Tile i has landed (every group but the two just made), for every thread's copies
         // (and, with wgmma, for the tensor cores' reads).

@@ -1,5 +1,6 @@
-// The Hopper prefill (sm_90a; bf16 and f16 activations with keys and values stored as such),
-// warp-specialized as FlashAttention-3 is. A CTA of three warpgroups runs a unit's 128 rows:
+// The Hopper prefill (sm_90a; bf16 and f16 activations, keys and values stored as such or as
+// fp8 codes), warp-specialized as FlashAttention-3 is. A CTA of three warpgroups runs a
+// unit's 128 rows:
 //
 // * warpgroup 0, the producer (its registers lowered to PRODUCER_REGS), looks up each tile's
 //   keys (thread t: key t; its block-table entry, or its slot for a new token) and gathers
@@ -8,6 +9,8 @@
 //   page). An mbarrier per tile tells the consumers when every copy landed (`full`); another
 //   tells the producer when both consumers are done with it (`empty`). Non-keys (past the
 //   unit, slot -1) are zero-filled rows, and their bits are published with the key tile.
+//   fp8 codes are copied into the stage and widened into E there by the thread that copied
+//   them (StageRows, paged_kv.cuh) before its arrival on `full`.
 // * warpgroups 1 and 2, the consumers (registers raised to CONSUMER_REGS), own 64 rows each:
 //   S = Q K^T with wgmma from shared memory, the variant's logits and masks and the online
 //   softmax on the accumulators (softmax.cuh), P rounded to E in registers, O += P V with
@@ -32,10 +35,11 @@
 // consumer's turn on the tensor cores (+ 0 or 1).
 enum { BAR_PRODUCER = 1, BAR_CONSUMER = 2, BAR_TURN = 4 };
 
-template <class E, class V, class S>
+template <class E, class C, class V, class S>
 __device__ __forceinline__ void prefill_sm90(const Params& p) {
     constexpr int D = S::D, DP = S::DP, KT = S::KT, STAGES = S::STAGES;
-    constexpr int CH = D / 8;       // 16-byte chunks of a stored row
+    constexpr int CH = D / 8;       // 16-byte chunks of a row of E
+    typedef StageRows<C, E, D> R;   // how stored rows reach the stages
     constexpr int NT = KT / 8;      // n-tiles of the scores
     constexpr int DT = DP / 8;      // n-tiles of the output
     constexpr int WORDS = KT / 32;  // of a tile's non-key mask
@@ -129,40 +133,69 @@ __device__ __forceinline__ void prefill_sm90(const Params& p) {
                                              kv_head, (u32)j, block_div)
                            : dense_offset<D>(p, key_base, kv_head, j);
         };
+        // A thread copies one unit column u (of UP, a stored row's units rounded up to a
+        // power of two: lanes past UNITS idle) of every STRIDE-th row of a tile: its column's
+        // address part is fixed, and the loop is the same for every head size.
+        constexpr int UP = R::UNITS <= 4 ? 4 : R::UNITS <= 8 ? 8 : R::UNITS <= 16 ? 16 : 32;
+        constexpr int STRIDE = GROUP / UP;  // rows a pass covers
+        constexpr int COPIES = KT / STRIDE;
+        const int u = tid % UP, first_row = tid / UP;
+        // Copy k's row: where its chunks are in a tile.
+        auto row_at = [&](int k) {
+            const int row = first_row + k * STRIDE;
+            return [=](int c) { return swizzled_chunk(KT, row, c); };
+        };
         // Tile i's rows of `src` (keys or values) into the tile at `dst`, zeros for no key.
         auto gather = [&](const void* src, u32 dst, int i) {
-            // A thread copies one 16-byte column (of CHP, the row's chunks rounded up to a
-            // power of two: lanes past CH idle) of every COPIES-th row: its column's address
-            // part is fixed, and the loop is the same for every head size.
-            constexpr int CHP = CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
-            constexpr int STRIDE = GROUP / CHP;  // rows a pass covers
-            constexpr int COPIES = KT / STRIDE;
             // Offsets read BATCH at a time: one shared-memory latency per batch, in the few
             // registers the producer keeps.
             constexpr int BATCH = 4;
-            const int col = tid % CHP;
-            if (col >= CH) {
+            if (u >= R::UNITS) {
                 return;
             }
-            const Bits* const from = (const Bits*)src + col * 8;
 #pragma unroll
             for (int k0 = 0; k0 < COPIES; k0 += BATCH) {
                 i64 offs[BATCH];
 #pragma unroll
                 for (int k = k0; k < k0 + BATCH && k < COPIES; ++k) {
-                    offs[k - k0] = off_s[i % 3][tid / CHP + k * STRIDE];
+                    offs[k - k0] = off_s[i % 3][first_row + k * STRIDE];
                 }
 #pragma unroll
                 for (int k = k0; k < k0 + BATCH && k < COPIES; ++k) {
                     const i64 off = offs[k - k0];
-                    cp_async<16>(dst + swizzled_chunk(KT, tid / CHP + k * STRIDE, col),
-                                 from + (off >= 0 ? off : 0), off < 0);
+                    cp_async<R::UNIT>(dst + row_at(k)(R::chunk(u)), R::source(src, off, u),
+                                      off < 0);
                 }
+            }
+        };
+        // The codes this thread copied into the tile at `dst` (landed) widened into E, then
+        // made visible to the tensor cores.
+        auto widen = [&](u32 dst) {
+            if constexpr (R::WIDEN) {
+                if (u < R::UNITS) {
+#pragma unroll 1
+                    for (int k = 0; k < COPIES; ++k) {
+                        R::widen(smem + (dst - base), row_at(k), u);
+                    }
+                }
+                fence_async_shared();
+            }
+        };
+        // A tile's copies issued: the stage is full once they land (rows of E), or they form a
+        // commit group that this thread widens below before its arrival (codes).
+        auto publish = [&](u64* full) {
+            if constexpr (R::WIDEN) {
+                cp_async_commit();
+            } else {
+                mbar_track_copies(full);
+                mbar_arrive(full);
             }
         };
         // Step i: tile i's keys, then tile i - 1's values (which the consumers need a step
         // later than its keys). off_s has three slots: a thread writes tile i's after the
         // barrier of step i - 1, which every thread passes only once done with step i - 2.
+        // (Widening a step later, with the next step's copies in flight, puts the widening on
+        // the consumers' path: see NOTES.md, session 26.)
 #pragma unroll 1
         for (int i = 0; i <= tiles; ++i) {
             if (i < tiles) {
@@ -178,15 +211,30 @@ __device__ __forceinline__ void prefill_sm90(const Params& p) {
                 }
                 bar_sync(BAR_PRODUCER, GROUP);
                 gather(p.key, k_tile(stage), i);
-                mbar_track_copies(&k_full[stage]);
-                mbar_arrive(&k_full[stage]);
+                publish(&k_full[stage]);
             }
             if (i > 0) {
                 const int stage = (i - 1) % STAGES;
                 mbar_wait(&v_empty[stage], (((i - 1) / STAGES) & 1) ^ 1);
                 gather(p.value, v_tile(stage), i - 1);
-                mbar_track_copies(&v_full[stage]);
-                mbar_arrive(&v_full[stage]);
+                publish(&v_full[stage]);
+            }
+            if constexpr (R::WIDEN) {
+                // The keys' copies (all but the values' group, if any), then the values'.
+                if (i < tiles) {
+                    if (i > 0) {
+                        cp_async_wait<1>();
+                    } else {
+                        cp_async_wait<0>();
+                    }
+                    widen(k_tile(i % STAGES));
+                    mbar_arrive(&k_full[i % STAGES]);
+                }
+                if (i > 0) {
+                    cp_async_wait<0>();
+                    widen(v_tile((i - 1) % STAGES));
+                    mbar_arrive(&v_full[(i - 1) % STAGES]);
+                }
             }
         }
         cp_async_wait<0>();

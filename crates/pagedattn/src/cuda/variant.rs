@@ -134,11 +134,11 @@ impl Variant {
     }
 
     /// Whether the prefill runs on the tensor cores (`prefill_mma.cuh`, or on sm_90a from
-    /// D = 64 on `prefill_sm90.cuh`): bf16 and
-    /// f16 activations whose keys and values are stored as such. Other variants run the
-    /// scalar prefill.
+    /// D = 64 on `prefill_sm90.cuh`): bf16 and f16 activations, their keys and values stored
+    /// as such or as fp8 codes (widened into the activation type in shared memory). f32
+    /// activations run the scalar prefill.
     pub(crate) fn tensor_cores(&self) -> bool {
-        matches!(self.dtype, DType::BF16 | DType::F16) && self.storage == KvCacheDtype::Auto
+        matches!(self.dtype, DType::BF16 | DType::F16)
     }
 
     /// The prefill's shape on `arch`: the tensor cores' (see [`Variant::tensor_cores`]) or
@@ -252,7 +252,8 @@ impl Variant {
                     pieces::PREFILL_MMA,
                 ],
                 format!(
-                    "prefill_mma<{element}, V, PrefillShape, MmaSync<{element}, PrefillShape>>"
+                    "prefill_mma<{element}, {storage}, V, PrefillShape, MmaSync<{element}, \
+                     PrefillShape>>"
                 ),
             ),
             PrefillShape::Sm90(_) => (
@@ -262,7 +263,7 @@ impl Variant {
                     pieces::EPILOGUE,
                     pieces::PREFILL_SM90,
                 ],
-                format!("prefill_sm90<{element}, V, PrefillShape>"),
+                format!("prefill_sm90<{element}, {storage}, V, PrefillShape>"),
             ),
             PrefillShape::Scalar(_) => (
                 &[pieces::PREFILL_SCALAR],
@@ -954,15 +955,16 @@ mod tests {
         };
         let prefill = |d, arch| bf16(d).sources(arch).swap_remove(0).code;
         let hopper = prefill(128, "sm_90a");
-        assert!(hopper.contains("prefill_sm90<BF16, V, PrefillShape>(p);"));
+        assert!(hopper.contains("prefill_sm90<BF16, Plain<BF16>, V, PrefillShape>(p);"));
         assert!(
             hopper.contains("__launch_bounds__(384, 1) attention_bf16_bf16_d128_causal_prefill")
         );
         assert!(hopper.contains("PAGEDATTN_WGMMA(BF16") && !hopper.contains("void prefill_mma("));
         assert!(!prefill(128, "sm_80").contains("PAGEDATTN_WGMMA(BF16"));
         assert!(!prefill(32, "sm_90a").contains("PAGEDATTN_WGMMA(BF16"));
-        assert!(prefill(32, "sm_90a")
-            .contains("prefill_mma<BF16, V, PrefillShape, MmaSync<BF16, PrefillShape>>(p);"));
+        assert!(prefill(32, "sm_90a").contains(
+            "prefill_mma<BF16, Plain<BF16>, V, PrefillShape, MmaSync<BF16, PrefillShape>>(p);"
+        ));
         // bf16 decodes run on the tensor cores (fp8 codes as f16), but for D = 256.
         let decode4 = |d| bf16(d).sources("sm_80").swap_remove(2).code;
         assert!(decode4(128).contains("decode_mma<BF16, Plain<BF16>, BF16, V, DecodeShape>(p);"));
@@ -978,7 +980,7 @@ mod tests {
     }
 
     #[test]
-    fn tensor_cores_for_16_bit_activations_stored_as_such() {
+    fn tensor_cores_for_16_bit_activations() {
         let bf16 = AttentionConfig::builder(8, 120).build().unwrap();
         let v = Variant::for_call(&bf16, DType::BF16, true).unwrap();
         assert!(v.tensor_cores());
@@ -1016,7 +1018,18 @@ mod tests {
             .build()
             .unwrap();
         let v = Variant::for_call(&fp8, DType::F16, true).unwrap();
-        // The scalar prefill: a unit's 128 rows in CTAs of 16, tiles of 32 keys.
+        // fp8 codes widen into f16 in the tensor-core prefills' stages.
+        assert!(v.tensor_cores());
+        assert_eq!(v.prefill("sm_90a"), PrefillShape::Sm90(Sm90Shape::new(64)));
+        assert!(v.sources("sm_90a")[0]
+            .code
+            .contains("prefill_sm90<F16, E5M2, V, PrefillShape>(p);"));
+        assert!(v.sources("sm_80")[0]
+            .code
+            .contains("prefill_mma<F16, E5M2, V, PrefillShape, MmaSync<F16, PrefillShape>>(p);"));
+        // f32 activations: the scalar prefill, a unit's 128 rows in CTAs of 16, tiles of 32
+        // keys.
+        let v = Variant::for_call(&fp8, DType::F32, true).unwrap();
         assert_eq!(v.prefill("sm_90a").launch(), (8, 128, 0));
         assert_eq!(ScalarShape::new(64).kt, 32);
         // D = 256: the f32 tiles of 16 keys would take 49 KiB; 8 keys take 33 KiB.
