@@ -391,6 +391,38 @@ impl BlockManager {
         Ok(self.append_need(s, n))
     }
 
+    /// Device blocks that appending one token to each of `seqs` in turn would take, the
+    /// sequences on the device or swapped out together (what it would take once swapped
+    /// in): one per block boundary crossed, plus a copy of each shared, partly filled last
+    /// block for every holder that appends but the last, which keeps it (or for all of them
+    /// where a sequence outside `seqs` holds it too). Summing
+    /// [`blocks_needed_to_append`](Self::blocks_needed_to_append) over forked samples counts
+    /// that last copy too: one block more than there is to take.
+    pub fn blocks_needed_to_append_one_each(&self, seqs: &[SeqId]) -> Result<usize, BlockError> {
+        let mut needed = 0;
+        // (location, shared partly filled last block) -> its holders among `seqs`
+        let mut holders: HashMap<(Location, usize), u32> = HashMap::new();
+        for &seq in seqs {
+            let s = self.state(seq)?;
+            needed += self.blocks_for(s.tokens.len() + 1) - s.table.len();
+            if let Some(&last) = s.table.last() {
+                if !s.tokens.len().is_multiple_of(self.config.block_size) {
+                    *holders.entry((s.location, last)).or_default() += 1;
+                }
+            }
+        }
+        for ((location, block), appending) in holders {
+            let refs = match location {
+                Location::Device => self.device.pool.refs[block],
+                Location::Host => self.host.refs[block],
+            };
+            if refs > 1 {
+                needed += (appending - u32::from(appending >= refs)) as usize;
+            }
+        }
+        Ok(needed)
+    }
+
     /// Appends `tokens` (not yet computed) to `seq`, taking blocks as it crosses block
     /// boundaries. If its partly filled last block is shared, `seq` first gets a private copy:
     /// the returned (source, destination) pair is for `copy_blocks` before the step writes.

@@ -94,10 +94,7 @@ impl Scheduler {
                 continue;
             }
             let preempted_self = loop {
-                let mut needed = 0;
-                for &seq in &seqs {
-                    needed += self.blocks.blocks_needed_to_append(seq, 1)?;
-                }
+                let needed = self.blocks.blocks_needed_to_append_one_each(&seqs)?;
                 if needed <= self.blocks.free_device_blocks() {
                     break false;
                 }
@@ -154,15 +151,19 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Swaps requests back in, oldest first, while their blocks (plus one per decoding
-    /// sequence to grow into) fit and their decodes fit the budget; schedules those decodes.
+    /// Swaps requests back in, oldest first, while their blocks (plus those their decodes
+    /// grow into) fit and their decodes fit the budget; schedules those decodes. The growth
+    /// is counted exactly, not as a block per decoding sequence: a request that could run
+    /// alone in the pool when it was swapped out must fit alone again.
     fn swap_in(&mut self, budget: &mut Budget, draft: &mut Draft) -> Result<(), SchedulerError> {
         while let Some(&key) = self.swapped.first() {
             let id = key.1;
             let seqs = self.requests[&id].block_ids();
-            let decodes = self.decoding_seqs(id).len();
-            let needed = self.blocks.blocks_to_swap(&seqs)? + decodes + self.watermark();
-            if needed > self.blocks.free_device_blocks() || !budget.fits(decodes) {
+            let decoding = self.decoding_seqs(id);
+            let needed = self.blocks.blocks_to_swap(&seqs)?
+                + self.blocks.blocks_needed_to_append_one_each(&decoding)?
+                + self.watermark();
+            if needed > self.blocks.free_device_blocks() || !budget.fits(decoding.len()) {
                 break;
             }
             draft.batch.swap_in.extend(self.blocks.swap_in(&seqs)?);

@@ -428,6 +428,32 @@ fn appending_into_a_shared_partial_block_copies_it_first() {
 }
 
 #[test]
+fn forked_samples_appending_together_copy_a_shared_block_for_all_but_the_last() {
+    let mut h = Harness::new(config(4, 8, 4));
+    let (a, _) = h.allocate(&[1, 2, 3, 4, 5, 6]).unwrap();
+    h.compute(a, 6).unwrap();
+    let (b, c) = (h.fork(a).unwrap(), h.fork(a).unwrap());
+    let (d, _) = h.allocate(&[9, 9, 9, 9]).unwrap();
+    h.compute(d, 4).unwrap();
+    // One at a time each would copy the shared block; together the last one keeps it.
+    assert_eq!(h.m.blocks_needed_to_append(c, 1), Ok(1));
+    assert_eq!(h.m.blocks_needed_to_append_one_each(&[a, b, c]), Ok(2));
+    // a holds it too and does not append: b and c both copy. d's block is full: it grows.
+    assert_eq!(h.m.blocks_needed_to_append_one_each(&[b, c]), Ok(2));
+    assert_eq!(h.m.blocks_needed_to_append_one_each(&[a, d]), Ok(2));
+    // Swapped out, the count is what the group takes once back on the device.
+    h.swap_out(&[a, b, c]).unwrap();
+    assert_eq!(h.m.blocks_needed_to_append_one_each(&[a, b, c]), Ok(2));
+    h.swap_in(&[a, b, c]).unwrap();
+    let free = h.m.free_device_blocks();
+    for (seq, token) in [(a, 7), (b, 8), (c, 9)] {
+        h.append(seq, &[token]).unwrap();
+    }
+    assert_eq!(free - h.m.free_device_blocks(), 2);
+    h.verify();
+}
+
+#[test]
 fn a_prompt_reuses_its_cached_prefix_but_computes_at_least_one_token() {
     let mut h = Harness::new(config(4, 16, 0));
     let (a, cached) = h.allocate(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]).unwrap();

@@ -525,6 +525,32 @@ fn requests_that_can_never_run_are_rejected_with_a_reason_and_others_go_on() {
 }
 
 #[test]
+fn forked_samples_that_fill_the_pool_alone_run_to_the_end() {
+    // Three samples of a 1-token prompt in 2-token blocks: a block each at their longest, the
+    // whole pool. After the prompt they share its partly filled block; their first decodes
+    // copy it for two of them (not three): counting a copy per sample made the request
+    // preempt itself, and then never fit to be swapped back in (an idle step).
+    for preemption in [PreemptionPolicy::Swap, PreemptionPolicy::Recompute] {
+        let mut c = config(8, 3, preemption);
+        c.blocks.prefix_caching = false;
+        let arrivals = [Arrival {
+            step: 0,
+            spec: RequestSpec::new(1, vec![1], 2).samples(3),
+        }];
+        let got = run(&c, &arrivals);
+        assert_eq!(got.outputs[&1].len(), 3);
+        assert_eq!(
+            (
+                got.stats.preempted_by_swap,
+                got.stats.preempted_by_recompute
+            ),
+            (0, 0),
+            "{preemption:?}: the request alone preempted itself"
+        );
+    }
+}
+
+#[test]
 fn a_long_prompt_is_chunked_under_the_budget_and_prompt_chunks_precede_decodes() {
     let mut s = Scheduler::new(config(5, 32, PreemptionPolicy::Recompute)).unwrap();
     let mut model = FakeModel::new(&s.config().blocks);
