@@ -90,15 +90,15 @@ struct StageRows {
         };
         U128 a, b;
         if constexpr (UNIT == 16) {
-            const U128 codes = *(const U128*)(tile + at(2 * u + 1));
+            const U128 codes = *(const U128*)(tile + at(chunk(u)));
             pairs(codes.x, a.x, a.y);
             pairs(codes.y, a.z, a.w);
             pairs(codes.z, b.x, b.y);
             pairs(codes.w, b.z, b.w);
             *(U128*)(tile + at(2 * u)) = a;
-            *(U128*)(tile + at(2 * u + 1)) = b;
+            *(U128*)(tile + at(chunk(u))) = b;
         } else {
-            const u64 codes = *(const u64*)(tile + at(u));
+            const u64 codes = *(const u64*)(tile + at(chunk(u)));
             pairs((u32)codes, a.x, a.y);
             pairs((u32)(codes >> 32), a.z, a.w);
             *(U128*)(tile + at(u)) = a;
