@@ -763,10 +763,9 @@ def table_cuda(doc, results, torch_ceil):
         else:
             ratio = speed = "—"
         lines.append(f"| {name} | {pa} | {rate} | {pct} | {cells[0]} | {cells[1]} | {peer(flex)} | {ratio} | {speed} |")
-    if doc.get("paging"):
-        p = doc["paging"]
+    for p in doc.get("paging") or []:
         lines.append("")
-        lines.append(f"Paging overhead (pagedattn, headline decode, shuffled vs contiguous block tables, interleaved): "
+        lines.append(f"Paging overhead (pagedattn, {p['workload']}: shuffled vs contiguous block tables, interleaved): "
                      f"{p['ratio_paged_over_contiguous']:.3f} (medians), {p['ratio_paged_over_contiguous_min']:.3f} (minimums).")
     if doc.get("mixed"):
         m = doc["mixed"]
@@ -945,10 +944,9 @@ def table(doc, results, torch_load):
                   if "median_ms" in ipex else "n/a: " + ipex["error"].replace("|", "/"))
         lines.append(f"| {name} | {row['median_ms']:.3f}{noisy(row.get('load'))} | {rate} | {pct} | {best_s} | {ratio} | {speed} | "
                      f"{fmt_ms(sdpa)} | {flex_s} | {ipex_s} |")
-    if doc.get("paging"):
-        p = doc["paging"]
+    for p in doc.get("paging") or []:
         lines.append("")
-        lines.append(f"Paging overhead (pagedattn, headline decode, shuffled vs contiguous block tables, interleaved): "
+        lines.append(f"Paging overhead (pagedattn, {p['workload']}: shuffled vs contiguous block tables, interleaved): "
                      f"{p['ratio_paged_over_contiguous']:.3f} (medians), {p['ratio_paged_over_contiguous_min']:.3f} (minimums).")
     lines.append("")
     lines.append(f"Load of other processes: during pagedattn {describe_load(doc.get('load_during'))}; "

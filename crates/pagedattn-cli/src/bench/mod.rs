@@ -261,7 +261,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let plan = cx.plan;
     let bounds = platform.bounds();
     let mut rows: Vec<Value> = Vec::new();
-    let mut paging = None;
+    let mut paging = Vec::new();
     let mut mixed = None;
     let suites = args.suites();
     if !suites.is_empty() {
@@ -289,10 +289,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                         rows.push(r.to_json());
                     }
                     let stats: Vec<_> = measured.iter().map(|r| &r.stats).collect();
-                    if suite == Suite::Paging {
-                        let p = PagingOverhead::new(stats[0], stats[1], bounds.memory_paging_ratio);
+                    if suite == Suite::Paging && stats.len() == 2 {
+                        // The memory's own ratio is the decode's read order's.
+                        let decode = group[1].seqs.iter().all(|s| s.is_decode);
+                        let memory = bounds.memory_paging_ratio.filter(|_| decode);
+                        let p = PagingOverhead::new(&group[1].name, stats[0], stats[1], memory);
                         out.line(&p.line());
-                        paging = Some(p);
+                        paging.push(p);
                     } else if suite == Suite::Mixed && stats.len() == 3 {
                         let m = MixedParts::new(stats[0], stats[1], stats[2]);
                         out.line(&m.line());
@@ -343,7 +346,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "load_during": load_during.map(load::Load::to_json),
             "ceilings": platform.to_json(),
             "rows": rows,
-            "paging": paging.map(|p| p.to_json()),
+            "paging": paging.iter().map(PagingOverhead::to_json).collect::<Vec<_>>(),
             "mixed": mixed.map(|m| m.to_json()),
         });
         let text = serde_json::to_string_pretty(&doc).expect("JSON values serialize");

@@ -73,8 +73,10 @@ impl Row {
     /// What a workload is bound by.
     pub fn bound_of(workload: &Workload) -> Bound {
         match workload.suite {
-            Suite::Decode | Suite::Paging => Bound::Memory,
+            Suite::Decode => Bound::Memory,
             Suite::Prefill => Bound::Compute,
+            Suite::Paging if workload.seqs.iter().all(|s| s.is_decode) => Bound::Memory,
+            Suite::Paging => Bound::Compute,
             Suite::Mixed => Bound::Both,
         }
     }
@@ -213,9 +215,11 @@ impl Row {
     }
 }
 
-/// Paged versus contiguous block tables on the same decode, measured interleaved.
-#[derive(Debug, Clone, Copy)]
+/// Paged versus contiguous block tables on the same workload, measured interleaved.
+#[derive(Debug, Clone)]
 pub struct PagingOverhead {
+    /// The pair's workload (its shuffled row's name).
+    pub workload: String,
     /// Median of the shuffled run / median of the contiguous run.
     pub ratio_median: f64,
     /// Fastest shuffled / fastest contiguous.
@@ -226,9 +230,15 @@ pub struct PagingOverhead {
 }
 
 impl PagingOverhead {
-    /// From the contiguous and the shuffled timings, and the memory's own ratio.
-    pub fn new(contiguous: &Stats, shuffled: &Stats, memory_ratio: Option<f64>) -> PagingOverhead {
+    /// From the pair's timings (contiguous, then shuffled) and the memory's own ratio.
+    pub fn new(
+        workload: &str,
+        contiguous: &Stats,
+        shuffled: &Stats,
+        memory_ratio: Option<f64>,
+    ) -> PagingOverhead {
         PagingOverhead {
+            workload: workload.to_string(),
             ratio_median: shuffled.median / contiguous.median,
             ratio_min: shuffled.min / contiguous.min,
             memory_ratio,
@@ -244,14 +254,15 @@ impl PagingOverhead {
             None => String::new(),
         };
         format!(
-            "paging overhead: shuffled / contiguous = {:.3} (medians), {:.3} (minimums){memory}",
-            self.ratio_median, self.ratio_min
+            "paging overhead of {}: shuffled / contiguous = {:.3} (medians), {:.3} (minimums){memory}",
+            self.workload, self.ratio_median, self.ratio_min
         )
     }
 
     /// The JSON object.
-    pub fn to_json(self) -> Value {
+    pub fn to_json(&self) -> Value {
         json!({
+            "workload": self.workload,
             "ratio_paged_over_contiguous": self.ratio_median,
             "ratio_paged_over_contiguous_min": self.ratio_min,
             "memory_ratio_paged_over_contiguous": self.memory_ratio,
