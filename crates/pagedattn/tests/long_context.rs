@@ -333,7 +333,8 @@ fn fp8_probes_agree(backends: &[(String, Box<dyn Backend>)]) {
 /// fp8 caches with `k_scale` near 1e38 and `v_scale` near 1e-38 (`|scale| * k_scale` near 1,
 /// in range): keys of order 1e38 and values of order 1e-38 stored as codes of order 1, read
 /// by decodes and prefills, f32 and bf16 queries (the AVX512-BF16 and AMX kernels take bf16),
-/// both fp8 formats. Each call is named, with the tolerance of its outputs.
+/// both fp8 formats; and a 16-bit cache with a scale of 3e38. Each call is named, with the
+/// tolerance of its outputs.
 fn fp8_extreme_scale_calls() -> Vec<(String, Call, f32)> {
     let mut calls = Vec::new();
     let (h, d, n) = (2usize, 64usize, 40usize);
@@ -348,68 +349,86 @@ fn fp8_extreme_scale_calls() -> Vec<(String, Call, f32)> {
         (3e-38, 3e37, 1.5e-38, 2.7e37, 1.5e-38),
         (1e-37, 3.4e38, 1.2e-38, 3e38, 1.2e-38),
     ];
-    for kv_cache_dtype in formats {
-        for (scale, k_scale, v_scale, k_amp, v_amp) in scales {
-            for dtype in [DType::F32, DType::BF16] {
-                let config = AttentionConfig::builder(h, d)
-                    .num_kv_heads(1)
-                    .scale(scale)
-                    .kv_cache_dtype(kv_cache_dtype)
-                    .kv_scales(k_scale, v_scale)
+    // And a 16-bit cache under a scale near f32's largest, its keys multiples of 2^-126
+    // (f32's least normal) and its queries integers: scores of order 100, every product and
+    // sum exact (no subnormal for a kernel to flush). Kernels that keep the scale out of the
+    // scores must not fold it into an exponent factor, which would overflow.
+    let cases = formats
+        .into_iter()
+        .flat_map(|format| scales.map(|s| (format, s)))
+        .chain([(KvCacheDtype::Auto, (3e38, 1.0, 1.0, 1.0, 1.0))]);
+    for (kv_cache_dtype, (scale, k_scale, v_scale, k_amp, v_amp)) in cases {
+        for dtype in [DType::F32, DType::BF16] {
+            let config = AttentionConfig::builder(h, d)
+                .num_kv_heads(1)
+                .scale(scale)
+                .kv_cache_dtype(kv_cache_dtype)
+                .kv_scales(k_scale, v_scale)
+                .build()
+                .unwrap();
+            let exact = kv_cache_dtype == KvCacheDtype::Auto;
+            let k: Vec<f32> = pattern(n * d, 1.0, 0.0, k_amp)
+                .iter()
+                .map(|&x| {
+                    if exact {
+                        (4.0 * x).round() * f32::MIN_POSITIVE
+                    } else {
+                        x
+                    }
+                })
+                .collect();
+            let v: Vec<f32> = pattern(n * d, 2.0, 0.5, 1.0)
+                .iter()
+                .map(|x| x * v_amp)
+                .collect();
+            // bf16 outputs round to 2^-8 relative.
+            let rel = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            let q: Vec<f32> = pattern(n * h * d, 0.0, 0.0, 1.0)
+                .iter()
+                .map(|&x| if exact { (3.0 * x).round() } else { x })
+                .collect();
+            // A prompt of n tokens written into the cache; then, on its own, the last of
+            // them as a decode over the n - 1 before it.
+            let prompt = MetadataBuilder::new(16)
+                .push(SequenceDesc::prompt(0, n, &[0, 1, 2]))
+                .build()
+                .unwrap();
+            let what =
+                format!("{kv_cache_dtype:?} {dtype:?} scales {scale:e} {k_scale:e} {v_scale:e}");
+            let prefill = Call {
+                config: config.clone(),
+                metadata: prompt,
+                query: tensor(dtype, &[n, h, d], &q),
+                kv: Some((tensor(dtype, &[n, 1, d], &k), tensor(dtype, &[n, 1, d], &v))),
+                cache: Some((
+                    dtype,
+                    3,
+                    tensor(dtype, &[0, 1, d], &[]),
+                    tensor(dtype, &[0, 1, d], &[]),
+                    vec![],
+                )),
+            };
+            calls.push((format!("prefill {what}"), prefill, rel));
+            let decode = Call {
+                config,
+                metadata: MetadataBuilder::new(16)
+                    .push(SequenceDesc::decode(n - 1, &[0, 1, 2]))
                     .build()
-                    .unwrap();
-                let k = pattern(n * d, 1.0, 0.0, k_amp);
-                let v: Vec<f32> = pattern(n * d, 2.0, 0.5, 1.0)
-                    .iter()
-                    .map(|x| x * v_amp)
-                    .collect();
-                // bf16 outputs round to 2^-8 relative.
-                let rel = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
-                let q = pattern(n * h * d, 0.0, 0.0, 1.0);
-                // A prompt of n tokens written into the cache; then, on its own, the last of
-                // them as a decode over the n - 1 before it.
-                let prompt = MetadataBuilder::new(16)
-                    .push(SequenceDesc::prompt(0, n, &[0, 1, 2]))
-                    .build()
-                    .unwrap();
-                let what = format!(
-                    "{kv_cache_dtype:?} {dtype:?} scales {scale:e} {k_scale:e} {v_scale:e}"
-                );
-                let prefill = Call {
-                    config: config.clone(),
-                    metadata: prompt,
-                    query: tensor(dtype, &[n, h, d], &q),
-                    kv: Some((tensor(dtype, &[n, 1, d], &k), tensor(dtype, &[n, 1, d], &v))),
-                    cache: Some((
-                        dtype,
-                        3,
-                        tensor(dtype, &[0, 1, d], &[]),
-                        tensor(dtype, &[0, 1, d], &[]),
-                        vec![],
-                    )),
-                };
-                calls.push((format!("prefill {what}"), prefill, rel));
-                let decode = Call {
-                    config,
-                    metadata: MetadataBuilder::new(16)
-                        .push(SequenceDesc::decode(n - 1, &[0, 1, 2]))
-                        .build()
-                        .unwrap(),
-                    query: tensor(dtype, &[1, h, d], &q[..h * d]),
-                    kv: Some((
-                        tensor(dtype, &[1, 1, d], &k[(n - 1) * d..]),
-                        tensor(dtype, &[1, 1, d], &v[(n - 1) * d..]),
-                    )),
-                    cache: Some((
-                        dtype,
-                        3,
-                        tensor(dtype, &[n - 1, 1, d], &k[..(n - 1) * d]),
-                        tensor(dtype, &[n - 1, 1, d], &v[..(n - 1) * d]),
-                        (0..n as i64 - 1).collect(),
-                    )),
-                };
-                calls.push((format!("decode {what}"), decode, rel));
-            }
+                    .unwrap(),
+                query: tensor(dtype, &[1, h, d], &q[..h * d]),
+                kv: Some((
+                    tensor(dtype, &[1, 1, d], &k[(n - 1) * d..]),
+                    tensor(dtype, &[1, 1, d], &v[(n - 1) * d..]),
+                )),
+                cache: Some((
+                    dtype,
+                    3,
+                    tensor(dtype, &[n - 1, 1, d], &k[..(n - 1) * d]),
+                    tensor(dtype, &[n - 1, 1, d], &v[..(n - 1) * d]),
+                    (0..n as i64 - 1).collect(),
+                )),
+            };
+            calls.push((format!("decode {what}"), decode, rel));
         }
     }
     calls

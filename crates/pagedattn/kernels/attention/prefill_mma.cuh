@@ -77,7 +77,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     const u32 block_div = block_divisor(p);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const bool unscaled = V::SCALE_ONLY && p.score_scale > 0.0f;  // see `scores`
+    const bool unscaled = keeps_scale_out<V>(p);
     // Row ri of this thread's row block mt, counted in the unit.
     auto row_index = [&](int mt, int ri) { return row_base + TC::row_block(warp, mt) + g + 8 * ri; };
 

@@ -284,7 +284,7 @@ __device__ __forceinline__ void prefill_sm90(const Params& p) {
     fence_async_shared();
     bar_sync(BAR_CONSUMER + wg, GROUP);
     const int range_lo = range_s[wg][0], range_hi = range_s[wg][1];
-    const bool unscaled = V::SCALE_ONLY && p.score_scale > 0.0f;  // see prefill_mma.cuh
+    const bool unscaled = keeps_scale_out<V>(p);
     u32* const scratch =
         (u32*)(smem + S::Q_BYTES + 2 * STAGES * S::TILE_BYTES + (ct / 32) * S::SCRATCH_BYTES);
     const u32 zero_slab = base + S::ZERO_AT;

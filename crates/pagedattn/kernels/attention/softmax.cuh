@@ -92,6 +92,15 @@ __device__ __forceinline__ void tile_scores(const Params& p, float (&s)[MT][NT][
     }
 }
 
+// Whether a mainloop keeps the scale out of the scores (`unscaled` below): a positive scale
+// alone, whose weights' exponent factor scale log2(e) is finite. A larger scale (up to
+// f32::MAX, as the contract allows) takes scaled scores, rounded to f32's range: folded, its
+// factor would be +Inf and every weight NaN (0 x Inf).
+template <class V>
+__device__ __forceinline__ bool keeps_scale_out(const Params& p) {
+    return V::SCALE_ONLY && p.score_scale > 0.0f && p.score_scale * LOG2E < f32_inf();
+}
+
 // A tile's scores by the right instance of `tile_scores`: masked where some row does not
 // attend the whole tile (`rows_full` false) or a key is absent, the rows' bounds then read by
 // `bounds(row_lo, row_hi)` (they wait in shared memory: registers are what limits the
