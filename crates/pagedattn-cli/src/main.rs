@@ -14,7 +14,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use pagedattn::replay::{ReplayCase, ReplayOutput};
 use pagedattn::{registry, replay, Backend, Error, Result};
-use pagedattn_engine::verify::{tolerance, worst_difference};
+use pagedattn_engine::harness::verify::{tolerance, worst_difference};
 
 #[derive(Parser)]
 #[command(name = "pagedattn", version, about = "Attention over a paged KV cache")]
@@ -331,7 +331,7 @@ fn compile_kernels(
                 let mut kernels: Vec<String> = compiled.into_iter().map(|(k, _)| k).collect();
                 // The engine's GPU model's kernels, compiled at its first use like these.
                 if only.is_none_or(|o| "llama".contains(o)) {
-                    use pagedattn_engine::gpu_llama::{KERNEL_NAMES, KERNEL_SOURCE};
+                    use pagedattn_engine::models::gpu_llama::{KERNEL_NAMES, KERNEL_SOURCE};
                     pagedattn::cuda::compile_program_check("llama", KERNEL_SOURCE, arch)?;
                     kernels.extend(KERNEL_NAMES.iter().map(|k| format!("llama_{k}")));
                 }

@@ -8,18 +8,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pagedattn::{registry, Backend};
-use pagedattn_engine::blocks::BlockConfig;
-use pagedattn_engine::chat::{ChatMessage, ChatTemplate};
-use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
-use pagedattn_engine::gguf::Gguf;
-use pagedattn_engine::llama::Llama;
-use pagedattn_engine::model::{Model, ModelKind};
-use pagedattn_engine::ops::{Precision, SamplingParams};
-use pagedattn_engine::scheduler::{PreemptionPolicy, SchedulerConfig};
-use pagedattn_engine::synthetic::SyntheticConfig;
-use pagedattn_engine::tokenizer::Tokenizer;
-use pagedattn_engine::verify::VerifyMode;
-use pagedattn_engine::workload::{self, Builtin, BuiltinParams, Prompt, RequestInput};
+use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
+use pagedattn_engine::harness::workload::{self, Builtin, BuiltinParams, Prompt, RequestInput};
+use pagedattn_engine::models::chat::{ChatMessage, ChatTemplate};
+use pagedattn_engine::models::gguf::Gguf;
+use pagedattn_engine::models::llama::Llama;
+use pagedattn_engine::models::ops::Precision;
+use pagedattn_engine::models::synthetic::SyntheticConfig;
+use pagedattn_engine::models::tokenizer::Tokenizer;
+use pagedattn_engine::serving::blocks::BlockConfig;
+use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::serving::model::{Model, ModelKind};
+use pagedattn_engine::serving::sample::SamplingParams;
+use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
 
 /// The engine's options of `pagedattn run` (none of them goes with `--input`).
 #[derive(clap::Args, Debug)]
@@ -148,9 +149,9 @@ fn place(
     #[cfg(feature = "cuda")]
     if let (true, pagedattn::Device::Cuda(gpu)) = (on_device, backend.device()) {
         let cuda = pagedattn::cuda::Cuda::new(gpu)?;
-        return Ok(Box::new(pagedattn_engine::gpu_llama::GpuLlama::new(
-            &llama, &cuda,
-        )?));
+        return Ok(Box::new(
+            pagedattn_engine::models::gpu_llama::GpuLlama::new(&llama, &cuda)?,
+        ));
     }
     let _ = (on_device, backend);
     Ok(Box::new(llama))
@@ -359,17 +360,17 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<S
                 watermark_blocks: 1,
             },
         },
-        verify: if args.no_verify {
-            VerifyMode::Off
-        } else if args.verify {
-            VerifyMode::Every
-        } else {
-            VerifyMode::Sampled(0.05)
-        },
-        seed: args.seed,
         cuda_graphs: !args.no_cuda_graphs,
     };
-    let engine = Engine::new(backend.as_ref(), loaded.model, &config)?;
+    let verify = if args.no_verify {
+        VerifyMode::Off
+    } else if args.verify {
+        VerifyMode::Every
+    } else {
+        VerifyMode::Sampled(0.05)
+    };
+    let engine = Engine::new(backend.as_ref(), loaded.model, &config)?
+        .with_check(Box::new(Verifier::new(verify, args.seed)?));
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = Arc::clone(&stop);

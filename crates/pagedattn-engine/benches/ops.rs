@@ -8,8 +8,8 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use pagedattn::cpu::peak::Peak;
-use pagedattn_engine::ops::{Isa, Linear, Precision};
-use pagedattn_engine::weights::WeightType;
+use pagedattn_engine::models::ops::{Isa, Linear, Precision};
+use pagedattn_engine::models::weights::WeightType;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -60,7 +60,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "quick");
     let budget = if quick { 0.1 } else { 0.4 };
-    let isa = pagedattn_engine::ops::isa_from_env().unwrap();
+    let isa = pagedattn_engine::models::ops::isa_from_env().unwrap();
     let threads = rayon::current_num_threads();
     // f32 FMA peak: one thread, then every rayon thread at once.
     let iters = 20_000_000u64;

@@ -1,4 +1,6 @@
-//! The engine's error: one line naming what is wrong.
+//! The engine's error: one line naming what is wrong. One type for the three wings (the
+//! core's, the models' and the harness's errors each a variant), so that a model's error
+//! passes through the core's `Model` calls unchanged.
 
 use thiserror::Error;
 
@@ -10,26 +12,29 @@ pub enum Error {
     Attention(#[from] pagedattn::Error),
     /// A trace or workload the engine cannot use.
     #[error(transparent)]
-    Workload(#[from] crate::workload::WorkloadError),
+    Workload(#[from] crate::harness::workload::WorkloadError),
     /// The scheduler refused a call (a request that can never fit is not an error: it is
     /// reported as rejected).
     #[error(transparent)]
-    Scheduler(#[from] crate::scheduler::SchedulerError),
+    Scheduler(#[from] crate::serving::scheduler::SchedulerError),
     /// A GGUF file the engine cannot read.
     #[error(transparent)]
-    Gguf(#[from] crate::gguf::GgufError),
+    Gguf(#[from] crate::models::gguf::GgufError),
     /// A tokenizer that cannot be built, or text or ids it cannot take.
     #[error(transparent)]
-    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    Tokenizer(#[from] crate::models::tokenizer::TokenizerError),
     /// A chat template that cannot be rendered.
     #[error(transparent)]
-    Chat(#[from] crate::chat::ChatError),
+    Chat(#[from] crate::models::chat::ChatError),
+    /// Sampling refused its logits or parameters.
+    #[error(transparent)]
+    Sampling(#[from] crate::serving::sample::SamplingError),
     /// A model operation refused its sizes or parameters.
     #[error(transparent)]
-    Ops(#[from] crate::ops::OpsError),
+    Ops(#[from] crate::models::ops::OpsError),
     /// `--verify` found an attention output that differs from `reference`'s.
     #[error(transparent)]
-    Verify(#[from] crate::verify::Mismatch),
+    Verify(#[from] crate::serving::check::Mismatch),
     /// A model's shape or weights the engine cannot use.
     #[error("model: {0}")]
     Model(String),

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use pagedattn::BlockId;
-use pagedattn_engine::batch::SeqId;
-use pagedattn_engine::blocks::{
+use pagedattn_engine::serving::batch::SeqId;
+use pagedattn_engine::serving::blocks::{
     BlockConfig, BlockError, BlockManager, Location, RELEASED_PLACEHOLDER,
 };
 use rand::rngs::StdRng;

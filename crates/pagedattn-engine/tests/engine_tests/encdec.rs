@@ -3,15 +3,15 @@
 //! leaked, preemption (swap and recompute) changing no greedy token; and the scheduler's cross
 //! blocks (allocated at admission, written once, swapped with the request, freed at finish).
 
-use pagedattn_engine::blocks::BlockConfig;
-use pagedattn_engine::engine::EngineRequest;
-use pagedattn_engine::model::ModelKind;
-use pagedattn_engine::scheduler::{
+use pagedattn_engine::harness::verify::VerifyMode;
+use pagedattn_engine::harness::workload::Builtin;
+use pagedattn_engine::models::synthetic::SyntheticConfig;
+use pagedattn_engine::serving::blocks::BlockConfig;
+use pagedattn_engine::serving::engine::EngineRequest;
+use pagedattn_engine::serving::model::ModelKind;
+use pagedattn_engine::serving::scheduler::{
     PreemptionPolicy, RequestSpec, Sampled, Scheduler, SchedulerConfig, StepEvent,
 };
-use pagedattn_engine::synthetic::SyntheticConfig;
-use pagedattn_engine::verify::VerifyMode;
-use pagedattn_engine::workload::Builtin;
 
 use crate::common;
 
@@ -178,7 +178,10 @@ fn scheduler(blocks: usize, policy: PreemptionPolicy) -> Scheduler {
 }
 
 /// Finishes the step in flight, sampling token 1 for every sample asked.
-fn finish(s: &mut Scheduler, batch: &pagedattn_engine::batch::StepBatch) -> Vec<StepEvent> {
+fn finish(
+    s: &mut Scheduler,
+    batch: &pagedattn_engine::serving::batch::StepBatch,
+) -> Vec<StepEvent> {
     let results: Vec<Sampled> = batch
         .seqs
         .iter()

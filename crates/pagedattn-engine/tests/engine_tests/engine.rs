@@ -3,11 +3,11 @@
 //! by recompute) changing no greedy token.
 
 use pagedattn::KvCacheDtype;
-use pagedattn_engine::model::ModelKind;
-use pagedattn_engine::scheduler::PreemptionPolicy;
-use pagedattn_engine::synthetic::SyntheticConfig;
-use pagedattn_engine::verify::VerifyMode;
-use pagedattn_engine::workload::Builtin;
+use pagedattn_engine::harness::verify::VerifyMode;
+use pagedattn_engine::harness::workload::Builtin;
+use pagedattn_engine::models::synthetic::SyntheticConfig;
+use pagedattn_engine::serving::model::ModelKind;
+use pagedattn_engine::serving::scheduler::PreemptionPolicy;
 
 use crate::common;
 

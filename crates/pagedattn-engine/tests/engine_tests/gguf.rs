@@ -4,8 +4,8 @@
 use crate::gguf_writer;
 
 use gguf_writer::*;
-use pagedattn_engine::gguf::{Gguf, GgufError, LlamaConfig, MetaArray, MetaValue};
-use pagedattn_engine::weights::WeightType;
+use pagedattn_engine::models::gguf::{Gguf, GgufError, LlamaConfig, MetaArray, MetaValue};
+use pagedattn_engine::models::weights::WeightType;
 
 /// A small well-formed llama file: metadata of every kind and three tensors.
 fn synthetic() -> GgufWriter {

@@ -9,13 +9,14 @@ use crate::golden_file::{golden, ids};
 use std::sync::atomic::AtomicBool;
 
 use pagedattn::registry;
-use pagedattn_engine::blocks::BlockConfig;
-use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
-use pagedattn_engine::gguf::Gguf;
-use pagedattn_engine::llama::Llama;
-use pagedattn_engine::ops::{Precision, SamplingParams};
-use pagedattn_engine::scheduler::{PreemptionPolicy, SchedulerConfig};
-use pagedattn_engine::verify::VerifyMode;
+use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
+use pagedattn_engine::models::gguf::Gguf;
+use pagedattn_engine::models::llama::Llama;
+use pagedattn_engine::models::ops::Precision;
+use pagedattn_engine::serving::blocks::BlockConfig;
+use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::serving::sample::SamplingParams;
+use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
 
 /// Serves every golden prompt on `backend` in one run (chunked prefill: 64 tokens a step)
 /// and compares each request's 32 greedy tokens with transformers'.
@@ -44,8 +45,6 @@ fn greedy_tokens_match_on(backend: &str) {
                 watermark_blocks: 1,
             },
         },
-        verify: VerifyMode::Sampled(0.1),
-        seed: 0,
         cuda_graphs: true,
     };
     let requests = cases
@@ -61,8 +60,11 @@ fn greedy_tokens_match_on(backend: &str) {
             ignore_eos: true,
         })
         .collect();
-    let engine =
-        Engine::new(backend.as_ref(), Box::new(model), &config).expect("the engine starts");
+    let engine = Engine::new(backend.as_ref(), Box::new(model), &config)
+        .expect("the engine starts")
+        .with_check(Box::new(
+            Verifier::new(VerifyMode::Sampled(0.1), 0).expect("the verifier starts"),
+        ));
     let report = engine
         .run(
             "golden",

@@ -6,11 +6,11 @@
 use crate::common;
 
 use pagedattn::registry;
-use pagedattn_engine::model::ModelKind;
-use pagedattn_engine::scheduler::PreemptionPolicy;
-use pagedattn_engine::score::prompt_logits;
-use pagedattn_engine::verify::VerifyMode;
-use pagedattn_engine::workload::Builtin;
+use pagedattn_engine::harness::score::prompt_logits;
+use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
+use pagedattn_engine::harness::workload::Builtin;
+use pagedattn_engine::serving::model::ModelKind;
+use pagedattn_engine::serving::scheduler::PreemptionPolicy;
 
 use common::{requests, serve, small};
 
@@ -43,7 +43,7 @@ fn prompt_logits_predict_what_the_engine_generates() {
         let logits = prompt_logits(&mut model, backend.as_ref(), &tokens).unwrap();
         assert_eq!(logits.len(), tokens.len() * vocab);
         let predicted: Vec<u32> = (req.prompt.len() - 1..tokens.len())
-            .map(|p| pagedattn_engine::ops::argmax(row(&logits, vocab, p)))
+            .map(|p| pagedattn_engine::serving::sample::argmax(row(&logits, vocab, p)))
             .collect();
         assert_eq!(&predicted, generated);
     }
@@ -55,8 +55,8 @@ fn prompt_logits_predict_what_the_engine_generates() {
 #[test]
 fn llama_new_refuses_parts_that_disagree_with_its_shape() {
     use pagedattn::{AttentionConfig, DType};
-    use pagedattn_engine::llama::{LayerWeights, Llama, LlamaShape};
-    use pagedattn_engine::ops::{Embedding, Linear, Precision, Rope, RopeStyle};
+    use pagedattn_engine::models::llama::{LayerWeights, Llama, LlamaShape};
+    use pagedattn_engine::models::ops::{Embedding, Linear, Precision, Rope, RopeStyle};
 
     let (hidden, heads, kv_heads, d, ffn, vocab) = (8, 2, 1, 4, 16, 32);
     let shape = LlamaShape {
@@ -118,24 +118,25 @@ mod gpu {
     use crate::gguf_writer;
     use crate::golden_file::{golden, ids};
     use pagedattn::cuda::Cuda;
-    use pagedattn_engine::gguf::Gguf;
-    use pagedattn_engine::gpu_llama::GpuLlama;
-    use pagedattn_engine::llama::Llama;
-    use pagedattn_engine::model::Model;
-    use pagedattn_engine::ops::{argmax, Precision};
+    use pagedattn_engine::models::gguf::Gguf;
+    use pagedattn_engine::models::gpu_llama::GpuLlama;
+    use pagedattn_engine::models::llama::Llama;
+    use pagedattn_engine::models::ops::Precision;
+    use pagedattn_engine::serving::model::Model;
+    use pagedattn_engine::serving::sample::argmax;
 
     /// Serves `reqs` with `model` on `cuda`: blocks of 16 tokens, 2048 of them, at most 16
     /// sequences and `max_batched_tokens` tokens a step.
     fn serve_on_gpu(
         model: GpuLlama,
-        reqs: Vec<pagedattn_engine::engine::EngineRequest>,
+        reqs: Vec<pagedattn_engine::serving::engine::EngineRequest>,
         max_batched_tokens: usize,
         verify: VerifyMode,
         cuda_graphs: bool,
-    ) -> pagedattn_engine::report::Report {
-        use pagedattn_engine::blocks::BlockConfig;
-        use pagedattn_engine::engine::{Engine, EngineConfig};
-        use pagedattn_engine::scheduler::SchedulerConfig;
+    ) -> pagedattn_engine::serving::report::Report {
+        use pagedattn_engine::serving::blocks::BlockConfig;
+        use pagedattn_engine::serving::engine::{Engine, EngineConfig};
+        use pagedattn_engine::serving::scheduler::SchedulerConfig;
         use std::sync::atomic::AtomicBool;
 
         let backend = registry::backend("cuda").unwrap();
@@ -153,11 +154,11 @@ mod gpu {
                     watermark_blocks: 1,
                 },
             },
-            verify,
-            seed: 1,
             cuda_graphs,
         };
-        let engine = Engine::new(backend.as_ref(), Box::new(model), &config).unwrap();
+        let engine = Engine::new(backend.as_ref(), Box::new(model), &config)
+            .unwrap()
+            .with_check(Box::new(Verifier::new(verify, 1).unwrap()));
         engine
             .run("test", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
             .unwrap()
@@ -225,7 +226,7 @@ mod gpu {
     #[test]
     #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
     fn synthetic_gpu_logits_match_the_host_model() {
-        let config = pagedattn_engine::synthetic::SyntheticConfig::default();
+        let config = pagedattn_engine::models::synthetic::SyntheticConfig::default();
         let mut host = config.build().unwrap();
         let cuda = Cuda::new(0).unwrap();
         let mut gpu = GpuLlama::new(&host, &cuda).unwrap();
@@ -247,9 +248,9 @@ mod gpu {
     #[test]
     #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
     fn the_engine_serves_the_gpu_model_verified() {
-        use pagedattn_engine::ops::SamplingParams;
+        use pagedattn_engine::serving::sample::SamplingParams;
 
-        let config = pagedattn_engine::synthetic::SyntheticConfig::default();
+        let config = pagedattn_engine::models::synthetic::SyntheticConfig::default();
         let host = config.build().unwrap();
         let cuda = Cuda::new(0).unwrap();
         for temperature in [0.0, 0.8] {
@@ -276,7 +277,7 @@ mod gpu {
     #[test]
     #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
     fn graph_replayed_decodes_generate_greedy_tokens() {
-        let config = pagedattn_engine::synthetic::SyntheticConfig::default();
+        let config = pagedattn_engine::models::synthetic::SyntheticConfig::default();
         let host = config.build().unwrap();
         let cuda = Cuda::new(0).unwrap();
         let backend = registry::backend("cuda").unwrap();

@@ -5,11 +5,12 @@
 #![allow(clippy::needless_range_loop)]
 
 use half::{bf16, f16};
-use pagedattn_engine::ops::{
-    argmax, dequantize_row, log_softmax, rms_norm, swiglu, Embedding, Isa, Linear, OpsError,
-    Precision, Rope, RopeStyle, Sampler, SamplingParams, GEMM_MIN_ROWS,
+use pagedattn_engine::models::ops::{
+    dequantize_row, rms_norm, swiglu, Embedding, Isa, Linear, OpsError, Precision, Rope, RopeStyle,
+    GEMM_MIN_ROWS,
 };
-use pagedattn_engine::weights::WeightType;
+use pagedattn_engine::models::weights::WeightType;
+use pagedattn_engine::serving::sample::{argmax, log_softmax, Sampler, SamplingParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -653,7 +654,7 @@ fn log_softmax_matches_reference() {
 /// `d = max|x| / 127`, `q = round_half_even(x · (1 / d))`.
 #[test]
 fn quantize_activations_matches_definition() {
-    use pagedattn_engine::ops::quantize_row_q8;
+    use pagedattn_engine::models::ops::quantize_row_q8;
     let mut r = rng("quantize_activations_matches_definition");
     let mut x = randn(&mut r, 32 * 40, 10.0);
     x[32..64].fill(0.0); // an all-zero block

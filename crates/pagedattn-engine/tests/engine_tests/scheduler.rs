@@ -6,9 +6,9 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
-use pagedattn_engine::batch::{RequestId, SeqId, StepBatch};
-use pagedattn_engine::blocks::BlockConfig;
-use pagedattn_engine::scheduler::{
+use pagedattn_engine::serving::batch::{RequestId, SeqId, StepBatch};
+use pagedattn_engine::serving::blocks::BlockConfig;
+use pagedattn_engine::serving::scheduler::{
     FinishReason, Preemption, PreemptionPolicy, RequestSpec, Sampled, Scheduler, SchedulerConfig,
     SchedulerError, SchedulerStats, StepEvent,
 };
@@ -638,7 +638,7 @@ fn a_stop_token_ends_a_sample_early() {
     let mut model = FakeModel::new(&s.config().blocks);
     // Whatever the model samples first is made the stop token.
     let first = model.step(&StepBatch {
-        seqs: vec![pagedattn_engine::batch::ScheduledSeq {
+        seqs: vec![pagedattn_engine::serving::batch::ScheduledSeq {
             seq: 0,
             request: 0,
             cached: 0,

@@ -6,9 +6,9 @@ use crate::gguf_writer;
 use crate::golden_file::{golden, ids};
 
 use gguf_writer::*;
-use pagedattn_engine::chat::{ChatMessage, ChatTemplate};
-use pagedattn_engine::gguf::Gguf;
-use pagedattn_engine::tokenizer::{SpecialTokens, Tokenizer};
+use pagedattn_engine::models::chat::{ChatMessage, ChatTemplate};
+use pagedattn_engine::models::gguf::Gguf;
+use pagedattn_engine::models::tokenizer::{SpecialTokens, Tokenizer};
 
 fn smollm2() -> Option<Gguf> {
     model_path().map(|p| Gguf::open(p).expect("the SmolLM2 file reads"))

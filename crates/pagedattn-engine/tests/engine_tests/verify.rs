@@ -5,7 +5,8 @@ use pagedattn::{
     registry, AttentionConfig, BlockId, DType, Inputs, KvCache, MetadataBuilder, SequenceDesc,
     Tensor, Workspace,
 };
-use pagedattn_engine::verify::{CheckedSeq, Verifier, VerifyMode};
+use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
+use pagedattn_engine::serving::check::{CallCheck, CheckedSeq};
 
 fn random(shape: &[usize], seed: u32) -> Tensor {
     let n: usize = shape.iter().product();

@@ -4,15 +4,15 @@
 use std::sync::atomic::AtomicBool;
 
 use pagedattn::registry;
-use pagedattn_engine::blocks::BlockConfig;
-use pagedattn_engine::engine::{Engine, EngineConfig, EngineRequest};
-use pagedattn_engine::model::{Model, ModelKind};
-use pagedattn_engine::ops::SamplingParams;
-use pagedattn_engine::report::Report;
-use pagedattn_engine::scheduler::{PreemptionPolicy, SchedulerConfig};
-use pagedattn_engine::synthetic::SyntheticConfig;
-use pagedattn_engine::verify::VerifyMode;
-use pagedattn_engine::workload::{Builtin, BuiltinParams, Prompt};
+use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
+use pagedattn_engine::harness::workload::{Builtin, BuiltinParams, Prompt};
+use pagedattn_engine::models::synthetic::SyntheticConfig;
+use pagedattn_engine::serving::blocks::BlockConfig;
+use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::serving::model::{Model, ModelKind};
+use pagedattn_engine::serving::report::Report;
+use pagedattn_engine::serving::sample::SamplingParams;
+use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
 
 /// A small synthetic model of `kind` (fast enough for `reference`).
 pub fn small(kind: ModelKind) -> SyntheticConfig {
@@ -100,11 +100,11 @@ pub fn serve(
                 watermark_blocks: 1,
             },
         },
-        verify,
-        seed: 1,
         cuda_graphs: true,
     };
-    let engine = Engine::new(backend.as_ref(), model.build_model().unwrap(), &config).unwrap();
+    let engine = Engine::new(backend.as_ref(), model.build_model().unwrap(), &config)
+        .unwrap()
+        .with_check(Box::new(Verifier::new(verify, 1).unwrap()));
     engine
         .run("test", requests, &AtomicBool::new(false), &mut |_, _, _| {})
         .unwrap()

@@ -3,7 +3,7 @@
 use super::linear::{Linear, Precision};
 use super::quant::dequantize_row;
 use super::{check_len, OpsError, Result};
-use crate::weights::WeightType;
+use crate::models::weights::WeightType;
 
 /// A `[vocab, hidden]` table kept as stored; rows are dequantized on lookup (as the exact
 /// [`Linear`] dequantizes, so a tied LM head sees the same values).

@@ -1,5 +1,5 @@
 //! Decode steps replayed from CUDA graphs: for a model whose whole forward is device work
-//! ([`GraphStages`](crate::model::GraphStages)), a decode step of `n` sequences is padded to
+//! ([`GraphStages`](crate::serving::model::GraphStages)), a decode step of `n` sequences is padded to
 //! a bucket (vLLM's: 1, 2, 4, 8, then multiples of 8) and its forward, attention included,
 //! is captured once per
 //! bucket and replayed for every later step of that bucket after `replan` refreshes the
@@ -20,7 +20,7 @@ impl DecodeGraphs {
     /// No graphs without CUDA.
     pub(crate) fn new(
         _: &dyn pagedattn::Backend,
-        _: &mut dyn crate::model::Model,
+        _: &mut dyn crate::serving::model::Model,
         _: usize,
         _: usize,
         _: usize,
@@ -41,8 +41,11 @@ impl DecodeGraphs {
         _: &[Box<dyn pagedattn::AttentionImpl>],
         _: &mut [pagedattn::KvCache],
         _: &[Option<usize>],
-        _: &mut dyn crate::model::Model,
-        _: (&[pagedattn::SequenceDesc<'_>], crate::model::StepTokens<'_>),
+        _: &mut dyn crate::serving::model::Model,
+        _: (
+            &[pagedattn::SequenceDesc<'_>],
+            crate::serving::model::StepTokens<'_>,
+        ),
         _: &mut Vec<u32>,
     ) -> crate::Result<bool> {
         match *self {}
@@ -59,8 +62,8 @@ mod gpu {
         Plan, SequenceDesc, Workspace,
     };
 
-    use crate::engine::run_attention;
-    use crate::model::{Model, StepTokens};
+    use crate::serving::attention::run_attention;
+    use crate::serving::model::{Model, StepTokens};
     use crate::{Error, Result};
 
     /// One bucket's graph, with the plan and workspace its attention calls captured.
@@ -69,7 +72,7 @@ mod gpu {
         plan: Plan,
         /// Kept alive: the graph holds its address.
         _workspace: Workspace,
-        /// The model's [`generation`](crate::model::GraphStages::generation) at capture.
+        /// The model's [`generation`](crate::serving::model::GraphStages::generation) at capture.
         generation: u64,
     }
 

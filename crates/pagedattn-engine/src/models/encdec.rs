@@ -8,26 +8,25 @@
 //! Attention indices ([`Model::layers`]): the encoder's layers first, then per decoder layer
 //! its self-attention and its cross-attention.
 
-use pagedattn::{alibi_slopes_bloom, AttentionConfig, AttnType, DType, KvCacheDtype, Tensor};
+use pagedattn::{AttentionConfig, DType, Tensor};
 
-use crate::llama::{LayerWeights, MlpBuffers};
-use crate::model::{Attend, Model, ModelKind, StepTokens};
-use crate::ops::{add_assign, rms_norm, Embedding, Linear, Rope, RopeStyle};
-use crate::synthetic::{Draw, SyntheticConfig};
+use crate::models::llama::{LayerWeights, MlpBuffers};
+use crate::models::ops::{add_assign, rms_norm, Embedding, Linear, Rope};
+use crate::serving::model::{Attend, Model, ModelKind, StepTokens};
 use crate::{Error, Result};
 
 /// A decoder layer's cross-attention weights.
-struct CrossWeights {
+pub(crate) struct CrossWeights {
     /// RMSNorm weight before cross-attention.
-    norm: Vec<f32>,
+    pub(crate) norm: Vec<f32>,
     /// Query projection of the decoder's states.
-    wq: Linear,
+    pub(crate) wq: Linear,
     /// Key projection of the encoder's output.
-    wk: Linear,
+    pub(crate) wk: Linear,
     /// Value projection of the encoder's output.
-    wv: Linear,
+    pub(crate) wv: Linear,
     /// Output projection.
-    wo: Linear,
+    pub(crate) wo: Linear,
 }
 
 /// An attention sublayer's weights, borrowed from a [`LayerWeights`] or [`CrossWeights`].
@@ -74,132 +73,31 @@ enum KvSource<'a> {
 
 /// An encoder-only or encoder-decoder model (see the [module docs](self)).
 pub struct EncDec {
-    name: String,
-    kind: ModelKind,
-    hidden: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_size: usize,
-    vocab: usize,
-    max_context: usize,
-    rms_eps: f32,
-    embedding: Embedding,
-    encoder: Vec<LayerWeights>,
-    encoder_norm: Vec<f32>,
+    pub(crate) name: String,
+    pub(crate) kind: ModelKind,
+    pub(crate) hidden: usize,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_size: usize,
+    pub(crate) vocab: usize,
+    pub(crate) max_context: usize,
+    pub(crate) rms_eps: f32,
+    pub(crate) embedding: Embedding,
+    pub(crate) encoder: Vec<LayerWeights>,
+    pub(crate) encoder_norm: Vec<f32>,
     /// Each decoder layer: self-attention and MLP, cross-attention.
-    decoder: Vec<(LayerWeights, CrossWeights)>,
-    out_norm: Vec<f32>,
+    pub(crate) decoder: Vec<(LayerWeights, CrossWeights)>,
+    pub(crate) out_norm: Vec<f32>,
     /// The LM head (`None` for an encoder-only model, which outputs states).
-    head: Option<Linear>,
-    rope: Rope,
+    pub(crate) head: Option<Linear>,
+    pub(crate) rope: Rope,
     /// Whether the decoder's self-attention rotates by RoPE (not with ALiBi).
-    decoder_rope: bool,
-    attention: Vec<AttentionConfig>,
-    dtype: DType,
+    pub(crate) decoder_rope: bool,
+    pub(crate) attention: Vec<AttentionConfig>,
+    pub(crate) dtype: DType,
 }
 
 impl EncDec {
-    /// The synthetic model of `c` (`kind` encoder-only or encoder-decoder), weights drawn
-    /// from its seed as the decoder's are: the encoder's layers, then each decoder layer's
-    /// (self-attention and MLP, then cross-attention), then the head. ALiBi and the sliding
-    /// window apply to the decoder's self-attention, the soft cap everywhere, the cache dtype
-    /// to both caches.
-    pub fn synthetic(c: &SyntheticConfig) -> Result<Self> {
-        let kind = c.kind;
-        if kind == ModelKind::Decoder {
-            return Err(Error::Model(
-                "synthetic kind = Decoder: EncDec builds encoder-only and encoder-decoder models"
-                    .into(),
-            ));
-        }
-        c.expect_layers(kind)?;
-        let mut draw = Draw::new(c.seed);
-        let encoder = (0..c.encoder_layers)
-            .map(|_| draw.layer(c))
-            .collect::<Result<Vec<_>>>()?;
-        let (q, kv) = (c.heads * c.head_size, c.kv_heads * c.head_size);
-        let decoder = (0..c.layers)
-            .map(|_| {
-                let layer = draw.layer(c)?;
-                let cross = CrossWeights {
-                    norm: vec![1.0; c.hidden],
-                    wq: draw.matrix(q, c.hidden)?,
-                    wk: draw.matrix(kv, c.hidden)?,
-                    wv: draw.matrix(kv, c.hidden)?,
-                    wo: draw.matrix(c.hidden, q)?,
-                };
-                Ok((layer, cross))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let head = match kind {
-            ModelKind::EncoderDecoder => Some(draw.matrix(c.vocab, c.hidden)?),
-            _ => None,
-        };
-        let config = |attn_type: AttnType| {
-            let decoder = attn_type == AttnType::Decoder;
-            let cached = attn_type.uses_cache();
-            AttentionConfig::builder(c.heads, c.head_size)
-                .num_kv_heads(c.kv_heads)
-                .attn_type(attn_type)
-                .alibi_slopes((decoder && c.alibi).then(|| alibi_slopes_bloom(c.heads)))
-                .sliding_window(c.sliding_window.filter(|_| decoder))
-                .logits_soft_cap(c.soft_cap)
-                .kv_cache_dtype(if cached {
-                    c.kv_cache_dtype
-                } else {
-                    KvCacheDtype::Auto
-                })
-                .build()
-        };
-        let encoder_type = match kind {
-            ModelKind::EncoderOnly => AttnType::EncoderOnly,
-            _ => AttnType::Encoder,
-        };
-        let mut attention = vec![config(encoder_type)?; c.encoder_layers];
-        for _ in 0..c.layers {
-            attention.push(config(AttnType::Decoder)?);
-            attention.push(config(AttnType::EncoderDecoder)?);
-        }
-        let name = format!(
-            "synthetic {} ({} encoder{} layers, {}/{} heads of {}, {})",
-            match kind {
-                ModelKind::EncoderOnly => "encoder-only",
-                _ => "encoder-decoder",
-            },
-            c.encoder_layers,
-            if c.layers > 0 {
-                format!(" + {} decoder", c.layers)
-            } else {
-                String::new()
-            },
-            c.heads,
-            c.kv_heads,
-            c.head_size,
-            c.dtype
-        );
-        Ok(EncDec {
-            name,
-            kind,
-            hidden: c.hidden,
-            heads: c.heads,
-            kv_heads: c.kv_heads,
-            head_size: c.head_size,
-            vocab: c.vocab,
-            max_context: c.max_context,
-            rms_eps: 1e-5,
-            embedding: c.embedding()?,
-            encoder,
-            encoder_norm: vec![1.0; c.hidden],
-            decoder,
-            out_norm: vec![1.0; c.hidden],
-            head,
-            rope: Rope::new(c.head_size, 10_000.0, RopeStyle::Neox)?,
-            decoder_rope: !c.alibi,
-            attention,
-            dtype: c.dtype,
-        })
-    }
-
     /// `x += wo · attend(norm(x) · wq, keys · wk, keys · wv)` for the `x.len() / hidden`
     /// rows of `x`, with attention `layer`; the keys come from `kv`.
     fn attention(

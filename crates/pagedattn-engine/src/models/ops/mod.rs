@@ -1,7 +1,7 @@
 //! The CPU operations of a transformer forward pass other than attention: [`Linear`]
 //! (exact f32 or fast int8 products over GGUF weights), [`Embedding`] lookup, [`rms_norm`],
-//! [`Rope`], [`swiglu`], [`add_assign`] and sampling ([`argmax`], [`Sampler`],
-//! [`log_softmax`]).
+//! [`Rope`], [`swiglu`] and [`add_assign`] (sampling is the serving core's:
+//! [`crate::serving::sample`]).
 //!
 //! Every op works on a batch of `t` rows stored row-major in caller-owned `f32` slices and
 //! allocates nothing in its hot path (the fast [`Linear`]'s int8 activations live in a
@@ -21,7 +21,6 @@ mod norm;
 mod qdot;
 mod quant;
 mod rope;
-mod sample;
 
 pub use embedding::Embedding;
 pub use linear::{Linear, Precision, GEMM_MIN_ROWS};
@@ -29,9 +28,8 @@ pub use norm::{add_assign, rms_norm, swiglu};
 pub use pagedattn::cpu::Isa;
 pub use quant::{dequantize_row, quantize_row_q8, ACT_BLOCK};
 pub use rope::{Rope, RopeStyle};
-pub use sample::{argmax, log_softmax, uniform, Sampler, SamplingParams};
 
-use crate::weights::WeightType;
+use crate::models::weights::WeightType;
 
 /// What an op refuses: sizes that do not match, or bytes that do not hold the tensor.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -72,7 +70,7 @@ pub enum OpsError {
         /// The vocabulary size.
         vocab: usize,
     },
-    /// A bad parameter (a rope dimension, a sampling setting).
+    /// A bad parameter (a rope dimension).
     #[error("{what}: {why}")]
     Param {
         /// The parameter.

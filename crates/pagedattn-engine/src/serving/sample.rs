@@ -3,7 +3,37 @@
 
 use std::cmp::Ordering;
 
-use super::{check_len, OpsError, Result};
+/// What sampling refuses: empty logits, buffers of other lengths, bad parameters.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    /// No logits to sample from.
+    #[error("{what}: a dimension is zero")]
+    Empty {
+        /// The argument.
+        what: &'static str,
+    },
+    /// A buffer's length is not the logits'.
+    #[error("{what}: expected {expected} elements, got {got}")]
+    Length {
+        /// The argument.
+        what: &'static str,
+        /// The logits' length.
+        expected: usize,
+        /// What was given.
+        got: usize,
+    },
+    /// A bad sampling setting.
+    #[error("{what}: {why}")]
+    Param {
+        /// The parameter.
+        what: &'static str,
+        /// Why it is refused.
+        why: String,
+    },
+}
+
+/// Results of sampling.
+pub type Result<T> = std::result::Result<T, SamplingError>;
 
 /// The index of the largest logit, the lowest on ties; a NaN counts as the largest (as
 /// `torch.argmax` does). 0 for an empty slice.
@@ -28,7 +58,13 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// # Errors
 /// If the lengths differ.
 pub fn log_softmax(logits: &[f32], out: &mut [f32]) -> Result<()> {
-    check_len("log_softmax out", logits.len(), out.len())?;
+    if logits.len() != out.len() {
+        return Err(SamplingError::Length {
+            what: "log_softmax out",
+            expected: logits.len(),
+            got: out.len(),
+        });
+    }
     let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
     let s: f64 = logits.iter().map(|&v| (v as f64 - m).exp()).sum();
     let lse = m + s.ln();
@@ -73,13 +109,13 @@ impl SamplingParams {
     /// A NaN temperature, or `top_p` outside (0, 1].
     pub fn validate(&self) -> Result<()> {
         if self.temperature.is_nan() {
-            return Err(OpsError::Param {
+            return Err(SamplingError::Param {
                 what: "temperature",
                 why: "NaN".into(),
             });
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(OpsError::Param {
+            return Err(SamplingError::Param {
                 what: "top_p",
                 why: format!("{} is outside (0, 1]", self.top_p),
             });
@@ -126,7 +162,7 @@ impl Sampler {
     /// Empty `logits` or invalid `params`.
     pub fn sample(&mut self, logits: &[f32], params: &SamplingParams, step: u64) -> Result<u32> {
         if logits.is_empty() {
-            return Err(OpsError::Empty {
+            return Err(SamplingError::Empty {
                 what: "sample logits",
             });
         }

@@ -22,8 +22,8 @@ mod step;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 
-use crate::batch::{RequestId, SeqId, StepBatch};
-use crate::blocks::{BlockConfig, BlockError, BlockManager, BlockStats};
+use crate::serving::batch::{RequestId, SeqId, StepBatch};
+use crate::serving::blocks::{BlockConfig, BlockError, BlockManager, BlockStats};
 use request::{Request, Seq};
 
 /// How the scheduler frees blocks when running requests need more than are free.

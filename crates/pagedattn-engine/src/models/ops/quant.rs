@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 
 use super::{OpsError, Result};
-use crate::weights::WeightType;
+use crate::models::weights::WeightType;
 
 /// Elements per activation block (and per weight block of the quantized types).
 pub const ACT_BLOCK: usize = 32;

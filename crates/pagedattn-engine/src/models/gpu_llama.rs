@@ -21,13 +21,13 @@ use pagedattn::cuda::Cuda;
 use pagedattn::{AttentionConfig, Backend, DType, Device, Tensor};
 use rayon::prelude::*;
 
-use crate::llama::{llama_model_info, Llama, LlamaShape};
-use crate::model::{Attend, GraphStages, Model, StepTokens};
-use crate::ops::RopeStyle;
+use crate::models::llama::{llama_model_info, Llama, LlamaShape};
+use crate::models::ops::RopeStyle;
+use crate::serving::model::{Attend, GraphStages, Model, StepTokens};
 use crate::{Error, Result};
 
 /// The model's kernels other than products and attention (CUDA C++ for NVRTC).
-pub const KERNEL_SOURCE: &str = include_str!("../kernels/llama.cu");
+pub const KERNEL_SOURCE: &str = include_str!("../../kernels/llama.cu");
 
 /// The kernels of [`KERNEL_SOURCE`].
 pub const KERNEL_NAMES: [&str; 5] = ["embed", "rms_norm", "split_rope", "swiglu", "argmax"];
@@ -169,7 +169,7 @@ fn to_bf16(values: &[f32]) -> Vec<u16> {
 }
 
 /// The f32 weights of a projection (the model must be loaded at `Precision::Exact`).
-fn weights<'a>(linear: &'a crate::ops::Linear, name: &str) -> Result<&'a [f32]> {
+fn weights<'a>(linear: &'a crate::models::ops::Linear, name: &str) -> Result<&'a [f32]> {
     linear.f32_weights().ok_or_else(|| {
         Error::Model(format!(
             "{name} is kept quantized: load the model at exact precision for the GPU"
@@ -179,7 +179,7 @@ fn weights<'a>(linear: &'a crate::ops::Linear, name: &str) -> Result<&'a [f32]> 
 
 impl GpuLlama {
     /// `model` on `cuda`'s GPU: its weights converted to bf16 and uploaded (the model must
-    /// have been loaded at [`Precision::Exact`](crate::ops::Precision::Exact)), its kernels
+    /// have been loaded at [`Precision::Exact`](crate::models::ops::Precision::Exact)), its kernels
     /// compiled (or found in the kernel cache). The kernels index by the model's shape:
     /// [`Llama::new`] checked every weight, attention config and RoPE width against it.
     pub fn new(model: &Llama, cuda: &Cuda) -> Result<Self> {
@@ -223,7 +223,9 @@ impl GpuLlama {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let table = model.embedding.to_linear(crate::ops::Precision::Exact)?;
+        let table = model
+            .embedding
+            .to_linear(crate::models::ops::Precision::Exact)?;
         let table = weights(&table, "token_embd")?;
         let head = weights(&model.head, "output")?;
         let head = if head == table {

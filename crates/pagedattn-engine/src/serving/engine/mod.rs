@@ -17,21 +17,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use pagedattn::{
-    AttentionConfig, AttentionImpl, AttnType, Backend, Device, Inputs, KvCache, KvCacheSpec,
-    MetadataBuilder, Plan, SequenceDesc, Tensor, Workspace,
+    AttentionConfig, AttentionImpl, AttnType, Backend, KvCache, SequenceDesc, Workspace,
 };
 
-use crate::batch::{RequestId, StepBatch};
-use crate::clock::AttentionClock;
-use crate::graphs::DecodeGraphs;
-use crate::model::{Model, ModelKind, StepTokens};
-use crate::ops::{Sampler, SamplingParams};
-use crate::report::{CacheCounts, Report, RequestRecord, StepRecord};
-use crate::scheduler::{
+use crate::serving::batch::{RequestId, StepBatch};
+use crate::serving::check::CallCheck;
+use crate::serving::clock::AttentionClock;
+use crate::serving::graphs::DecodeGraphs;
+use crate::serving::model::{Model, ModelKind, StepTokens};
+use crate::serving::report::{CacheCounts, Report, RequestRecord, StepRecord};
+use crate::serving::sample::{Sampler, SamplingParams};
+use crate::serving::scheduler::{
     RequestSpec, Sampled, Scheduler, SchedulerConfig, SchedulerError, StepEvent,
 };
-use crate::verify::{CheckedCall, CheckedCross, CheckedSeq, Verifier, VerifyMode};
 use crate::{Error, Result};
+
+mod forward;
 
 /// How the engine is set up.
 #[derive(Clone, Debug)]
@@ -39,12 +40,8 @@ pub struct EngineConfig {
     /// The scheduler's budgets and policies, and the block pools (one block id names the
     /// same block in every layer's cache and swap space).
     pub scheduler: SchedulerConfig,
-    /// Which attention calls `reference` recomputes.
-    pub verify: VerifyMode,
-    /// The seed of the verifier's sampling.
-    pub seed: u64,
     /// Replay decode steps from CUDA graphs where the backend and the model allow it (a GPU
-    /// model on `cuda`); steps the verifier checks run without.
+    /// model on `cuda`); steps with checked calls ([`Engine::with_check`]) run without.
     pub cuda_graphs: bool,
 }
 
@@ -84,7 +81,10 @@ pub struct Engine<'a> {
     num_blocks: usize,
     workspace: Workspace,
     scheduler: Scheduler,
-    verifier: Verifier,
+    /// Checks the attention calls of the steps it picks (the harness's verifier).
+    check: Option<Box<dyn CallCheck + 'a>>,
+    /// Attention calls made.
+    attention_calls: usize,
     sampler: Sampler,
     /// Each unfinished request's sampling.
     sampling: HashMap<RequestId, SamplingParams>,
@@ -105,87 +105,6 @@ struct StepBuffers {
     logits: Vec<f32>,
     /// Each logit row's greedy token, in steps whose every sample is greedy.
     greedy: Vec<u32>,
-}
-
-/// A step's plans, one per attention type the model has (a type without one this step is
-/// not called).
-#[derive(Default)]
-struct StepPlans {
-    /// Decoder self-attention over the paged caches.
-    decoder: Option<Plan>,
-    /// Encoder (or encoder-only) attention, without a cache.
-    dense: Option<Plan>,
-    /// Cross-attention of every sequence, reading the cross caches.
-    cross_read: Option<Plan>,
-    /// The cross-cache write of the sequences at their first decoder step.
-    cross_write: Option<Plan>,
-}
-
-/// `t` moved to `device`, or `None` where it is there already.
-fn moved(t: &Tensor, device: Device) -> Result<Option<Tensor>> {
-    Ok(if t.device() == device {
-        None
-    } else {
-        Some(t.to_device(device)?)
-    })
-}
-
-/// One attention call on `backend`: a model computing on the host with a GPU backend has its
-/// tensors moved to the device and the output moved back.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn run_attention(
-    backend: &dyn Backend,
-    attention: &dyn AttentionImpl,
-    plan: &Plan,
-    workspace: &mut Workspace,
-    query: &Tensor,
-    kv: Option<(&Tensor, &Tensor)>,
-    cache: Option<&mut KvCache>,
-    output: &mut Tensor,
-) -> Result<()> {
-    let device = backend.device();
-    let q_moved = moved(query, device)?;
-    let query = q_moved.as_ref().unwrap_or(query);
-    let kv_moved = match kv {
-        Some((k, v)) => Some((moved(k, device)?, moved(v, device)?)),
-        None => None,
-    };
-    let kv = kv
-        .zip(kv_moved.as_ref())
-        .map(|((k, v), (mk, mv))| (mk.as_ref().unwrap_or(k), mv.as_ref().unwrap_or(v)));
-    let inputs = Inputs::new(query).with_cache_opt(cache);
-    let inputs = match kv {
-        Some((k, v)) => inputs.with_kv(k, v),
-        None => inputs,
-    };
-    if output.device() == device {
-        attention.forward_into(plan, workspace, inputs, output)?;
-    } else {
-        let mut out = Tensor::zeros_on(device, output.dtype(), output.shape())?;
-        attention.forward_into(plan, workspace, inputs, &mut out)?;
-        output.copy_from(&out)?;
-    }
-    Ok(())
-}
-
-/// `write_kv` of `key`/`value` into `cache` on `backend` (moved to its device if needed).
-fn write_kv(
-    backend: &dyn Backend,
-    attention: &dyn AttentionImpl,
-    plan: &Plan,
-    key: &Tensor,
-    value: &Tensor,
-    cache: &mut KvCache,
-) -> Result<()> {
-    let device = backend.device();
-    let (mk, mv) = (moved(key, device)?, moved(value, device)?);
-    attention.write_kv(
-        plan,
-        mk.as_ref().unwrap_or(key),
-        mv.as_ref().unwrap_or(value),
-        cache,
-    )?;
-    Ok(())
 }
 
 impl<'a> Engine<'a> {
@@ -267,13 +186,21 @@ impl<'a> Engine<'a> {
             num_blocks: pools.num_device_blocks,
             workspace: Workspace::empty(backend.device()),
             scheduler,
-            verifier: Verifier::new(config.verify, config.seed)?,
+            check: None,
+            attention_calls: 0,
             sampler: Sampler::new(),
             sampling: HashMap::new(),
             steps: 0,
             clock: AttentionClock::new(backend)?,
             graphs,
         })
+    }
+
+    /// The engine with `check` called on every attention call of the steps it picks (the
+    /// harness's verifier recomputing them with `reference`); its counts go into the report.
+    pub fn with_check(mut self, check: Box<dyn CallCheck + 'a>) -> Self {
+        self.check = Some(check);
+        self
     }
 
     /// Serves `requests` to the end (or until `stop` is set), returning the report. Requests
@@ -361,7 +288,10 @@ impl<'a> Engine<'a> {
             blocks_swapped_in: stats.blocks.swapped_in_blocks as usize,
             copy_on_write_blocks: stats.blocks.cow_copies as usize,
         };
-        self.report.verify = self.verifier.counts().clone();
+        if let Some(check) = &self.check {
+            self.report.verify = check.counts().clone();
+        }
+        self.report.verify.calls_total = self.attention_calls;
         Ok(self.report)
     }
 
@@ -466,7 +396,10 @@ impl<'a> Engine<'a> {
                 SequenceDesc::prompt(s.cached, s.tokens.len(), &s.block_table)
             });
         }
-        let verify_layers = self.verifier.layers_for_step(self.layers.len());
+        let check_layers = match self.check.as_mut() {
+            Some(check) => check.layers_for_step(self.layers.len()),
+            None => Vec::new(),
+        };
         // Every sample of the step greedy: the model may keep its logits to itself.
         let greedy = batch.seqs.iter().all(|s| {
             !s.encoder_only
@@ -478,9 +411,9 @@ impl<'a> Engine<'a> {
                         .unwrap_or_default()
                         .is_greedy())
         });
-        // A decode step with nothing to verify may replay a CUDA graph of the model.
+        // A decode step with nothing to check may replay a CUDA graph of the model.
         let graph_step = greedy
-            && verify_layers.is_empty()
+            && check_layers.is_empty()
             && batch
                 .seqs
                 .iter()
@@ -488,7 +421,7 @@ impl<'a> Engine<'a> {
         let forward_start = Instant::now();
         let replayed = graph_step && self.replay_decode(&descs, buf)?;
         if !replayed {
-            self.forward(batch, buf, (&descs, &dense_lens), &verify_layers, greedy)?;
+            self.forward(batch, buf, (&descs, &dense_lens), &check_layers, greedy)?;
         }
         let forward_seconds = forward_start.elapsed().as_secs_f64();
         let attention_seconds = self.clock.take_seconds()?;
@@ -599,231 +532,6 @@ impl<'a> Engine<'a> {
             (descs, step),
             &mut buf.greedy,
         )
-    }
-
-    /// The step's forward pass with the attention of every layer planned and (where
-    /// `verify_layers` says) verified, the greedy tokens (`greedy`) or the logits left in `buf`.
-    fn forward(
-        &mut self,
-        batch: &StepBatch,
-        buf: &mut StepBuffers,
-        (descs, dense_lens): (&[SequenceDesc<'_>], &[usize]),
-        verify_layers: &[usize],
-        greedy: bool,
-    ) -> Result<()> {
-        let plans = self.plan(batch, descs, dense_lens)?;
-        let checked: Vec<CheckedSeq<'_>> = batch
-            .seqs
-            .iter()
-            .map(|s| CheckedSeq {
-                cached: s.cached,
-                new: s.tokens.len(),
-                table: &s.block_table,
-            })
-            .collect();
-        let cross_checked: Vec<CheckedCross<'_>> = batch
-            .seqs
-            .iter()
-            .filter_map(|s| {
-                let c = s.cross.as_ref()?;
-                Some(CheckedCross {
-                    new: s.tokens.len(),
-                    encoder_len: c.len,
-                    table: &c.block_table,
-                    written: c.encoder_tokens.is_some(),
-                })
-            })
-            .collect();
-        {
-            let (backend, attention, caches, workspace, verifier, layers, cache_of, clock) = (
-                self.backend,
-                &self.attention,
-                &mut self.caches,
-                &mut self.workspace,
-                &mut self.verifier,
-                &self.layers,
-                &self.cache_of,
-                &mut self.clock,
-            );
-            let step_index = self.steps;
-            let missing = |what: &str, layer: usize| {
-                Error::Model(format!(
-                    "attention {layer} ({}) called in a step without {what}",
-                    layers[layer].attn_type()
-                ))
-            };
-            let mut attend = |layer: usize,
-                              q: &Tensor,
-                              k: &Tensor,
-                              v: &Tensor,
-                              out: &mut Tensor|
-             -> Result<()> {
-                let config = layers.get(layer).ok_or_else(|| {
-                    Error::Model(format!(
-                        "attention {layer} called: the model has {}",
-                        layers.len()
-                    ))
-                })?;
-                let imp = attention[layer].as_ref();
-                let mut cache = cache_of[layer].map(|i| &mut caches[i]);
-                clock.time(backend, || match config.attn_type() {
-                    AttnType::Decoder => {
-                        let plan = plans
-                            .decoder
-                            .as_ref()
-                            .ok_or_else(|| missing("decoder tokens", layer))?;
-                        run_attention(
-                            backend,
-                            imp,
-                            plan,
-                            workspace,
-                            q,
-                            Some((k, v)),
-                            cache.as_deref_mut(),
-                            out,
-                        )
-                    }
-                    AttnType::Encoder | AttnType::EncoderOnly => {
-                        let plan = plans
-                            .dense
-                            .as_ref()
-                            .ok_or_else(|| missing("encoder tokens", layer))?;
-                        run_attention(backend, imp, plan, workspace, q, Some((k, v)), None, out)
-                    }
-                    AttnType::EncoderDecoder => {
-                        let cross = cache
-                            .as_deref_mut()
-                            .ok_or_else(|| missing("a cross cache", layer))?;
-                        if k.shape().first().is_some_and(|&n| n > 0) {
-                            let plan = plans
-                                .cross_write
-                                .as_ref()
-                                .ok_or_else(|| missing("encoder tokens", layer))?;
-                            write_kv(backend, imp, plan, k, v, cross)?;
-                        }
-                        let plan = plans
-                            .cross_read
-                            .as_ref()
-                            .ok_or_else(|| missing("an encoder", layer))?;
-                        run_attention(backend, imp, plan, workspace, q, None, Some(cross), out)
-                    }
-                })?;
-                verifier.count_call();
-                if verify_layers.contains(&layer) {
-                    let cache = cache.as_deref();
-                    let call = match (config.attn_type(), cache) {
-                        (AttnType::Decoder, Some(cache)) => CheckedCall::Paged {
-                            cache,
-                            seqs: &checked,
-                        },
-                        (AttnType::EncoderDecoder, Some(cache)) => CheckedCall::Cross {
-                            cache,
-                            seqs: &cross_checked,
-                        },
-                        _ => CheckedCall::Dense { lens: dense_lens },
-                    };
-                    verifier.check_call(
-                        (step_index, layer),
-                        backend,
-                        config,
-                        call,
-                        (q, k, v),
-                        out,
-                    )??;
-                }
-                Ok(())
-            };
-            let tokens = StepTokens {
-                tokens: &buf.tokens,
-                positions: &buf.positions,
-                logit_rows: &buf.logit_rows,
-                encoder_tokens: &buf.encoder_tokens,
-                encoder_positions: &buf.encoder_positions,
-            };
-            if greedy {
-                self.model.forward_greedy(
-                    &tokens,
-                    &mut attend,
-                    &mut buf.logits,
-                    &mut buf.greedy,
-                )?;
-            } else {
-                self.model.forward(&tokens, &mut attend, &mut buf.logits)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The step's plans: for each attention type the model has, its metadata planned once by
-    /// the first attention of that type (with that attention's cache geometry).
-    fn plan(
-        &mut self,
-        batch: &StepBatch,
-        descs: &[SequenceDesc<'_>],
-        dense_lens: &[usize],
-    ) -> Result<StepPlans> {
-        let mut plans = StepPlans::default();
-        let first_of = |t: AttnType| self.layers.iter().position(|c| c.attn_type() == t);
-        let spec_of = |layer: usize| -> Option<KvCacheSpec> {
-            self.cache_of[layer].map(|i| *self.caches[i].spec())
-        };
-        let plan = |layer: usize, builder: &MetadataBuilder<'_>| -> Result<Plan> {
-            Ok(self.attention[layer].plan(&builder.build()?, spec_of(layer).as_ref())?)
-        };
-        let only_encoder = batch.seqs.iter().all(|s| s.encoder_only);
-        if let Some(layer) = first_of(AttnType::Decoder).filter(|_| !only_encoder) {
-            let mut builder = MetadataBuilder::new(self.block_size);
-            for d in descs {
-                builder.push(*d);
-            }
-            plans.decoder = Some(plan(layer, &builder)?);
-        }
-        let dense = first_of(AttnType::Encoder).or(first_of(AttnType::EncoderOnly));
-        if let Some(layer) = dense.filter(|_| !dense_lens.is_empty()) {
-            let mut builder = MetadataBuilder::new(self.block_size);
-            for &len in dense_lens {
-                builder.push(SequenceDesc::prompt(0, len, &[]));
-            }
-            plans.dense = Some(plan(layer, &builder)?);
-        }
-        if let Some(layer) = first_of(AttnType::EncoderDecoder).filter(|_| !only_encoder) {
-            let with_encoder = |written_only: bool| -> Result<MetadataBuilder<'_>> {
-                let mut builder = MetadataBuilder::new(self.block_size);
-                builder.write_cross_kv(written_only);
-                for (s, d) in batch.seqs.iter().zip(descs) {
-                    let c = s.cross.as_ref().ok_or_else(|| {
-                        Error::Model(format!(
-                            "sequence {} of an encoder-decoder model scheduled without its encoder",
-                            s.seq
-                        ))
-                    })?;
-                    if c.encoder_tokens.is_some() || !written_only {
-                        builder.push(d.with_encoder(c.len, &c.block_table));
-                    }
-                }
-                Ok(builder)
-            };
-            plans.cross_read = Some(plan(layer, &with_encoder(false)?)?);
-            if batch
-                .seqs
-                .iter()
-                .any(|s| s.cross.as_ref().is_some_and(|c| c.encoder_tokens.is_some()))
-            {
-                plans.cross_write = Some(plan(layer, &with_encoder(true)?)?);
-            }
-        }
-        for p in [
-            &plans.decoder,
-            &plans.dense,
-            &plans.cross_read,
-            &plans.cross_write,
-        ]
-        .into_iter()
-        .flatten()
-        {
-            self.workspace.reserve(p)?;
-        }
-        Ok(plans)
     }
 
     /// Records a scheduler event; returns 1 when a request finished.

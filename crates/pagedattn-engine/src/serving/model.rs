@@ -92,7 +92,7 @@ pub trait Model: Send {
     }
 
     /// [`forward`](Self::forward) for a step whose every sample is greedy: writes each of
-    /// `step.logit_rows`' greedy token ([`argmax`](crate::ops::argmax) of its logits) into
+    /// `step.logit_rows`' greedy token ([`argmax`](crate::serving::sample::argmax) of its logits) into
     /// `tokens` (resized). `logits` is scratch space. A model whose logits live on a device
     /// overrides this to bring back the tokens alone.
     fn forward_greedy(
@@ -105,7 +105,11 @@ pub trait Model: Send {
         self.forward(step, attend, logits)?;
         let width = self.output_width().max(1);
         tokens.clear();
-        tokens.extend(logits.chunks_exact(width).map(crate::ops::argmax));
+        tokens.extend(
+            logits
+                .chunks_exact(width)
+                .map(crate::serving::sample::argmax),
+        );
         Ok(())
     }
 }

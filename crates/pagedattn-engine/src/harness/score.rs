@@ -4,8 +4,8 @@
 
 use pagedattn::{AttnType, Backend, BlockId, MetadataBuilder, SequenceDesc, Workspace};
 
-use crate::engine::run_attention;
-use crate::model::{Model, StepTokens};
+use crate::serving::model::{Model, StepTokens};
+use crate::serving::run_attention;
 use crate::{Error, Result};
 
 /// Tokens per cache block of the scoring step.

@@ -8,7 +8,7 @@ use super::gemv::Gemv;
 use super::qdot::{self, QIsa, MAX_COLS};
 use super::quant::{dequantize_row, QWeights, QuantActs, ACT_BLOCK, GROUP};
 use super::{check_len, isa_from_env, Isa, OpsError, Result};
-use crate::weights::WeightType;
+use crate::models::weights::WeightType;
 
 /// From this many activation rows on (and for a single row), the exact path multiplies with the
 /// `gemm` project (its `gemm-f32` crate); between, with its own f32 kernel (which measured

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use thiserror::Error;
 
-use crate::weights::WeightType;
+use crate::models::weights::WeightType;
 
 /// The alignment of the data section and of each tensor in it when `general.alignment` is
 /// absent (GGUF's `GGUF_DEFAULT_ALIGNMENT`).

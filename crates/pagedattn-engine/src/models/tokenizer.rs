@@ -26,7 +26,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, DecodeStream, DecoderWrapper, ModelWrapper, NormalizerWrapper};
 use tokenizers::{PostProcessorWrapper, PreTokenizerWrapper};
 
-use crate::gguf::{Gguf, GgufError, MetaArray};
+use crate::models::gguf::{Gguf, GgufError, MetaArray};
 
 /// The `tokenizer.ggml.pre` values this module builds, all with GPT-2's split regex as
 /// transformers does for them.

@@ -1,7 +1,7 @@
 //! One step's scheduling: decodes (preempting when blocks run out), swap-ins, prompt chunks
 //! and admissions, under the budgets.
 
-use crate::batch::{CrossSeq, RequestId, ScheduledSeq, SeqId, StepBatch};
+use crate::serving::batch::{CrossSeq, RequestId, ScheduledSeq, SeqId, StepBatch};
 
 use super::{invalid, Preemption, PreemptionPolicy, Scheduler, SchedulerError, StepEvent};
 

@@ -1,15 +1,15 @@
 //! The synthetic model: a Llama-shaped decoder, or an encoder-only or encoder-decoder model
-//! of the same blocks ([`crate::encdec`]), with weights drawn from a seed, of any size and
+//! of the same blocks ([`crate::models::encdec`]), with weights drawn from a seed, of any size and
 //! with any of the attention features (GQA, ALiBi, sliding window, soft cap, fp8 KV cache),
 //! so that every feature of the backends runs inside the engine with no download.
 
-use pagedattn::{alibi_slopes_bloom, AttentionConfig, DType, KvCacheDtype};
+use pagedattn::{alibi_slopes_bloom, AttentionConfig, AttnType, DType, KvCacheDtype};
 
-use crate::encdec::EncDec;
-use crate::llama::{LayerWeights, Llama, LlamaShape};
-use crate::model::{Model, ModelKind};
-use crate::ops::{Embedding, Linear, Precision, Rope, RopeStyle};
+use crate::models::encdec::{CrossWeights, EncDec};
+use crate::models::llama::{LayerWeights, Llama, LlamaShape};
+use crate::models::ops::{Embedding, Linear, Precision, Rope, RopeStyle};
 use crate::rng::SplitMix64;
+use crate::serving::model::{Model, ModelKind};
 use crate::{Error, Result};
 
 /// The synthetic model's shape and features.
@@ -96,9 +96,7 @@ impl SyntheticConfig {
     pub fn build_model(&self) -> Result<Box<dyn Model>> {
         Ok(match self.kind {
             ModelKind::Decoder => Box::new(self.build()?),
-            ModelKind::EncoderOnly | ModelKind::EncoderDecoder => {
-                Box::new(EncDec::synthetic(self)?)
-            }
+            ModelKind::EncoderOnly | ModelKind::EncoderDecoder => Box::new(self.build_encdec()?),
         })
     }
 
@@ -164,6 +162,108 @@ impl SyntheticConfig {
             vec![attention; self.layers],
             self.dtype,
         )
+    }
+
+    /// The encoder-only or encoder-decoder model of this config (`kind` encoder-only or encoder-decoder), weights drawn
+    /// from its seed as the decoder's are: the encoder's layers, then each decoder layer's
+    /// (self-attention and MLP, then cross-attention), then the head. ALiBi and the sliding
+    /// window apply to the decoder's self-attention, the soft cap everywhere, the cache dtype
+    /// to both caches.
+    pub fn build_encdec(&self) -> Result<EncDec> {
+        let c = self;
+        let kind = c.kind;
+        if kind == ModelKind::Decoder {
+            return Err(Error::Model(
+                "synthetic kind = Decoder: EncDec builds encoder-only and encoder-decoder models"
+                    .into(),
+            ));
+        }
+        c.expect_layers(kind)?;
+        let mut draw = Draw::new(c.seed);
+        let encoder = (0..c.encoder_layers)
+            .map(|_| draw.layer(c))
+            .collect::<Result<Vec<_>>>()?;
+        let (q, kv) = (c.heads * c.head_size, c.kv_heads * c.head_size);
+        let decoder = (0..c.layers)
+            .map(|_| {
+                let layer = draw.layer(c)?;
+                let cross = CrossWeights {
+                    norm: vec![1.0; c.hidden],
+                    wq: draw.matrix(q, c.hidden)?,
+                    wk: draw.matrix(kv, c.hidden)?,
+                    wv: draw.matrix(kv, c.hidden)?,
+                    wo: draw.matrix(c.hidden, q)?,
+                };
+                Ok((layer, cross))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let head = match kind {
+            ModelKind::EncoderDecoder => Some(draw.matrix(c.vocab, c.hidden)?),
+            _ => None,
+        };
+        let config = |attn_type: AttnType| {
+            let decoder = attn_type == AttnType::Decoder;
+            let cached = attn_type.uses_cache();
+            AttentionConfig::builder(c.heads, c.head_size)
+                .num_kv_heads(c.kv_heads)
+                .attn_type(attn_type)
+                .alibi_slopes((decoder && c.alibi).then(|| alibi_slopes_bloom(c.heads)))
+                .sliding_window(c.sliding_window.filter(|_| decoder))
+                .logits_soft_cap(c.soft_cap)
+                .kv_cache_dtype(if cached {
+                    c.kv_cache_dtype
+                } else {
+                    KvCacheDtype::Auto
+                })
+                .build()
+        };
+        let encoder_type = match kind {
+            ModelKind::EncoderOnly => AttnType::EncoderOnly,
+            _ => AttnType::Encoder,
+        };
+        let mut attention = vec![config(encoder_type)?; c.encoder_layers];
+        for _ in 0..c.layers {
+            attention.push(config(AttnType::Decoder)?);
+            attention.push(config(AttnType::EncoderDecoder)?);
+        }
+        let name = format!(
+            "synthetic {} ({} encoder{} layers, {}/{} heads of {}, {})",
+            match kind {
+                ModelKind::EncoderOnly => "encoder-only",
+                _ => "encoder-decoder",
+            },
+            c.encoder_layers,
+            if c.layers > 0 {
+                format!(" + {} decoder", c.layers)
+            } else {
+                String::new()
+            },
+            c.heads,
+            c.kv_heads,
+            c.head_size,
+            c.dtype
+        );
+        Ok(EncDec {
+            name,
+            kind,
+            hidden: c.hidden,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_size: c.head_size,
+            vocab: c.vocab,
+            max_context: c.max_context,
+            rms_eps: 1e-5,
+            embedding: c.embedding()?,
+            encoder,
+            encoder_norm: vec![1.0; c.hidden],
+            decoder,
+            out_norm: vec![1.0; c.hidden],
+            head,
+            rope: Rope::new(c.head_size, 10_000.0, RopeStyle::Neox)?,
+            decoder_rope: !c.alibi,
+            attention,
+            dtype: c.dtype,
+        })
     }
 
     /// Checks that the config describes a model of `kind` with the layers it needs: a

@@ -5,9 +5,11 @@
 
 use pagedattn::{AttentionConfig, DType, Device, Tensor};
 
-use crate::gguf::{Gguf, LlamaConfig, MetaArray};
-use crate::model::{Attend, Model, StepTokens};
-use crate::ops::{add_assign, rms_norm, swiglu, Embedding, Linear, Precision, Rope, RopeStyle};
+use crate::models::gguf::{Gguf, LlamaConfig, MetaArray};
+use crate::models::ops::{
+    add_assign, rms_norm, swiglu, Embedding, Linear, Precision, Rope, RopeStyle,
+};
+use crate::serving::model::{Attend, Model, StepTokens};
 use crate::{Error, Result};
 
 /// The shape of a Llama model.
@@ -232,7 +234,7 @@ impl Llama {
             let t = file.tensor(name)?;
             check_dims(name, t.info.dims(), &[len])?;
             let mut v = vec![0.0; len];
-            crate::ops::dequantize_row(t.info.weight_type(), t.data, &mut v)?;
+            crate::models::ops::dequantize_row(t.info.weight_type(), t.data, &mut v)?;
             Ok(v)
         };
         let (q, kv) = (c.n_heads * c.head_size, c.n_kv_heads * c.head_size);
@@ -368,10 +370,10 @@ fn check_dims(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
 /// `tokenizer.ggml.token_type`): workloads draw random prompts from there on.
 fn first_plain_token(file: &Gguf) -> Result<u32> {
     let types: Vec<i64> = match file.get("tokenizer.ggml.token_type") {
-        Some(crate::gguf::MetaValue::Array(MetaArray::I32(t))) => {
+        Some(crate::models::gguf::MetaValue::Array(MetaArray::I32(t))) => {
             t.iter().map(|&x| x.into()).collect()
         }
-        Some(crate::gguf::MetaValue::Array(MetaArray::U32(t))) => {
+        Some(crate::models::gguf::MetaValue::Array(MetaArray::U32(t))) => {
             t.iter().map(|&x| x.into()).collect()
         }
         _ => Vec::new(),

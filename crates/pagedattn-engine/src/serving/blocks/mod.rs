@@ -24,7 +24,7 @@ use std::fmt;
 
 use pagedattn::BlockId;
 
-use crate::batch::SeqId;
+use crate::serving::batch::SeqId;
 use hash::{BlockHash, BlockHasher};
 use pool::{DevicePool, Pool};
 

@@ -15,8 +15,8 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::gguf::{Gguf, GgufError};
-use crate::tokenizer::{SpecialTokens, TokenizerError};
+use crate::models::gguf::{Gguf, GgufError};
+use crate::models::tokenizer::{SpecialTokens, TokenizerError};
 
 /// The key holding the template.
 pub const CHAT_TEMPLATE_KEY: &str = "tokenizer.chat_template";
@@ -111,7 +111,8 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
-        let text = |t: &Option<crate::tokenizer::SpecialToken>| t.as_ref().map(|t| t.text.clone());
+        let text =
+            |t: &Option<crate::models::tokenizer::SpecialToken>| t.as_ref().map(|t| t.text.clone());
         let mut ctx = vec![
             ("messages", Value::from_serialize(messages)),
             ("add_generation_prompt", Value::from(add_generation_prompt)),

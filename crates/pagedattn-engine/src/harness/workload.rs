@@ -7,9 +7,9 @@ use std::str::FromStr;
 
 use thiserror::Error;
 
-use crate::model::ModelKind;
-use crate::ops::SamplingParams;
 use crate::rng::SplitMix64;
+use crate::serving::model::ModelKind;
+use crate::serving::sample::SamplingParams;
 
 /// A request's prompt, before tokenization.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,7 +1,7 @@
 //! A request's state inside the scheduler: its spec, its sequences (one, or `n` after the
 //! prompt's sampling forks it) and where it stands.
 
-use crate::batch::{RequestId, SeqId};
+use crate::serving::batch::{RequestId, SeqId};
 
 use super::{FinishReason, RequestSpec};
 

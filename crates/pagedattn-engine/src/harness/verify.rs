@@ -7,8 +7,9 @@ use pagedattn::{
     MetadataBuilder, SequenceDesc, Tensor, Workspace,
 };
 
-use crate::report::VerifyCounts;
 use crate::rng::SplitMix64;
+use crate::serving::check::{CallCheck, CheckedCall, CheckedSeq, Mismatch};
+use crate::serving::report::VerifyCounts;
 
 /// Which attention calls are recomputed.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -19,74 +20,6 @@ pub enum VerifyMode {
     Sampled(f64),
     /// Every call of every layer.
     Every,
-}
-
-/// One sequence of a checked call: tokens already cached, new tokens, its block table.
-#[derive(Clone, Copy, Debug)]
-pub struct CheckedSeq<'a> {
-    /// Tokens in the cache before the call.
-    pub cached: usize,
-    /// Tokens the call computes.
-    pub new: usize,
-    /// Its block table in the engine's cache.
-    pub table: &'a [BlockId],
-}
-
-/// A checked call's sequences, by what the call attends over.
-#[derive(Clone, Copy, Debug)]
-pub enum CheckedCall<'a> {
-    /// Causal self-attention over the layer's paged cache (`decoder`), which the call wrote
-    /// its new keys and values to.
-    Paged {
-        /// The layer's cache on the engine's backend, after the call.
-        cache: &'a KvCache,
-        /// The call's sequences.
-        seqs: &'a [CheckedSeq<'a>],
-    },
-    /// Bidirectional attention over each sequence's own tokens, without a cache (`encoder`,
-    /// `encoder_only`).
-    Dense {
-        /// Each sequence's tokens (queries and keys alike).
-        lens: &'a [usize],
-    },
-    /// Cross-attention over the cross cache (`encoder_decoder`), which the call wrote the
-    /// encoder keys and values it carried to.
-    Cross {
-        /// The layer's cross cache on the engine's backend, after the call.
-        cache: &'a KvCache,
-        /// The call's sequences.
-        seqs: &'a [CheckedCross<'a>],
-    },
-}
-
-/// One sequence of a checked cross-attention call.
-#[derive(Clone, Copy, Debug)]
-pub struct CheckedCross<'a> {
-    /// Decoder tokens the call computes (its queries).
-    pub new: usize,
-    /// Its encoder's tokens (the keys it attends).
-    pub encoder_len: usize,
-    /// Its cross block table in the engine's cross cache.
-    pub table: &'a [BlockId],
-    /// Whether the call carried its encoder keys and values (they follow those of the
-    /// previous written sequences in the call's key/value tensors) rather than reading them
-    /// from the cross cache.
-    pub written: bool,
-}
-
-/// A recomputed call whose output is further from `reference`'s than the output dtype
-/// allows.
-#[derive(Debug, thiserror::Error, PartialEq)]
-#[error("verification failed at step {step}, layer {layer}: the output differs from reference's on dense keys and values by {worst:.2e} of its largest magnitude (allowed {allowed:.0e})")]
-pub struct Mismatch {
-    /// The engine's step.
-    pub step: usize,
-    /// The layer.
-    pub layer: usize,
-    /// The largest difference beyond one ulp, as a fraction of the largest output magnitude.
-    pub worst: f32,
-    /// The dtype's allowance.
-    pub allowed: f32,
 }
 
 /// Recomputes sampled attention calls and keeps count.
@@ -106,34 +39,6 @@ impl Verifier {
             rng: SplitMix64::new(seed),
             counts: VerifyCounts::default(),
         })
-    }
-
-    /// The counts so far.
-    pub fn counts(&self) -> &VerifyCounts {
-        &self.counts
-    }
-
-    /// Counts one attention call as made (checked or not).
-    pub fn count_call(&mut self) {
-        self.counts.calls_total += 1;
-    }
-
-    /// The attentions of a step of a model of `num_layers` attentions to check (drawn once
-    /// per step; a step calls an encoder's attentions only when it runs the encoder).
-    pub fn layers_for_step(&mut self, num_layers: usize) -> Vec<usize> {
-        match self.mode {
-            VerifyMode::Off => Vec::new(),
-            VerifyMode::Every => (0..num_layers).collect(),
-            VerifyMode::Sampled(p) => {
-                if self.rng.next_f64() < p {
-                    let mut layers = vec![0, num_layers.saturating_sub(1)];
-                    layers.dedup();
-                    layers
-                } else {
-                    Vec::new()
-                }
-            }
-        }
     }
 
     /// Recomputes one decoder call with `reference`: `cache` is the layer's cache on
@@ -160,13 +65,38 @@ impl Verifier {
             output,
         )
     }
+}
+
+impl CallCheck for Verifier {
+    /// The counts so far.
+    fn counts(&self) -> &VerifyCounts {
+        &self.counts
+    }
+
+    /// The attentions of a step of a model of `num_layers` attentions to check (drawn once
+    /// per step; a step calls an encoder's attentions only when it runs the encoder).
+    fn layers_for_step(&mut self, num_layers: usize) -> Vec<usize> {
+        match self.mode {
+            VerifyMode::Off => Vec::new(),
+            VerifyMode::Every => (0..num_layers).collect(),
+            VerifyMode::Sampled(p) => {
+                if self.rng.next_f64() < p {
+                    let mut layers = vec![0, num_layers.saturating_sub(1)];
+                    layers.dedup();
+                    layers
+                } else {
+                    Vec::new()
+                }
+            }
+        }
+    }
 
     /// Recomputes one call of any attention type with `reference` on dense keys and values:
     /// the call's cache blocks it read (not those it wrote) gathered into consecutive blocks
     /// of a scratch cache, what it wrote written again by `reference` from the call's
     /// `key`/`value`. Errors from the library (a swap, a plan) are returned as they are; a
     /// difference beyond the output dtype's allowance is `Ok(Err(Mismatch))`.
-    pub fn check_call(
+    fn check_call(
         &mut self,
         (step, layer): (usize, usize),
         backend: &dyn Backend,

@@ -1,0 +1,73 @@
+//! One attention call from the engine's side: a model computing on the host with a GPU
+//! backend has its tensors moved to the device and the output moved back.
+
+use pagedattn::{AttentionImpl, Backend, Device, Inputs, KvCache, Plan, Tensor, Workspace};
+
+use crate::Result;
+
+/// `t` moved to `device`, or `None` where it is there already.
+fn moved(t: &Tensor, device: Device) -> Result<Option<Tensor>> {
+    Ok(if t.device() == device {
+        None
+    } else {
+        Some(t.to_device(device)?)
+    })
+}
+
+/// One attention call on `backend`: a model computing on the host with a GPU backend has its
+/// tensors moved to the device and the output moved back.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_attention(
+    backend: &dyn Backend,
+    attention: &dyn AttentionImpl,
+    plan: &Plan,
+    workspace: &mut Workspace,
+    query: &Tensor,
+    kv: Option<(&Tensor, &Tensor)>,
+    cache: Option<&mut KvCache>,
+    output: &mut Tensor,
+) -> Result<()> {
+    let device = backend.device();
+    let q_moved = moved(query, device)?;
+    let query = q_moved.as_ref().unwrap_or(query);
+    let kv_moved = match kv {
+        Some((k, v)) => Some((moved(k, device)?, moved(v, device)?)),
+        None => None,
+    };
+    let kv = kv
+        .zip(kv_moved.as_ref())
+        .map(|((k, v), (mk, mv))| (mk.as_ref().unwrap_or(k), mv.as_ref().unwrap_or(v)));
+    let inputs = Inputs::new(query).with_cache_opt(cache);
+    let inputs = match kv {
+        Some((k, v)) => inputs.with_kv(k, v),
+        None => inputs,
+    };
+    if output.device() == device {
+        attention.forward_into(plan, workspace, inputs, output)?;
+    } else {
+        let mut out = Tensor::zeros_on(device, output.dtype(), output.shape())?;
+        attention.forward_into(plan, workspace, inputs, &mut out)?;
+        output.copy_from(&out)?;
+    }
+    Ok(())
+}
+
+/// `write_kv` of `key`/`value` into `cache` on `backend` (moved to its device if needed).
+pub(crate) fn write_kv(
+    backend: &dyn Backend,
+    attention: &dyn AttentionImpl,
+    plan: &Plan,
+    key: &Tensor,
+    value: &Tensor,
+    cache: &mut KvCache,
+) -> Result<()> {
+    let device = backend.device();
+    let (mk, mv) = (moved(key, device)?, moved(value, device)?);
+    attention.write_kv(
+        plan,
+        mk.as_ref().unwrap_or(key),
+        mv.as_ref().unwrap_or(value),
+        cache,
+    )?;
+    Ok(())
+}
