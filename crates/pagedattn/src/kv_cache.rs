@@ -6,14 +6,16 @@
 
 use std::fmt;
 
-use crate::config::KvCacheDtype;
+use crate::config::{AttentionConfig, AttnType, KvCacheDtype};
 use crate::dtype::{DType, Element};
 use rayon::prelude::*;
 
 use crate::device::Device;
 use crate::error::{ensure, Error, Result};
 use crate::fp8::Fp8Format;
+use crate::metadata::AttentionMetadata;
 use crate::shared::SharedMut;
+use crate::step::{ForwardCheck, KvPair, Plan};
 use crate::tensor::{try_collect, HostSliceMut, HostStorage, Storage, Tensor};
 
 /// A block's index in a cache: the entries of block tables and of swap and copy pairs. `i32`,
@@ -732,4 +734,28 @@ pub fn copy_blocks(caches: &mut [KvCache], pairs: &[(BlockId, BlockId)]) -> Resu
         }
     });
     Ok(())
+}
+
+/// The slot mapping new keys and values are written through: the cross slot mapping for
+/// encoder-decoder, the slot mapping otherwise.
+pub(crate) fn write_slots<'m>(
+    config: &AttentionConfig,
+    metadata: &'m AttentionMetadata,
+) -> &'m [i64] {
+    match (config.attn_type(), &metadata.encoder) {
+        (AttnType::EncoderDecoder, Some(enc)) => &enc.cross_slot_mapping,
+        _ => &metadata.slot_mapping,
+    }
+}
+
+/// `AttentionImpl::write_kv` of the host backends: the gate, then the host cache write.
+pub(crate) fn write_kv_checked(
+    gate: &ForwardCheck<'_>,
+    plan: &Plan,
+    kv: KvPair<'_>,
+    cache: &mut KvCache,
+) -> Result<()> {
+    gate.write(plan, kv, cache)?;
+    let slots = write_slots(gate.config, plan.metadata());
+    cache.write_checked(kv.key, kv.value, slots, gate.config.kv_scales())
 }

@@ -3,11 +3,11 @@
 //! It is the oracle every other backend is tested against; it is slow on purpose.
 
 use crate::backend::{AttentionImpl, Backend, Capabilities};
-use crate::config::{AttentionConfig, AttnType};
+use crate::config::AttentionConfig;
 use crate::device::Device;
 use crate::error::Result;
 use crate::fp8::Fp8Format;
-use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec, KvScales};
+use crate::kv_cache::{write_kv_checked, write_slots, CacheLayout, KvCache, KvCacheSpec, KvScales};
 use crate::metadata::AttentionMetadata;
 use crate::semantics::{
     alibi_bias, alibi_position, allowed_keys, query_position, soft_cap, KeyLocation, KeyMap,
@@ -186,30 +186,6 @@ impl AttentionImpl for ReferenceAttention {
         store(output.host_mut()?, &out);
         Ok(())
     }
-}
-
-/// The slot mapping new keys and values are written through: the cross slot mapping for
-/// encoder-decoder, the slot mapping otherwise.
-pub(crate) fn write_slots<'m>(
-    config: &AttentionConfig,
-    metadata: &'m AttentionMetadata,
-) -> &'m [i64] {
-    match (config.attn_type(), &metadata.encoder) {
-        (AttnType::EncoderDecoder, Some(enc)) => &enc.cross_slot_mapping,
-        _ => &metadata.slot_mapping,
-    }
-}
-
-/// `AttentionImpl::write_kv` of the host backends: the gate, then the host cache write.
-pub(crate) fn write_kv_checked(
-    gate: &ForwardCheck<'_>,
-    plan: &Plan,
-    kv: KvPair<'_>,
-    cache: &mut KvCache,
-) -> Result<()> {
-    gate.write(plan, kv, cache)?;
-    let slots = write_slots(gate.config, plan.metadata());
-    cache.write_checked(kv.key, kv.value, slots, gate.config.kv_scales())
 }
 
 impl ReferenceAttention {

@@ -7,7 +7,7 @@ use crate::common;
 
 use pagedattn::registry;
 use pagedattn_engine::harness::score::prompt_logits;
-use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
+use pagedattn_engine::harness::verify::VerifyMode;
 use pagedattn_engine::harness::workload::Builtin;
 use pagedattn_engine::serving::model::ModelKind;
 use pagedattn_engine::serving::scheduler::PreemptionPolicy;
@@ -134,6 +134,7 @@ mod gpu {
         verify: VerifyMode,
         cuda_graphs: bool,
     ) -> pagedattn_engine::serving::report::Report {
+        use pagedattn_engine::harness::verify::Verifier;
         use pagedattn_engine::serving::blocks::BlockConfig;
         use pagedattn_engine::serving::engine::{Engine, EngineConfig};
         use pagedattn_engine::serving::scheduler::SchedulerConfig;

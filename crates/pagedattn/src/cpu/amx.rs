@@ -325,14 +325,16 @@ pub fn with_tiles<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// FLOPs of one `tdpbf16ps`: 16 × 16 outputs, each adding 32 products.
+#[cfg(feature = "probes")]
 pub const TILE_DOT_FLOPS: f64 = (2 * TILE_ROWS * TILE_ROWS * (TILE_BYTES / 2)) as f64;
 
-/// The `tdpbf16ps` peak probe: `iters` rounds of a GEMM micro-kernel's 2 × 2 block (four
+/// The `tdpbf16ps` peak probe (feature `probes`): `iters` rounds of a GEMM micro-kernel's 2 × 2 block (four
 /// accumulator tiles, `C[i][j] += A[i] · B[j]`) on this thread: one `tdpbf16ps` issues every
 /// 16 cycles on Sapphire Rapids and its latency is a few times that, so each tile's next
 /// product comes four issues after its last. The operands are loaded once, outside the loop,
 /// so that the figure is the instruction's own rate, which the prefill's loads and softmax
 /// then spend. Returns the FLOPs done, or None without AMX.
+#[cfg(feature = "probes")]
 pub fn peak(iters: u64) -> Option<f64> {
     if !available() {
         return None;

@@ -6,9 +6,9 @@ use crate::backend::{AttentionImpl, Backend, Capabilities};
 use crate::config::AttentionConfig;
 use crate::device::Device;
 use crate::error::Result;
+use crate::kv_cache::write_kv_checked;
 use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec};
 use crate::metadata::AttentionMetadata;
-use crate::reference::write_kv_checked;
 use crate::semantics::KeyMap;
 use crate::step::{partials_bytes, ForwardCheck, Inputs, KvPair, Plan as StepPlan, Workspace};
 use crate::tensor::Tensor;
@@ -174,7 +174,7 @@ impl CpuAttention {
         let plan: &Plan = step.prepared("cpu")?;
         let (query, new_kv, mut kv_cache) = inputs.into_parts();
         if let (Some(cache), Some(kv)) = (kv_cache.as_deref_mut(), new_kv) {
-            let slots = crate::reference::write_slots(&self.config, step.metadata());
+            let slots = crate::kv_cache::write_slots(&self.config, step.metadata());
             cache.write_checked(kv.key, kv.value, slots, self.config.kv_scales())?;
         }
         let partials: &mut [f32] = match workspace.storage_mut() {

@@ -109,7 +109,7 @@ impl Isa {
     /// Runs `op` on the widest f32 vectors of this instruction set whose lane count divides
     /// `n` (narrower ones down to scalar where it does not, so that kernels need no tails).
     /// The one place an [`Isa`] becomes a [`Simd`] token: the backend runs every call through
-    /// it and the benchmark's probes ([`crate::cpu::peak`]) too, so that both run the same
+    /// it and the benchmark's probes (`cpu::peak`) too, so that both run the same
     /// vectors. `Amx` and `Avx512Bf16` get the AVX-512 token with AVX512-BF16 use on, `Avx512`
     /// without.
     ///

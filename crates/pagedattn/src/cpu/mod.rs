@@ -43,7 +43,8 @@
 //! threads of the pool the plan is made in: plan in the pool that runs the calls.
 //!
 //! Also public: [`simd`] (the instruction-set abstraction the kernels are written against),
-//! [`peak`] (the probes of this CPU's ceilings that `pagedattn bench` measures) and
+//! `peak` (with the `probes` feature: the probes of this CPU's ceilings that `pagedattn bench`
+//! measures) and
 //! [`advise_huge_pages_uninit`] (the caches' huge-page advice, for a buffer of the caller's).
 
 pub(crate) mod aligned;
@@ -61,6 +62,7 @@ pub(crate) mod kernel;
 mod merge;
 pub(crate) mod packed;
 mod parallel;
+#[cfg(feature = "probes")]
 pub mod peak;
 pub(crate) mod plan;
 mod prefill;

@@ -24,9 +24,9 @@ use crate::backend::{AttentionImpl, Capabilities, GraphCapacity};
 use crate::config::AttentionConfig;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::kv_cache::write_slots;
 use crate::kv_cache::{CacheLayout, KvCache, KvCacheSpec};
 use crate::metadata::AttentionMetadata;
-use crate::reference::write_slots;
 use crate::step::{partials_bytes, ForwardCheck, Inputs, KvPair, Plan, Workspace};
 use crate::tensor::{HostStorage, Storage, Tensor};
 

@@ -29,6 +29,8 @@ mod memory;
 mod nvrtc_path;
 mod packed;
 mod plan;
+#[cfg(feature = "probes")]
+mod probes;
 mod queue;
 mod storage;
 mod timing;
@@ -44,8 +46,10 @@ pub use compile::{
 pub use device::{gpu_present, info, DeviceInfo};
 pub use graph::Graph;
 pub use nvrtc_path::add_nvrtc_search_dirs;
+#[cfg(feature = "probes")]
+pub use probes::{CopyProbe, PeakProbe};
 pub use storage::CudaStorage;
-pub use timing::{CopyProbe, GpuEvent, PeakProbe};
+pub use timing::GpuEvent;
 pub use variant::ATTENTION_HEAD_SIZES;
 
 use crate::backend::{check_sides, AttentionImpl, Backend, Capabilities, Sizes};
