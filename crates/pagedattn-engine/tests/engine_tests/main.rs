@@ -12,6 +12,7 @@ mod engine;
 mod gguf;
 mod golden;
 mod gpu_model;
+mod layout;
 mod ops;
 mod scheduler;
 mod tokenizer;
