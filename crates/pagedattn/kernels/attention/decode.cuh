@@ -177,7 +177,7 @@ __device__ __forceinline__ void decode(const Params& p) {
     // * with it, an f32 sum takes at most FOLD_TERMS = 128 keys (FOLD chunks of U; the chunks'
     //   rescales by alpha add at most FOLD roundings to those terms): 127 2^-24 = 7.6e-6 at
     //   worst, ~11 2^-24 for independent roundings (under 1e-5 either way; folding twice as
-    //   often costs time on every decode, NOTES.md); the f64 sums take one term per fold, at
+    //   often costs time on every decode, docs/design/cuda.md); the f64 sums take one term per fold, at
     //   most 2^31 / (WARPS x 128) = 2^22 (2^-31 relative), and their rescale factor is one f64
     //   exp of the exact difference of two f32 maxima. Per FOLD chunks this costs each lane
     //   ROWS x 9 log2(KPW) shuffles and ROWS x 8 / KPW f64 FMAs on shared memory, against

@@ -195,7 +195,7 @@ __device__ __forceinline__ void prefill_sm90(const Params& p) {
         // later than its keys). off_s has three slots: a thread writes tile i's after the
         // barrier of step i - 1, which every thread passes only once done with step i - 2.
         // (Widening a step later, with the next step's copies in flight, puts the widening on
-        // the consumers' path: see NOTES.md, session 26.)
+        // the consumers' path: see docs/design/cuda.md.)
 #pragma unroll 1
         for (int i = 0; i <= tiles; ++i) {
             if (i < tiles) {

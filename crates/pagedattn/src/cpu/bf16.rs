@@ -524,7 +524,7 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
         // Column t's load mask: all ones for a key to read; positions that are not keys, and
         // the odd tail column of the last pair, load as zeros without touching memory. (An
         // array, not a bitmask: the same mask folded into a u128 came out with a bit missing
-        // when compiled into this AVX-512 kernel; see NOTES.md.)
+        // when compiled into this AVX-512 kernel; see docs/design/cpu.md.)
         let mut masks = [0u32; KEY_TILE];
         for (m, &a) in masks.iter_mut().zip(absent) {
             *m = if a { 0 } else { u32::MAX };

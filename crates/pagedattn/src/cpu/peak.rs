@@ -113,12 +113,12 @@ const MAX_FMA_CHAINS: usize = 32;
 
 /// f32 lanes of accumulators the f32 FMA probe keeps at least. The compiler vectorizes scalar
 /// code (the scalar prefill outruns 12 one-lane chains), so the scalar probe keeps 32 one-lane
-/// chains, which it packs into 8 SSE registers (fewer chains read low, 64 spill; NOTES.md).
+/// chains, which it packs into 8 SSE registers (fewer chains read low, 64 spill; docs/design/cpu.md).
 const MIN_FMA_LANES: usize = 32;
 
 /// The f32 FMA probe: `iters` rounds of one FMA on each of `S::REGISTERS - 4` independent
 /// accumulators (12 on AVX2, 28 on AVX-512 and NEON): more than FMA latency × FMA pipes on
-/// every core we know (16 chains read low on Intel's AVX-512; NOTES.md), and the operands
+/// every core we know (16 chains read low on Intel's AVX-512; docs/design/cpu.md), and the operands
 /// still fit in registers; 32 for scalar code, which the compiler vectorizes as it does the
 /// scalar kernels. Returns the FLOPs done.
 #[derive(Debug, Clone, Copy)]
@@ -154,7 +154,7 @@ impl WithSimd for FmaPeak {
 }
 
 /// Independent `vdpbf16ps` chains of the bf16 dot probe: enough for the Xeon measured, whose
-/// peak needs 16 to 24 (Zen 4 reads the same from 8 to 28; NOTES.md).
+/// peak needs 16 to 24 (Zen 4 reads the same from 8 to 28; docs/design/cpu.md).
 #[cfg(target_arch = "x86_64")]
 const BF16_CHAINS: usize = 24;
 

@@ -53,18 +53,18 @@ const NO_ROW: usize = usize::MAX;
 
 /// How many keys ahead the decode path asks for key and value rows into L2 (more requests in
 /// flight than L1 can track, which keeps the decode nearer the memory's rate than L1 prefetches
-/// alone; NOTES.md).
+/// alone; docs/design/cpu.md).
 const PREFETCH_L2_KEYS: usize = 48;
 
 /// When a decode kernel asks for the value rows `PREFETCH_L2_KEYS` steps ahead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ValuesAhead {
     /// With the key rows, while scoring (the portable kernels: their P·V pass walks each
-    /// row's vectors across the whole tile, and asking from there was slower; NOTES.md).
+    /// row's vectors across the whole tile, and asking from there was slower; docs/design/cpu.md).
     WithKeys,
     /// From the P·V pass ([`TileRows::prefetch_value_ahead`]: the AVX512-BF16 kernels, which
     /// score faster than the memory delivers; asked for while scoring, the memory idles through
-    /// their P·V pass; NOTES.md).
+    /// their P·V pass; docs/design/cpu.md).
     #[cfg(target_arch = "x86_64")]
     FromValues,
 }
