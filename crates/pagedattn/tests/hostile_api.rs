@@ -13,7 +13,8 @@
 //! is `cpu_vs_reference`'s business, this suite's is that nothing a caller does reaches
 //! undefined behaviour or a panic).
 //!
-//! Seeds are fresh every run; `PROPTEST_CASES=n` runs n cases (NOTES.md, "Long test campaigns", has the long runs).
+//! Seeds are fresh every run; `PROPTEST_CASES=n` runs n cases (NOTES.md, "Long test
+//! campaigns", has the long runs).
 
 mod common;
 
