@@ -4,7 +4,7 @@
 //!
 //! A failure is a panic whose message says what disagreed; with `PAGEDATTN_FUZZ_CASE_OUT=PATH`
 //! set, a failing call is also written there as a replay file, so that
-//! `pagedattn forward --input PATH --backend cpu` (or `pagedattn run --input PATH`) replays it
+//! `pagedattn forward --input PATH --backend cpu --check` replays it
 //! outside the fuzzer.
 
 pub mod compare;

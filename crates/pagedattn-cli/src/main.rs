@@ -38,22 +38,17 @@ enum Depth {
 #[derive(Subcommand)]
 enum Command {
     /// Serves a workload with the engine (default: the synthetic model, the `chat` workload,
-    /// a sampled fraction of the attention calls recomputed with `reference`), or, with
-    /// `--input`, runs one replayed forward call and checks it against `reference`.
+    /// a sampled fraction of the attention calls recomputed with `reference`).
     Run {
-        /// A replay case (safetensors): one forward call instead of the engine.
-        #[arg(long, conflicts_with = "engine")]
-        input: Option<PathBuf>,
         /// Backend name, or `auto` for the best one available.
         #[arg(long, default_value = "auto")]
         backend: String,
-        /// Where to write the replayed call's `output` and caches.
-        #[arg(long, requires = "input")]
-        output: Option<PathBuf>,
         #[command(flatten)]
         engine: serve::ServeArgs,
     },
-    /// Replays one captured forward call (docs/replay-format.md) and writes its results.
+    /// Replays one captured forward call (docs/replay-format.md) on a backend: prints what
+    /// ran and how long it took, writes its results (`--output`), checks them against
+    /// `reference` (`--check`: exit code 1 on a mismatch).
     Forward {
         /// The replay case (safetensors).
         #[arg(long)]
@@ -63,7 +58,11 @@ enum Command {
         backend: String,
         /// Where to write `output` and the caches after the call.
         #[arg(long)]
-        output: PathBuf,
+        output: Option<PathBuf>,
+        /// Also run the call on `reference` and compare the outputs within the output
+        /// dtype's tolerance.
+        #[arg(long)]
+        check: bool,
     },
     /// Lists the backends available here, their capabilities, and the CPU's SIMD features.
     Info,
@@ -161,41 +160,36 @@ fn describe(case: &ReplayCase, backend: &dyn Backend, ms: f64) -> String {
     )
 }
 
-fn forward(input: &Path, backend: &str, output: &Path) -> Result<()> {
-    let case = read_case(input)?;
-    let backend = registry::backend(backend)?;
-    let (result, ms) = run_timed(&case, backend.as_ref()).map_err(|e| in_case(input, e))?;
-    write(output, &replay::write_output(&result)?)?;
-    let line = describe(&case, backend.as_ref(), ms);
-    print_ignoring_closed_pipe(&format!("{line} -> {}\n", output.display()));
-    Ok(())
-}
-
-/// `pagedattn run --input CASE`: the case on `backend`, checked against `reference`.
-/// Returns whether the output matched.
-fn run(input: &Path, backend: &str, output: Option<&Path>) -> Result<bool> {
+/// `pagedattn forward`: the case on `backend`, its results written to `output`, and with
+/// `check` compared with `reference`'s. Returns whether the output matched (true unchecked).
+fn forward(input: &Path, backend: &str, output: Option<&Path>, check: bool) -> Result<bool> {
     let case = read_case(input)?;
     let backend = registry::backend(backend)?;
     let name_case = |e: Error| in_case(input, e);
     let (result, ms) = run_timed(&case, backend.as_ref()).map_err(name_case)?;
+    let mut text = describe(&case, backend.as_ref(), ms);
     if let Some(path) = output {
         write(path, &replay::write_output(&result)?)?;
+        text += &format!(" -> {}", path.display());
     }
-    let reference = registry::backend("reference")?;
-    let (expected, _) = run_timed(&case, reference.as_ref()).map_err(name_case)?;
-    let (ulp, tol) = tolerance(expected.output.dtype());
-    let worst = worst_difference(
-        &result.output.to_f32_vec()?,
-        &expected.output.to_f32_vec()?,
-        ulp,
-    );
-    let matched = worst <= tol;
-    let workload = input.display().to_string();
-    print_ignoring_closed_pipe(&format!(
-        "{workload}\n{}\noutput vs reference: largest difference beyond one ulp {worst:.1e} of the output's largest magnitude (allowed {tol:.0e}): {}\n",
-        describe(&case, backend.as_ref(), ms),
-        if matched { "ok" } else { "MISMATCH" },
-    ));
+    text.push('\n');
+    let mut matched = true;
+    if check {
+        let reference = registry::backend("reference")?;
+        let (expected, _) = run_timed(&case, reference.as_ref()).map_err(name_case)?;
+        let (ulp, tol) = tolerance(expected.output.dtype());
+        let worst = worst_difference(
+            &result.output.to_f32_vec()?,
+            &expected.output.to_f32_vec()?,
+            ulp,
+        );
+        matched = worst <= tol;
+        text += &format!(
+            "output vs reference: largest difference beyond one ulp {worst:.1e} of the output's largest magnitude (allowed {tol:.0e}): {}\n",
+            if matched { "ok" } else { "MISMATCH" },
+        );
+    }
+    print_ignoring_closed_pipe(&text);
     Ok(matched)
 }
 
@@ -471,21 +465,7 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     let result: std::result::Result<(), String> = match cli.command {
-        Command::Run {
-            input: Some(input),
-            backend,
-            output,
-            ..
-        } => match run(&input, &backend, output.as_deref()) {
-            Ok(false) => return ExitCode::FAILURE,
-            other => other.map(|_| ()).map_err(|e| e.to_string()),
-        },
-        Command::Run {
-            input: None,
-            backend,
-            engine,
-            ..
-        } => match serve::serve(&engine, &backend) {
+        Command::Run { backend, engine } => match serve::serve(&engine, &backend) {
             // The shell's code for a process ended by SIGINT, after the report so far.
             Ok(serve::Served::Interrupted) => return ExitCode::from(130),
             other => other.map(|_| ()).map_err(|e| e.to_string()),
@@ -494,7 +474,11 @@ fn main() -> ExitCode {
             input,
             backend,
             output,
-        } => forward(&input, &backend, &output).map_err(|e| e.to_string()),
+            check,
+        } => match forward(&input, &backend, output.as_deref(), check) {
+            Ok(false) => return ExitCode::FAILURE,
+            other => other.map(|_| ()).map_err(|e| e.to_string()),
+        },
         Command::Bench(args) => bench::run(&args).map_err(|e| e.to_string()),
         Command::Info => {
             print_ignoring_closed_pipe(&info());

@@ -22,9 +22,8 @@ use pagedattn_engine::serving::model::{Model, ModelKind};
 use pagedattn_engine::serving::sample::SamplingParams;
 use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
 
-/// The engine's options of `pagedattn run` (none of them goes with `--input`).
+/// The engine's options of `pagedattn run`.
 #[derive(clap::Args, Debug)]
-#[group(id = "engine", multiple = true)]
 pub struct ServeArgs {
     /// A Llama-architecture GGUF file (F32, F16, BF16, Q8_0, Q4_0 or Q4_1 weights; tokenizer
     /// and chat template from the file). Default: the synthetic model.
@@ -44,22 +43,22 @@ pub struct ServeArgs {
     #[arg(long, default_value = "chat")]
     pub workload: String,
     /// Requests of the built-in workload.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, conflicts_with = "trace")]
     pub requests: usize,
     /// Arrivals per second (a Poisson process); default: all at once.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "trace")]
     pub rate: Option<f64>,
-    /// The most tokens generated per request.
-    #[arg(long, default_value_t = 128)]
+    /// The most tokens generated per request (a trace's lines say theirs).
+    #[arg(long, default_value_t = 128, conflicts_with = "trace")]
     pub max_new_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature; 0 is greedy (a trace's lines say theirs).
+    #[arg(long, default_value_t = 0.0, conflicts_with = "trace")]
     pub temperature: f32,
-    /// Nucleus sampling's probability mass.
-    #[arg(long, default_value_t = 1.0)]
+    /// Nucleus sampling's probability mass (a trace's lines say theirs).
+    #[arg(long, default_value_t = 1.0, conflicts_with = "trace")]
     pub top_p: f32,
     /// Generate `--max-new-tokens` tokens even past the model's end-of-turn token (fixed
-    /// lengths, for benchmarks).
+    /// lengths, for benchmarks); with `--trace`, for every line (as its `ignore_eos`).
     #[arg(long)]
     pub ignore_eos: bool,
     /// Seed of the workload's draw and of the sampling.
@@ -256,10 +255,11 @@ fn requests(
             path: path.display().to_string(),
             source,
         })?;
-        return Ok((
-            format!("trace {}", path.display()),
-            workload::parse_trace(&text)?,
-        ));
+        let mut requests = workload::parse_trace(&text)?;
+        for r in &mut requests {
+            r.ignore_eos |= args.ignore_eos;
+        }
+        return Ok((format!("trace {}", path.display()), requests));
     }
     let builtin = builtin(args)?.unwrap_or(Builtin::Chat);
     let model = &loaded.model;

@@ -180,11 +180,12 @@ fn replay_case_runs_and_writes_output() {
         std::env::temp_dir().join(format!("pagedattn-run-{}.safetensors", std::process::id()));
     let out = pagedattn(
         &[
-            "run",
+            "forward",
             "--input",
             case.to_str().unwrap(),
             "--output",
             out_path.to_str().unwrap(),
+            "--check",
         ],
         None,
     );
@@ -211,7 +212,7 @@ fn bad_input_is_one_line_and_exit_code_2() {
     let (trace, not_gguf) = (trace.to_str().unwrap(), not_gguf.to_str().unwrap());
     for (args, says) in [
         (
-            &["run", "--input", "/nonexistent/case.safetensors"][..],
+            &["forward", "--input", "/nonexistent/case.safetensors"][..],
             "/nonexistent/case.safetensors",
         ),
         (&["run", "--backend", "nope"][..], "nope"),
@@ -237,8 +238,8 @@ fn bad_input_is_one_line_and_exit_code_2() {
             "needs an encoder-decoder model",
         ),
         (
-            &["run", "--input", "case.safetensors", "--requests", "3"][..],
-            "--requests",
+            &["run", "--input", "case.safetensors"][..],
+            "--input",
         ),
         (&["run", "--prompt", "hi"][..], "no tokenizer"),
     ] {
@@ -249,4 +250,83 @@ fn bad_input_is_one_line_and_exit_code_2() {
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// SmolLM2's GGUF, or `None` after saying the test is skipped (`PAGEDATTN_REQUIRE_MODEL=1`:
+/// a failure instead).
+fn smollm2() -> Option<std::path::PathBuf> {
+    let path = match std::env::var_os("PAGEDATTN_SMOLLM2") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    if path.is_file() {
+        return Some(path);
+    }
+    let msg = format!("{} is missing (tools/fetch-smollm2.sh)", path.display());
+    assert!(
+        std::env::var("PAGEDATTN_REQUIRE_MODEL").as_deref() != Ok("1"),
+        "{msg} and PAGEDATTN_REQUIRE_MODEL=1"
+    );
+    eprintln!("SKIPPED: {msg}");
+    None
+}
+
+#[test]
+fn ignore_eos_applies_to_every_trace_request() {
+    let Some(model) = smollm2() else { return };
+    let trace = std::env::temp_dir().join(format!("pagedattn-eos-{}.jsonl", std::process::id()));
+    // Answered in a few tokens and the end of the turn: SmolLM2 stops long before 48.
+    std::fs::write(
+        &trace,
+        "{\"chat\": \"What is the capital of France?\", \"max_new_tokens\": 48}\n",
+    )
+    .unwrap();
+    let generated = |extra: &[&str]| -> u64 {
+        let mut args = vec![
+            "run",
+            "--backend",
+            "cpu",
+            "--model",
+            model.to_str().unwrap(),
+            "--trace",
+            trace.to_str().unwrap(),
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = pagedattn(&args, None);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        report["summary"]["generated_tokens"].as_u64().unwrap()
+    };
+    let stopped = generated(&[]);
+    assert!(
+        stopped < 48,
+        "the answer ran to the limit without --ignore-eos: {stopped}"
+    );
+    assert_eq!(generated(&["--ignore-eos"]), 48);
+    std::fs::remove_file(trace).unwrap();
+}
+
+#[test]
+fn options_a_trace_overrides_are_refused_with_it() {
+    for option in [
+        &["--temperature", "0.5"][..],
+        &["--top-p", "0.9"],
+        &["--max-new-tokens", "3"],
+        &["--requests", "3"],
+        &["--rate", "2"],
+    ] {
+        let mut args = vec!["run", "--trace", "t.jsonl"];
+        args.extend_from_slice(option);
+        let out = pagedattn(&args, None);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(option[0]), "{args:?}: {stderr}");
+    }
 }

@@ -1,6 +1,7 @@
-//! An inference engine's use of pagedattn: the attention of a two-layer model over a paged KV
-//! cache through a schedule of steps, on the backend named on the command line (default
-//! `auto`), every output checked against `reference`. The schedule:
+//! The library as an inference engine drives it (`pagedattn-engine` does the same at scale):
+//! the attention of a two-layer model over a paged KV cache through a schedule of steps, on the
+//! backend named on the command line (default `auto`), every output checked against
+//! `reference`. The schedule:
 //!
 //! 1. a prompt of 37 tokens, and the first 20 tokens of a prompt of 30 (chunked prefill);
 //! 2. the second prompt's last 10 tokens next to the first sequence's first decode;
@@ -11,7 +12,7 @@
 //!    sampling: the child shares its full blocks and gets a copy of the last one);
 //! 6. two decode steps of all four sequences.
 //!
-//! `cargo run --release --example engine_steps -- [BACKEND]` (from the workspace root, without
+//! `cargo run --release --example attention_steps -- [BACKEND]` (from the workspace root, without
 //! `-p`: it then reuses the library `cargo test --workspace --release` built)
 
 use std::process::ExitCode;
