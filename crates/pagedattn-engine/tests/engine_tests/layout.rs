@@ -84,7 +84,11 @@ fn wing(module: &str) -> Option<&str> {
 
 #[test]
 fn wings_import_only_the_wings_before_them_and_no_module_circles() {
-    let order = |w: &str| ["serving", "models", "harness"].iter().position(|x| *x == w);
+    let order = |w: &str| {
+        ["serving", "models", "harness"]
+            .iter()
+            .position(|x| *x == w)
+    };
     let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut wrong = Vec::new();
     for file in sources(&engine_src()) {
@@ -101,7 +105,11 @@ fn wings_import_only_the_wings_before_them_and_no_module_circles() {
             }
         }
     }
-    assert!(wrong.is_empty(), "a wing imports a later one:\n{}", wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "a wing imports a later one:\n{}",
+        wrong.join("\n")
+    );
     // The wings' modules must form no circle (a module's own submodules are part of it).
     let nodes: Vec<String> = graph.keys().cloned().collect();
     let mut state: BTreeMap<String, u8> = BTreeMap::new(); // 1 visiting, 2 done
