@@ -4,7 +4,7 @@
 # profiles launches), a window of 660 kernel launches (two decode steps of SmolLM2) after the
 # prefill. Prints, per kernel name, total and mean time and its share.
 #
-#   tools/gpu-profile-decode.sh MODEL.gguf [PAGEDATTN_BINARY]     (on the GPU machine)
+#   bench/gpu-profile-decode.sh MODEL.gguf [PAGEDATTN_BINARY]     (on the GPU machine)
 #
 # Needs ncu (`--clock-control none`: the GPU's clocks stay as they are) and python3.
 set -euo pipefail
