@@ -5,6 +5,9 @@
 //
 // Activations: the residual stream is f32; what feeds a matrix product or the attention is
 // bf16. Every kernel computes in f32 and rounds once to nearest even.
+//
+// Each kernel takes one argument struct (EmbedParams, RmsNormParams, ...), generated before
+// this file from src/models/gpu_llama.rs (the host's definitions).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -32,7 +35,11 @@ __device__ float block_sum(float v) {
 }
 
 // x[t, :] = table[tokens[t], :] (bf16 rows into the f32 residual stream). One block per token.
-extern "C" __global__ void embed(const u32* tokens, const u16* table, float* x, int hidden) {
+extern "C" __global__ void embed(const EmbedParams args) {
+    const u32* tokens = args.tokens;
+    const u16* table = args.table;
+    float* x = args.x;
+    const int hidden = args.hidden;
     const u16* row = table + (size_t)tokens[blockIdx.x] * hidden;
     float* out = x + (size_t)blockIdx.x * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = bf16_to_f32(row[i]);
@@ -40,8 +47,13 @@ extern "C" __global__ void embed(const u32* tokens, const u16* table, float* x, 
 
 // out[r, :] = x[rows[r], :] / rms(x[rows[r], :]) * weight, as bf16 (rows == nullptr: row r).
 // One block per output row.
-extern "C" __global__ void rms_norm(const float* x, const u32* rows, const float* weight,
-                                    u16* out, int hidden, float eps) {
+extern "C" __global__ void rms_norm(const RmsNormParams args) {
+    const float* x = args.x;
+    const u32* rows = args.rows;
+    const float* weight = args.weight;
+    u16* out = args.out;
+    const int hidden = args.hidden;
+    const float eps = args.eps;
     const int r = blockIdx.x;
     const float* in = x + (size_t)(rows ? rows[r] : r) * hidden;
     float sum = 0.0f;
@@ -56,9 +68,15 @@ extern "C" __global__ void rms_norm(const float* x, const u32* rows, const float
 // token's position (`inv_freq` has rope_dim / 2 entries; nullptr: no rotation). `adjacent`:
 // pairs (2i, 2i + 1) (GGUF's permuted rows); else (i, i + rope_dim / 2) (NeoX). One block
 // per token.
-extern "C" __global__ void split_rope(const u16* qkv, u16* q, u16* k, u16* v, const u32* positions,
-                                      const float* inv_freq, int heads, int kv_heads, int head_size,
-                                      int rope_dim, int adjacent) {
+extern "C" __global__ void split_rope(const SplitRopeParams args) {
+    const u16* qkv = args.qkv;
+    u16* q = args.q;
+    u16* k = args.k;
+    u16* v = args.v;
+    const u32* positions = args.positions;
+    const float* inv_freq = args.inv_freq;
+    const int heads = args.heads, kv_heads = args.kv_heads, head_size = args.head_size;
+    const int rope_dim = args.rope_dim, adjacent = args.adjacent;
     const int t = blockIdx.x;
     const int qw = heads * head_size, kw = kv_heads * head_size;
     const u16* in = qkv + (size_t)t * (qw + 2 * kw);
@@ -91,7 +109,10 @@ extern "C" __global__ void split_rope(const u16* qkv, u16* q, u16* k, u16* v, co
 }
 
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, ffn + i] (the fused gate/up product's halves).
-extern "C" __global__ void swiglu(const u16* gate_up, u16* out, int ffn, int tokens) {
+extern "C" __global__ void swiglu(const SwigluParams args) {
+    const u16* gate_up = args.gate_up;
+    u16* out = args.out;
+    const int ffn = args.ffn, tokens = args.tokens;
     const size_t n = (size_t)ffn * tokens;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n;
          e += (size_t)gridDim.x * blockDim.x) {
@@ -125,7 +146,10 @@ __device__ __forceinline__ void warp_best(float& v, u32& at) {
 // best[r] = the greedy token of logits[r, :] (0 for an empty row). One block per row; each
 // thread loads 8 elements before comparing them (the order is total: any order of visits
 // gives the same winner), so that a row costs a few memory round trips, not one an element.
-extern "C" __global__ void argmax(const float* logits, u32* best, int width) {
+extern "C" __global__ void argmax(const ArgmaxParams args) {
+    const float* logits = args.logits;
+    u32* best = args.best;
+    const int width = args.width;
     const float* row = logits + (size_t)blockIdx.x * width;
     float v = 0.0f;
     u32 at = NONE;

@@ -5,7 +5,7 @@
 //!
 //! The crate has three wings, each importing only those before it:
 //!
-//! - [`serving`], the core: the [`Engine`](serving::engine::Engine)'s step loop, the
+//! - [`serving`], the core: the [`Engine`]'s step loop, the
 //!   scheduler, the block manager, step batches, sampling, CUDA-graph decode steps, the run's
 //!   records, and the [`Model`](serving::model::Model) trait it calls. It names no model
 //!   family and no test oracle: a model is a `dyn Model`, and a check of its attention calls

@@ -80,10 +80,11 @@ __device__ __forceinline__ void merge(const float* partials, const i64* merges, 
     }
 }
 
+// The argument, MergeParams, is generated before this file from src/cuda/kernels.rs.
 #define MERGE_KERNEL(NAME, E)                                                                  \
-    extern "C" __global__ void NAME(const float* partials, const i64* merges, void* output,   \
-                                    i64 num_heads, i64 head_size, float out_scale) {           \
-        merge<E>(partials, merges, output, num_heads, head_size, out_scale);                   \
+    extern "C" __global__ void NAME(const MergeParams args) {                                  \
+        merge<E>(args.partials, args.merges, args.output, args.num_heads, args.head_size,      \
+                 args.out_scale);                                                              \
     }
 
 MERGE_KERNEL(attention_merge_f32, F32)

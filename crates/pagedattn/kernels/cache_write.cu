@@ -144,15 +144,16 @@ __device__ void write_kv(const typename E::Bits* key, const typename E::Bits* va
     }
 }
 
-// One kernel per (activation dtype, cache format): write_kv_<dtype>_<format>.
+// One kernel per (activation dtype, cache format): write_kv_<dtype>_<format>. Its argument,
+// WriteKvParams, is generated before this file from src/cuda/kernels.rs (the addresses of
+// keys, values and the two caches untyped, given their types here).
 #define WRITE_KV(NAME, E, S)                                                                   \
-    extern "C" __global__ void NAME(const E::Bits* key, const E::Bits* value,                 \
-                                    S::Cache<E>::Type* key_cache,                              \
-                                    S::Cache<E>::Type* value_cache, const i64* slot_mapping,   \
-                                    int num_kv_heads, int head_size, i64 block_size,           \
-                                    float k_scale, float v_scale) {                            \
-        write_kv<E, S>(key, value, key_cache, value_cache, slot_mapping, num_kv_heads,         \
-                       head_size, block_size, k_scale, v_scale);                               \
+    extern "C" __global__ void NAME(const WriteKvParams args) {                                \
+        write_kv<E, S>((const E::Bits*)args.key, (const E::Bits*)args.value,                   \
+                       (S::Cache<E>::Type*)args.key_cache,                                     \
+                       (S::Cache<E>::Type*)args.value_cache, args.slot_mapping,                \
+                       args.num_kv_heads, args.head_size, args.block_size, args.k_scale,       \
+                       args.v_scale);                                                          \
     }
 
 WRITE_KV(write_kv_f32_auto, F32, Auto)

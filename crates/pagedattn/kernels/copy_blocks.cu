@@ -16,8 +16,12 @@ struct alignas(16) Chunk {
     u64 lo, hi;
 };
 
-// grid = (num_layers, 2): blockIdx.y picks the key (0) or value (1) buffer.
-extern "C" __global__ void copy_blocks(const u64* table, i64 num_layers, i64 num_pairs) {
+// grid = (num_layers, 2): blockIdx.y picks the key (0) or value (1) buffer. The argument,
+// CopyBlocksParams (table, num_layers, num_pairs), is generated before this file from
+// src/cuda/kernels.rs.
+extern "C" __global__ void copy_blocks(const CopyBlocksParams args) {
+    const u64* table = args.table;
+    const i64 num_layers = args.num_layers, num_pairs = args.num_pairs;
     const u64* layer = table + 3 * blockIdx.x;
     u8* base = (u8*)layer[blockIdx.y];
     const u64 block_bytes = layer[2];

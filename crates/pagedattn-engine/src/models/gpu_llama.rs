@@ -26,8 +26,72 @@ use crate::models::ops::RopeStyle;
 use crate::serving::model::{Attend, GraphStages, Model, StepTokens};
 use crate::{Error, Result};
 
-/// The model's kernels other than products and attention (CUDA C++ for NVRTC).
-pub const KERNEL_SOURCE: &str = include_str!("../../kernels/llama.cu");
+pagedattn::kernel_params! {
+    /// The model's kernels other than products and attention (CUDA C++ for NVRTC): their
+    /// argument structs' declarations, then `kernels/llama.cu`.
+    pub const KERNEL_SOURCE = include_str!("../../kernels/llama.cu");
+
+    /// `embed`'s arguments (device addresses as u64).
+    struct EmbedParams {
+        /// `[t]` token ids.
+        tokens: u64 => "const unsigned int*",
+        /// The bf16 embedding `[vocab, hidden]`.
+        table: u64 => "const unsigned short*",
+        /// The f32 residual stream `[t, hidden]`.
+        x: u64 => "float*",
+        hidden: i32 => "int",
+        unused: i32 => "int",
+    }
+
+    /// `rms_norm`'s arguments.
+    struct RmsNormParams {
+        x: u64 => "const float*",
+        /// The rows of `x` to normalize (0: row r for output row r).
+        rows: u64 => "const unsigned int*",
+        weight: u64 => "const float*",
+        /// bf16 rows.
+        out: u64 => "unsigned short*",
+        hidden: i32 => "int",
+        eps: f32 => "float",
+    }
+
+    /// `split_rope`'s arguments.
+    struct SplitRopeParams {
+        /// The fused bf16 projection `[t, (heads + 2 kv_heads) · D]`.
+        qkv: u64 => "const unsigned short*",
+        q: u64 => "unsigned short*",
+        k: u64 => "unsigned short*",
+        v: u64 => "unsigned short*",
+        positions: u64 => "const unsigned int*",
+        /// RoPE's inverse frequencies (0: no rotation).
+        inv_freq: u64 => "const float*",
+        heads: i32 => "int",
+        kv_heads: i32 => "int",
+        head_size: i32 => "int",
+        rope_dim: i32 => "int",
+        /// 1: pairs (2i, 2i + 1); 0: (i, i + rope_dim / 2).
+        adjacent: i32 => "int",
+        unused: i32 => "int",
+    }
+
+    /// `swiglu`'s arguments.
+    struct SwigluParams {
+        /// The fused bf16 gate/up product `[t, 2 ffn]`.
+        gate_up: u64 => "const unsigned short*",
+        out: u64 => "unsigned short*",
+        ffn: i32 => "int",
+        tokens: i32 => "int",
+    }
+
+    /// `argmax`'s arguments.
+    struct ArgmaxParams {
+        logits: u64 => "const float*",
+        /// One token id per row.
+        best: u64 => "unsigned int*",
+        width: i32 => "int",
+        unused: i32 => "int",
+    }
+}
 
 /// The kernels of [`KERNEL_SOURCE`].
 pub const KERNEL_NAMES: [&str; 5] = ["embed", "rms_norm", "split_rope", "swiglu", "argmax"];
@@ -483,16 +547,21 @@ impl GpuLlama {
         let (qw, kvw) = (s.heads * s.head_size, s.kv_heads * s.head_size);
         let hidden = int(s.hidden, "hidden")?;
         let eps = s.rms_eps;
-        // SAFETY (every launch below): the buffers are sized for at least `t` tokens and
-        // `rows` rows (`reserve`), the weights for the model's shape, and the kernels read and
-        // write only inside those sizes; all are queued on the stream they belong to.
+        let embed = EmbedParams {
+            tokens: acts.ids.addr,
+            table: self.embedding.addr,
+            x: acts.x.addr,
+            hidden,
+            unused: 0,
+        };
+        // SAFETY (every launch below): each kernel's one parameter is its params struct, by
+        // value; the buffers are sized for at least `t` tokens and `rows` rows (`reserve`), the
+        // weights for the model's shape, and the kernels read and write only inside those
+        // sizes; all are queued on the stream they belong to.
         unsafe {
             stream
                 .launch_builder(&self.kernels.embed)
-                .arg(&acts.ids.addr)
-                .arg(&self.embedding.addr)
-                .arg(&acts.x.addr)
-                .arg(&hidden)
+                .arg(&embed)
                 .launch(grid(t)?)
         }
         .map_err(|e| gpu_error("embed", e))?;
@@ -525,21 +594,25 @@ impl GpuLlama {
                 (t, qw + 2 * kvw, s.hidden),
                 false,
             )?;
+            let split_rope = SplitRopeParams {
+                qkv: acts.qkv.addr,
+                q: qa,
+                k: ka,
+                v: va,
+                positions: acts.positions.addr,
+                inv_freq: rope_freq,
+                heads: heads.0,
+                kv_heads: heads.1,
+                head_size,
+                rope_dim,
+                adjacent,
+                unused: 0,
+            };
             // SAFETY: as above; q, k and v are `[t, heads or kv_heads, D]` tensors.
             unsafe {
                 stream
                     .launch_builder(&self.kernels.split_rope)
-                    .arg(&acts.qkv.addr)
-                    .arg(&qa)
-                    .arg(&ka)
-                    .arg(&va)
-                    .arg(&acts.positions.addr)
-                    .arg(&rope_freq)
-                    .arg(&heads.0)
-                    .arg(&heads.1)
-                    .arg(&head_size)
-                    .arg(&rope_dim)
-                    .arg(&adjacent)
+                    .arg(&split_rope)
                     .launch(grid(t)?)
             }
             .map_err(|e| gpu_error("split_rope", e))?;
@@ -561,14 +634,17 @@ impl GpuLlama {
                 (t, 2 * s.ffn, s.hidden),
                 false,
             )?;
+            let swiglu = SwigluParams {
+                gate_up: acts.gate_up.addr,
+                out: acts.act.addr,
+                ffn,
+                tokens,
+            };
             // SAFETY: as above.
             unsafe {
                 stream
                     .launch_builder(&self.kernels.swiglu)
-                    .arg(&acts.gate_up.addr)
-                    .arg(&acts.act.addr)
-                    .arg(&ffn)
-                    .arg(&tokens)
+                    .arg(&swiglu)
                     .launch(grid((t * s.ffn).div_ceil(THREADS as usize).min(65_535))?)
             }
             .map_err(|e| gpu_error("swiglu", e))?;
@@ -603,14 +679,17 @@ impl GpuLlama {
             false,
         )?;
         if greedy {
-            let vocab = int(s.vocab, "vocabulary")?;
+            let argmax = ArgmaxParams {
+                logits: acts.logits.addr,
+                best: acts.greedy.addr,
+                width: int(s.vocab, "vocabulary")?,
+                unused: 0,
+            };
             // SAFETY: as above; `greedy` holds `rows` ids.
             unsafe {
                 stream
                     .launch_builder(&self.kernels.argmax)
-                    .arg(&acts.logits.addr)
-                    .arg(&acts.greedy.addr)
-                    .arg(&vocab)
+                    .arg(&argmax)
                     .launch(LaunchConfig {
                         block_dim: (ARGMAX_THREADS, 1, 1),
                         ..grid(rows)?
@@ -663,16 +742,19 @@ impl GpuLlama {
         hidden: i32,
         eps: f32,
     ) -> Result<()> {
+        let params = RmsNormParams {
+            x: x.addr,
+            rows,
+            weight: weight.addr,
+            out: out.addr,
+            hidden,
+            eps,
+        };
         // SAFETY: `x` holds every row `rows` names (or `n` rows), `out` n rows, `weight` one.
         unsafe {
             self.stream
                 .launch_builder(&self.kernels.rms_norm)
-                .arg(&x.addr)
-                .arg(&rows)
-                .arg(&weight.addr)
-                .arg(&out.addr)
-                .arg(&hidden)
-                .arg(&eps)
+                .arg(&params)
                 .launch(grid(n)?)
         }
         .map(drop)
@@ -744,5 +826,85 @@ unsafe impl GraphStages for GpuLlama {
 
     fn generation(&self) -> u64 {
         self.generation
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The field names of a generated declaration, in order.
+    fn fields(declaration: &str) -> Vec<&str> {
+        declaration
+            .lines()
+            .filter_map(|line| line.strip_prefix("    ")?.strip_suffix(';'))
+            .map(|field| field.rsplit(' ').next().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn kernels_take_one_struct_declared_before_llama_cu() {
+        let structs = [
+            (
+                EmbedParams::DECLARATION,
+                std::mem::size_of::<EmbedParams>(),
+                "embed(const EmbedParams args)",
+                &["tokens", "table", "x", "hidden", "unused"][..],
+            ),
+            (
+                RmsNormParams::DECLARATION,
+                std::mem::size_of::<RmsNormParams>(),
+                "rms_norm(const RmsNormParams args)",
+                &["x", "rows", "weight", "out", "hidden", "eps"],
+            ),
+            (
+                SplitRopeParams::DECLARATION,
+                std::mem::size_of::<SplitRopeParams>(),
+                "split_rope(const SplitRopeParams args)",
+                &[
+                    "qkv",
+                    "q",
+                    "k",
+                    "v",
+                    "positions",
+                    "inv_freq",
+                    "heads",
+                    "kv_heads",
+                    "head_size",
+                    "rope_dim",
+                    "adjacent",
+                    "unused",
+                ],
+            ),
+            (
+                SwigluParams::DECLARATION,
+                std::mem::size_of::<SwigluParams>(),
+                "swiglu(const SwigluParams args)",
+                &["gate_up", "out", "ffn", "tokens"],
+            ),
+            (
+                ArgmaxParams::DECLARATION,
+                std::mem::size_of::<ArgmaxParams>(),
+                "argmax(const ArgmaxParams args)",
+                &["logits", "best", "width", "unused"],
+            ),
+        ];
+        let sizes = [
+            3 * 8 + 2 * 4,
+            4 * 8 + 2 * 4,
+            6 * 8 + 6 * 4,
+            2 * 8 + 2 * 4,
+            2 * 8 + 2 * 4,
+        ];
+        let body = include_str!("../../kernels/llama.cu");
+        assert!(KERNEL_SOURCE.ends_with(body));
+        for ((declaration, size, kernel, names), expected) in structs.into_iter().zip(sizes) {
+            assert_eq!(fields(declaration), names, "{kernel}");
+            assert_eq!(size, expected, "{kernel}: padding");
+            let at = KERNEL_SOURCE.find(declaration).expect(kernel);
+            assert!(at < KERNEL_SOURCE.len() - body.len());
+            assert!(body.contains(kernel), "{kernel}");
+        }
+        assert_eq!(KERNEL_NAMES.len(), 5);
     }
 }

@@ -1,6 +1,8 @@
 //! The kernel sources (`crates/pagedattn/kernels/*.cu`, embedded in the library), their
 //! loading on a GPU, and the launches of the cache write, the block copy and the split-K merge
 //! (the attention kernels' variants are in `variant.rs`, their launches in `attention.rs`).
+//! Each of those kernels takes one argument struct, declared here by
+//! [`kernel_params!`](crate::kernel_params) for the host and for CUDA (before its file).
 
 use std::sync::{Arc, OnceLock};
 
@@ -31,13 +33,67 @@ pub(crate) struct KernelSource {
 /// The shared element types of the attention kernels, compiled before their files.
 pub(crate) const ELEMENTS: &str = include_str!("../../kernels/elements.cuh");
 
+crate::kernel_params! {
+    /// The cache write's program: [`WriteKvParams`]'s declaration, then `cache_write.cu`.
+    const CACHE_WRITE = include_str!("../../kernels/cache_write.cu");
+
+    /// The arguments of every cache-write kernel: device addresses as u64, of `[T, Hkv, D]`
+    /// keys and values, of the two cache buffers and of `T` slots.
+    struct WriteKvParams {
+        key: u64 => "const void*",
+        value: u64 => "const void*",
+        key_cache: u64 => "void*",
+        value_cache: u64 => "void*",
+        slot_mapping: u64 => "const long long*",
+        block_size: i64 => "long long",
+        num_kv_heads: i32 => "int",
+        head_size: i32 => "int",
+        k_scale: f32 => "float",
+        v_scale: f32 => "float",
+    }
+}
+
+crate::kernel_params! {
+    /// The block copy's program: [`CopyBlocksParams`]'s declaration, then `copy_blocks.cu`.
+    const COPY_BLOCKS = include_str!("../../kernels/copy_blocks.cu");
+
+    /// The block copy's arguments.
+    struct CopyBlocksParams {
+        /// The device address of the table: 3 words per layer, then 2 per pair.
+        table: u64 => "const unsigned long long*",
+        num_layers: i64 => "long long",
+        num_pairs: i64 => "long long",
+    }
+}
+
+crate::kernel_params! {
+    /// The split-K merge's program after `elements.cuh` and the merge records' fields:
+    /// [`MergeParams`]'s declaration, then `attention_merge.cu`.
+    const ATTENTION_MERGE = include_str!("../../kernels/attention_merge.cu");
+
+    /// The arguments of every merge kernel (device addresses as u64).
+    struct MergeParams {
+        /// The workspace's partial records.
+        partials: u64 => "const float*",
+        /// The plan's merge records.
+        merges: u64 => "const i64*",
+        /// `[T, H, D]`.
+        output: u64 => "void*",
+        num_heads: i64 => "i64",
+        head_size: i64 => "i64",
+        /// v_scale: multiplies each merged row.
+        out_scale: f32 => "float",
+        unused: f32 => "float",
+    }
+}
+
 /// The cache write: one kernel per (activation dtype, cache format), indexed by
 /// [`write_index`].
 fn cache_write() -> KernelSource {
     let formats = ["auto", "e4m3", "e5m2"];
     KernelSource {
         name: "cache_write".into(),
-        code: include_str!("../../kernels/cache_write.cu").into(),
+        code: CACHE_WRITE.into(),
         kernels: ["f32", "f16", "bf16"]
             .iter()
             .flat_map(|d| formats.iter().map(move |f| format!("write_kv_{d}_{f}")))
@@ -49,7 +105,7 @@ fn cache_write() -> KernelSource {
 fn copy_blocks_source() -> KernelSource {
     KernelSource {
         name: "copy_blocks".into(),
-        code: include_str!("../../kernels/copy_blocks.cu").into(),
+        code: COPY_BLOCKS.into(),
         kernels: vec!["copy_blocks".into()],
     }
 }
@@ -58,12 +114,7 @@ fn copy_blocks_source() -> KernelSource {
 fn attention_merge() -> KernelSource {
     KernelSource {
         name: "attention_merge".into(),
-        code: [
-            ELEMENTS,
-            &abi::merge_header(),
-            include_str!("../../kernels/attention_merge.cu"),
-        ]
-        .concat(),
+        code: [ELEMENTS, &abi::merge_header(), ATTENTION_MERGE].concat(),
         kernels: ["f32", "f16", "bf16"]
             .iter()
             .map(|d| format!("attention_merge_{d}"))
@@ -188,11 +239,18 @@ pub(crate) fn write_kv(gpu: &Gpu, w: &WriteKv) -> Result<()> {
     if row > i32::MAX as usize {
         return Err(too_big("num_kv_heads * head_size", row));
     }
-    let (heads, head_size, block_size) = (
-        spec.num_kv_heads as i32,
-        spec.head_size as i32,
-        spec.block_size as i64,
-    );
+    let params = WriteKvParams {
+        key: w.key,
+        value: w.value,
+        key_cache: w.key_cache,
+        value_cache: w.value_cache,
+        slot_mapping: w.slot_mapping,
+        block_size: spec.block_size as i64,
+        num_kv_heads: spec.num_kv_heads as i32,
+        head_size: spec.head_size as i32,
+        k_scale: w.scales.k_scale,
+        v_scale: w.scales.v_scale,
+    };
     let kernel = &gpu.kernels()?.write[write_index(spec.dtype, spec.kv_cache_dtype)?];
     let threads = (row as u32).next_multiple_of(32).min(THREADS);
     let config = LaunchConfig {
@@ -202,19 +260,9 @@ pub(crate) fn write_kv(gpu: &Gpu, w: &WriteKv) -> Result<()> {
     };
     gpu.with_queue(|stream| {
         let mut launch = stream.launch_builder(kernel);
-        launch
-            .arg(&w.key)
-            .arg(&w.value)
-            .arg(&w.key_cache)
-            .arg(&w.value_cache)
-            .arg(&w.slot_mapping)
-            .arg(&heads)
-            .arg(&head_size)
-            .arg(&block_size)
-            .arg(&w.scales.k_scale)
-            .arg(&w.scales.v_scale);
-        // SAFETY: the arguments match the kernel's parameters in order and type (pointers as
-        // 64-bit addresses). The caller's checks keep every access in bounds: T rows of keys and
+        launch.arg(&params);
+        // SAFETY: `params` is the kernel's one parameter (`WriteKvParams`, by value). The
+        // caller's checks keep every access in bounds: T rows of keys and
         // values, T slots, each -1 or a slot of the cache. The memory outlives the kernel:
         // device memory is freed after the streams that use it.
         unsafe { launch.launch(config) }
@@ -257,7 +305,11 @@ pub(crate) fn copy_blocks(
     // SAFETY: the copy below overwrites every byte.
     let device_table = unsafe { DeviceBuffer::uninit(gpu, bytes.len())? };
     let table_address = device_table.address();
-    let (layer_count, pair_count) = (layers.len() as i64, pairs.len() as i64);
+    let params = CopyBlocksParams {
+        table: table_address,
+        num_layers: layers.len() as i64,
+        num_pairs: pairs.len() as i64,
+    };
     let config = LaunchConfig {
         grid_dim: (num_layers, 2, 1),
         block_dim: (THREADS, 1, 1),
@@ -268,11 +320,8 @@ pub(crate) fn copy_blocks(
         // for this call, which is all an upload from pageable memory needs.
         unsafe { memory::copy_async(stream, table_address, bytes.as_ptr() as u64, bytes.len())? };
         let mut launch = stream.launch_builder(kernel);
-        launch
-            .arg(&table_address)
-            .arg(&layer_count)
-            .arg(&pair_count);
-        // SAFETY: the arguments match the kernel's parameters; the table holds 3 words per
+        launch.arg(&params);
+        // SAFETY: `params` is the kernel's one parameter (`CopyBlocksParams`); the table holds 3 words per
         // layer and 2 per pair as the kernel reads them, every block of every pair lies
         // inside its layer's buffers, and the table is freed (when it drops here) after the
         // streams that use it, so after the kernel.
@@ -304,7 +353,15 @@ pub(crate) fn merge(gpu: &Gpu, m: &Merge) -> Result<()> {
     }
     let blocks = grid_size(m.count, "split-K merges")?;
     let kernel = &gpu.kernels()?.merge[dtype_index(m.dtype, "output.dtype")?];
-    let (num_heads, head_size) = (m.num_heads as i64, m.head_size as i64);
+    let params = MergeParams {
+        partials: m.partials,
+        merges: m.merges,
+        output: m.output,
+        num_heads: m.num_heads as i64,
+        head_size: m.head_size as i64,
+        out_scale: m.v_scale,
+        unused: 0.0,
+    };
     let config = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (MERGE_THREADS, 1, 1),
@@ -312,14 +369,8 @@ pub(crate) fn merge(gpu: &Gpu, m: &Merge) -> Result<()> {
     };
     gpu.with_queue(|stream| {
         let mut launch = stream.launch_builder(kernel);
-        launch
-            .arg(&m.partials)
-            .arg(&m.merges)
-            .arg(&m.output)
-            .arg(&num_heads)
-            .arg(&head_size)
-            .arg(&m.v_scale);
-        // SAFETY: the arguments match the kernel's parameters in order and type. The plan wrote
+        launch.arg(&params);
+        // SAFETY: `params` is the kernel's one parameter (`MergeParams`, by value). The plan wrote
         // `count` merge records whose partial slots lie inside the workspace (checked to hold the
         // plan's workspace bytes) and were all written by the attention kernels queued before
         // this launch on the same stream; each record's (token, head) row lies inside the output,
@@ -336,4 +387,76 @@ pub(crate) fn grid_size(count: usize, what: &str) -> Result<u32> {
         .ok()
         .filter(|&n| n <= i32::MAX as u32)
         .ok_or_else(|| Error::unsupported("cuda", format!("{count} {what} in one launch")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The field names of a generated declaration, in order.
+    fn fields(declaration: &str) -> Vec<&str> {
+        declaration
+            .lines()
+            .filter_map(|line| line.strip_prefix("    ")?.strip_suffix(';'))
+            .map(|field| field.rsplit(' ').next().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn fixed_kernels_take_one_struct_declared_before_their_file() {
+        assert_eq!(
+            fields(WriteKvParams::DECLARATION),
+            [
+                "key",
+                "value",
+                "key_cache",
+                "value_cache",
+                "slot_mapping",
+                "block_size",
+                "num_kv_heads",
+                "head_size",
+                "k_scale",
+                "v_scale"
+            ]
+        );
+        assert_eq!(
+            fields(CopyBlocksParams::DECLARATION),
+            ["table", "num_layers", "num_pairs"]
+        );
+        assert_eq!(
+            fields(MergeParams::DECLARATION),
+            [
+                "partials",
+                "merges",
+                "output",
+                "num_heads",
+                "head_size",
+                "out_scale",
+                "unused"
+            ]
+        );
+        // No padding: the fields' sizes add up.
+        assert_eq!(std::mem::size_of::<WriteKvParams>(), 6 * 8 + 4 * 4);
+        assert_eq!(std::mem::size_of::<CopyBlocksParams>(), 3 * 8);
+        assert_eq!(std::mem::size_of::<MergeParams>(), 5 * 8 + 2 * 4);
+        let [write, copy, merge] = fixed_sources();
+        for (source, declaration, kernel) in [
+            (
+                write,
+                WriteKvParams::DECLARATION,
+                "(const WriteKvParams args)",
+            ),
+            (
+                copy,
+                CopyBlocksParams::DECLARATION,
+                "(const CopyBlocksParams args)",
+            ),
+            (merge, MergeParams::DECLARATION, "(const MergeParams args)"),
+        ] {
+            let at = |needle: &str| source.code.find(needle).expect(needle);
+            assert!(at(declaration) < at(kernel), "{}", source.name);
+        }
+        // The merge's declaration names elements.cuh's `i64`.
+        assert!(merge.code.find(MergeParams::DECLARATION).unwrap() > ELEMENTS.len());
+    }
 }

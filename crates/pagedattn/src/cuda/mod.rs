@@ -43,6 +43,9 @@ pub use compile::{
     arch_for, check_spills, compile_check, compile_program_check, nvrtc_version, CachedImage,
     CheckDepth, DiskCache, ImageOrigin, KernelResources, CACHE_DIR_ENV,
 };
+/// The trait of a kernel argument passed by value (`cudarc`'s), which the argument structs of
+/// [`kernel_params!`](crate::kernel_params) implement.
+pub use cudarc::driver::DeviceRepr;
 pub use device::{gpu_present, info, DeviceInfo};
 pub use graph::Graph;
 pub use nvrtc_path::add_nvrtc_search_dirs;
