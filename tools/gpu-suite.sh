@@ -16,7 +16,7 @@
 #                                  test waits for NVRTC), the cuda tests (test-cuda), the cuda
 #                                  attention tests against the reference (test-cuda_attention),
 #                                  the CUDA-graph test (test-cuda_graph), the replay cases
-#                                  through `pagedattn run --backend cuda`, the engine's built-in
+#                                  through `pagedattn forward --backend cuda --check`, the engine's built-in
 #                                  workloads on cuda (verified), SmolLM2's golden tokens
 #                                  and the bf16 GPU model against f32 (the `golden` and
 #                                  `gpu_model` modules of test-engine_tests; the GGUF at
@@ -215,14 +215,14 @@ run() {
     verdict=$(test_verdict "$log" "$status")
     record "cuda graph test" "${verdict%%|*}" "${verdict#*|}"
 
-    # The replay cases through the CLI on cuda, each checked against `reference` by `run`
+    # The replay cases through the CLI on cuda, each checked against `reference` by `forward`
     # itself; a case the cuda backend refuses as unsupported (head size 16) must say so.
     # (The output joins info.log: $OUT brings back at most 8 files.)
     log="$out/info.log"
     local case_file ok=0 refused=0 failed=0
     for case_file in tests/replay-cases/*.case.safetensors; do
         echo "==== $case_file" >>"$log"
-        if timeout "$TIMEOUT" "$BIN/pagedattn" run --backend cuda --input "$case_file" >>"$log" 2>&1; then
+        if timeout "$TIMEOUT" "$BIN/pagedattn" forward --backend cuda --check --input "$case_file" >>"$log" 2>&1; then
             ok=$((ok + 1))
         elif tail -1 "$log" | grep 'does not support head size' >/dev/null; then
             refused=$((refused + 1))
