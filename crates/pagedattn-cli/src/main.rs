@@ -31,6 +31,9 @@ enum Depth {
     Full,
     /// Every program to PTX; the fixed kernels and the heaviest variants to machine code.
     Representative,
+    /// `representative` with each variant's PTX on one of the architectures given (in turn):
+    /// every variant's C++ checked once, the heaviest to machine code on each.
+    Spread,
 }
 
 // (Parsed once per process: the size of its largest variant does not matter.)
@@ -89,7 +92,8 @@ enum Command {
         /// Every program to machine code (`full`, as a GPU compiles it), or every program to
         /// PTX and to machine code only the fixed kernels and each dtype / storage / head
         /// size's variant with every score modifier on (`representative`: a fifth of the
-        /// time, what CI runs). Not with `--cache`.
+        /// time), or that with the PTX spread over the architectures given (`spread`: what CI
+        /// runs). Not with `--cache`.
         #[arg(long, value_enum, default_value_t = Depth::Full, conflicts_with = "cache")]
         depth: Depth,
         /// Also print, per kernel compiled to machine code, what the assembler reports: its
@@ -280,7 +284,7 @@ fn compile_kernels(
     archs: &[String],
     cache: bool,
     only: Option<&str>,
-    depth: pagedattn::cuda::CheckDepth,
+    depth: impl Fn(usize) -> pagedattn::cuda::CheckDepth,
     report: bool,
 ) -> Result<()> {
     use pagedattn::cuda::{compile_check, DiskCache, ImageOrigin};
@@ -295,11 +299,11 @@ fn compile_kernels(
     } else {
         None
     };
-    for arch in archs {
+    for (index, arch) in archs.iter().enumerate() {
         let start = std::time::Instant::now();
         let line = match &disk {
             None => {
-                let compiled = compile_check(arch, only, depth)?;
+                let compiled = compile_check(arch, only, depth(index))?;
                 if report {
                     let lines: String = compiled
                         .iter()
@@ -492,9 +496,11 @@ fn main() -> ExitCode {
             depth,
             report,
         } => {
-            let depth = match depth {
+            let count = archs.len();
+            let depth = move |index| match depth {
                 Depth::Full => pagedattn::cuda::CheckDepth::Full,
                 Depth::Representative => pagedattn::cuda::CheckDepth::Representative,
+                Depth::Spread => pagedattn::cuda::CheckDepth::Spread { index, count },
             };
             compile_kernels(&archs, cache, only.as_deref(), depth, report)
                 .map_err(|e| e.to_string())

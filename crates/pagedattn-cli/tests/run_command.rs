@@ -134,28 +134,30 @@ fn ctrl_c_prints_the_report_so_far() {
     assert!(stdout.contains("requests: 400 (0 rejected)"), "{stdout}");
 }
 
-#[test]
-fn json_report_holds_every_request() {
-    let out = pagedattn(
-        &[
-            "run",
-            "--backend",
-            "cpu",
-            "--requests",
-            "5",
-            "--max-new-tokens",
-            "7",
-            "--json",
-        ],
-        None,
-    );
+/// The JSON report of `pagedattn ARGS` (which must exit with 0).
+fn json_report(args: &[&str]) -> serde_json::Value {
+    let out = pagedattn(args, None);
     assert_eq!(
         out.status.code(),
         Some(0),
-        "{}",
+        "{args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn json_report_holds_every_request() {
+    let report = json_report(&[
+        "run",
+        "--backend",
+        "cpu",
+        "--requests",
+        "5",
+        "--max-new-tokens",
+        "7",
+        "--json",
+    ]);
     let requests = report["requests"].as_array().unwrap();
     assert_eq!(requests.len(), 5);
     for r in requests {
@@ -294,15 +296,9 @@ fn ignore_eos_applies_to_every_trace_request() {
             "--json",
         ];
         args.extend_from_slice(extra);
-        let out = pagedattn(&args, None);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        report["summary"]["generated_tokens"].as_u64().unwrap()
+        json_report(&args)["summary"]["generated_tokens"]
+            .as_u64()
+            .unwrap()
     };
     let stopped = generated(&[]);
     assert!(

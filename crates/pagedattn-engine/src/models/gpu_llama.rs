@@ -833,76 +833,28 @@ unsafe impl GraphStages for GpuLlama {
 mod tests {
     use super::*;
 
-    /// The field names of a generated declaration, in order.
-    fn fields(declaration: &str) -> Vec<&str> {
-        declaration
-            .lines()
-            .filter_map(|line| line.strip_prefix("    ")?.strip_suffix(';'))
-            .map(|field| field.rsplit(' ').next().unwrap())
-            .collect()
-    }
-
+    /// Each kernel of llama.cu takes its struct, declared (by `kernel_params!`, which also
+    /// checks the layouts) ahead of the file. Whether the CUDA side compiles is the NVRTC
+    /// check's (`pagedattn compile-kernels --only llama`).
     #[test]
     fn kernels_take_one_struct_declared_before_llama_cu() {
-        let structs = [
-            (
-                EmbedParams::DECLARATION,
-                std::mem::size_of::<EmbedParams>(),
-                "embed(const EmbedParams args)",
-                &["tokens", "table", "x", "hidden", "unused"][..],
-            ),
+        let body = include_str!("../../kernels/llama.cu");
+        assert!(KERNEL_SOURCE.ends_with(body));
+        let prelude = &KERNEL_SOURCE[..KERNEL_SOURCE.len() - body.len()];
+        for (declaration, kernel) in [
+            (EmbedParams::DECLARATION, "embed(const EmbedParams args)"),
             (
                 RmsNormParams::DECLARATION,
-                std::mem::size_of::<RmsNormParams>(),
                 "rms_norm(const RmsNormParams args)",
-                &["x", "rows", "weight", "out", "hidden", "eps"],
             ),
             (
                 SplitRopeParams::DECLARATION,
-                std::mem::size_of::<SplitRopeParams>(),
                 "split_rope(const SplitRopeParams args)",
-                &[
-                    "qkv",
-                    "q",
-                    "k",
-                    "v",
-                    "positions",
-                    "inv_freq",
-                    "heads",
-                    "kv_heads",
-                    "head_size",
-                    "rope_dim",
-                    "adjacent",
-                    "unused",
-                ],
             ),
-            (
-                SwigluParams::DECLARATION,
-                std::mem::size_of::<SwigluParams>(),
-                "swiglu(const SwigluParams args)",
-                &["gate_up", "out", "ffn", "tokens"],
-            ),
-            (
-                ArgmaxParams::DECLARATION,
-                std::mem::size_of::<ArgmaxParams>(),
-                "argmax(const ArgmaxParams args)",
-                &["logits", "best", "width", "unused"],
-            ),
-        ];
-        let sizes = [
-            3 * 8 + 2 * 4,
-            4 * 8 + 2 * 4,
-            6 * 8 + 6 * 4,
-            2 * 8 + 2 * 4,
-            2 * 8 + 2 * 4,
-        ];
-        let body = include_str!("../../kernels/llama.cu");
-        assert!(KERNEL_SOURCE.ends_with(body));
-        for ((declaration, size, kernel, names), expected) in structs.into_iter().zip(sizes) {
-            assert_eq!(fields(declaration), names, "{kernel}");
-            assert_eq!(size, expected, "{kernel}: padding");
-            let at = KERNEL_SOURCE.find(declaration).expect(kernel);
-            assert!(at < KERNEL_SOURCE.len() - body.len());
+            (SwigluParams::DECLARATION, "swiglu(const SwigluParams args)"),
+            (ArgmaxParams::DECLARATION, "argmax(const ArgmaxParams args)"),
+        ] {
+            assert!(prelude.contains(declaration), "{kernel}");
             assert!(body.contains(kernel), "{kernel}");
         }
         assert_eq!(KERNEL_NAMES.len(), 5);

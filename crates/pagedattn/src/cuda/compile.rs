@@ -103,6 +103,17 @@ pub enum CheckDepth {
     /// and the inline PTX are checked where they bind): for CI, about a fifth of the time
     /// (the PTX at NVVM's fastest optimization, which checks the same C++).
     Representative,
+    /// [`Representative`](Self::Representative) with the PTX sweep spread over `count`
+    /// architectures: this one (`index` of them) compiles to PTX only the variants whose
+    /// number is `index` modulo `count`, so that one call per architecture puts every
+    /// variant's C++ through the front end once, in `1 / count` of the sweep's time. Machine
+    /// code as `Representative`, on every architecture. What CI runs.
+    Spread {
+        /// This architecture's place among them.
+        index: usize,
+        /// How many architectures share the sweep.
+        count: usize,
+    },
 }
 
 /// Compiles every kernel source for `arch` (e.g. `sm_80`, `sm_90a`) with NVRTC alone, no
@@ -120,14 +131,16 @@ pub fn compile_check(
 ) -> Result<Vec<(String, Option<KernelResources>)>> {
     check_arch(arch)?;
     let fixed = fixed_sources().iter().map(|s| (s.clone(), Output::Cubin));
-    let variants = Variant::all().flat_map(|v| {
-        let machine_code = depth == CheckDepth::Full || v.has_every_modifier();
-        let output = if machine_code {
-            Output::Cubin
-        } else {
-            Output::Ptx
+    let variants = Variant::all().enumerate().flat_map(|(i, v)| {
+        let output = match depth {
+            CheckDepth::Full => Some(Output::Cubin),
+            _ if v.has_every_modifier() => Some(Output::Cubin),
+            CheckDepth::Spread { index, count } if i % count.max(1) != index => None,
+            _ => Some(Output::Ptx),
         };
-        v.sources(arch).into_iter().map(move |s| (s, output))
+        output
+            .into_iter()
+            .flat_map(move |output| v.sources(arch).into_iter().map(move |s| (s, output)))
     });
     let mut sources: Vec<(KernelSource, Output)> = fixed.chain(variants).collect();
     if let Some(only) = only {
