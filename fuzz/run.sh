@@ -13,10 +13,12 @@
 # seeded from the repository's replay files by seed-corpus.sh) and leaves what makes it fail
 # in fuzz/artifacts/TARGET/. Logs: fuzz/target/fuzz-logs/TARGET.log.
 #
-# FUZZ_OPT_LEVEL sets the build's optimization (default: the release profile's, 3). CI builds
-# at 1: the address sanitizer and the coverage instrumentation make the optimized build of the
-# library the longest part of CI (over 15 minutes on a 2-core Xeon), and level 1 keeps both
-# instruments at a fraction of the compile time, for fewer executions a second.
+# FUZZ_PROFILE=dev builds the targets unoptimized (`cargo fuzz build --dev`: the address
+# sanitizer and the coverage instrumentation stay; overflow checks and debug assertions come
+# on) for CI: the instrumented optimized build of the library takes over 20 minutes of a
+# 2-core Xeon (even at opt-level 1 with 16 codegen units, over 10), the unoptimized one under
+# 2, for about a fifth of the executions a second. Default: the release profile (opt-level 3),
+# what the long campaigns run.
 #
 # Toolchain: cargo-fuzz needs nightly features (-Zsanitizer=address). In order: `cargo
 # +nightly` where a nightly toolchain is installed; else the stable toolchain with
@@ -70,17 +72,22 @@ if ! cargo "${toolchain[@]}" fuzz --version >/dev/null 2>&1; then
   cargo install cargo-fuzz --locked
 fi
 
-if [ -n "${FUZZ_OPT_LEVEL:-}" ]; then
-  export CARGO_PROFILE_RELEASE_OPT_LEVEL=$FUZZ_OPT_LEVEL
-fi
-echo "== fuzz: building ${targets[*]} at opt-level ${FUZZ_OPT_LEVEL:-3} ($(cargo "${toolchain[@]}" --version))"
+case ${FUZZ_PROFILE:=release} in
+  release) build_flags=() profile_dir=release ;;
+  dev) build_flags=(--dev) profile_dir=debug ;;
+  *)
+    echo "FUZZ_PROFILE must be release or dev, not '$FUZZ_PROFILE'" >&2
+    exit 2
+    ;;
+esac
+echo "== fuzz: building ${targets[*]} ($FUZZ_PROFILE profile; $(cargo "${toolchain[@]}" --version))"
 for t in "${targets[@]}"; do
-  cargo "${toolchain[@]}" fuzz build "$t"
+  cargo "${toolchain[@]}" fuzz build "${build_flags[@]}" "$t"
 done
 ./seed-corpus.sh >/dev/null
 
 host=$(rustc "${toolchain[@]}" -vV | sed -n 's/^host: //p')
-bin=target/$host/release
+bin=target/$host/$profile_dir
 logs=target/fuzz-logs
 mkdir -p "$logs"
 

@@ -92,7 +92,8 @@ enum Command {
         /// Every program to machine code (`full`, as a GPU compiles it), or every program to
         /// PTX and to machine code only the fixed kernels and each dtype / storage / head
         /// size's variant with every score modifier on (`representative`: a fifth of the
-        /// time), or that with the PTX spread over the architectures given (`spread`: what CI
+        /// time), or that spread over the architectures given, each variant to PTX and each
+        /// heaviest one to machine code on one of them, by their order (`spread`: what CI
         /// runs). Not with `--cache`.
         #[arg(long, value_enum, default_value_t = Depth::Full, conflicts_with = "cache")]
         depth: Depth,

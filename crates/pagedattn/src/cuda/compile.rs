@@ -103,11 +103,14 @@ pub enum CheckDepth {
     /// and the inline PTX are checked where they bind): for CI, about a fifth of the time
     /// (the PTX at NVVM's fastest optimization, which checks the same C++).
     Representative,
-    /// [`Representative`](Self::Representative) with the PTX sweep spread over `count`
-    /// architectures: this one (`index` of them) compiles to PTX only the variants whose
-    /// number is `index` modulo `count`, so that one call per architecture puts every
-    /// variant's C++ through the front end once, in `1 / count` of the sweep's time. Machine
-    /// code as `Representative`, on every architecture. What CI runs.
+    /// [`Representative`](Self::Representative) spread over `count` architectures: this one
+    /// (`index` of them) compiles to PTX only the variants whose number is `index` modulo
+    /// `count`, and to machine code only the every-modifier variants whose number among
+    /// them is `index` modulo `count`, so that one call per architecture puts every
+    /// variant's C++ through the front end once and each heaviest variant through one
+    /// architecture's assembler, in `1 / count` of the time (the fixed kernels to machine
+    /// code on every architecture). Listing the architectures in another order moves each
+    /// variant to another one. What CI runs (turning the order by commit).
     Spread {
         /// This architecture's place among them.
         index: usize,
@@ -131,12 +134,27 @@ pub fn compile_check(
 ) -> Result<Vec<(String, Option<KernelResources>)>> {
     check_arch(arch)?;
     let fixed = fixed_sources().iter().map(|s| (s.clone(), Output::Cubin));
-    let variants = Variant::all().enumerate().flat_map(|(i, v)| {
-        let output = match depth {
-            CheckDepth::Full => Some(Output::Cubin),
-            _ if v.has_every_modifier() => Some(Output::Cubin),
-            CheckDepth::Spread { index, count } if i % count.max(1) != index => None,
-            _ => Some(Output::Ptx),
+    // Each variant's number among all, and among the every-modifier ones (for `Spread`).
+    let mut heaviest_seen = 0;
+    let numbered = Variant::all().enumerate().map(|(i, v)| {
+        let heaviest = v.has_every_modifier().then(|| {
+            heaviest_seen += 1;
+            heaviest_seen - 1
+        });
+        (i, heaviest, v)
+    });
+    let variants = numbered.flat_map(|(i, heaviest, v)| {
+        let output = match (depth, heaviest) {
+            (CheckDepth::Full, _) => Some(Output::Cubin),
+            (CheckDepth::Representative, Some(_)) => Some(Output::Cubin),
+            (CheckDepth::Representative, None) => Some(Output::Ptx),
+            (CheckDepth::Spread { index, count }, heaviest) => {
+                let mine = |number: usize| number % count.max(1) == index;
+                match heaviest {
+                    Some(k) => mine(k).then_some(Output::Cubin),
+                    None => mine(i).then_some(Output::Ptx),
+                }
+            }
         };
         output
             .into_iter()
