@@ -43,19 +43,19 @@ pub struct ServeArgs {
     #[arg(long, default_value = "chat")]
     pub workload: String,
     /// Requests of the built-in workload.
-    #[arg(long, default_value_t = 32, conflicts_with = "trace")]
+    #[arg(long, default_value_t = 32, conflicts_with = "trace", value_parser = request_count)]
     pub requests: usize,
     /// Arrivals per second (a Poisson process); default: all at once.
-    #[arg(long, conflicts_with = "trace")]
+    #[arg(long, conflicts_with = "trace", value_parser = positive_rate)]
     pub rate: Option<f64>,
     /// The most tokens generated per request (a trace's lines say theirs).
     #[arg(long, default_value_t = 128, conflicts_with = "trace")]
     pub max_new_tokens: usize,
     /// Sampling temperature; 0 is greedy (a trace's lines say theirs).
-    #[arg(long, default_value_t = 0.0, conflicts_with = "trace")]
+    #[arg(long, default_value_t = 0.0, conflicts_with = "trace", value_parser = temperature)]
     pub temperature: f32,
     /// Nucleus sampling's probability mass (a trace's lines say theirs).
-    #[arg(long, default_value_t = 1.0, conflicts_with = "trace")]
+    #[arg(long, default_value_t = 1.0, conflicts_with = "trace", value_parser = probability_mass)]
     pub top_p: f32,
     /// Generate `--max-new-tokens` tokens even past the model's end-of-turn token (fixed
     /// lengths, for benchmarks); with `--trace`, for every line (as its `ignore_eos`).
@@ -73,20 +73,20 @@ pub struct ServeArgs {
     pub no_verify: bool,
     /// Tokens per KV-cache block (8: under 2% of the slots of a chat workload's blocks stay
     /// empty, half of what 16 leaves).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
     pub block_size: usize,
     /// KV-cache blocks per layer (default: room for the workload's longest requests, all
     /// at once).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     pub num_blocks: Option<usize>,
     /// Swap blocks per layer in host memory.
     #[arg(long)]
     pub swap_blocks: Option<usize>,
     /// The most tokens computed in one step (prompt chunks and decodes).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = at_least_one)]
     pub max_batched_tokens: usize,
     /// The most sequences in one step.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = at_least_one)]
     pub max_seqs: usize,
     /// How a request is preempted when blocks run out: swap, recompute or auto.
     #[arg(long, default_value = "auto")]
@@ -114,6 +114,58 @@ pub struct ServeArgs {
     /// Write throughput and cache occupancy over time to this SVG file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+}
+
+/// The most requests `--requests` draws: each is a record of the report held in memory, and a
+/// run of more is a campaign for a trace file.
+const MAX_BUILTIN_REQUESTS: usize = 100_000;
+
+/// The largest trace file `--trace` reads (held in memory with its requests while it runs).
+const MAX_TRACE_BYTES: u64 = 256 << 20;
+
+/// A count flag: a whole number of at least 1.
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("expected at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("expected a whole number ({e})")),
+    }
+}
+
+/// `--requests`: 1 to [`MAX_BUILTIN_REQUESTS`].
+fn request_count(text: &str) -> Result<usize, String> {
+    let n = at_least_one(text)?;
+    if n > MAX_BUILTIN_REQUESTS {
+        return Err(format!("expected at most {MAX_BUILTIN_REQUESTS}"));
+    }
+    Ok(n)
+}
+
+/// `--rate`: arrivals per second, finite and above 0.
+fn positive_rate(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        Ok(_) => Err("expected a finite number of arrivals per second above 0".into()),
+        Err(e) => Err(format!("expected a number ({e})")),
+    }
+}
+
+/// `--temperature`: finite and at least 0, as the sampler computes it (f32).
+fn temperature(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        Ok(_) => Err("expected a finite number of at least 0 (0: greedy)".into()),
+        Err(e) => Err(format!("expected a number ({e})")),
+    }
+}
+
+/// `--top-p`: above 0 and at most 1, as the sampler computes it (f32: 1e-300 is 0 there).
+fn probability_mass(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        Ok(_) => Err("expected a probability mass above 0 and at most 1 (as an f32)".into()),
+        Err(e) => Err(format!("expected a number ({e})")),
+    }
 }
 
 /// A model and, for a GGUF file, its tokenizer and chat template.
@@ -251,10 +303,18 @@ fn requests(
         return Ok(("prompts from the command line".into(), requests));
     }
     if let Some(path) = &args.trace {
-        let text = std::fs::read_to_string(path).map_err(|source| pagedattn_engine::Error::Io {
+        let io = |source| pagedattn_engine::Error::Io {
             path: path.display().to_string(),
             source,
-        })?;
+        };
+        let bytes = std::fs::metadata(path).map_err(io)?.len();
+        if bytes > MAX_TRACE_BYTES {
+            return Err(pagedattn_engine::Error::Model(format!(
+                "--trace {}: {bytes} bytes, expected at most {MAX_TRACE_BYTES} (split the trace)",
+                path.display()
+            )));
+        }
+        let text = std::fs::read_to_string(path).map_err(io)?;
         let mut requests = workload::parse_trace(&text)?;
         for r in &mut requests {
             r.ignore_eos |= args.ignore_eos;
@@ -326,15 +386,25 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<S
             ignore_eos: input.ignore_eos,
         });
     }
-    // Each request's blocks: every sample's, and its encoder's cross blocks.
+    // Each request's blocks: every sample's, and its encoder's cross blocks. At most the
+    // model's context per sample and as many samples as a step holds (the engine rejects a
+    // larger request alone: it must not size the pool for the others), saturating.
+    let context = loaded.model.max_context();
     let blocks = |r: &EngineRequest| {
-        (r.prompt.len() + r.max_new_tokens).div_ceil(args.block_size) * r.n.max(1)
-            + r.encoder_prompt
-                .as_ref()
-                .map_or(0, |e| e.len().div_ceil(args.block_size))
+        r.prompt
+            .len()
+            .saturating_add(r.max_new_tokens)
+            .min(context)
+            .div_ceil(args.block_size)
+            .saturating_mul(r.n.clamp(1, args.max_seqs.min(args.max_batched_tokens)))
+            .saturating_add(
+                r.encoder_prompt
+                    .as_ref()
+                    .map_or(0, |e| e.len().div_ceil(args.block_size)),
+            )
     };
     let longest = requests.iter().map(blocks).max().unwrap_or(1);
-    let all: usize = requests.iter().map(blocks).sum();
+    let all = requests.iter().map(blocks).fold(0, usize::saturating_add);
     let num_blocks = args.num_blocks.unwrap_or(all.max(longest));
     let preemption = match args.preemption.as_str() {
         "swap" => PreemptionPolicy::Swap,

@@ -244,6 +244,17 @@ fn bad_input_is_one_line_and_exit_code_2() {
             "--input",
         ),
         (&["run", "--prompt", "hi"][..], "no tokenizer"),
+        // Numeric flags are checked where they enter (these once panicked or aborted).
+        (&["run", "--block-size", "0"][..], "--block-size"),
+        (&["run", "--rate", "nan"][..], "--rate"),
+        (&["run", "--rate=-1"][..], "--rate"),
+        (&["run", "--rate", "0"][..], "--rate"),
+        (&["run", "--requests", "10000000"][..], "--requests"),
+        (&["run", "--top-p", "1e-300"][..], "--top-p"),
+        (&["run", "--temperature", "inf"][..], "--temperature"),
+        (&["run", "--max-seqs", "0"][..], "--max-seqs"),
+        (&["run", "--max-batched-tokens", "0"][..], "--max-batched-tokens"),
+        (&["run", "--num-blocks", "0"][..], "--num-blocks"),
     ] {
         let out = pagedattn(args, None);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -251,6 +262,64 @@ fn bad_input_is_one_line_and_exit_code_2() {
         assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Requests arriving over time (a trace with spread-out arrivals, and `--rate`) are all
+/// served (the engine once stopped at the first arrival after it idled), and a request that
+/// cannot be served is rejected alone, with its reason, while the others run.
+#[test]
+fn arrivals_over_time_are_served_and_a_bad_request_is_rejected_alone() {
+    let dir = std::env::temp_dir().join(format!("pagedattn-run-arrivals-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(
+        &trace,
+        concat!(
+            "{\"tokens\": [1, 2], \"max_new_tokens\": 2}\n",
+            "{\"tokens\": [1, 2], \"max_new_tokens\": 2, \"arrival\": 0.3}\n",
+            "{\"tokens\": [3], \"max_new_tokens\": 1000000000000}\n",
+            "{\"tokens\": [3], \"top_p\": 1e-300}\n",
+            "{\"tokens\": [4000000000]}\n",
+            "{\"tokens\": [5, 6], \"max_new_tokens\": 3, \"arrival\": 0.6}\n",
+        ),
+    )
+    .unwrap();
+    let report = json_report(&[
+        "run",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--json",
+    ]);
+    let requests = report["requests"].as_array().unwrap();
+    let rejected: Vec<String> = requests
+        .iter()
+        .filter_map(|r| r["rejected"].as_str().map(String::from))
+        .collect();
+    assert_eq!(rejected.len(), 3, "{rejected:?}");
+    for (reason, says) in
+        rejected
+            .iter()
+            .zip(["prompt + max_new_tokens", "top_p", "token 4000000000"])
+    {
+        assert!(reason.contains(says), "{reason}");
+    }
+    assert_eq!(report["summary"]["generated_tokens"].as_u64(), Some(7));
+    let served = json_report(&[
+        "run",
+        "--rate",
+        "20",
+        "--requests",
+        "4",
+        "--max-new-tokens",
+        "2",
+        "--backend",
+        "cpu",
+        "--json",
+    ]);
+    assert_eq!(served["summary"]["generated_tokens"].as_u64(), Some(8));
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -78,6 +78,14 @@ pub enum WorkloadError {
         /// The fields a line may have.
         known: &'static str,
     },
+    /// A trace line longer than [`MAX_TRACE_LINE_BYTES`].
+    #[error("trace line {line}: {bytes} bytes, expected at most {MAX_TRACE_LINE_BYTES} (a prompt of a model's whole context is far less)")]
+    LineTooLong {
+        /// 1-based line number.
+        line: usize,
+        /// Its length.
+        bytes: usize,
+    },
     /// A trace with no request.
     #[error("the trace holds no request")]
     Empty,
@@ -85,6 +93,11 @@ pub enum WorkloadError {
     #[error("unknown workload `{0}` (expected one of: chat, long-context, shared-prefix, encoder, encoder-decoder)")]
     UnknownWorkload(String),
 }
+
+/// The longest trace line: 4 MiB, room for a prompt far past any model's context, as text or
+/// ids. Longer ones are refused before parsing, since tokenizing text grows it about 50-fold
+/// in memory (a 105 MB prompt once reached 5.5 GB and aborted).
+pub const MAX_TRACE_LINE_BYTES: usize = 4 << 20;
 
 /// The fields a trace line may have.
 const TRACE_FIELDS: &str =
@@ -101,6 +114,12 @@ pub fn parse_trace(text: &str) -> Result<Vec<RequestInput>, WorkloadError> {
         let line = index + 1;
         if raw.trim().is_empty() {
             continue;
+        }
+        if raw.len() > MAX_TRACE_LINE_BYTES {
+            return Err(WorkloadError::LineTooLong {
+                line,
+                bytes: raw.len(),
+            });
         }
         let value: serde_json::Value =
             serde_json::from_str(raw).map_err(|e| WorkloadError::NotAnObject {

@@ -85,10 +85,48 @@ impl std::fmt::Debug for ChatTemplate {
 /// default environment).
 const NAME: &str = "chat_template";
 
+/// The template's budget of instructions for one rendering: chat templates take thousands for
+/// a conversation; nested loops that would render for hours stop here (in well under a second)
+/// with an error.
+const TEMPLATE_FUEL: u64 = 50_000_000;
+
+/// The deepest nesting (minijinja counts 4 a macro call, 1 a loop or block; its default is
+/// 500): chat templates nest a few levels; a macro calling itself stops at about 14 calls with
+/// an error, before a string it doubles on each call can exhaust memory.
+const TEMPLATE_RECURSION: usize = 64;
+
+/// The most bytes one rendering writes: a conversation far past any model's context. More is an
+/// error, not an allocation that aborts the process.
+pub const MAX_RENDERED_BYTES: usize = 4 << 20;
+
+/// An [`std::io::Write`] into a string that refuses to grow past [`MAX_RENDERED_BYTES`].
+#[derive(Default)]
+struct CappedOutput {
+    bytes: Vec<u8>,
+    exceeded: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > MAX_RENDERED_BYTES {
+            self.exceeded = true;
+            return Err(std::io::Error::other("the rendering's size limit"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl ChatTemplate {
     /// Compiles `source`.
     pub fn new(source: &str, special: SpecialTokens) -> Result<Self, ChatError> {
         let mut env = Environment::new();
+        env.set_fuel(Some(TEMPLATE_FUEL));
+        env.set_recursion_limit(TEMPLATE_RECURSION);
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -130,10 +168,19 @@ impl ChatTemplate {
             }
         }
         let ctx: Value = ctx.into_iter().collect();
-        self.env
+        let mut out = CappedOutput::default();
+        let rendered = self
+            .env
             .get_template(NAME)
-            .and_then(|t| t.render(ctx))
-            .map_err(template_error)
+            .and_then(|t| t.render_captured_to(ctx, &mut out).map(drop));
+        if out.exceeded {
+            return Err(ChatError::Template(format!(
+                "the rendering exceeds {MAX_RENDERED_BYTES} bytes"
+            )));
+        }
+        rendered.map_err(template_error)?;
+        String::from_utf8(out.bytes)
+            .map_err(|e| ChatError::Template(format!("the rendering is not UTF-8: {e}")))
     }
 }
 

@@ -1195,8 +1195,36 @@ impl LlamaConfig {
             }
         }
         let rope_freq_base = g.opt_f32("llama.rope.freq_base")?.unwrap_or(10_000.0);
+        // RoPE's wavelengths must grow from 2π: a base of at most 1 (or NaN) turns every
+        // rotation into noise or NaN, and the model then runs and prints garbage.
+        if !(rope_freq_base > 1.0 && rope_freq_base.is_finite()) {
+            return Err(GgufError::BadValue {
+                key: "llama.rope.freq_base".into(),
+                reason: format!("{rope_freq_base} is not a finite base above 1"),
+            });
+        }
         let rms_eps = g.get_f32("llama.attention.layer_norm_rms_epsilon")?;
+        // Models use 1e-6 or 1e-5; 0 divides by zero on a zero row, a negative one or NaN
+        // turns rows to NaN, and 1 or more drowns the activations.
+        if !(rms_eps > 0.0 && rms_eps < 1.0) {
+            return Err(GgufError::BadValue {
+                key: "llama.attention.layer_norm_rms_epsilon".into(),
+                reason: format!("{rms_eps} is not in (0, 1)"),
+            });
+        }
         let context_length = positive("llama.context_length", usize_of("llama.context_length")?)?;
+        // A layer's tensors past `block_count` mean the count is wrong: running the first
+        // `block_count` layers alone prints garbage.
+        let extra = format!("blk.{n_layers}.");
+        if let Some(t) = g.tensors().find(|t| t.info.name().starts_with(&extra)) {
+            return Err(GgufError::BadValue {
+                key: "llama.block_count".into(),
+                reason: format!(
+                    "{n_layers}, but the file holds {} of a later layer",
+                    t.info.name()
+                ),
+            });
+        }
 
         let embd = g.tensor("token_embd.weight")?.info;
         if embd.dims().len() != 2 || embd.dims()[0] != hidden {

@@ -49,6 +49,36 @@ fn every_builtin_workload_completes_verified_on_cpu_and_reference() {
     }
 }
 
+/// Requests that arrive while the engine idles (every earlier one finished) are served: the
+/// loop once left the empty step it scheduled while idle open and stopped at the next
+/// arrival ("schedule called with a step in flight").
+#[test]
+fn requests_arriving_while_the_engine_idles_are_served() {
+    let model = small(ModelKind::Decoder);
+    let mut reqs = requests(&model.build().unwrap(), Builtin::Chat, 3, 2, 7);
+    // Two new tokens of a two-layer model take milliseconds: the engine idles between.
+    for (i, r) in reqs.iter_mut().enumerate() {
+        r.arrival = 0.15 * i as f64;
+    }
+    let want: usize = reqs.iter().map(|r| r.n * r.max_new_tokens).sum();
+    let report = serve(
+        "cpu",
+        &model,
+        reqs,
+        (256, 256),
+        PreemptionPolicy::Auto,
+        VerifyMode::Every,
+    );
+    assert!(report.requests.iter().all(|r| r.rejected.is_none()));
+    assert_eq!(report.generated_tokens(), want);
+    // Each request was served after its arrival, and the last could not have been admitted
+    // before the engine had idled.
+    for r in &report.requests {
+        assert!(r.finished.is_some_and(|f| f >= r.arrival), "{r:?}");
+    }
+    assert!(report.seconds >= 0.3);
+}
+
 #[test]
 fn preemption_changes_no_greedy_token() {
     // Prompts and outputs of at most 200 tokens (13 blocks): a pool of 16 blocks runs one

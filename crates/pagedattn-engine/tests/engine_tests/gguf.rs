@@ -337,6 +337,56 @@ fn config_errors_name_the_problem() {
     );
 }
 
+/// Values that read but would run wrong (garbage or NaN tokens with exit code 0, once) are
+/// refused, naming the key: an epsilon or a RoPE base that is not sensible, and a layer count
+/// that disagrees with the layers' tensors.
+#[test]
+fn config_values_that_would_run_wrong_are_refused() {
+    let file = |block_count: u32, base: f32, eps: f32, later_layer: bool| {
+        let mut w = GgufWriter::default();
+        w.kv_str("general.architecture", "llama")
+            .kv_u32("llama.block_count", block_count)
+            .kv_u32("llama.context_length", 128)
+            .kv_u32("llama.embedding_length", 64)
+            .kv_u32("llama.feed_forward_length", 96)
+            .kv_u32("llama.attention.head_count", 4)
+            .kv_f32("llama.rope.freq_base", base)
+            .kv_f32("llama.attention.layer_norm_rms_epsilon", eps);
+        w.tensor("token_embd.weight", &[64, 3], GGML_F32, &[0u8; 64 * 3 * 4])
+            .tensor("blk.1.attn_norm.weight", &[64], GGML_F32, &[0u8; 64 * 4]);
+        if later_layer {
+            w.tensor("blk.2.attn_norm.weight", &[64], GGML_F32, &[0u8; 64 * 4]);
+        }
+        Gguf::from_bytes(w.build()).unwrap()
+    };
+    assert!(LlamaConfig::from_gguf(&file(2, 1e4, 1e-5, false)).is_ok());
+    let eps = "llama.attention.layer_norm_rms_epsilon";
+    let base = "llama.rope.freq_base";
+    for (g, key, says) in [
+        (file(2, 1e4, f32::NAN, false), eps, "NaN is not in (0, 1)"),
+        (file(2, 1e4, -1e-5, false), eps, "-0.00001 is not in (0, 1)"),
+        (file(2, 1e4, 0.0, false), eps, "0 is not in (0, 1)"),
+        (
+            file(2, 1e-45, 1e-5, false),
+            base,
+            "is not a finite base above 1",
+        ),
+        (
+            file(2, f32::INFINITY, 1e-5, false),
+            base,
+            "inf is not a finite base",
+        ),
+        (
+            file(2, 1e4, 1e-5, true),
+            "llama.block_count",
+            "blk.2.attn_norm.weight",
+        ),
+    ] {
+        let msg = LlamaConfig::from_gguf(&g).unwrap_err().to_string();
+        assert!(msg.contains(key) && msg.contains(says), "{msg}");
+    }
+}
+
 #[test]
 fn smollm2_file() {
     let Some(path) = model_path() else { return };

@@ -143,6 +143,36 @@ fn chat_template_matches_transformers() {
     }
 }
 
+/// Templates that would never finish, or grow past memory, stop with an error naming the chat
+/// template (each once aborted the process or rendered forever).
+#[test]
+fn template_bombs_are_errors() {
+    let render = |src: &str| {
+        ChatTemplate::new(src, SpecialTokens::default())
+            .and_then(|t| t.render(&[ChatMessage::new("user", "hi")], true))
+    };
+    for (src, says) in [
+        // A macro doubling a string on each call (4 GB at depth 32).
+        (
+            "{% macro d(s) %}{{ d(s ~ s) }}{% endmacro %}{{ d('0123456789abcdef') }}",
+            "recursion limit exceeded",
+        ),
+        // Three nested loops of 10^5 (10^15 iterations).
+        (
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}x{% endfor %}{% endfor %}{% endfor %}",
+            "",
+        ),
+        // 10^9 characters written.
+        (
+            "{% for i in range(100000) %}{{ 'x' * 10000 }}{% endfor %}",
+            "exceeds",
+        ),
+    ] {
+        let e = render(src).expect_err(src).to_string();
+        assert!(e.starts_with("chat template: ") && e.contains(says), "{src}: {e}");
+    }
+}
+
 #[test]
 fn chat_template_environment_is_transformers() {
     let special = SpecialTokens::default();

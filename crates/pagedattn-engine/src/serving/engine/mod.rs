@@ -120,6 +120,23 @@ impl<'a> Engine<'a> {
             return Err(Error::Model("the model has no layer".into()));
         }
         let pools = &config.scheduler.blocks;
+        // The scheduler first: it checks the pools' sizes before any cache is allocated.
+        let mut scheduler_config = config.scheduler.clone();
+        // Blocks that left the window are released only where every decoder self-attention
+        // has that window (cross blocks never are).
+        let decoders: Vec<&AttentionConfig> = layers
+            .iter()
+            .filter(|c| c.attn_type() == AttnType::Decoder)
+            .collect();
+        let window = decoders.first().and_then(|c| c.sliding_window());
+        scheduler_config.blocks.sliding_window =
+            window.filter(|_| decoders.iter().all(|c| c.sliding_window() == window));
+        // An encoder-decoder model's decoder keys depend on the encoder's output, which the
+        // prefix hash does not cover (vLLM turns prefix caching off for these models too).
+        if model.kind() == ModelKind::EncoderDecoder {
+            scheduler_config.blocks.prefix_caching = false;
+        }
+        let scheduler = Scheduler::new(scheduler_config)?;
         let attention = layers
             .iter()
             .map(|c| backend.attention(c))
@@ -138,7 +155,15 @@ impl<'a> Engine<'a> {
             None
         };
         // The padding sequences of graph steps write past the scheduler's pool.
-        let cache_blocks = pools.num_device_blocks + graphs.as_ref().map_or(0, |g| g.pad_blocks());
+        let cache_blocks = pools
+            .num_device_blocks
+            .checked_add(graphs.as_ref().map_or(0, |g| g.pad_blocks()))
+            .ok_or_else(|| {
+                Error::Model(format!(
+                    "num_device_blocks = {}: too many blocks to add the CUDA graphs' padding",
+                    pools.num_device_blocks
+                ))
+            })?;
         let mut caches = Vec::new();
         for c in &layers {
             cache_of.push(if c.attn_type().uses_cache() {
@@ -153,22 +178,6 @@ impl<'a> Engine<'a> {
             .iter()
             .map(|c| backend.allocate_swap_space(c.spec(), pools.num_host_blocks))
             .collect::<pagedattn::Result<Vec<_>>>()?;
-        let mut scheduler_config = config.scheduler.clone();
-        // Blocks that left the window are released only where every decoder self-attention
-        // has that window (cross blocks never are).
-        let decoders: Vec<&AttentionConfig> = layers
-            .iter()
-            .filter(|c| c.attn_type() == AttnType::Decoder)
-            .collect();
-        let window = decoders.first().and_then(|c| c.sliding_window());
-        scheduler_config.blocks.sliding_window =
-            window.filter(|_| decoders.iter().all(|c| c.sliding_window() == window));
-        // An encoder-decoder model's decoder keys depend on the encoder's output, which the
-        // prefix hash does not cover (vLLM turns prefix caching off for these models too).
-        if model.kind() == ModelKind::EncoderDecoder {
-            scheduler_config.blocks.prefix_caching = false;
-        }
-        let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {
             backend,
             report: Report {
@@ -232,10 +241,28 @@ impl<'a> Engine<'a> {
             .enumerate()
             .map(|(i, r)| (i as RequestId, r))
             .collect();
-        pending.sort_by(|a, b| a.1.arrival.total_cmp(&b.1.arrival));
-        pending.reverse();
         let total = pending.len();
         let mut done = 0;
+        // An arrival that is no time after the start is rejected now (the loop could never
+        // reach it).
+        pending.retain(|(id, r)| {
+            let ok = r.arrival.is_finite() && r.arrival >= 0.0;
+            if !ok {
+                self.report.requests[*id as usize].rejected = Some(
+                    SchedulerError::Rejected {
+                        request: *id,
+                        field: "arrival".into(),
+                        value: r.arrival.to_string(),
+                        expected: "a finite number of seconds, at least 0".into(),
+                    }
+                    .to_string(),
+                );
+                done += 1;
+            }
+            ok
+        });
+        pending.sort_by(|a, b| a.1.arrival.total_cmp(&b.1.arrival));
+        pending.reverse();
         let mut buffers = StepBuffers::default();
         loop {
             if stop.load(Ordering::Relaxed) {
@@ -250,6 +277,11 @@ impl<'a> Engine<'a> {
             }
             let batch = self.scheduler.schedule()?;
             if batch.seqs.is_empty() && batch.swap_out.is_empty() {
+                // Nothing to run now: the empty step is closed (the scheduler takes no
+                // other until it is), then the loop waits for the next arrival.
+                for event in self.scheduler.finish_step(&[])? {
+                    done += self.record(event, start);
+                }
                 match pending.last() {
                     None if !self.scheduler.has_unfinished() => break,
                     None => {
@@ -295,9 +327,74 @@ impl<'a> Engine<'a> {
         Ok(self.report)
     }
 
+    /// What the scheduler cannot see of a request, checked when it arrives: its token ids
+    /// against the vocabulary, its length against the model's context, its sampling settings
+    /// (as the sampler computes them, in f32).
+    fn check_request(
+        &self,
+        id: RequestId,
+        r: &EngineRequest,
+    ) -> std::result::Result<(), SchedulerError> {
+        let reject = |field: &str, value: String, expected: String| SchedulerError::Rejected {
+            request: id,
+            field: field.into(),
+            value,
+            expected,
+        };
+        let vocab = self.model.vocab_size();
+        let prompts = [
+            ("prompt", Some(&r.prompt)),
+            ("encoder_prompt", r.encoder_prompt.as_ref()),
+        ];
+        for (field, tokens) in prompts {
+            let Some(tokens) = tokens else { continue };
+            if let Some((i, t)) = tokens
+                .iter()
+                .enumerate()
+                .find(|(_, &t)| t as usize >= vocab)
+            {
+                return Err(reject(
+                    field,
+                    format!("token {t} at position {i}"),
+                    format!("token ids below the vocabulary's size, {vocab}"),
+                ));
+            }
+        }
+        let context = self.model.max_context();
+        let new_tokens = match self.model.kind() {
+            ModelKind::EncoderOnly => 0,
+            _ => r.max_new_tokens,
+        };
+        if r.prompt.len().saturating_add(new_tokens) > context {
+            return Err(reject(
+                "prompt + max_new_tokens",
+                format!("{} + {new_tokens} tokens", r.prompt.len()),
+                format!("at most the model's context, {context} tokens"),
+            ));
+        }
+        if let Some(encoder) = r.encoder_prompt.as_ref().filter(|e| e.len() > context) {
+            return Err(reject(
+                "encoder_prompt",
+                format!("{} tokens", encoder.len()),
+                format!("at most the model's context, {context} tokens"),
+            ));
+        }
+        r.sampling.validate().map_err(|e| {
+            reject(
+                "sampling",
+                e.to_string(),
+                "a temperature that is a number and top_p in (0, 1] as an f32".into(),
+            )
+        })
+    }
+
     /// Hands a request to the scheduler (a request that can never fit, or that does not fit
-    /// the model's kind, is recorded as rejected, with the reason).
+    /// the model or its kind, is recorded as rejected, with the reason).
     fn admit(&mut self, id: RequestId, r: EngineRequest) -> usize {
+        if let Err(e) = self.check_request(id, &r) {
+            self.report.requests[id as usize].rejected = Some(e.to_string());
+            return 1;
+        }
         let kind = self.model.kind();
         let spec = match (kind, r.encoder_prompt) {
             (ModelKind::EncoderOnly, None) => Ok(RequestSpec::encode(id, r.prompt)),

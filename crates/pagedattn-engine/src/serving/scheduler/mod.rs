@@ -400,7 +400,8 @@ impl Scheduler {
             }
             cross_blocks = encoder.len().div_ceil(b.block_size);
         }
-        let tokens = spec.prompt.len() + spec.max_new_tokens - 1;
+        // (Saturating: the counts are the request's, and too many is a rejection below.)
+        let tokens = spec.prompt.len().saturating_add(spec.max_new_tokens) - 1;
         let needed = spec
             .n
             .saturating_mul(tokens.div_ceil(b.block_size))
