@@ -123,49 +123,59 @@ const MAX_BUILTIN_REQUESTS: usize = 100_000;
 /// The largest trace file `--trace` reads (held in memory with its requests while it runs).
 const MAX_TRACE_BYTES: u64 = 256 << 20;
 
+/// A flag's value: `text` read as a `T` and accepted where `valid` holds; otherwise the error
+/// says what is `expected` (with the parser's reason where it did not read).
+fn checked<T>(text: &str, valid: impl Fn(&T) -> bool, expected: &str) -> Result<T, String>
+where
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    match text.parse::<T>() {
+        Ok(value) if valid(&value) => Ok(value),
+        Ok(_) => Err(expected.to_string()),
+        Err(e) => Err(format!("{expected} ({e})")),
+    }
+}
+
 /// A count flag: a whole number of at least 1.
 fn at_least_one(text: &str) -> Result<usize, String> {
-    match text.parse::<usize>() {
-        Ok(0) => Err("expected at least 1".into()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(format!("expected a whole number ({e})")),
-    }
+    checked(text, |&n| n >= 1, "expected a whole number of at least 1")
 }
 
 /// `--requests`: 1 to [`MAX_BUILTIN_REQUESTS`].
 fn request_count(text: &str) -> Result<usize, String> {
-    let n = at_least_one(text)?;
-    if n > MAX_BUILTIN_REQUESTS {
-        return Err(format!("expected at most {MAX_BUILTIN_REQUESTS}"));
-    }
-    Ok(n)
+    checked(
+        text,
+        |n| (1..=MAX_BUILTIN_REQUESTS).contains(n),
+        &format!("expected a whole number from 1 to {MAX_BUILTIN_REQUESTS}"),
+    )
 }
 
 /// `--rate`: arrivals per second, finite and above 0.
 fn positive_rate(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
-        Ok(_) => Err("expected a finite number of arrivals per second above 0".into()),
-        Err(e) => Err(format!("expected a number ({e})")),
-    }
+    checked(
+        text,
+        |r: &f64| r.is_finite() && *r > 0.0,
+        "expected a finite number of arrivals per second above 0",
+    )
 }
 
 /// `--temperature`: finite and at least 0, as the sampler computes it (f32).
 fn temperature(text: &str) -> Result<f32, String> {
-    match text.parse::<f32>() {
-        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
-        Ok(_) => Err("expected a finite number of at least 0 (0: greedy)".into()),
-        Err(e) => Err(format!("expected a number ({e})")),
-    }
+    checked(
+        text,
+        |t: &f32| t.is_finite() && *t >= 0.0,
+        "expected a finite number of at least 0 (0: greedy)",
+    )
 }
 
 /// `--top-p`: above 0 and at most 1, as the sampler computes it (f32: 1e-300 is 0 there).
 fn probability_mass(text: &str) -> Result<f32, String> {
-    match text.parse::<f32>() {
-        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
-        Ok(_) => Err("expected a probability mass above 0 and at most 1 (as an f32)".into()),
-        Err(e) => Err(format!("expected a number ({e})")),
-    }
+    checked(
+        text,
+        |p: &f32| *p > 0.0 && *p <= 1.0,
+        "expected a probability mass above 0 and at most 1 (as an f32)",
+    )
 }
 
 /// A model and, for a GGUF file, its tokenizer and chat template.

@@ -248,15 +248,13 @@ impl<'a> Engine<'a> {
         pending.retain(|(id, r)| {
             let ok = r.arrival.is_finite() && r.arrival >= 0.0;
             if !ok {
-                self.report.requests[*id as usize].rejected = Some(
-                    SchedulerError::Rejected {
-                        request: *id,
-                        field: "arrival".into(),
-                        value: r.arrival.to_string(),
-                        expected: "a finite number of seconds, at least 0".into(),
-                    }
-                    .to_string(),
+                let e = SchedulerError::rejected(
+                    *id,
+                    "arrival",
+                    r.arrival,
+                    "a finite number of seconds, at least 0",
                 );
+                self.report.requests[*id as usize].rejected = Some(e.to_string());
                 done += 1;
             }
             ok
@@ -335,11 +333,8 @@ impl<'a> Engine<'a> {
         id: RequestId,
         r: &EngineRequest,
     ) -> std::result::Result<(), SchedulerError> {
-        let reject = |field: &str, value: String, expected: String| SchedulerError::Rejected {
-            request: id,
-            field: field.into(),
-            value,
-            expected,
+        let reject = |field: &str, value: String, expected: String| {
+            SchedulerError::rejected(id, field, value, expected)
         };
         let vocab = self.model.vocab_size();
         let prompts = [
@@ -402,18 +397,17 @@ impl<'a> Engine<'a> {
                 Ok(RequestSpec::new(id, r.prompt, r.max_new_tokens).encoder_prompt(encoder))
             }
             (ModelKind::Decoder, None) => Ok(RequestSpec::new(id, r.prompt, r.max_new_tokens)),
-            (_, encoder) => Err(SchedulerError::Rejected {
-                request: id,
-                field: "encoder_prompt".into(),
-                value: encoder.map_or("none".into(), |e| format!("{} tokens", e.len())),
-                expected: match kind {
+            (_, encoder) => Err(SchedulerError::rejected(
+                id,
+                "encoder_prompt",
+                encoder.map_or("none".into(), |e| format!("{} tokens", e.len())),
+                match kind {
                     ModelKind::EncoderDecoder => {
                         "the encoder's tokens (the model is encoder-decoder)"
                     }
                     _ => "none (only an encoder-decoder model takes one)",
-                }
-                .into(),
-            }),
+                },
+            )),
         };
         let added = spec.and_then(|spec| {
             self.scheduler

@@ -213,6 +213,23 @@ pub enum SchedulerError {
     Blocks(#[from] BlockError),
 }
 
+impl SchedulerError {
+    /// [`SchedulerError::Rejected`] of `request`: `field` is `value`, `expected` would do.
+    pub fn rejected(
+        request: RequestId,
+        field: impl Into<String>,
+        value: impl fmt::Display,
+        expected: impl Into<String>,
+    ) -> Self {
+        SchedulerError::Rejected {
+            request,
+            field: field.into(),
+            value: value.to_string(),
+            expected: expected.into(),
+        }
+    }
+}
+
 fn invalid(
     field: impl Into<String>,
     value: impl fmt::Display,
@@ -323,11 +340,8 @@ impl Scheduler {
     /// recompute preemption its samples no longer share their prompt blocks) up to its last
     /// computed token (the final sampled token is never written).
     pub fn add_request(&mut self, spec: RequestSpec) -> Result<(), SchedulerError> {
-        let reject = |field: &str, value: String, expected: String| SchedulerError::Rejected {
-            request: spec.id,
-            field: field.into(),
-            value,
-            expected,
+        let reject = |field: &str, value: String, expected: String| {
+            SchedulerError::rejected(spec.id, field, value, expected)
         };
         let c = &self.config;
         if self.requests.contains_key(&spec.id) {
