@@ -97,6 +97,14 @@ enum Command {
         /// runs). Not with `--cache`.
         #[arg(long, value_enum, default_value_t = Depth::Full, conflicts_with = "cache")]
         depth: Depth,
+        /// `spread` split further into this many parts, one per run: each run compiles one
+        /// part (`--part`), and the parts together are the whole sweep (CI: a part per
+        /// commit, in turn).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+        parts: u16,
+        /// Which of the `--parts` parts this run compiles, from 0.
+        #[arg(long, default_value_t = 0)]
+        part: u16,
         /// Also print, per kernel compiled to machine code, what the assembler reports: its
         /// registers per thread and its stack frame in bytes. Not with `--cache`.
         #[arg(long, conflicts_with = "cache")]
@@ -495,16 +503,30 @@ fn main() -> ExitCode {
             cache,
             only,
             depth,
+            parts,
+            part,
             report,
         } => {
-            let count = archs.len();
-            let depth = move |index| match depth {
-                Depth::Full => pagedattn::cuda::CheckDepth::Full,
-                Depth::Representative => pagedattn::cuda::CheckDepth::Representative,
-                Depth::Spread => pagedattn::cuda::CheckDepth::Spread { index, count },
-            };
-            compile_kernels(&archs, cache, only.as_deref(), depth, report)
-                .map_err(|e| e.to_string())
+            if part >= parts || (parts > 1 && depth != Depth::Spread) {
+                Err(format!(
+                    "--part {part} --parts {parts}: expected a part below --parts, and more \
+                     than one part only with --depth spread"
+                ))
+            } else {
+                // Each architecture of each part is one slot of the sweep.
+                let count = archs.len() * usize::from(parts);
+                let first = archs.len() * usize::from(part);
+                let depth = move |arch: usize| match depth {
+                    Depth::Full => pagedattn::cuda::CheckDepth::Full,
+                    Depth::Representative => pagedattn::cuda::CheckDepth::Representative,
+                    Depth::Spread => pagedattn::cuda::CheckDepth::Spread {
+                        index: first + arch,
+                        count,
+                    },
+                };
+                compile_kernels(&archs, cache, only.as_deref(), depth, report)
+                    .map_err(|e| e.to_string())
+            }
         }
         Command::Example { output, seed } => replay::write_case(&example::mixed_batch(seed))
             .and_then(|bytes| write(&output, &bytes))

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pagedattn::{registry, Backend};
+use pagedattn_engine::harness::report::peak_resident_bytes;
 use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
 use pagedattn_engine::harness::workload::{self, Builtin, BuiltinParams, Prompt, RequestInput};
 use pagedattn_engine::models::chat::{ChatMessage, ChatTemplate};
@@ -18,6 +19,7 @@ use pagedattn_engine::models::synthetic::SyntheticConfig;
 use pagedattn_engine::models::tokenizer::Tokenizer;
 use pagedattn_engine::serving::blocks::BlockConfig;
 use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::serving::memory::{kv_bytes_per_block, kv_pool_size, KvCacheMemory};
 use pagedattn_engine::serving::model::{Model, ModelKind};
 use pagedattn_engine::serving::sample::SamplingParams;
 use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
@@ -75,11 +77,23 @@ pub struct ServeArgs {
     /// empty, half of what 16 leaves).
     #[arg(long, default_value_t = 8, value_parser = at_least_one)]
     pub block_size: usize,
-    /// KV-cache blocks per layer (default: room for the workload's longest requests, all
-    /// at once).
-    #[arg(long, value_parser = at_least_one)]
+    /// KV-cache blocks per layer (default: what `--kv-cache-memory` or
+    /// `--gpu-memory-utilization` holds, at most room for all the workload's requests at
+    /// once; requests beyond the pool wait for blocks).
+    #[arg(long, value_parser = at_least_one, conflicts_with_all = ["kv_cache_memory", "gpu_memory_utilization"])]
     pub num_blocks: Option<usize>,
-    /// Swap blocks per layer in host memory.
+    /// The KV cache's memory over all layers, in bytes or with a unit (`512MiB`, `4GiB`).
+    /// Default: 4 GiB on the host (at most half of the memory available, as vLLM's CPU
+    /// `VLLM_CPU_KVCACHE_SPACE`), `--gpu-memory-utilization`'s share on a GPU.
+    #[arg(long, value_parser = byte_size, conflicts_with = "gpu_memory_utilization")]
+    pub kv_cache_memory: Option<u64>,
+    /// The share of the device's memory the engine may hold, in (0, 1]: the KV cache gets what
+    /// the weights and the memory already in use leave of it (vLLM's flag; default 0.9 on a
+    /// GPU; with a host backend, a share of the host's memory).
+    #[arg(long, value_parser = utilization)]
+    pub gpu_memory_utilization: Option<f64>,
+    /// Swap blocks per layer in host memory (default: as many as the device's pool, at most
+    /// 4 GiB of them, vLLM's `--swap-space`).
     #[arg(long)]
     pub swap_blocks: Option<usize>,
     /// The most tokens computed in one step (prompt chunks and decodes).
@@ -115,6 +129,43 @@ pub struct ServeArgs {
     #[arg(long)]
     pub plot: Option<PathBuf>,
 }
+
+/// A byte count: a number, or a number with a unit (`B`, `KiB`, `MiB`, `GiB`, `TiB`; or
+/// `K`, `M`, `G`, `T` for the same powers of 1024), at least 1 byte.
+fn byte_size(text: &str) -> Result<u64, String> {
+    let expected = "a byte count, e.g. 536870912, 512MiB or 4GiB";
+    let digits = text.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let shift = match text[digits.len()..].to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        _ => return Err(format!("expected {expected}")),
+    };
+    checked::<f64>(digits.trim(), |v| v.is_finite() && *v > 0.0, expected).and_then(|v| {
+        let bytes = v * (1u64 << shift) as f64;
+        if bytes >= 1.0 && bytes < u64::MAX as f64 {
+            Ok(bytes as u64)
+        } else {
+            Err(format!(
+                "expected {expected}, at least 1 byte and below 2^64"
+            ))
+        }
+    })
+}
+
+/// A share of memory: a fraction in (0, 1].
+fn utilization(text: &str) -> Result<f64, String> {
+    checked(
+        text,
+        |v: &f64| *v > 0.0 && *v <= 1.0,
+        "a fraction in (0, 1]",
+    )
+}
+
+/// The swap space's default ceiling (vLLM's `--swap-space` default).
+const DEFAULT_SWAP_BYTES: u64 = 4 << 30;
 
 /// The most requests `--requests` draws: each is a record of the report held in memory, and a
 /// run of more is a campaign for a trace file.
@@ -415,7 +466,28 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<S
     };
     let longest = requests.iter().map(blocks).max().unwrap_or(1);
     let all = requests.iter().map(blocks).fold(0, usize::saturating_add);
-    let num_blocks = args.num_blocks.unwrap_or(all.max(longest));
+    let block_bytes = kv_bytes_per_block(loaded.model.as_ref(), args.block_size);
+    let num_blocks = match args.num_blocks {
+        Some(n) => n,
+        None => {
+            let memory = match (args.kv_cache_memory, args.gpu_memory_utilization) {
+                (Some(bytes), _) => KvCacheMemory::Bytes(bytes),
+                (None, Some(share)) => KvCacheMemory::Utilization(share),
+                (None, None) => KvCacheMemory::default_for(backend.as_ref())?,
+            };
+            // (Sized now: the weights are loaded.) No more than the workload can use.
+            let pool = kv_pool_size(
+                backend.as_ref(),
+                loaded.model.as_ref(),
+                args.block_size,
+                memory,
+            )?;
+            pool.blocks.min(all.max(longest))
+        }
+    };
+    let swap_blocks = args.swap_blocks.unwrap_or_else(|| {
+        num_blocks.min(usize::try_from(DEFAULT_SWAP_BYTES / block_bytes).unwrap_or(usize::MAX))
+    });
     let preemption = match args.preemption.as_str() {
         "swap" => PreemptionPolicy::Swap,
         "recompute" => PreemptionPolicy::Recompute,
@@ -434,7 +506,7 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<S
             blocks: BlockConfig {
                 block_size: args.block_size,
                 num_device_blocks: num_blocks,
-                num_host_blocks: args.swap_blocks.unwrap_or(num_blocks),
+                num_host_blocks: swap_blocks,
                 prefix_caching: !args.no_prefix_caching,
                 sliding_window: None,
                 watermark_blocks: 1,
@@ -474,6 +546,7 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> pagedattn_engine::Result<S
         }
     };
     let mut report = engine.run(&workload_name, requests, &stop, &mut progress)?;
+    report.peak_resident_bytes = peak_resident_bytes();
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }

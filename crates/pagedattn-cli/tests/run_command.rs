@@ -323,6 +323,66 @@ fn arrivals_over_time_are_served_and_a_bad_request_is_rejected_alone() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+#[test]
+fn ten_thousand_requests_run_in_a_pool_sized_by_memory() {
+    // 10^4 short requests at once, a 1 MiB pool (128 blocks of the synthetic model): the
+    // requests wait for blocks, and what the run holds is the pool and the requests' records,
+    // not room for every request.
+    let dir = std::env::temp_dir().join(format!("pagedattn-run-10k-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.jsonl");
+    let lines: String = (0..10_000u32)
+        .map(|i| {
+            let prompt: Vec<String> = (0..1 + i % 8)
+                .map(|t| (100 + (7 * i + t) % 1900).to_string())
+                .collect();
+            format!(
+                "{{\"tokens\": [{}], \"max_new_tokens\": {}}}\n",
+                prompt.join(", "),
+                1 + i % 3
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines).unwrap();
+    let args = [
+        "run",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--backend",
+        "cpu",
+    ];
+    let report = json_report(
+        &[
+            &args[..],
+            &["--no-verify", "--kv-cache-memory", "1MiB", "--json"],
+        ]
+        .concat(),
+    );
+    let summary = &report["summary"];
+    assert_eq!(summary["requests"].as_u64(), Some(10_000));
+    assert_eq!(summary["rejected"].as_u64(), Some(0));
+    let generated: u64 = (0..10_000u64).map(|i| 1 + i % 3).sum();
+    assert_eq!(summary["generated_tokens"].as_u64(), Some(generated));
+    assert!(
+        report["kv_cache_bytes"].as_u64().unwrap() <= 1 << 20,
+        "{}",
+        report["kv_cache_bytes"]
+    );
+    let peak = report["peak_resident_bytes"]
+        .as_u64()
+        .expect("Linux reports VmHWM");
+    assert!(peak < 512 << 20, "peak resident {peak} bytes");
+    // A pool that cannot hold one block is refused, naming the flag's budget.
+    let out = pagedattn(&[&args[..], &["--kv-cache-memory", "100"]].concat(), None);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("a KV cache of 100 bytes: expected at least one block"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// SmolLM2's GGUF, or `None` after saying the test is skipped (`PAGEDATTN_REQUIRE_MODEL=1`:
 /// a failure instead).
 fn smollm2() -> Option<std::path::PathBuf> {

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use crate::config::{AttentionConfig, AttnType};
-use crate::device::Device;
+use crate::device::{Device, MemoryInfo};
 use crate::dtype::DType;
 use crate::error::{ensure, Error, Result};
 use crate::kv_cache::{self, BlockId, CacheLayout, KvCache, KvCacheSpec};
@@ -261,6 +261,13 @@ pub trait Backend: Send + Sync {
     /// backend runs), as (name, value) pairs.
     fn details(&self) -> Vec<(&'static str, String)> {
         Vec::new()
+    }
+
+    /// The memory of the device it computes on ([`device`](Self::device)): what a KV cache
+    /// can be sized from. The host's ([`host_memory`](crate::device::host_memory)) unless
+    /// the backend computes elsewhere.
+    fn memory(&self) -> Result<MemoryInfo> {
+        crate::device::host_memory()
     }
 
     /// Waits until the work queued on the device is done (nothing to wait for on the host).

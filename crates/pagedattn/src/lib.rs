@@ -112,7 +112,7 @@ struct ReadmeDoctests;
 
 pub use backend::{AttentionImpl, Backend, Capabilities, GraphCapacity, Sizes};
 pub use config::{alibi_slopes_bloom, alibi_slopes_mpt, AttentionConfig, AttnType, KvCacheDtype};
-pub use device::Device;
+pub use device::{Device, MemoryInfo};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use fp8::Fp8Format;

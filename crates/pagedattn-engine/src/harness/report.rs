@@ -174,6 +174,17 @@ impl fmt::Display for Report {
             100.0 * self.peak_cache_use(),
             100.0 * self.internal_waste()
         )?;
+        let mib = |bytes: u64| bytes as f64 / (1u64 << 20) as f64;
+        write!(
+            f,
+            "memory: KV cache {} blocks, {:.1} MiB",
+            self.kv_cache_blocks,
+            mib(self.kv_cache_bytes)
+        )?;
+        match self.peak_resident_bytes {
+            Some(peak) => writeln!(f, "; peak resident {:.1} MiB", mib(peak))?,
+            None => writeln!(f)?,
+        }
         let c = &self.cache;
         writeln!(
             f,
@@ -193,6 +204,21 @@ impl fmt::Display for Report {
             v.calls_checked, v.calls_total, v.worst
         )
     }
+}
+
+/// This process's peak resident memory in bytes (`VmHWM` of `/proc/self/status`), where
+/// the system reports it (Linux).
+pub fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kib.saturating_mul(1024))
 }
 
 #[cfg(test)]

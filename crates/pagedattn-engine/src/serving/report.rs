@@ -134,6 +134,13 @@ pub struct Report {
     pub verify: VerifyCounts,
     /// Whether the run was interrupted (Ctrl-C) before every request finished.
     pub interrupted: bool,
+    /// Blocks in the device pool (each layer's cache holds as many).
+    pub kv_cache_blocks: usize,
+    /// Bytes of the device caches of every layer (keys and values, the CUDA graphs' padding
+    /// blocks included).
+    pub kv_cache_bytes: u64,
+    /// The process's peak resident memory in bytes, where whoever ran it measured it.
+    pub peak_resident_bytes: Option<u64>,
 }
 
 /// The median and 99th percentile of some values (nearest rank), or `None` for none.

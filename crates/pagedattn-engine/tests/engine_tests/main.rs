@@ -13,6 +13,7 @@ mod gguf;
 mod golden;
 mod gpu_model;
 mod layout;
+mod memory;
 mod ops;
 mod scheduler;
 mod tokenizer;

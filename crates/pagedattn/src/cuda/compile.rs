@@ -103,18 +103,19 @@ pub enum CheckDepth {
     /// and the inline PTX are checked where they bind): for CI, about a fifth of the time
     /// (the PTX at NVVM's fastest optimization, which checks the same C++).
     Representative,
-    /// [`Representative`](Self::Representative) spread over `count` architectures: this one
-    /// (`index` of them) compiles to PTX only the variants whose number is `index` modulo
-    /// `count`, and to machine code only the every-modifier variants whose number among
-    /// them is `index` modulo `count`, so that one call per architecture puts every
-    /// variant's C++ through the front end once and each heaviest variant through one
-    /// architecture's assembler, in `1 / count` of the time (the fixed kernels to machine
-    /// code on every architecture). Listing the architectures in another order moves each
-    /// variant to another one. What CI runs (turning the order by commit).
+    /// [`Representative`](Self::Representative) spread over `count` slots (architectures,
+    /// or architectures times runs: a sweep split over several runs): this one (`index` of
+    /// them) compiles to PTX only the variants whose number is `index` modulo `count`, and
+    /// to machine code only the every-modifier variants whose number among them is `index`
+    /// modulo `count`, so that one call per slot puts every variant's C++ through the front
+    /// end once and each heaviest variant through one architecture's assembler, in
+    /// `1 / count` of the time (the fixed kernels to machine code in every call). Giving
+    /// an architecture another slot moves each variant to another one. What CI runs (a
+    /// part per commit, the architectures' order turning too).
     Spread {
-        /// This architecture's place among them.
+        /// This call's slot.
         index: usize,
-        /// How many architectures share the sweep.
+        /// How many slots share the sweep.
         count: usize,
     },
 }

@@ -201,6 +201,18 @@ impl fmt::Display for DeviceInfo {
     }
 }
 
+/// `gpu`'s memory now.
+pub(crate) fn memory_of(gpu: &Gpu) -> Result<crate::MemoryInfo> {
+    let (free, total) = gpu
+        .ctx
+        .mem_get_info()
+        .map_err(|e| driver_error(&format!("cuMemGetInfo on cuda:{}", gpu.ordinal), e))?;
+    Ok(crate::MemoryInfo {
+        total: total as u64,
+        available: free as u64,
+    })
+}
+
 /// What GPU 0 is, or one line saying why no GPU is usable (no libcuda, no device, a driver
 /// error).
 pub fn info() -> Result<DeviceInfo> {

@@ -57,7 +57,7 @@ pub use variant::ATTENTION_HEAD_SIZES;
 
 use crate::backend::{check_sides, AttentionImpl, Backend, Capabilities, Sizes};
 use crate::config::AttentionConfig;
-use crate::device::Device;
+use crate::device::{Device, MemoryInfo};
 use crate::error::Result;
 use crate::kv_cache::{check_pairs, check_swap, BlockId, CacheLayout, KvCache};
 use device::Gpu;
@@ -138,6 +138,10 @@ impl Backend for Cuda {
             self.gpu.clone(),
             capabilities,
         )?))
+    }
+
+    fn memory(&self) -> Result<MemoryInfo> {
+        device::memory_of(&self.gpu)
     }
 
     fn details(&self) -> Vec<(&'static str, String)> {

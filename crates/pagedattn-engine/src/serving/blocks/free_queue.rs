@@ -2,6 +2,8 @@
 //! doubly linked list over block indices, so that a cached block revived by a prefix hit leaves
 //! the middle of the queue in O(1).
 
+use super::{filled, BlockError};
+
 /// No neighbour.
 const NONE: usize = usize::MAX;
 
@@ -19,11 +21,11 @@ pub(crate) struct FreeQueue {
 
 impl FreeQueue {
     /// A queue holding every block of a pool of `num_blocks`, in id order.
-    pub(crate) fn full(num_blocks: usize) -> Self {
+    pub(crate) fn full(num_blocks: usize) -> Result<Self, BlockError> {
         let mut queue = FreeQueue {
-            prev: vec![NONE; num_blocks],
-            next: vec![NONE; num_blocks],
-            queued: vec![false; num_blocks],
+            prev: filled(num_blocks, NONE)?,
+            next: filled(num_blocks, NONE)?,
+            queued: filled(num_blocks, false)?,
             head: NONE,
             tail: NONE,
             len: 0,
@@ -31,7 +33,7 @@ impl FreeQueue {
         for block in 0..num_blocks {
             queue.push_back(block);
         }
-        queue
+        Ok(queue)
     }
 
     /// How many blocks are queued.
@@ -124,7 +126,7 @@ mod tests {
 
     #[test]
     fn pops_in_free_order_and_removes_from_the_middle() {
-        let mut q = FreeQueue::full(4);
+        let mut q = FreeQueue::full(4).unwrap();
         assert_eq!(q.pop_front(), Some(0));
         assert!(q.remove(2));
         assert!(!q.remove(2));

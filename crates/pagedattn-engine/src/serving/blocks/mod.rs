@@ -71,6 +71,35 @@ pub struct BlockConfig {
     pub watermark_blocks: usize,
 }
 
+impl BlockConfig {
+    /// Refuses a zero block size, an empty device pool, a pool larger than a [`BlockId`]
+    /// can index, or a zero window.
+    pub fn validate(&self) -> Result<(), BlockError> {
+        let max = BlockId::MAX as usize;
+        if self.block_size == 0 {
+            return Err(invalid("block_size", 0, "> 0"));
+        }
+        if self.num_device_blocks == 0 || self.num_device_blocks > max {
+            return Err(invalid(
+                "num_device_blocks",
+                self.num_device_blocks,
+                format!("in [1, {max}]"),
+            ));
+        }
+        if self.num_host_blocks > max {
+            return Err(invalid(
+                "num_host_blocks",
+                self.num_host_blocks,
+                format!("at most {max}"),
+            ));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(invalid("sliding_window", 0, "> 0 tokens, or none"));
+        }
+        Ok(())
+    }
+}
+
 /// A refused block-manager call; a refused call changes nothing.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum BlockError {
@@ -97,6 +126,27 @@ pub enum BlockError {
     /// [`BlockManager::check`] found broken bookkeeping.
     #[error("block accounting broken: {0}")]
     Accounting(String),
+    /// The host could not hold the bookkeeping of a pool this large.
+    #[error("out of host memory for the bookkeeping of {blocks} blocks ({bytes} bytes)")]
+    OutOfMemory {
+        /// The pool's blocks.
+        blocks: usize,
+        /// The allocation that failed.
+        bytes: usize,
+    },
+}
+
+/// `len` copies of `value` in a vector allocated fallibly: the pools' per-block bookkeeping,
+/// whose size comes from a flag or a caller.
+pub(crate) fn filled<T: Clone>(len: usize, value: T) -> Result<Vec<T>, BlockError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|_| BlockError::OutOfMemory {
+            blocks: len,
+            bytes: len.saturating_mul(std::mem::size_of::<T>()),
+        })?;
+    v.resize(len, value);
+    Ok(v)
 }
 
 fn invalid(
@@ -207,33 +257,13 @@ fn id(block: usize) -> BlockId {
 }
 
 impl BlockManager {
-    /// A manager with every block free; refuses a zero block size, an empty device pool, a
-    /// pool larger than a [`BlockId`] can index, or a zero window.
+    /// A manager with every block free; refuses what [`BlockConfig::validate`] refuses, and
+    /// a pool whose bookkeeping the host cannot hold ([`BlockError::OutOfMemory`]).
     pub fn new(config: BlockConfig) -> Result<Self, BlockError> {
-        let max = BlockId::MAX as usize;
-        if config.block_size == 0 {
-            return Err(invalid("block_size", 0, "> 0"));
-        }
-        if config.num_device_blocks == 0 || config.num_device_blocks > max {
-            return Err(invalid(
-                "num_device_blocks",
-                config.num_device_blocks,
-                format!("in [1, {max}]"),
-            ));
-        }
-        if config.num_host_blocks > max {
-            return Err(invalid(
-                "num_host_blocks",
-                config.num_host_blocks,
-                format!("at most {max}"),
-            ));
-        }
-        if config.sliding_window == Some(0) {
-            return Err(invalid("sliding_window", 0, "> 0 tokens, or none"));
-        }
+        config.validate()?;
         Ok(BlockManager {
-            device: DevicePool::new(config.num_device_blocks),
-            host: Pool::new(config.num_host_blocks),
+            device: DevicePool::new(config.num_device_blocks)?,
+            host: Pool::new(config.num_host_blocks)?,
             hasher: BlockHasher::new(),
             seqs: HashMap::new(),
             counters: Counters::default(),

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use super::free_queue::FreeQueue;
 use super::hash::BlockHash;
+use super::{filled, BlockError};
 
 /// Reference counts over a fixed number of blocks; a block is free (queued) exactly when its
 /// count is 0.
@@ -16,11 +17,11 @@ pub(crate) struct Pool {
 
 impl Pool {
     /// A pool of `num_blocks`, all free.
-    pub(crate) fn new(num_blocks: usize) -> Self {
-        Pool {
-            refs: vec![0; num_blocks],
-            free: FreeQueue::full(num_blocks),
-        }
+    pub(crate) fn new(num_blocks: usize) -> Result<Self, BlockError> {
+        Ok(Pool {
+            refs: filled(num_blocks, 0)?,
+            free: FreeQueue::full(num_blocks)?,
+        })
     }
 
     /// Free blocks (on the device, cached ones included: they are evicted on demand).
@@ -65,13 +66,13 @@ pub(crate) struct DevicePool {
 
 impl DevicePool {
     /// A device pool of `num_blocks`, all free and none cached.
-    pub(crate) fn new(num_blocks: usize) -> Self {
-        DevicePool {
-            pool: Pool::new(num_blocks),
-            hash_of: vec![None; num_blocks],
+    pub(crate) fn new(num_blocks: usize) -> Result<Self, BlockError> {
+        Ok(DevicePool {
+            pool: Pool::new(num_blocks)?,
+            hash_of: filled(num_blocks, None)?,
             cached: HashMap::new(),
             evictions: 0,
-        }
+        })
     }
 
     /// Takes a free block for new contents (one holder), dropping the prefix hash it held.

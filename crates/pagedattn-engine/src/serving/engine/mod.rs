@@ -120,7 +120,10 @@ impl<'a> Engine<'a> {
             return Err(Error::Model("the model has no layer".into()));
         }
         let pools = &config.scheduler.blocks;
-        // The scheduler first: it checks the pools' sizes before any cache is allocated.
+        // The pools' sizes checked before any cache is allocated; the caches (far larger than
+        // the scheduler's bookkeeping of their blocks, and zeroed lazily on the host) before
+        // that bookkeeping, so that a pool too large for the memory is a clean out-of-memory
+        // error of the allocation that cannot be made.
         let mut scheduler_config = config.scheduler.clone();
         // Blocks that left the window are released only where every decoder self-attention
         // has that window (cross blocks never are).
@@ -136,7 +139,7 @@ impl<'a> Engine<'a> {
         if model.kind() == ModelKind::EncoderDecoder {
             scheduler_config.blocks.prefix_caching = false;
         }
-        let scheduler = Scheduler::new(scheduler_config)?;
+        scheduler_config.validate()?;
         let attention = layers
             .iter()
             .map(|c| backend.attention(c))
@@ -178,11 +181,20 @@ impl<'a> Engine<'a> {
             .iter()
             .map(|c| backend.allocate_swap_space(c.spec(), pools.num_host_blocks))
             .collect::<pagedattn::Result<Vec<_>>>()?;
+        let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {
             backend,
             report: Report {
                 model: model.name(),
                 backend: backend.name().into(),
+                kv_cache_blocks: pools.num_device_blocks,
+                kv_cache_bytes: caches
+                    .iter()
+                    .map(|c| {
+                        let spec = c.spec();
+                        2 * spec.buffer_elems() as u64 * spec.storage_dtype().size_bytes() as u64
+                    })
+                    .sum(),
                 ..Report::default()
             },
             model,

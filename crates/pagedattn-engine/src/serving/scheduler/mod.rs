@@ -62,6 +62,19 @@ pub struct SchedulerConfig {
     pub blocks: BlockConfig,
 }
 
+impl SchedulerConfig {
+    /// Refuses zero budgets or a bad block configuration ([`BlockConfig::validate`]).
+    pub fn validate(&self) -> Result<(), SchedulerError> {
+        if self.max_batched_tokens == 0 {
+            return Err(invalid("max_batched_tokens", 0, "> 0"));
+        }
+        if self.max_seqs == 0 {
+            return Err(invalid("max_seqs", 0, "> 0"));
+        }
+        Ok(self.blocks.validate()?)
+    }
+}
+
 /// A request to serve. Built with [`RequestSpec::new`]; fields may be added (encoder prompts
 /// for encoder-decoder models), hence `non_exhaustive`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -283,14 +296,10 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// A scheduler with empty queues; refuses zero budgets or a bad block configuration.
+    /// A scheduler with empty queues; refuses what [`SchedulerConfig::validate`] refuses,
+    /// and pools whose bookkeeping the host cannot hold.
     pub fn new(config: SchedulerConfig) -> Result<Self, SchedulerError> {
-        if config.max_batched_tokens == 0 {
-            return Err(invalid("max_batched_tokens", 0, "> 0"));
-        }
-        if config.max_seqs == 0 {
-            return Err(invalid("max_seqs", 0, "> 0"));
-        }
+        config.validate()?;
         Ok(Scheduler {
             blocks: BlockManager::new(config.blocks.clone())?,
             config,
