@@ -143,7 +143,9 @@ __device__ __forceinline__ void warp_best(float& v, u32& at) {
     }
 }
 
-// best[r] = the greedy token of logits[r, :] (0 for an empty row). One block per row; each
+// best[r] = the greedy token of logits[r, :] (0 for an empty row; 0xffffffff, the host's
+// NON_FINITE_TOKEN, where the winner is a NaN or an infinity: a NaN ranks first and +inf
+// above every finite logit, so the row is not finite). One block per row; each
 // thread loads 8 elements before comparing them (the order is total: any order of visits
 // gives the same winner), so that a row costs a few memory round trips, not one an element.
 extern "C" __global__ void argmax(const ArgmaxParams args) {
@@ -177,6 +179,8 @@ extern "C" __global__ void argmax(const ArgmaxParams args) {
         v = mine ? vs[lane] : 0.0f;
         at = mine ? ats[lane] : NONE;
         warp_best(v, at);
-        if (lane == 0) best[blockIdx.x] = at == NONE ? 0 : at;
+        // (A NaN fails the comparison too.)
+        const bool finite = fabsf(v) <= 3.40282347e38f;
+        if (lane == 0) best[blockIdx.x] = at == NONE ? 0 : finite ? at : 0xffffffffu;
     }
 }

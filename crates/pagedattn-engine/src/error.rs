@@ -38,6 +38,13 @@ pub enum Error {
     /// A model's shape or weights the engine cannot use.
     #[error("model: {0}")]
     Model(String),
+    /// A model computed a NaN or an infinity: its weights or its arithmetic, named where it
+    /// was first seen (a layer's output, the logits), not the attention.
+    #[error("model: {at} holds a non-finite value (NaN or ±inf)")]
+    NonFinite {
+        /// Where: e.g. `layer 3's output (token 0 of the step)`.
+        at: String,
+    },
     /// The block manager's accounting found a leak or a double free at the end of a run.
     #[error("block accounting: {0}")]
     Accounting(String),

@@ -108,6 +108,19 @@ impl CallCheck for Verifier {
         let reference = self.reference.as_ref();
         let host = |t: &Tensor| t.to_device(reference.device());
         let (q, k, v) = (host(query)?, host(key)?, host(value)?);
+        let (ulp, allowed) = tolerance(output.dtype());
+        for t in [&q, &k, &v] {
+            if t.to_f32_vec()?.iter().any(|x| !x.is_finite()) {
+                // The attention is not to blame for what it was given.
+                return Ok(Err(Mismatch {
+                    step,
+                    layer,
+                    worst: f32::NAN,
+                    allowed,
+                    inputs_finite: false,
+                }));
+            }
+        }
         let attention = reference.attention(config)?;
         let mut workspace = Workspace::empty(reference.device());
         let mut forward = |metadata: &AttentionMetadata,
@@ -172,7 +185,6 @@ impl CallCheck for Verifier {
                 forward(&metadata(false)?, false, Some(&mut dense))?
             }
         };
-        let (ulp, allowed) = tolerance(output.dtype());
         let worst = worst_difference(&output.to_f32_vec()?, &want.to_f32_vec()?, ulp);
         self.counts.calls_checked += 1;
         // (A NaN, once seen, stays.)
@@ -188,6 +200,7 @@ impl CallCheck for Verifier {
                 layer,
                 worst,
                 allowed,
+                inputs_finite: true,
             }))
         }
     }

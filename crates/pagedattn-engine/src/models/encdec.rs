@@ -10,6 +10,7 @@
 
 use pagedattn::{AttentionConfig, DType, Tensor};
 
+use crate::models::check_layer_output;
 use crate::models::llama::{LayerWeights, MlpBuffers};
 use crate::models::ops::{add_assign, rms_norm, Embedding, Linear, Rope};
 use crate::serving::model::{Attend, Model, ModelKind, StepTokens};
@@ -163,6 +164,7 @@ impl EncDec {
                 attend,
             )?;
             layer.mlp(&mut x, self.rms_eps, &mut MlpBuffers::default())?;
+            check_layer_output(&x, self.hidden, || format!("encoder layer {l}"))?;
         }
         let mut out = vec![0.0; x.len()];
         rms_norm(&x, &self.encoder_norm, self.rms_eps, &mut out)?;
@@ -264,6 +266,7 @@ impl Model for EncDec {
                 attend,
             )?;
             layer.mlp(&mut x, self.rms_eps, &mut MlpBuffers::default())?;
+            check_layer_output(&x, self.hidden, || format!("decoder layer {l}"))?;
         }
         let h = self.rows(&x, step.logit_rows, &self.out_norm)?;
         let head = self

@@ -5,6 +5,7 @@
 
 use pagedattn::{AttentionConfig, DType, Device, Tensor};
 
+use crate::models::check_layer_output;
 use crate::models::gguf::{Gguf, LlamaConfig, MetaArray};
 use crate::models::ops::{
     add_assign, rms_norm, swiglu, Embedding, Linear, Precision, Rope, RopeStyle,
@@ -495,6 +496,7 @@ impl Model for Llama {
             layer.wo.forward(&w.o, &mut w.h2)?;
             add_assign(&mut w.x, &w.h2)?;
             layer.mlp(&mut w.x, s.rms_eps, &mut w.mlp)?;
+            check_layer_output(&w.x, s.hidden, || format!("layer {l}"))?;
         }
         let rows = step.logit_rows.len();
         w.rows.clear();

@@ -85,16 +85,42 @@ pub struct CheckedCross<'a> {
 }
 
 /// A recomputed call whose output is further from `reference`'s than the output dtype
-/// allows.
-#[derive(Debug, thiserror::Error, PartialEq)]
-#[error("verification failed at step {step}, layer {layer}: the output differs from reference's on dense keys and values by {worst:.2e} of its largest magnitude (allowed {allowed:.0e})")]
+/// allows, or whose inputs were not finite (the model's doing: not compared).
+#[derive(Debug, PartialEq)]
 pub struct Mismatch {
     /// The engine's step.
     pub step: usize,
     /// The layer.
     pub layer: usize,
-    /// The largest difference beyond one ulp, as a fraction of the largest output magnitude.
+    /// The largest difference beyond one ulp, as a fraction of the largest output magnitude
+    /// (NaN where the inputs were not finite).
     pub worst: f32,
     /// The dtype's allowance.
     pub allowed: f32,
+    /// Whether the call's query, keys and values were all finite.
+    pub inputs_finite: bool,
 }
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (step, layer) = (self.step, self.layer);
+        if self.inputs_finite {
+            write!(
+                f,
+                "verification failed at step {step}, layer {layer}: the output differs from \
+                 reference's on dense keys and values by {:.2e} of its largest magnitude \
+                 (allowed {:.0e})",
+                self.worst, self.allowed
+            )
+        } else {
+            write!(
+                f,
+                "model: the attention of layer {layer} at step {step} was given a non-finite \
+                 query, key or value (NaN or ±inf): the model computed it before this \
+                 attention"
+            )
+        }
+    }
+}
+
+impl std::error::Error for Mismatch {}

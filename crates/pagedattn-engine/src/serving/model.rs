@@ -46,6 +46,16 @@ pub enum ModelKind {
 pub type Attend<'a> =
     dyn FnMut(usize, &Tensor, &Tensor, &Tensor, &mut Tensor) -> crate::Result<()> + 'a;
 
+/// The token [`Model::forward_greedy`] gives a row whose logits are not all finite (no token
+/// is this large): the engine stops with [`Error::NonFinite`](crate::Error::NonFinite).
+pub const NON_FINITE_TOKEN: u32 = u32::MAX;
+
+/// The first element of `values` (rows of `width`) that is not finite, as `(row, column)`.
+pub fn first_non_finite(values: &[f32], width: usize) -> Option<(usize, usize)> {
+    let at = values.iter().position(|v| !v.is_finite())?;
+    Some((at / width.max(1), at % width.max(1)))
+}
+
 /// A model the engine serves.
 pub trait Model: Send {
     /// A name for reports.
@@ -93,8 +103,9 @@ pub trait Model: Send {
 
     /// [`forward`](Self::forward) for a step whose every sample is greedy: writes each of
     /// `step.logit_rows`' greedy token ([`argmax`](crate::serving::sample::argmax) of its logits) into
-    /// `tokens` (resized). `logits` is scratch space. A model whose logits live on a device
-    /// overrides this to bring back the tokens alone.
+    /// `tokens` (resized), [`NON_FINITE_TOKEN`] for a row with a NaN or an infinity. `logits`
+    /// is scratch space. A model whose logits live on a device overrides this to bring back
+    /// the tokens alone.
     fn forward_greedy(
         &mut self,
         step: &StepTokens<'_>,
@@ -105,11 +116,13 @@ pub trait Model: Send {
         self.forward(step, attend, logits)?;
         let width = self.output_width().max(1);
         tokens.clear();
-        tokens.extend(
-            logits
-                .chunks_exact(width)
-                .map(crate::serving::sample::argmax),
-        );
+        tokens.extend(logits.chunks_exact(width).map(|row| {
+            if row.iter().all(|v| v.is_finite()) {
+                crate::serving::sample::argmax(row)
+            } else {
+                NON_FINITE_TOKEN
+            }
+        }));
         Ok(())
     }
 }

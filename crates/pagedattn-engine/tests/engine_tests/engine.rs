@@ -104,3 +104,80 @@ fn preemption_changes_no_greedy_token() {
         preemption_changes_nothing(&features, &reqs, (512, 16), 256);
     }
 }
+
+/// A model whose logits hold a NaN: the synthetic decoder's, one element poisoned.
+struct PoisonedLogits(Box<dyn pagedattn_engine::serving::model::Model>);
+
+impl pagedattn_engine::serving::model::Model for PoisonedLogits {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+    fn layers(&self) -> &[pagedattn::AttentionConfig] {
+        self.0.layers()
+    }
+    fn dtype(&self) -> pagedattn::DType {
+        self.0.dtype()
+    }
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.0.max_context()
+    }
+    fn stop_tokens(&self) -> Vec<u32> {
+        self.0.stop_tokens()
+    }
+    fn first_plain_token(&self) -> u32 {
+        self.0.first_plain_token()
+    }
+    fn forward(
+        &mut self,
+        step: &pagedattn_engine::serving::model::StepTokens<'_>,
+        attend: &mut pagedattn_engine::serving::model::Attend<'_>,
+        logits: &mut Vec<f32>,
+    ) -> pagedattn_engine::Result<()> {
+        self.0.forward(step, attend, logits)?;
+        logits[3] = f32::NAN;
+        Ok(())
+    }
+}
+
+#[test]
+fn non_finite_logits_stop_the_run_naming_them() {
+    use pagedattn_engine::serving::engine::{Engine, EngineConfig};
+    use pagedattn_engine::serving::sample::SamplingParams;
+    let backend = pagedattn::registry::backend("cpu").unwrap();
+    // Greedy (the model's argmax flags the row) and sampled (the engine checks the logits).
+    for sampling in [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.8,
+            ..SamplingParams::default()
+        },
+    ] {
+        let model = small(ModelKind::Decoder).build_model().unwrap();
+        let mut reqs = requests(model.as_ref(), Builtin::Chat, 2, 4, 0);
+        for r in &mut reqs {
+            r.sampling = sampling;
+        }
+        let config = EngineConfig {
+            cuda_graphs: false,
+            ..common::config(64, 256)
+        };
+        let engine =
+            Engine::new(backend.as_ref(), Box::new(PoisonedLogits(model)), &config).unwrap();
+        let err = engine
+            .run(
+                "poisoned",
+                reqs,
+                &std::sync::atomic::AtomicBool::new(false),
+                &mut |_, _, _| {},
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("step 0's logits") && err.contains("non-finite value (NaN or ±inf)"),
+            "{err}"
+        );
+    }
+}

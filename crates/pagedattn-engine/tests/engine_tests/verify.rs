@@ -104,4 +104,25 @@ fn a_paged_call_passes_and_a_wrong_one_fails() {
     ];
     assert!(check(&mut verifier, &seqs_wrong, &out).is_err());
     assert_eq!(verifier.counts().calls_checked, 3);
+    // A NaN in the query: the model's, not the attention's, and said so.
+    let mut nan = q.to_f32_vec().unwrap();
+    nan[7] = f32::NAN;
+    let nan = Tensor::from_f32(DType::BF16, q.shape(), &nan).unwrap();
+    let err = verifier
+        .check(
+            (1, 0),
+            backend.as_ref(),
+            &config,
+            &cache,
+            &seqs,
+            (&nan, &k, &v),
+            &out,
+        )
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("layer 0 at step 1 was given a non-finite query, key or value"),
+        "{err}"
+    );
 }

@@ -24,7 +24,7 @@ use crate::serving::batch::{RequestId, StepBatch};
 use crate::serving::check::CallCheck;
 use crate::serving::clock::AttentionClock;
 use crate::serving::graphs::DecodeGraphs;
-use crate::serving::model::{Model, ModelKind, StepTokens};
+use crate::serving::model::{first_non_finite, Model, ModelKind, StepTokens, NON_FINITE_TOKEN};
 use crate::serving::report::{CacheCounts, Report, RequestRecord, StepRecord};
 use crate::serving::sample::{Sampler, SamplingParams};
 use crate::serving::scheduler::{
@@ -543,6 +543,19 @@ impl<'a> Engine<'a> {
                         batch.seqs.len()
                     ))
                 })?;
+                if token as usize >= self.model.vocab_size() {
+                    return Err(if token == NON_FINITE_TOKEN {
+                        Error::NonFinite {
+                            at: format!("step {}'s logits (row {row})", self.report.steps.len()),
+                        }
+                    } else {
+                        Error::Model(format!(
+                            "greedy token {token} of row {row}: expected one below the \
+                             vocabulary's {}",
+                            self.model.vocab_size()
+                        ))
+                    });
+                }
                 row += 1;
                 tokens.resize(s.num_samples, token);
                 generated += tokens.len();
@@ -565,6 +578,20 @@ impl<'a> Engine<'a> {
             } else {
                 None
             };
+            if let Some((_, column)) = output.and_then(|o| first_non_finite(o, width)) {
+                let what = if s.encoder_only {
+                    "pooled state"
+                } else {
+                    "logits"
+                };
+                return Err(Error::NonFinite {
+                    at: format!(
+                        "step {}'s {what} (row {}, element {column})",
+                        self.report.steps.len(),
+                        row - 1
+                    ),
+                });
+            }
             if let (true, Some(pooled)) = (s.encoder_only, output) {
                 self.report.requests[s.request as usize].pooled = Some(pooled.to_vec());
             } else if let Some(logits) = output {

@@ -74,22 +74,14 @@ pub fn requests(
         .collect()
 }
 
-/// Serves `requests` on `backend` with `blocks` device blocks of 16 tokens (as many host
-/// blocks) and a budget of `max_batched_tokens` a step.
-pub fn serve(
-    backend: &str,
-    model: &SyntheticConfig,
-    requests: Vec<EngineRequest>,
-    (blocks, max_batched_tokens): (usize, usize),
-    policy: PreemptionPolicy,
-    verify: VerifyMode,
-) -> Report {
-    let backend = registry::backend(backend).unwrap();
-    let config = EngineConfig {
+/// An engine's config: `blocks` device blocks of 16 tokens (as many host blocks), a budget of
+/// `max_batched_tokens` a step, 32 sequences, prefix caching, CUDA graphs, preemption `auto`.
+pub fn config(blocks: usize, max_batched_tokens: usize) -> EngineConfig {
+    EngineConfig {
         scheduler: SchedulerConfig {
             max_batched_tokens,
             max_seqs: 32,
-            preemption: policy,
+            preemption: PreemptionPolicy::Auto,
             blocks: BlockConfig {
                 block_size: 16,
                 num_device_blocks: blocks,
@@ -101,7 +93,22 @@ pub fn serve(
             },
         },
         cuda_graphs: true,
-    };
+    }
+}
+
+/// Serves `requests` on `backend` with `blocks` device blocks of 16 tokens (as many host
+/// blocks) and a budget of `max_batched_tokens` a step.
+pub fn serve(
+    backend: &str,
+    model: &SyntheticConfig,
+    requests: Vec<EngineRequest>,
+    (blocks, max_batched_tokens): (usize, usize),
+    policy: PreemptionPolicy,
+    verify: VerifyMode,
+) -> Report {
+    let backend = registry::backend(backend).unwrap();
+    let mut config = config(blocks, max_batched_tokens);
+    config.scheduler.preemption = policy;
     let engine = Engine::new(backend.as_ref(), model.build_model().unwrap(), &config)
         .unwrap()
         .with_check(Box::new(Verifier::new(verify, 1).unwrap()));
