@@ -34,7 +34,7 @@ if [ $# -lt 1 ] || ! [[ $1 =~ ^[0-9]+$ ]]; then
 fi
 seconds=$1
 shift
-all_targets=(replay_reader metadata_builder constructors differential)
+all_targets=(replay_reader metadata_builder constructors differential gguf_reader)
 targets=("${@:-${all_targets[@]}}")
 parallel=${FUZZ_PARALLEL:-1}
 # Several fuzzers at once: one rayon worker each (the `cpu` backend's idle workers would
@@ -82,7 +82,12 @@ case ${FUZZ_PROFILE:=release} in
 esac
 echo "== fuzz: building ${targets[*]} ($FUZZ_PROFILE profile; $(cargo "${toolchain[@]}" --version))"
 for t in "${targets[@]}"; do
-  cargo "${toolchain[@]}" fuzz build "${build_flags[@]}" "$t"
+  # gguf_reader needs the engine, which the others do not build (its `required-features`).
+  features=()
+  if [ "$t" = gguf_reader ]; then
+    features=(--features engine)
+  fi
+  cargo "${toolchain[@]}" fuzz build "${build_flags[@]}" "${features[@]}" "$t"
 done
 ./seed-corpus.sh >/dev/null
 

@@ -282,6 +282,7 @@ fn arrivals_over_time_are_served_and_a_bad_request_is_rejected_alone() {
             "{\"tokens\": [3], \"top_p\": 1e-300}\n",
             "{\"tokens\": [4000000000]}\n",
             "{\"tokens\": [5, 6], \"max_new_tokens\": 3, \"arrival\": 0.6}\n",
+            "{\"tokens\": [7], \"arrival\": 4294967296}\n",
         ),
     )
     .unwrap();
@@ -298,12 +299,13 @@ fn arrivals_over_time_are_served_and_a_bad_request_is_rejected_alone() {
         .iter()
         .filter_map(|r| r["rejected"].as_str().map(String::from))
         .collect();
-    assert_eq!(rejected.len(), 3, "{rejected:?}");
-    for (reason, says) in
-        rejected
-            .iter()
-            .zip(["prompt + max_new_tokens", "top_p", "token 4000000000"])
-    {
+    assert_eq!(rejected.len(), 4, "{rejected:?}");
+    for (reason, says) in rejected.iter().zip([
+        "prompt + max_new_tokens",
+        "top_p",
+        "token 4000000000",
+        "arrival = 4294967296: expected seconds in [0, 86400]",
+    ]) {
         assert!(reason.contains(says), "{reason}");
     }
     assert_eq!(report["summary"]["generated_tokens"].as_u64(), Some(7));
@@ -454,4 +456,190 @@ fn options_a_trace_overrides_are_refused_with_it() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(option[0]), "{args:?}: {stderr}");
     }
+}
+
+/// `pagedattn` with `args`, killed after `limit`: its output, or `None` if it was still
+/// running (a hang).
+fn pagedattn_within(args: &[String], limit: std::time::Duration) -> Option<Output> {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pagedattn"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The pipes drained while it runs (a full pipe would stall it).
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+    status.map(|status| Output {
+        status,
+        stdout,
+        stderr,
+    })
+}
+
+/// Hostile values for numeric fields and flags: zeros, negatives, fractions, NaN and
+/// infinities, huge counts, past-the-type values, wrong types.
+const HOSTILE_NUMBERS: [&str; 16] = [
+    "0",
+    "1",
+    "-1",
+    "0.5",
+    "3",
+    "4096",
+    "1e12",
+    "1e-300",
+    "1e400",
+    "-0",
+    "18446744073709551616",
+    "4294967296",
+    "nan",
+    "inf",
+    "\"7\"",
+    "null",
+];
+
+/// Random traces (lines of every field with hostile values, junk lines, arrivals spread and
+/// bunched) and random flags with hostile values, through `pagedattn run` on the synthetic
+/// model: each a run (exit 0) or one line on stderr and exit 2, within its time, never a
+/// panic, an abort or a hang. `PAGEDATTN_HOSTILE_CASES` sets the count (CI: 40 of each).
+#[test]
+fn hostile_traces_and_flags_are_one_line_errors_or_runs() {
+    use rand::{Rng, SeedableRng};
+    let cases: usize = std::env::var("PAGEDATTN_HOSTILE_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    let dir = std::env::temp_dir().join(format!("pagedattn-run-hostile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.jsonl");
+    let trace_arg = trace.to_str().unwrap().to_string();
+    let fields = [
+        "arrival",
+        "prompt",
+        "chat",
+        "tokens",
+        "max_new_tokens",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "ignore_eos",
+        "bogus",
+    ];
+    let flags = [
+        "--block-size",
+        "--num-blocks",
+        "--swap-blocks",
+        "--max-batched-tokens",
+        "--max-seqs",
+        "--rate",
+        "--requests",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-p",
+        "--seed",
+        "--kv-cache-memory",
+        "--gpu-memory-utilization",
+    ];
+    let mut outcomes = [0usize; 2];
+    for case in 0..2 * cases {
+        // Hostile two times in five, else plausible: most runs get past the parsers.
+        let number = |rng: &mut rand::rngs::StdRng| {
+            if rng.random_range(0..5) < 2 {
+                HOSTILE_NUMBERS[rng.random_range(0..HOSTILE_NUMBERS.len())]
+            } else {
+                ["1", "2", "4", "0.7", "0.9"][rng.random_range(0..5)]
+            }
+        };
+        let mut args: Vec<String> = vec!["run".into(), "--backend".into(), "cpu".into()];
+        if case < cases {
+            // A trace: a few lines, each a request (token ids mostly in the vocabulary) with
+            // hostile values in some fields, or junk.
+            let lines: Vec<String> = (0..rng.random_range(1..6))
+                .map(|_| match rng.random_range(0..10) {
+                    0 => "{\"tokens\": [1, 2".to_string(),
+                    1 => "[1, 2, 3]".to_string(),
+                    2 => String::new(),
+                    _ => {
+                        let tokens: Vec<String> = (0..rng.random_range(0..6))
+                            .map(|_| match rng.random_range(0..8) {
+                                0 => number(&mut rng).to_string(),
+                                _ => rng.random_range(0..2048).to_string(),
+                            })
+                            .collect();
+                        let mut line = format!("{{\"tokens\": [{}]", tokens.join(", "));
+                        for _ in 0..rng.random_range(0..4) {
+                            let field = fields[rng.random_range(0..fields.len())];
+                            line += &format!(", \"{field}\": {}", number(&mut rng));
+                        }
+                        line + "}"
+                    }
+                })
+                .collect();
+            std::fs::write(&trace, lines.join("\n")).unwrap();
+            args.extend(["--trace".into(), trace_arg.clone()]);
+        } else {
+            // Flags: a few with hostile values, the built-in workload kept short.
+            args.extend([
+                "--requests".into(),
+                "3".into(),
+                "--max-new-tokens".into(),
+                "8".into(),
+            ]);
+            for _ in 0..rng.random_range(1..4) {
+                let flag = flags[rng.random_range(0..flags.len())];
+                args.extend([flag.to_string(), number(&mut rng).to_string()]);
+            }
+        }
+        let Some(out) = pagedattn_within(&args, std::time::Duration::from_secs(120)) else {
+            panic!(
+                "{args:?} (trace: {:?}) ran past 120 s",
+                std::fs::read_to_string(&trace)
+            );
+        };
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let context = || {
+            format!(
+                "{args:?} (trace: {:?}): {stderr}",
+                std::fs::read_to_string(&trace)
+            )
+        };
+        match out.status.code() {
+            Some(0) => outcomes[0] += 1,
+            Some(2) => {
+                assert_eq!(stderr.trim_end().lines().count(), 1, "{}", context());
+                outcomes[1] += 1;
+            }
+            other => panic!("exit {other:?}: {}", context()),
+        }
+        assert!(!stderr.contains("panicked"), "{}", context());
+    }
+    // Both answers occur: the hostile values reach past the parsers.
+    eprintln!("runs, errors: {outcomes:?}");
+    assert!(outcomes.iter().all(|&n| n > 0), "{outcomes:?}");
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -7,6 +7,7 @@
 pub mod chat;
 pub mod encdec;
 pub mod gguf;
+pub mod gguf_writer;
 #[cfg(feature = "cuda")]
 pub mod gpu_llama;
 pub mod llama;

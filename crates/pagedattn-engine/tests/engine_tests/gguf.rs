@@ -1,7 +1,8 @@
 //! The GGUF reader on the real SmolLM2 file and on synthetic, hostile files: every malformed
 //! input is an error naming what is wrong, never a panic.
 
-use crate::gguf_writer;
+use crate::common::model_path;
+use pagedattn_engine::models::gguf_writer;
 
 use gguf_writer::*;
 use pagedattn_engine::models::gguf::{Gguf, GgufError, LlamaConfig, MetaArray, MetaValue};

@@ -3,7 +3,6 @@
 //! golden/smollm2.json (written by tools/golden-smollm2.py from transformers on the same
 //! file) are transformers' tokens, all prompts served in one batch.
 
-use crate::gguf_writer;
 use crate::golden_file::{golden, ids};
 
 use std::sync::atomic::AtomicBool;
@@ -21,7 +20,7 @@ use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
 /// Serves every golden prompt on `backend` in one run (chunked prefill: 64 tokens a step)
 /// and compares each request's 32 greedy tokens with transformers'.
 fn greedy_tokens_match_on(backend: &str) {
-    let Some(path) = gguf_writer::model_path() else {
+    let Some(path) = crate::common::model_path() else {
         return;
     };
     let golden = golden();

@@ -115,7 +115,7 @@ fn llama_new_refuses_parts_that_disagree_with_its_shape() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use crate::gguf_writer;
+
     use crate::golden_file::{golden, ids};
     use pagedattn::cuda::Cuda;
     use pagedattn_engine::models::gguf::Gguf;
@@ -243,6 +243,41 @@ mod gpu {
         assert!(a.same_top1 * 100 >= a.rows * 95, "{a:?}");
     }
 
+    /// The tiny Llama whose first MLP overflows, on the GPU: greedy (the argmax kernel marks
+    /// the row) and sampled (the logits brought back), the run stops naming the logits.
+    #[test]
+    #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
+    fn a_gpu_model_that_overflows_stops_naming_the_logits() {
+        use crate::hostile::{overflowing_llama, request};
+        use pagedattn_engine::serving::engine::{Engine, EngineConfig};
+        use std::sync::atomic::AtomicBool;
+
+        let backend = registry::backend("cuda").unwrap();
+        let cuda = Cuda::new(0).unwrap();
+        for (temperature, graphs) in [(0.0, false), (0.0, true), (0.8, false)] {
+            let gpu = GpuLlama::new(&overflowing_llama(), &cuda).unwrap();
+            let config = EngineConfig {
+                cuda_graphs: graphs,
+                ..crate::common::config(64, 256)
+            };
+            let engine = Engine::new(backend.as_ref(), Box::new(gpu), &config).unwrap();
+            let err = engine
+                .run(
+                    "overflow",
+                    vec![request(vec![10, 20, 30], temperature)],
+                    &AtomicBool::new(false),
+                    &mut |_, _, _| {},
+                )
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.starts_with("model: step 0's logits (row 0")
+                    && err.ends_with("holds a non-finite value (NaN or ±inf)"),
+                "temperature {temperature}: {err}"
+            );
+        }
+    }
+
     /// The engine serves the GPU model on `cuda`, greedy (tokens sampled on the GPU) and at
     /// temperature 0.8 (logits brought back), every attention call checked against
     /// `reference`.
@@ -320,7 +355,7 @@ mod gpu {
     #[test]
     #[ignore = "needs a CUDA GPU and the SmolLM2 file (tools/gpu-suite.sh runs it)"]
     fn smollm2_bf16_logits_match_f32() {
-        let Some(path) = gguf_writer::model_path() else {
+        let Some(path) = crate::common::model_path() else {
             return;
         };
         let golden = golden();

@@ -3,7 +3,7 @@
 //! `cargo test` spent most of its time building and linking ten executables).
 
 mod common;
-mod gguf_writer;
+
 mod golden_file;
 
 mod blocks;
@@ -12,6 +12,7 @@ mod engine;
 mod gguf;
 mod golden;
 mod gpu_model;
+mod hostile;
 mod layout;
 mod memory;
 mod ops;

@@ -2,8 +2,9 @@
 //! (golden/smollm2.json, written by tools/golden-smollm2.py), and their errors on
 //! synthetic files.
 
-use crate::gguf_writer;
+use crate::common::model_path;
 use crate::golden_file::{golden, ids};
+use pagedattn_engine::models::gguf_writer;
 
 use gguf_writer::*;
 use pagedattn_engine::models::chat::{ChatMessage, ChatTemplate};

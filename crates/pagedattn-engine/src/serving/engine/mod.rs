@@ -65,6 +65,9 @@ pub struct EngineRequest {
     pub ignore_eos: bool,
 }
 
+/// The latest arrival [`Engine::run`] waits for: a day after the run's start.
+pub const MAX_ARRIVAL_SECONDS: f64 = 86_400.0;
+
 /// The engine: a model, its backend, the caches, the scheduler.
 pub struct Engine<'a> {
     backend: &'a dyn Backend,
@@ -255,16 +258,17 @@ impl<'a> Engine<'a> {
             .collect();
         let total = pending.len();
         let mut done = 0;
-        // An arrival that is no time after the start is rejected now (the loop could never
-        // reach it).
+        // An arrival that is no time after the start, or later than a run is meant to wait
+        // for (a replayed trace's clock, not a calendar), is rejected now: the loop could
+        // never reach it, or would idle until then.
         pending.retain(|(id, r)| {
-            let ok = r.arrival.is_finite() && r.arrival >= 0.0;
+            let ok = r.arrival.is_finite() && (0.0..=MAX_ARRIVAL_SECONDS).contains(&r.arrival);
             if !ok {
                 let e = SchedulerError::rejected(
                     *id,
                     "arrival",
                     r.arrival,
-                    "a finite number of seconds, at least 0",
+                    format!("seconds in [0, {MAX_ARRIVAL_SECONDS}] (a day)"),
                 );
                 self.report.requests[*id as usize].rejected = Some(e.to_string());
                 done += 1;

@@ -169,3 +169,29 @@ pub fn preemption_changes_nothing(
         })
         .collect()
 }
+
+/// The file the real model is expected at, or `None` after saying, past the test harness's
+/// output capture, that the test is skipped. `PAGEDATTN_REQUIRE_MODEL=1` makes absence a failure.
+pub fn model_path() -> Option<std::path::PathBuf> {
+    use std::io::Write;
+    // `PAGEDATTN_SMOLLM2` names the file where the test binary runs away from its checkout
+    // (the GPU machine).
+    let path = match std::env::var_os("PAGEDATTN_SMOLLM2") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    if path.is_file() {
+        return Some(path);
+    }
+    let msg = format!(
+        "{} is missing (bash tools/fetch-smollm2.sh fetches it)",
+        path.display()
+    );
+    if std::env::var("PAGEDATTN_REQUIRE_MODEL").as_deref() == Ok("1") {
+        panic!("{msg} and PAGEDATTN_REQUIRE_MODEL=1");
+    }
+    // Written to the stderr handle directly: libtest captures only the print macros.
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {msg}");
+    None
+}
