@@ -370,6 +370,22 @@ fn info_describes_the_gpu() {
         assert!(details.iter().any(|(n, _)| *n == name), "{details:?}");
     }
     backend.synchronize().unwrap();
+    // The backend's memory is the GPU's: all of it, and less free once a cache takes some.
+    let before = backend.memory().unwrap();
+    assert_eq!(before.total, info.total_memory as u64);
+    assert!(before.available <= before.total, "{before:?}");
+    let spec = AttentionConfig::builder(8, 128)
+        .build()
+        .unwrap()
+        .kv_cache_spec(DType::BF16, 4096, 16);
+    let cache = backend.allocate_kv_cache(&spec).unwrap();
+    let after = backend.memory().unwrap();
+    let bytes = 2 * spec.buffer_elems() as u64 * 2;
+    assert!(
+        after.available + bytes <= before.available + (64 << 20),
+        "a {bytes}-byte cache: {before:?} then {after:?}"
+    );
+    drop(cache);
 }
 
 #[test]

@@ -94,13 +94,13 @@ pub fn kv_pool_size(
             let budget = share_bytes.saturating_sub(in_use);
             if budget < bytes_per_block {
                 return Err(Error::Model(format!(
-                    "memory utilization {share}: {} of {}'s {} are in use, more than that \
-                     share ({}) less one KV block ({bytes_per_block} bytes): raise it, or give \
-                     the pool's size",
-                    gib(in_use),
+                    "memory utilization {share} ({} of {}'s {}) leaves no room for a KV block \
+                     ({bytes_per_block} bytes): {} are in use already; raise it, or give the \
+                     pool's size",
+                    gib(share_bytes),
                     backend.device(),
                     gib(m.total),
-                    gib(share_bytes)
+                    gib(in_use),
                 )));
             }
             budget

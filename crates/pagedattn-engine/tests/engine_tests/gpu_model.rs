@@ -260,7 +260,8 @@ mod gpu {
                 cuda_graphs: graphs,
                 ..crate::common::config(64, 256)
             };
-            let engine = Engine::new(backend.as_ref(), Box::new(gpu), &config).unwrap();
+            let engine = Engine::new(backend.as_ref(), Box::new(gpu), &config)
+                .unwrap_or_else(|e| panic!("{e}"));
             let err = engine
                 .run(
                     "overflow",

@@ -68,10 +68,13 @@ pub fn request(prompt: Vec<u32>, temperature: f32) -> EngineRequest {
     }
 }
 
-/// The tiny Llama with `ffn_down` weights near f32's (and bf16's) largest: its first MLP's
-/// product overflows.
+/// The tiny Llama with `ffn_down` weights near f32's (and bf16's) largest, so that its first
+/// MLP's product overflows, and heads of 32 (a head size the `cuda` backend has).
 pub fn overflowing_llama() -> Llama {
     let bytes = tiny_llama(&TinyLlama {
+        hidden: 64,
+        heads: 2,
+        kv_heads: 1,
         ffn_down_factor: f32::MAX,
         ..TinyLlama::default()
     });

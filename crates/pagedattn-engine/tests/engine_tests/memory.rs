@@ -66,7 +66,10 @@ fn a_share_of_the_host_counts_what_is_in_use() {
             16,
             KvCacheMemory::Utilization(share),
         );
-        assert!(e.unwrap_err().to_string().contains("are in use"));
+        assert!(e
+            .unwrap_err()
+            .to_string()
+            .contains("leaves no room for a KV block"));
     }
     // All of it holds at most what was free (the host's use moves between the readings).
     let all = kv_pool_size(
