@@ -85,10 +85,12 @@ impl std::fmt::Debug for ChatTemplate {
 /// default environment).
 const NAME: &str = "chat_template";
 
-/// The template's budget of instructions for one rendering: chat templates take thousands for
-/// a conversation; nested loops that would render for hours stop here (in well under a second)
-/// with an error.
-const TEMPLATE_FUEL: u64 = 50_000_000;
+/// The template's budget for one rendering, in minijinja's fuel: one an instruction, one per
+/// 64 bytes of strings (and lists and maps) the operators, filters and output make. Chat
+/// templates take thousands for a conversation; nested loops that would render for hours, or
+/// a string doubled in a loop, stop here (at 2 million instructions or 128 MB of data made,
+/// in well under a second) with an error, not an allocation that aborts the process.
+const TEMPLATE_FUEL: u64 = 2_000_000;
 
 /// The deepest nesting (minijinja counts 4 a macro call, 1 a loop or block; its default is
 /// 500): chat templates nest a few levels; a macro calling itself stops at about 14 calls with
@@ -127,8 +129,13 @@ impl ChatTemplate {
         let mut env = Environment::new();
         env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_recursion_limit(TEMPLATE_RECURSION);
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .map_err(template_error)?,
+        );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
@@ -152,7 +159,7 @@ impl ChatTemplate {
         let text =
             |t: &Option<crate::models::tokenizer::SpecialToken>| t.as_ref().map(|t| t.text.clone());
         let mut ctx = vec![
-            ("messages", Value::from_serialize(messages)),
+            ("messages", Value::from(minijinja::value::Serde(messages))),
             ("add_generation_prompt", Value::from(add_generation_prompt)),
             ("tools", Value::from(())),
             ("documents", Value::from(())),
@@ -167,7 +174,7 @@ impl ChatTemplate {
                 ctx.push((name, Value::from(t)));
             }
         }
-        let ctx: Value = ctx.into_iter().collect();
+        let ctx = Value::from_pairs(ctx);
         let mut out = CappedOutput::default();
         let rendered = self
             .env

