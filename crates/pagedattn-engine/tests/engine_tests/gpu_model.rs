@@ -243,6 +243,28 @@ mod gpu {
         assert!(a.same_top1 * 100 >= a.rows * 95, "{a:?}");
     }
 
+    /// Requests arriving while the engine idles, on the GPU model with CUDA graphs: every one
+    /// served, each after its arrival.
+    #[test]
+    #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
+    fn requests_arriving_over_time_are_served_on_the_gpu() {
+        let host = pagedattn_engine::models::synthetic::SyntheticConfig::default()
+            .build()
+            .unwrap();
+        let gpu = GpuLlama::new(&host, &Cuda::new(0).unwrap()).unwrap();
+        let mut reqs = requests(&gpu, Builtin::Chat, 4, 4, 3);
+        for (i, r) in reqs.iter_mut().enumerate() {
+            r.arrival = 0.15 * i as f64;
+        }
+        let report = serve_on_gpu(gpu, reqs, 256, VerifyMode::Sampled(0.5), true);
+        assert!(report.requests.iter().all(|r| r.rejected.is_none()));
+        for r in &report.requests {
+            assert!(!r.generated[0].is_empty(), "{r:?}");
+            assert!(r.finished.is_some_and(|f| f >= r.arrival), "{r:?}");
+        }
+        assert!(report.seconds >= 0.45, "{}", report.seconds);
+    }
+
     /// The tiny Llama whose first MLP overflows, on the GPU: greedy (the argmax kernel marks
     /// the row) and sampled (the logits brought back), the run stops naming the logits.
     #[test]
