@@ -523,14 +523,14 @@ const HOSTILE_NUMBERS: [&str; 16] = [
 /// Random traces (lines of every field with hostile values, junk lines, arrivals spread and
 /// bunched) and random flags with hostile values, through `pagedattn run` on the synthetic
 /// model: each a run (exit 0) or one line on stderr and exit 2, within its time, never a
-/// panic, an abort or a hang. `PAGEDATTN_HOSTILE_CASES` sets the count (CI: 40 of each).
+/// panic, an abort or a hang. `PAGEDATTN_HOSTILE_CASES` sets the count (CI: 30 of each).
 #[test]
 fn hostile_traces_and_flags_are_one_line_errors_or_runs() {
     use rand::{Rng, SeedableRng};
     let cases: usize = std::env::var("PAGEDATTN_HOSTILE_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(40);
+        .unwrap_or(30);
     let mut rng = rand::rngs::StdRng::seed_from_u64(42);
     let dir = std::env::temp_dir().join(format!("pagedattn-run-hostile-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
