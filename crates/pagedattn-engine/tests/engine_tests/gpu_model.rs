@@ -270,29 +270,12 @@ mod gpu {
     #[test]
     #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
     fn a_gpu_model_that_overflows_stops_naming_the_logits() {
-        use crate::hostile::{overflowing_llama, request};
-        use pagedattn_engine::serving::engine::{Engine, EngineConfig};
-        use std::sync::atomic::AtomicBool;
+        use crate::hostile::{overflowing_llama, run_to_error};
 
-        let backend = registry::backend("cuda").unwrap();
         let cuda = Cuda::new(0).unwrap();
         for (temperature, graphs) in [(0.0, false), (0.0, true), (0.8, false)] {
             let gpu = GpuLlama::new(&overflowing_llama(), &cuda).unwrap();
-            let config = EngineConfig {
-                cuda_graphs: graphs,
-                ..crate::common::config(64, 256)
-            };
-            let engine = Engine::new(backend.as_ref(), Box::new(gpu), &config)
-                .unwrap_or_else(|e| panic!("{e}"));
-            let err = engine
-                .run(
-                    "overflow",
-                    vec![request(vec![10, 20, 30], temperature)],
-                    &AtomicBool::new(false),
-                    &mut |_, _, _| {},
-                )
-                .unwrap_err()
-                .to_string();
+            let err = run_to_error("cuda", Box::new(gpu), graphs, temperature);
             assert!(
                 err.starts_with("model: step 0's logits (row 0")
                     && err.ends_with("holds a non-finite value (NaN or ±inf)"),

@@ -13,6 +13,7 @@ use pagedattn_engine::models::gguf_writer::{tiny_llama, TinyLlama};
 use pagedattn_engine::models::llama::Llama;
 use pagedattn_engine::models::ops::Precision;
 use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::serving::model::Model;
 use pagedattn_engine::serving::sample::SamplingParams;
 
 /// An environment variable's number, or `default`.
@@ -81,23 +82,34 @@ pub fn overflowing_llama() -> Llama {
     Llama::from_gguf(&Gguf::from_bytes(bytes).unwrap(), Precision::Exact).unwrap()
 }
 
-#[test]
-fn a_model_that_overflows_stops_naming_the_layer() {
-    let backend = pagedattn::registry::backend("cpu").unwrap();
+/// The error that stops serving one request of `temperature` with `model` on `backend`
+/// (CUDA graphs as `cuda_graphs` says): the run must fail.
+pub fn run_to_error(
+    backend: &str,
+    model: Box<dyn Model + '_>,
+    cuda_graphs: bool,
+    temperature: f32,
+) -> String {
+    let backend = pagedattn::registry::backend(backend).unwrap();
     let config = EngineConfig {
-        cuda_graphs: false,
+        cuda_graphs,
         ..crate::common::config(64, 256)
     };
-    let engine = Engine::new(backend.as_ref(), Box::new(overflowing_llama()), &config).unwrap();
-    let err = engine
+    let engine = Engine::new(backend.as_ref(), model, &config).unwrap_or_else(|e| panic!("{e}"));
+    engine
         .run(
             "overflow",
-            vec![request(vec![10, 20, 30], 0.0)],
+            vec![request(vec![10, 20, 30], temperature)],
             &AtomicBool::new(false),
             &mut |_, _, _| {},
         )
         .unwrap_err()
-        .to_string();
+        .to_string()
+}
+
+#[test]
+fn a_model_that_overflows_stops_naming_the_layer() {
+    let err = run_to_error("cpu", Box::new(overflowing_llama()), false, 0.0);
     assert!(
         err.starts_with("model: layer 0's output (token ")
             && err.ends_with("holds a non-finite value (NaN or ±inf)"),
