@@ -721,3 +721,115 @@ fn wrong_step_results_and_call_order_are_refused_and_change_nothing() {
         .to_string();
     assert_eq!(e, "max_batched_tokens = 0: expected > 0");
 }
+
+/// Random workloads with random requests aborted between steps (waiting, running, swapped
+/// out, forked): each abort frees what the request held at once (the accounting check after
+/// each), an aborted request never finishes, every other request does, and the pools end
+/// empty. An abort with a step in flight is refused and changes nothing.
+#[test]
+fn aborted_requests_free_their_blocks_at_once_and_the_others_finish() {
+    // Aborts from each queue (waiting, running, swapped out), over all the workloads.
+    let mut from = [0usize; 3];
+    for seed in 0..500u64 {
+        with_seed(seed, |seed| {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let (config, arrivals) = workload(&mut rng);
+            let mut s = Scheduler::new(config.clone()).unwrap();
+            let mut model = FakeModel::new(&config.blocks);
+            let (mut added, mut aborted, mut finished) =
+                (Vec::new(), HashSet::new(), HashSet::new());
+            let mut next = 0;
+            for step in 0..10_000 {
+                while next < arrivals.len() && arrivals[next].step <= step {
+                    if s.add_request(arrivals[next].spec.clone()).is_ok() {
+                        added.push(arrivals[next].spec.id);
+                    }
+                    next += 1;
+                }
+                if next == arrivals.len() && !s.has_unfinished() {
+                    break;
+                }
+                // One in four steps aborts a request: an unfinished one mostly, else any added
+                // so far (maybe finished or aborted already).
+                let open: Vec<RequestId> = added
+                    .iter()
+                    .copied()
+                    .filter(|id| !aborted.contains(id) && !finished.contains(id))
+                    .collect();
+                if !added.is_empty() && rng.random_bool(0.25) {
+                    let id = if !open.is_empty() && rng.random_bool(0.8) {
+                        open[rng.random_range(0..open.len())]
+                    } else {
+                        added[rng.random_range(0..added.len())]
+                    };
+                    let before = s.queue_lengths();
+                    let held = s.abort(id).unwrap();
+                    let after = s.queue_lengths();
+                    for (i, (b, a)) in [
+                        (before.0, after.0),
+                        (before.1, after.1),
+                        (before.2, after.2),
+                    ]
+                    .into_iter()
+                    .enumerate()
+                    {
+                        from[i] += b - a;
+                    }
+                    assert_eq!(
+                        held,
+                        !finished.contains(&id) && !aborted.contains(&id),
+                        "request {id}"
+                    );
+                    if held {
+                        aborted.insert(id);
+                    }
+                    s.blocks().check().expect("block accounting after an abort");
+                }
+                if !s.has_unfinished() {
+                    continue;
+                }
+                let batch = s.schedule().unwrap();
+                if let Some(&id) = added
+                    .iter()
+                    .find(|&&id| !aborted.contains(&id) && !finished.contains(&id))
+                {
+                    assert!(s.abort(id).is_err(), "an abort with a step in flight");
+                }
+                for event in s.finish_step(&model.step(&batch)).unwrap() {
+                    if let StepEvent::Finished { request, .. } = event {
+                        assert!(
+                            !aborted.contains(&request),
+                            "aborted request {request} finished"
+                        );
+                        assert!(finished.insert(request), "request {request} finished twice");
+                    }
+                }
+                s.blocks().check().expect("block accounting");
+            }
+            assert!(!s.has_unfinished(), "requests left after the run");
+            let kept: HashSet<_> = added.iter().filter(|id| !aborted.contains(id)).collect();
+            assert_eq!(
+                kept.len(),
+                finished.len(),
+                "every request not aborted finishes"
+            );
+            assert_eq!(s.stats().aborted_requests as usize, aborted.len());
+            let blocks = s.blocks();
+            assert_eq!(
+                blocks.free_device_blocks(),
+                config.blocks.num_device_blocks,
+                "device blocks leaked"
+            );
+            assert_eq!(
+                blocks.free_host_blocks(),
+                config.blocks.num_host_blocks,
+                "host blocks leaked"
+            );
+        });
+    }
+    eprintln!("aborts from waiting, running, swapped: {from:?}");
+    assert!(
+        from.iter().all(|&n| n >= 5),
+        "aborts from waiting, running, swapped: {from:?}"
+    );
+}

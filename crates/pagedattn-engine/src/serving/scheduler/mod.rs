@@ -270,6 +270,8 @@ pub struct SchedulerStats {
     pub swap_fallbacks: u64,
     /// Requests finished.
     pub finished_requests: u64,
+    /// Requests aborted before they finished.
+    pub aborted_requests: u64,
     /// The block manager's counters (copy-on-write copies, swapped blocks, prefix hits).
     pub blocks: BlockStats,
 }
@@ -328,6 +330,35 @@ impl Scheduler {
     /// Whether any request is unfinished.
     pub fn has_unfinished(&self) -> bool {
         !self.requests.is_empty()
+    }
+
+    /// Drops request `id` wherever it is (waiting, running or swapped out) and frees every
+    /// block it holds at once (device and host, its cross cache included; blocks it shares
+    /// with a cached prefix stay cached): what a client that went away asks for. Between steps
+    /// only (an abort with a step in flight is refused: the step's results name the request).
+    /// `Ok(false)` for a request it does not hold (finished, rejected, or never added).
+    pub fn abort(&mut self, id: RequestId) -> Result<bool, SchedulerError> {
+        if self.in_flight.is_some() {
+            return Err(invalid(
+                "abort",
+                "called with a step in flight",
+                "a call between finish_step and schedule",
+            ));
+        }
+        let Some(r) = self.requests.remove(&id) else {
+            return Ok(false);
+        };
+        for queue in [&mut self.waiting, &mut self.running, &mut self.swapped] {
+            queue.remove(&r.key());
+        }
+        for seq in r.block_ids() {
+            // (A waiting request holds no blocks yet, or none since a recompute preemption.)
+            if self.blocks.contains(seq) {
+                self.blocks.free(seq)?;
+            }
+        }
+        self.stats.aborted_requests += 1;
+        Ok(true)
     }
 
     /// Requests (waiting, running, swapped out).
