@@ -35,9 +35,8 @@ pub struct MemoryInfo {
 }
 
 /// The host's memory: `MemTotal` and `MemAvailable` of `/proc/meminfo`, each capped by the
-/// limit of this process's cgroup v2 (`memory.max`, less `memory.current` for what is
-/// available), so that a container's budget is what counts. Not on other systems: the
-/// error says so.
+/// memory limit of this process's control group (less its usage, for what is available), so
+/// that a container's budget is what counts. Not on other systems: the error says so.
 pub fn host_memory() -> crate::Result<MemoryInfo> {
     #[cfg(target_os = "linux")]
     {
@@ -57,10 +56,7 @@ pub fn host_memory() -> crate::Result<MemoryInfo> {
                 .ok_or_else(|| crate::Error::Format(format!("/proc/meminfo: no {name} in kB")))
         };
         let (mut total, mut available) = (field("MemTotal")?, field("MemAvailable")?);
-        // The cgroup's limit ("max": none) where it is lower; absent files: no cgroup v2.
-        let number = |path: &str| read(path).ok()?.trim().parse::<u64>().ok();
-        if let Some(limit) = number("/sys/fs/cgroup/memory.max") {
-            let used = number("/sys/fs/cgroup/memory.current").unwrap_or(0);
+        if let Some((limit, used)) = cgroup_memory() {
             total = total.min(limit);
             available = available.min(limit.saturating_sub(used));
         }
@@ -73,4 +69,47 @@ pub fn host_memory() -> crate::Result<MemoryInfo> {
             feature: "reading the host's memory (Linux only): give the KV cache's size".into(),
         })
     }
+}
+
+/// This process's control group's memory limit and usage in bytes, where it has a limit:
+/// cgroup v2 (`memory.max`, `memory.current`) or v1's memory controller
+/// (`memory.limit_in_bytes`, `memory.usage_in_bytes`), in the process's own group as
+/// `/proc/self/cgroup` names it, else at the hierarchy's mount point (where a container sees
+/// its own group). v2's `max` (no limit) reads as none; v1's no-limit is a huge number, which
+/// caps nothing.
+#[cfg(target_os = "linux")]
+fn cgroup_memory() -> Option<(u64, u64)> {
+    let number = |path: &str| {
+        std::fs::read_to_string(path)
+            .ok()?
+            .trim()
+            .parse::<u64>()
+            .ok()
+    };
+    let groups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    for line in groups.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        let (mount, limit, usage) = if controllers.is_empty() {
+            ("/sys/fs/cgroup", "memory.max", "memory.current")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            (
+                "/sys/fs/cgroup/memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
+        } else {
+            continue;
+        };
+        for dir in [format!("{mount}{path}"), mount.to_string()] {
+            if let Some(bytes) = number(&format!("{dir}/{limit}")) {
+                return Some((bytes, number(&format!("{dir}/{usage}")).unwrap_or(0)));
+            }
+        }
+    }
+    None
 }
