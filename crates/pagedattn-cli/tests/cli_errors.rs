@@ -256,6 +256,11 @@ fn usage_errors_are_one_line() {
             "possible values",
             "pagedattn bench --help",
         ),
+        (
+            &["compile-kernels", "--arch", "sm_80", "--parts", "0"],
+            "--parts",
+            "pagedattn compile-kernels --help",
+        ),
         (&["nope"], "'nope'", "try 'pagedattn --help'"),
         (
             &[],
@@ -271,6 +276,33 @@ fn usage_errors_are_one_line() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
+
+/// A sweep's part out of range, or parts without `--depth spread`: one line, exit 2, before
+/// NVRTC is looked for.
+#[cfg(feature = "cuda")]
+#[test]
+fn compile_kernels_parts_are_checked() {
+    for args in [
+        &[
+            "compile-kernels",
+            "--arch",
+            "sm_80",
+            "--depth",
+            "spread",
+            "--parts",
+            "2",
+            "--part",
+            "2",
+        ][..],
+        &["compile-kernels", "--arch", "sm_80", "--parts", "2"],
+    ] {
+        let out = run(args, None, "parts");
+        assert_one_line_error(
+            &out,
+            "expected a part below --parts, and more than one part only with --depth spread",
+        );
     }
 }
 
