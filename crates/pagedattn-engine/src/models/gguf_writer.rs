@@ -3,6 +3,7 @@
 //! chat template. What the tests, the hostile-input suite and the GGUF fuzz target build
 //! their files with (the reader is [`gguf`](super::gguf)).
 
+use crate::models::tokenizer::byte_alphabet;
 use crate::rng::SplitMix64;
 
 /// GGUF's metadata value type code of a `u8`.
@@ -194,27 +195,15 @@ impl Default for TinyLlama {
     }
 }
 
-/// GPT-2's byte alphabet: the character byte `b` is spelled with in byte-level BPE tokens.
-fn byte_char(b: u8) -> char {
-    let printable = matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
-    if printable {
-        char::from(b)
-    } else {
-        // The others in order, from U+0100.
-        let rank = (0..b)
-            .filter(|&c| !matches!(c, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff))
-            .count();
-        char::from_u32(256 + rank as u32).expect("below U+0200")
-    }
-}
-
 /// A complete Llama GGUF of `shape`: f32 weights drawn from its seed (the output head tied to
 /// the embedding), a byte-level BPE tokenizer of the 256 byte tokens and `<|im_end|>` (its
 /// end of turn), and a ChatML template. What `Llama::from_gguf`, `Tokenizer::from_gguf` and
 /// `ChatTemplate::from_gguf` load and the engine serves.
 pub fn tiny_llama(shape: &TinyLlama) -> Vec<u8> {
-    let tokens: Vec<String> = (0..=255u8)
-        .map(|b| byte_char(b).to_string())
+    // The 256 byte tokens as byte-level BPE spells them, then the end of turn.
+    let tokens: Vec<String> = byte_alphabet()
+        .iter()
+        .map(char::to_string)
         .chain(["<|im_end|>".to_string()])
         .collect();
     let token_refs: Vec<&str> = tokens.iter().map(String::as_str).collect();

@@ -359,7 +359,7 @@ fn in_byte_alphabet(c: char) -> bool {
 /// GPT-2's `bytes_to_unicode`: byte `b` is spelled `alphabet[b]`. Printable Latin-1 bytes spell
 /// themselves; the others (controls, space, …) take the code points from U+0100 on, in order.
 /// (The `tokenizers` crate has this table but keeps it private.)
-fn byte_alphabet() -> [char; 256] {
+pub(crate) fn byte_alphabet() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for (b, slot) in table.iter_mut().enumerate() {

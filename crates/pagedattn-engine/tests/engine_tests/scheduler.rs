@@ -282,6 +282,16 @@ fn run(config: &SchedulerConfig, arrivals: &[Arrival]) -> Run {
         }
         s.blocks().check().expect("block accounting");
     }
+    assert_pools_empty(&s, config);
+    Run {
+        outputs,
+        rejected,
+        stats: s.stats(),
+    }
+}
+
+/// Every device and host block of `s` free: nothing leaked.
+fn assert_pools_empty(s: &Scheduler, config: &SchedulerConfig) {
     let blocks = s.blocks();
     assert_eq!(
         blocks.free_device_blocks(),
@@ -293,11 +303,6 @@ fn run(config: &SchedulerConfig, arrivals: &[Arrival]) -> Run {
         config.blocks.num_host_blocks,
         "host blocks leaked"
     );
-    Run {
-        outputs,
-        rejected,
-        stats: s.stats(),
-    }
 }
 
 /// A random workload and a tight configuration for it.
@@ -814,17 +819,7 @@ fn aborted_requests_free_their_blocks_at_once_and_the_others_finish() {
                 "every request not aborted finishes"
             );
             assert_eq!(s.stats().aborted_requests as usize, aborted.len());
-            let blocks = s.blocks();
-            assert_eq!(
-                blocks.free_device_blocks(),
-                config.blocks.num_device_blocks,
-                "device blocks leaked"
-            );
-            assert_eq!(
-                blocks.free_host_blocks(),
-                config.blocks.num_host_blocks,
-                "host blocks leaked"
-            );
+            assert_pools_empty(&s, &config);
         });
     }
     eprintln!("aborts from waiting, running, swapped: {from:?}");
