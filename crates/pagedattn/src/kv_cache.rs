@@ -101,6 +101,12 @@ impl KvCacheSpec {
         self.block_size * self.num_kv_heads * self.head_size
     }
 
+    /// Bytes of one block of the key (or value) buffer, as stored
+    /// ([`storage_dtype`](Self::storage_dtype)).
+    pub fn block_bytes(&self) -> usize {
+        self.block_elems() * self.storage_dtype().size_bytes()
+    }
+
     /// Elements in the key (or value) buffer.
     pub fn buffer_elems(&self) -> usize {
         self.num_blocks * self.block_elems()

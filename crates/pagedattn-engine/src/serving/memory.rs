@@ -62,8 +62,7 @@ pub fn kv_bytes_per_block(model: &dyn Model, block_size: usize) -> u64 {
         .filter(|c| c.attn_type().uses_cache())
         .map(|c| {
             let spec = c.kv_cache_spec(model.dtype(), 1, block_size);
-            let bytes = spec.block_elems() as u64 * spec.storage_dtype().size_bytes() as u64;
-            bytes.saturating_mul(2)
+            (spec.block_bytes() as u64).saturating_mul(2)
         })
         .fold(0, u64::saturating_add)
         .max(1)

@@ -229,9 +229,7 @@ pub(crate) fn info_of(gpu: &Gpu) -> Result<DeviceInfo> {
     let total_memory = ctx
         .total_mem()
         .map_err(|e| driver_error(&what("cuDeviceTotalMem"), e))?;
-    let (free_memory, _) = ctx
-        .mem_get_info()
-        .map_err(|e| driver_error(&what("cuMemGetInfo"), e))?;
+    let free_memory = memory_of(gpu)?.available as usize;
     let mut version = 0;
     // SAFETY: writes one int through a valid pointer; the library is loaded (the GPU is open).
     unsafe { sys::cuDriverGetVersion(&mut version) }

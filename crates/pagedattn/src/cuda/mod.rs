@@ -205,7 +205,7 @@ impl Backend for Cuda {
             check_sides(cache, self.device(), &what, "the backend's device")?;
             let spec = cache.spec();
             indices = check_pairs(pairs, spec.num_blocks, spec.num_blocks)?;
-            let block_bytes = spec.block_elems() * spec.storage_dtype().size_bytes();
+            let block_bytes = spec.block_bytes();
             let address = |buffer, name| -> Result<u64> {
                 let what = format!("{what}.{name}");
                 Ok(cuda_storage(buffer, &what)?
@@ -227,7 +227,7 @@ impl Backend for Cuda {
 fn swap_blocks(src: &KvCache, dst: &mut KvCache, pairs: &[(BlockId, BlockId)]) -> Result<()> {
     let pairs = check_swap(src, dst, pairs)?;
     let spec = src.spec();
-    let block_bytes = spec.block_elems() * spec.storage_dtype().size_bytes();
+    let block_bytes = spec.block_bytes();
     let ranges = || {
         pairs
             .iter()

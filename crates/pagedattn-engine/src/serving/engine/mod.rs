@@ -193,10 +193,7 @@ impl<'a> Engine<'a> {
                 kv_cache_blocks: pools.num_device_blocks,
                 kv_cache_bytes: caches
                     .iter()
-                    .map(|c| {
-                        let spec = c.spec();
-                        2 * spec.buffer_elems() as u64 * spec.storage_dtype().size_bytes() as u64
-                    })
+                    .map(|c| 2 * c.spec().block_bytes() as u64 * c.spec().num_blocks as u64)
                     .sum(),
                 ..Report::default()
             },
