@@ -4,7 +4,9 @@
 #![warn(missing_docs)]
 
 mod bench;
+mod engine_options;
 mod example;
+mod run;
 mod serve;
 
 use std::path::{Path, PathBuf};
@@ -47,7 +49,16 @@ enum Command {
         #[arg(long, default_value = "auto")]
         backend: String,
         #[command(flatten)]
-        engine: serve::ServeArgs,
+        args: run::RunArgs,
+    },
+    /// Serves a model over HTTP with OpenAI's API (completions and chat completions,
+    /// streamed or not), `/health` and Prometheus `/metrics`, until SIGINT or SIGTERM.
+    Serve {
+        /// Backend name, or `auto` for the best one available.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        #[command(flatten)]
+        args: serve::ServeArgs,
     },
     /// Replays one captured forward call (docs/replay-format.md) on a backend: prints what
     /// ran and how long it took, writes its results (`--output`), checks them against
@@ -478,11 +489,12 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     let result: std::result::Result<(), String> = match cli.command {
-        Command::Run { backend, engine } => match serve::serve(&engine, &backend) {
+        Command::Run { backend, args } => match run::run(&args, &backend) {
             // The shell's code for a process ended by SIGINT, after the report so far.
-            Ok(serve::Served::Interrupted) => return ExitCode::from(130),
+            Ok(run::Served::Interrupted) => return ExitCode::from(130),
             other => other.map(|_| ()).map_err(|e| e.to_string()),
         },
+        Command::Serve { backend, args } => serve::serve(&args, &backend),
         Command::Forward {
             input,
             backend,

@@ -263,8 +263,28 @@ fn usage_errors_are_one_line() {
         ),
         (&["nope"], "'nope'", "try 'pagedattn --help'"),
         (
+            &["serve", "--port", "70000"],
+            "'70000'",
+            "pagedattn serve --help",
+        ),
+        (
+            &["serve", "--max-n", "0"],
+            "at least 1",
+            "pagedattn serve --help",
+        ),
+        (
+            &["serve", "--shutdown-timeout=-1"],
+            "from 0 to 86400",
+            "pagedattn serve --help",
+        ),
+        (
+            &["serve", "--max-request-bytes", "lots"],
+            "a byte count",
+            "pagedattn serve --help",
+        ),
+        (
             &[],
-            "a command is needed: run, forward",
+            "a command is needed: run, serve, forward",
             "try 'pagedattn --help'",
         ),
     ] {

@@ -130,6 +130,8 @@ pub fn load_and_serve(bytes: Vec<u8>) -> Outcome {
             n: 1,
             sampling: SamplingParams::default(),
             ignore_eos: true,
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
         };
         let engine = Engine::new(backend.as_ref(), Box::new(model), &config)?;
         let report = engine.run(

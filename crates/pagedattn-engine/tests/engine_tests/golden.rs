@@ -57,6 +57,8 @@ fn greedy_tokens_match_on(backend: &str) {
             sampling: SamplingParams::default(),
             // transformers generated past the end of the turn.
             ignore_eos: true,
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
         })
         .collect();
     let engine = Engine::new(backend.as_ref(), Box::new(model), &config)

@@ -66,6 +66,8 @@ pub fn request(prompt: Vec<u32>, temperature: f32) -> EngineRequest {
             ..SamplingParams::default()
         },
         ignore_eos: true,
+        stop_token_ids: Vec::new(),
+        min_tokens: 0,
     }
 }
 

@@ -13,8 +13,7 @@
 //! first steps and later ones.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use pagedattn::{
     AttentionConfig, AttentionImpl, AttnType, Backend, KvCache, SequenceDesc, Workspace,
@@ -25,14 +24,17 @@ use crate::serving::check::CallCheck;
 use crate::serving::clock::AttentionClock;
 use crate::serving::graphs::DecodeGraphs;
 use crate::serving::model::{first_non_finite, Model, ModelKind, StepTokens, NON_FINITE_TOKEN};
-use crate::serving::report::{CacheCounts, Report, RequestRecord, StepRecord};
+use crate::serving::report::{StepRecord, VerifyCounts};
 use crate::serving::sample::{Sampler, SamplingParams};
 use crate::serving::scheduler::{
     RequestSpec, Sampled, Scheduler, SchedulerConfig, SchedulerError, StepEvent,
 };
+
 use crate::{Error, Result};
+pub use run::MAX_ARRIVAL_SECONDS;
 
 mod forward;
+mod run;
 
 /// How the engine is set up.
 #[derive(Clone, Debug)]
@@ -63,10 +65,54 @@ pub struct EngineRequest {
     pub sampling: SamplingParams,
     /// Generate `max_new_tokens` even past the model's stop tokens (vLLM's `ignore_eos`).
     pub ignore_eos: bool,
+    /// Tokens that end a sample besides the model's own (vLLM's `stop_token_ids`; they stop
+    /// it under `ignore_eos` too).
+    pub stop_token_ids: Vec<u32>,
+    /// Each sample's fewest generated tokens: until it has them, no stop token is drawn
+    /// (their logits are masked, as vLLM's `min_tokens` does).
+    pub min_tokens: usize,
 }
 
-/// The latest arrival [`Engine::run`] waits for: a day after the run's start.
-pub const MAX_ARRIVAL_SECONDS: f64 = 86_400.0;
+/// What the engine keeps of an unfinished request besides what the scheduler holds.
+#[derive(Clone, Debug)]
+struct ActiveRequest {
+    sampling: SamplingParams,
+    prompt_len: usize,
+    min_tokens: usize,
+    stop_tokens: Vec<u32>,
+}
+
+impl ActiveRequest {
+    /// Whether the token sampled at sequence position `position` may not be a stop token
+    /// (the sample has fewer than `min_tokens` generated tokens before it).
+    fn masks_stop_tokens_at(&self, position: usize) -> bool {
+        position.saturating_sub(self.prompt_len) < self.min_tokens && !self.stop_tokens.is_empty()
+    }
+}
+
+/// One token sampled in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampledToken {
+    /// Its request.
+    pub request: RequestId,
+    /// Which sample of the request it extends.
+    pub sample: usize,
+    /// The token.
+    pub token: u32,
+}
+
+/// What one [`Engine::step`] made.
+#[derive(Clone, Debug, Default)]
+pub struct StepOutput {
+    /// The step's timings and counts (`None`: the step ran no model, e.g. nothing to run).
+    pub record: Option<StepRecord>,
+    /// Every token sampled, in the step's batch order (a sample's tokens in its order).
+    pub tokens: Vec<SampledToken>,
+    /// The pooled final states of the encoder-only requests the step served.
+    pub pooled: Vec<(RequestId, Vec<f32>)>,
+    /// The scheduler's events: preemptions and swap-ins, then finished requests.
+    pub events: Vec<StepEvent>,
+}
 
 /// The engine: a model, its backend, the caches, the scheduler.
 pub struct Engine<'a> {
@@ -89,10 +135,15 @@ pub struct Engine<'a> {
     /// Attention calls made.
     attention_calls: usize,
     sampler: Sampler,
-    /// Each unfinished request's sampling.
-    sampling: HashMap<RequestId, SamplingParams>,
-    report: Report,
+    /// Each unfinished request's sampling and stop conditions.
+    active: HashMap<RequestId, ActiveRequest>,
+    /// Logits with stop tokens masked (`min_tokens`).
+    masked: Vec<f32>,
+    buffers: StepBuffers,
+    /// Steps run.
     steps: usize,
+    /// When the step records' clock started.
+    epoch: Instant,
     clock: AttentionClock,
     graphs: Option<DecodeGraphs>,
 }
@@ -187,16 +238,6 @@ impl<'a> Engine<'a> {
         let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {
             backend,
-            report: Report {
-                model: model.name(),
-                backend: backend.name().into(),
-                kv_cache_blocks: pools.num_device_blocks,
-                kv_cache_bytes: caches
-                    .iter()
-                    .map(|c| 2 * c.spec().block_bytes() as u64 * c.spec().num_blocks as u64)
-                    .sum(),
-                ..Report::default()
-            },
             model,
             attention,
             layers,
@@ -210,8 +251,11 @@ impl<'a> Engine<'a> {
             check: None,
             attention_calls: 0,
             sampler: Sampler::new(),
-            sampling: HashMap::new(),
+            active: HashMap::new(),
+            masked: Vec::new(),
+            buffers: StepBuffers::default(),
             steps: 0,
+            epoch: Instant::now(),
             clock: AttentionClock::new(backend)?,
             graphs,
         })
@@ -224,118 +268,159 @@ impl<'a> Engine<'a> {
         self
     }
 
-    /// Serves `requests` to the end (or until `stop` is set), returning the report. Requests
-    /// arrive at their `arrival` times (the engine waits when it has nothing to do);
-    /// `progress` is called after every step with (requests done, requests, generated tokens).
-    pub fn run(
-        mut self,
-        workload: &str,
-        requests: Vec<EngineRequest>,
-        stop: &AtomicBool,
-        progress: &mut dyn FnMut(usize, usize, usize),
-    ) -> Result<Report> {
-        self.report.workload = workload.into();
-        let start = Instant::now();
-        // Request i's record is `report.requests[i]`.
-        self.report.requests = requests
-            .iter()
-            .enumerate()
-            .map(|(i, r)| RequestRecord {
-                id: i as RequestId,
-                arrival: r.arrival,
-                prompt_tokens: r.prompt.len(),
-                encoder_prompt_tokens: r.encoder_prompt.as_ref().map_or(0, Vec::len),
-                ..RequestRecord::default()
-            })
-            .collect();
-        let mut pending: Vec<(RequestId, EngineRequest)> = requests
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| (i as RequestId, r))
-            .collect();
-        let total = pending.len();
-        let mut done = 0;
-        // An arrival that is no time after the start, or later than a run is meant to wait
-        // for (a replayed trace's clock, not a calendar), is rejected now: the loop could
-        // never reach it, or would idle until then.
-        pending.retain(|(id, r)| {
-            let ok = r.arrival.is_finite() && (0.0..=MAX_ARRIVAL_SECONDS).contains(&r.arrival);
-            if !ok {
-                let e = SchedulerError::rejected(
-                    *id,
-                    "arrival",
-                    r.arrival,
-                    format!("seconds in [0, {MAX_ARRIVAL_SECONDS}] (a day)"),
-                );
-                self.report.requests[*id as usize].rejected = Some(e.to_string());
-                done += 1;
+    /// Restarts the clock that the step records' `end` times count from.
+    pub fn restart_clock(&mut self) {
+        self.epoch = Instant::now();
+    }
+
+    /// Queues request `id` (an id the engine does not hold): checked first against what the
+    /// scheduler cannot see (token ids against the vocabulary, lengths against the model's
+    /// context, the sampling settings, an encoder prompt against the model's kind), then by
+    /// the scheduler (a request larger than the whole pool or a step's budgets). It joins the
+    /// running batch at the next step that has room for it. A refused request changes nothing.
+    pub fn add_request(
+        &mut self,
+        id: RequestId,
+        r: EngineRequest,
+    ) -> std::result::Result<(), SchedulerError> {
+        self.check_request(id, &r)?;
+        let kind = self.model.kind();
+        let spec = match (kind, r.encoder_prompt) {
+            (ModelKind::EncoderOnly, None) => RequestSpec::encode(id, r.prompt),
+            (ModelKind::EncoderDecoder, Some(encoder)) => {
+                RequestSpec::new(id, r.prompt, r.max_new_tokens).encoder_prompt(encoder)
             }
-            ok
-        });
-        pending.sort_by(|a, b| a.1.arrival.total_cmp(&b.1.arrival));
-        pending.reverse();
-        let mut buffers = StepBuffers::default();
-        loop {
-            if stop.load(Ordering::Relaxed) {
-                self.report.interrupted = true;
-                break;
+            (ModelKind::Decoder, None) => RequestSpec::new(id, r.prompt, r.max_new_tokens),
+            (_, encoder) => {
+                return Err(SchedulerError::rejected(
+                    id,
+                    "encoder_prompt",
+                    encoder.map_or("none".into(), |e| format!("{} tokens", e.len())),
+                    match kind {
+                        ModelKind::EncoderDecoder => {
+                            "the encoder's tokens (the model is encoder-decoder)"
+                        }
+                        _ => "none (only an encoder-decoder model takes one)",
+                    },
+                ))
             }
-            let now = start.elapsed().as_secs_f64();
-            while pending.last().is_some_and(|(_, r)| r.arrival <= now) {
-                if let Some((id, r)) = pending.pop() {
-                    done += self.admit(id, r);
-                }
-            }
-            let batch = self.scheduler.schedule()?;
-            if batch.seqs.is_empty() && batch.swap_out.is_empty() {
-                // Nothing to run now: the empty step is closed (the scheduler takes no
-                // other until it is), then the loop waits for the next arrival.
-                for event in self.scheduler.finish_step(&[])? {
-                    done += self.record(event, start);
-                }
-                match pending.last() {
-                    None if !self.scheduler.has_unfinished() => break,
-                    None => {
-                        return Err(Error::Accounting(
-                            "the scheduler holds requests but schedules nothing".into(),
-                        ))
-                    }
-                    Some((_, next)) => {
-                        let wait = (next.arrival - now).clamp(0.0, 0.05);
-                        std::thread::sleep(Duration::from_secs_f64(wait));
-                        continue;
-                    }
-                }
-            }
-            let events = self.step(&batch, &mut buffers, start)?;
-            for event in events {
-                done += self.record(event, start);
-            }
-            progress(done, total, self.report.generated_tokens());
-        }
-        if !self.report.interrupted {
-            // Every request finished: every block must be free (cached prefixes included).
-            self.scheduler
-                .blocks()
-                .check()
-                .map_err(|e| Error::Accounting(e.to_string()))?;
-        }
-        self.report.seconds = start.elapsed().as_secs_f64();
-        let stats = self.scheduler.stats();
-        self.report.cache = CacheCounts {
-            prefix_queried_tokens: stats.blocks.prefix_query_tokens as usize,
-            prefix_hit_tokens: stats.blocks.prefix_hit_tokens as usize,
-            preempted_by_swap: stats.preempted_by_swap as usize,
-            preempted_by_recompute: stats.preempted_by_recompute as usize,
-            blocks_swapped_out: stats.blocks.swapped_out_blocks as usize,
-            blocks_swapped_in: stats.blocks.swapped_in_blocks as usize,
-            copy_on_write_blocks: stats.blocks.cow_copies as usize,
         };
-        if let Some(check) = &self.check {
-            self.report.verify = check.counts().clone();
+        let mut stop_tokens = if r.ignore_eos {
+            Vec::new()
+        } else {
+            self.model.stop_tokens()
+        };
+        for &t in &r.stop_token_ids {
+            if !stop_tokens.contains(&t) {
+                stop_tokens.push(t);
+            }
         }
-        self.report.verify.calls_total = self.attention_calls;
-        Ok(self.report)
+        let prompt_len = spec.prompt.len();
+        self.scheduler
+            .add_request(spec.samples(r.n).stop_tokens(stop_tokens.clone()))?;
+        self.active.insert(
+            id,
+            ActiveRequest {
+                sampling: r.sampling,
+                prompt_len,
+                min_tokens: r.min_tokens,
+                stop_tokens,
+            },
+        );
+        Ok(())
+    }
+
+    /// Aborts request `id` wherever it is (waiting, running or swapped out), freeing its
+    /// blocks at once: what a client that went away asks for. `Ok(false)` for a request the
+    /// engine does not hold (finished, refused, or never added).
+    pub fn abort(&mut self, id: RequestId) -> Result<bool> {
+        let held = self.scheduler.abort(id)?;
+        self.active.remove(&id);
+        Ok(held)
+    }
+
+    /// Whether any request is unfinished.
+    pub fn has_unfinished(&self) -> bool {
+        self.scheduler.has_unfinished()
+    }
+
+    /// The scheduler: queue lengths, counters, and the block manager (with its check).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    /// Blocks in the device pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Bytes of the device caches of every layer (keys and values, the CUDA graphs' padding
+    /// blocks included).
+    pub fn kv_cache_bytes(&self) -> u64 {
+        self.caches
+            .iter()
+            .map(|c| 2 * c.spec().block_bytes() as u64 * c.spec().num_blocks as u64)
+            .sum()
+    }
+
+    /// The model's name.
+    pub fn model_name(&self) -> String {
+        self.model.name()
+    }
+
+    /// The attention calls made so far, and the check's counts where there is a check.
+    pub fn verify_counts(&self) -> VerifyCounts {
+        let mut counts = self
+            .check
+            .as_ref()
+            .map(|c| c.counts().clone())
+            .unwrap_or_default();
+        counts.calls_total = self.attention_calls;
+        counts
+    }
+
+    /// Runs the next step: the scheduler picks its work among the queued requests, the
+    /// engine moves blocks, runs the model and samples. Returns what the step made: every
+    /// sampled token by request and sample (as it is sampled: the tokens to stream), pooled
+    /// states, and the scheduler's events (a request's `Finished` event comes in the step
+    /// that sampled its last token). With nothing to run (no request held) the output is
+    /// empty and `record` is `None`.
+    ///
+    /// # Errors
+    /// The model's or backend's errors, and a scheduler that holds requests but schedules
+    /// none (an accounting bug): the engine cannot go on after one.
+    pub fn step(&mut self) -> Result<StepOutput> {
+        let batch = self.scheduler.schedule()?;
+        if batch.seqs.is_empty() && batch.swap_out.is_empty() {
+            // Nothing to run: the empty step is closed (the scheduler takes no other until
+            // it is).
+            let events = self.scheduler.finish_step(&[])?;
+            self.forget_finished(&events);
+            if self.scheduler.has_unfinished() && events.is_empty() {
+                return Err(Error::Accounting(
+                    "the scheduler holds requests but schedules nothing".into(),
+                ));
+            }
+            return Ok(StepOutput {
+                events,
+                ..StepOutput::default()
+            });
+        }
+        let mut buffers = std::mem::take(&mut self.buffers);
+        let output = self.run_step(&batch, &mut buffers);
+        self.buffers = buffers;
+        let output = output?;
+        self.forget_finished(&output.events);
+        Ok(output)
+    }
+
+    /// Drops the per-request state of the requests that finished.
+    fn forget_finished(&mut self, events: &[StepEvent]) {
+        for event in events {
+            if let StepEvent::Finished { request, .. } = event {
+                self.active.remove(request);
+            }
+        }
     }
 
     /// What the scheduler cannot see of a request, checked when it arrives: its token ids
@@ -396,59 +481,8 @@ impl<'a> Engine<'a> {
         })
     }
 
-    /// Hands a request to the scheduler (a request that can never fit, or that does not fit
-    /// the model or its kind, is recorded as rejected, with the reason).
-    fn admit(&mut self, id: RequestId, r: EngineRequest) -> usize {
-        if let Err(e) = self.check_request(id, &r) {
-            self.report.requests[id as usize].rejected = Some(e.to_string());
-            return 1;
-        }
-        let kind = self.model.kind();
-        let spec = match (kind, r.encoder_prompt) {
-            (ModelKind::EncoderOnly, None) => Ok(RequestSpec::encode(id, r.prompt)),
-            (ModelKind::EncoderDecoder, Some(encoder)) => {
-                Ok(RequestSpec::new(id, r.prompt, r.max_new_tokens).encoder_prompt(encoder))
-            }
-            (ModelKind::Decoder, None) => Ok(RequestSpec::new(id, r.prompt, r.max_new_tokens)),
-            (_, encoder) => Err(SchedulerError::rejected(
-                id,
-                "encoder_prompt",
-                encoder.map_or("none".into(), |e| format!("{} tokens", e.len())),
-                match kind {
-                    ModelKind::EncoderDecoder => {
-                        "the encoder's tokens (the model is encoder-decoder)"
-                    }
-                    _ => "none (only an encoder-decoder model takes one)",
-                },
-            )),
-        };
-        let added = spec.and_then(|spec| {
-            self.scheduler
-                .add_request(spec.samples(r.n).stop_tokens(if r.ignore_eos {
-                    Vec::new()
-                } else {
-                    self.model.stop_tokens()
-                }))
-        });
-        match added {
-            Ok(()) => {
-                self.sampling.insert(id, r.sampling);
-                0
-            }
-            Err(e) => {
-                self.report.requests[id as usize].rejected = Some(e.to_string());
-                1
-            }
-        }
-    }
-
-    /// Runs one scheduled step; returns the scheduler's events.
-    fn step(
-        &mut self,
-        batch: &StepBatch,
-        buf: &mut StepBuffers,
-        start: Instant,
-    ) -> Result<Vec<StepEvent>> {
+    /// Runs one scheduled step.
+    fn run_step(&mut self, batch: &StepBatch, buf: &mut StepBuffers) -> Result<StepOutput> {
         let step_start = Instant::now();
         if !batch.swap_out.is_empty() {
             self.backend
@@ -463,7 +497,10 @@ impl<'a> Engine<'a> {
         }
         if batch.seqs.is_empty() {
             // A step that only swapped out: the scheduler still closes it.
-            return Ok(self.scheduler.finish_step(&[])?);
+            return Ok(StepOutput {
+                events: self.scheduler.finish_step(&[])?,
+                ..StepOutput::default()
+            });
         }
         buf.tokens.clear();
         buf.positions.clear();
@@ -504,16 +541,14 @@ impl<'a> Engine<'a> {
             Some(check) => check.layers_for_step(self.layers.len()),
             None => Vec::new(),
         };
-        // Every sample of the step greedy: the model may keep its logits to itself.
+        // Every sample of the step greedy, none with stop tokens to mask: the model may keep
+        // its logits to itself.
         let greedy = batch.seqs.iter().all(|s| {
             !s.encoder_only
                 && (s.num_samples == 0
-                    || self
-                        .sampling
-                        .get(&s.request)
-                        .copied()
-                        .unwrap_or_default()
-                        .is_greedy())
+                    || self.active.get(&s.request).is_none_or(|r| {
+                        r.sampling.is_greedy() && !r.masks_stop_tokens_at(s.cached + s.tokens.len())
+                    }))
         });
         // A decode step with nothing to check may replay a CUDA graph of the model.
         let graph_step = greedy
@@ -531,6 +566,8 @@ impl<'a> Engine<'a> {
         let attention_seconds = self.clock.take_seconds()?;
         let width = self.model.output_width();
         let mut results: Vec<Sampled> = Vec::with_capacity(batch.seqs.len());
+        let mut sampled = Vec::with_capacity(batch.seqs.len());
+        let mut pooled_states = Vec::new();
         let mut row = 0;
         let mut generated = 0;
         for s in &batch.seqs {
@@ -547,7 +584,7 @@ impl<'a> Engine<'a> {
                 if token as usize >= self.model.vocab_size() {
                     return Err(if token == NON_FINITE_TOKEN {
                         Error::NonFinite {
-                            at: format!("step {}'s logits (row {row})", self.report.steps.len()),
+                            at: format!("step {}'s logits (row {row})", self.steps),
                         }
                     } else {
                         Error::Model(format!(
@@ -560,6 +597,11 @@ impl<'a> Engine<'a> {
                 row += 1;
                 tokens.resize(s.num_samples, token);
                 generated += tokens.len();
+                sampled.extend(tokens.iter().enumerate().map(|(i, &token)| SampledToken {
+                    request: s.request,
+                    sample: s.sample + i,
+                    token,
+                }));
                 results.push(Sampled { seq: s.seq, tokens });
                 continue;
             }
@@ -588,43 +630,49 @@ impl<'a> Engine<'a> {
                 return Err(Error::NonFinite {
                     at: format!(
                         "step {}'s {what} (row {}, element {column})",
-                        self.report.steps.len(),
+                        self.steps,
                         row - 1
                     ),
                 });
             }
             if let (true, Some(pooled)) = (s.encoder_only, output) {
-                self.report.requests[s.request as usize].pooled = Some(pooled.to_vec());
-            } else if let Some(logits) = output {
-                let params = self.sampling.get(&s.request).copied().unwrap_or_default();
+                pooled_states.push((s.request, pooled.to_vec()));
+            } else if let Some(mut logits) = output {
+                let position = s.cached + s.tokens.len();
+                let request = self.active.get(&s.request);
+                let params = request.map(|r| r.sampling).unwrap_or_default();
+                if let Some(r) = request.filter(|r| r.masks_stop_tokens_at(position)) {
+                    self.masked.clear();
+                    self.masked.extend_from_slice(logits);
+                    for &t in &r.stop_tokens {
+                        if let Some(l) = self.masked.get_mut(t as usize) {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                    logits = &self.masked;
+                }
                 // The draw of sample i at position p depends on (seed + i, p) only: neither
                 // the batch nor a preemption changes it.
-                let position = (s.cached + s.tokens.len()) as u64;
                 for i in s.sample..s.sample + s.num_samples {
                     let params = SamplingParams {
                         seed: params.seed.wrapping_add(i as u64),
                         ..params
                     };
-                    tokens.push(self.sampler.sample(logits, &params, position)?);
+                    tokens.push(self.sampler.sample(logits, &params, position as u64)?);
                 }
                 generated += tokens.len();
             }
+            sampled.extend(tokens.iter().enumerate().map(|(i, &token)| SampledToken {
+                request: s.request,
+                sample: s.sample + i,
+                token,
+            }));
             results.push(Sampled { seq: s.seq, tokens });
         }
         let events = self.scheduler.finish_step(&results)?;
-        let now = start.elapsed().as_secs_f64();
-        for s in batch
-            .seqs
-            .iter()
-            .filter(|s| s.num_samples > 0 || s.encoder_only)
-        {
-            self.report.requests[s.request as usize]
-                .first_token
-                .get_or_insert(now);
-        }
         let usage = self.scheduler.blocks().stats();
-        self.report.steps.push(StepRecord {
-            end: now,
+        let record = StepRecord {
+            end: self.epoch.elapsed().as_secs_f64(),
             seconds: step_start.elapsed().as_secs_f64(),
             forward_seconds,
             attention_seconds,
@@ -636,9 +684,14 @@ impl<'a> Engine<'a> {
             blocks_total: self.num_blocks,
             tokens_stored: usage.tokens_stored,
             slots_used: usage.slots_allocated,
-        });
+        };
         self.steps += 1;
-        Ok(events)
+        Ok(StepOutput {
+            record: Some(record),
+            tokens: sampled,
+            pooled: pooled_states,
+            events,
+        })
     }
 
     /// Runs a decode step through a CUDA graph where there are graphs and the step fits one
@@ -663,20 +716,5 @@ impl<'a> Engine<'a> {
             (descs, step),
             &mut buf.greedy,
         )
-    }
-
-    /// Records a scheduler event; returns 1 when a request finished.
-    fn record(&mut self, event: StepEvent, start: Instant) -> usize {
-        let now = start.elapsed().as_secs_f64();
-        match event {
-            StepEvent::Finished { request, samples } => {
-                self.sampling.remove(&request);
-                let r = &mut self.report.requests[request as usize];
-                r.finished = Some(now);
-                r.generated = samples.into_iter().map(|s| s.tokens).collect();
-                1
-            }
-            StepEvent::Preempted { .. } | StepEvent::SwappedIn { .. } => 0,
-        }
     }
 }

@@ -70,6 +70,8 @@ pub fn requests(
             n: r.n,
             sampling: r.sampling,
             ignore_eos: r.ignore_eos,
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
         })
         .collect()
 }
