@@ -182,12 +182,14 @@ pub(crate) fn run(
         for id in gone {
             if let Some(a) = active.remove(&id) {
                 engine.abort(id)?;
-                let _ = a.events.try_send(Event::Aborted {
-                    why: ApiError::status(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the server shut down before the request finished",
-                    ),
-                });
+                if past_deadline {
+                    let _ = a.events.try_send(Event::Aborted {
+                        why: ApiError::status(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "the server shut down before the request finished",
+                        ),
+                    });
+                }
                 summary.aborted += 1;
                 shared.metrics().end(Ending::Abort);
             }

@@ -126,6 +126,8 @@ impl Server {
         let (commands, command_rx) = std::sync::mpsc::channel();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Ready>();
         let engine_shared = Arc::clone(&shared);
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let stop_on_failure = Arc::clone(&stop);
         let engine = std::thread::Builder::new()
             .name("pagedattn-engine".into())
             .spawn(move || {
@@ -144,7 +146,13 @@ impl Server {
                 if ready_tx.send(ready).is_err() {
                     return Ok(Summary::default());
                 }
-                core::run(engine, command_rx, &engine_shared)
+                let served = core::run(engine, command_rx, &engine_shared);
+                if served.is_err() {
+                    // An engine that failed serves no more: the server stops, and `wait`
+                    // returns the error (a supervisor restarts the process, as with vLLM).
+                    stop_on_failure.notify_one();
+                }
+                served
             })?;
         let Ok(ready) = ready_rx.recv() else {
             // The thread ended before the engine was ready: its error says why.
@@ -172,7 +180,6 @@ impl Server {
                 .map_or(0, |d| d.as_secs()),
             config: config.clone(),
         });
-        let stop = Arc::new(tokio::sync::Notify::new());
         let stop_rx = Arc::clone(&stop);
         let listener = {
             let _guard = runtime.enter();

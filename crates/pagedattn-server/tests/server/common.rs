@@ -82,6 +82,9 @@ pub fn tiny_text_model() -> (Box<dyn Model>, Tokenizer, ChatTemplate) {
 struct Paced {
     model: Box<dyn Model>,
     pace: Duration,
+    /// Fail the step after this many (an engine error).
+    fail_after: Option<usize>,
+    steps: usize,
 }
 
 impl Model for Paced {
@@ -113,6 +116,10 @@ impl Model for Paced {
         logits: &mut Vec<f32>,
     ) -> pagedattn_engine::Result<()> {
         std::thread::sleep(self.pace);
+        self.steps += 1;
+        if self.fail_after.is_some_and(|n| self.steps > n) {
+            return Err(pagedattn_engine::Error::Model("injected failure".into()));
+        }
         self.model.forward(step, attend, logits)
     }
 }
@@ -124,6 +131,8 @@ pub enum TestModel {
     Synthetic,
     /// It, at least 2 ms a step.
     Paced,
+    /// It paced, failing from its 20th step on.
+    Failing,
     /// The tiny Llama with its tokenizer and chat template.
     Text,
 }
@@ -147,10 +156,12 @@ pub fn start(config: ServerConfig, engine: EngineConfig, model: TestModel) -> Te
                 (model, Some((tokenizer, template)))
             }
             TestModel::Synthetic => (synthetic_model(), None),
-            TestModel::Paced => (
+            TestModel::Paced | TestModel::Failing => (
                 Box::new(Paced {
                     model: synthetic_model(),
                     pace: Duration::from_millis(2),
+                    fail_after: matches!(model, TestModel::Failing).then_some(20),
+                    steps: 0,
                 }) as Box<dyn Model>,
                 None,
             ),
@@ -270,6 +281,12 @@ impl TestServer {
     /// Begins the shutdown.
     pub fn shutdown(&self) {
         self.server.as_ref().expect("running").shutdown();
+    }
+
+    /// Waits for a server that stops by itself (its engine failed): the error.
+    pub fn failure(mut self) -> String {
+        let server = self.server.take().expect("running");
+        server.wait().expect_err("a failure").to_string()
     }
 
     /// Shuts it down and waits: the engine's summary (the block manager's check passed).

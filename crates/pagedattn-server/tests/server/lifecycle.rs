@@ -56,3 +56,30 @@ async fn shutdown_aborts_what_has_not_finished_by_its_deadline() {
     let summary = server.stop();
     assert_eq!(summary.aborted, 1);
 }
+
+/// An engine error mid-stream: the stream ends with the error, the server stops by itself and
+/// says why (a supervisor restarts it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_failure_ends_the_streams_and_stops_the_server() {
+    let server = start(
+        ServerConfig::new("m"),
+        engine_config(512, 8),
+        TestModel::Failing,
+    );
+    let body = json!({
+        "model": "m", "prompt": prompt(6, 12), "max_tokens": 100, "temperature": 0,
+        "ignore_eos": true, "stream": true,
+    });
+    let events = server.stream("/v1/completions", &body).await;
+    assert!(events.last().unwrap().is_null());
+    let error = &events[events.len() - 2]["error"];
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("injected failure"),
+        "{events:?}"
+    );
+    assert_eq!(error["type"], "server_error");
+    assert!(server.failure().contains("injected failure"));
+}
