@@ -257,6 +257,7 @@ fn common(body: &mut Body, model: &ModelInfo<'_>) -> Result<Common, ApiError> {
     #[serde(deny_unknown_fields)]
     struct StreamOptions {
         include_usage: Option<bool>,
+        // vLLM's: accepted (so that its clients' requests are not refused), not used.
         #[allow(dead_code)]
         continuous_usage_stats: Option<bool>,
     }
@@ -497,6 +498,8 @@ pub fn completion(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Generation, Api
 struct Message {
     role: String,
     content: Option<Content>,
+    // A participant's name: accepted, not given to the template (transformers' templates
+    // read role and content).
     #[allow(dead_code)]
     name: Option<String>,
 }

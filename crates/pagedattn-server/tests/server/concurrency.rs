@@ -97,7 +97,22 @@ async fn a_disconnect_mid_stream_frees_its_blocks() {
         aborted.contains("finished_reason=\"abort\"} 1"),
         "{aborted}"
     );
-    // A plain request whose client goes away while it waits is dropped too.
+    // A plain (not streamed) request whose client goes away while it is served is dropped too.
+    let body =
+        json!({"model": "m", "prompt": prompt(9, 40), "max_tokens": 900, "ignore_eos": true});
+    let gone = tokio::time::timeout(
+        Duration::from_millis(200),
+        server.post("/v1/completions", &body),
+    )
+    .await;
+    assert!(
+        gone.is_err(),
+        "it cannot have finished: 900 steps of at least 2 ms"
+    );
+    server.await_metric("vllm:num_requests_running", 0.0).await;
+    server
+        .await_metric("pagedattn:kv_cache_blocks_used", 0.0)
+        .await;
     let ok = server
         .post(
             "/v1/completions",
@@ -106,7 +121,7 @@ async fn a_disconnect_mid_stream_frees_its_blocks() {
         .await;
     assert_eq!(ok.status, StatusCode::OK);
     let summary = server.stop();
-    assert_eq!(summary.aborted, 1);
+    assert_eq!(summary.aborted, 2);
     assert_eq!(summary.finished, 1);
 }
 

@@ -1,6 +1,6 @@
 //! The accounting check: every block is free exactly once or held, each reference count equals
-//! the number of tables holding the block, the prefix index agrees with the blocks, and every
-//! sequence's table fits its tokens.
+//! the number of tables holding the block, the prefix index agrees with the blocks (and with
+//! the count of free cached blocks), and every sequence's table fits its tokens.
 
 use std::collections::HashSet;
 
@@ -116,6 +116,15 @@ impl BlockManager {
                     "prefix index points at block {b}, which holds another hash"
                 ));
             }
+        }
+        let cached_free = (0..dev.hash_of.len())
+            .filter(|&b| dev.pool.refs[b] == 0 && dev.hash_of[b].is_some())
+            .count();
+        if cached_free != dev.cached_free {
+            return Err(format!(
+                "{cached_free} free blocks hold a prefix hash, {} counted",
+                dev.cached_free
+            ));
         }
         let hashed = dev.hash_of.iter().filter(|h| h.is_some()).count();
         if hashed != dev.cached.len() || (!self.config.prefix_caching && hashed > 0) {

@@ -355,7 +355,7 @@ impl BlockManager {
         // Hits are taken first: they may sit in the free queue, and taking fresh blocks before
         // them could evict them.
         for &(_, block) in &hits {
-            self.device.pool.incref(block, 1);
+            self.device.incref(block, 1);
             table.push(block);
         }
         while table.len() < self.blocks_for(tokens.len()) {
@@ -509,7 +509,7 @@ impl BlockManager {
         }
         let s = self.state_at(parent, Location::Device)?.clone();
         for &b in s.owned() {
-            self.device.pool.incref(b, 1);
+            self.device.incref(b, 1);
         }
         self.seqs.insert(child, s);
         Ok(())
@@ -543,7 +543,7 @@ impl BlockManager {
                 .host
                 .take(holders)
                 .ok_or_else(|| accounting("host free queue ran dry"))?;
-            self.device.pool.decref(d, holders);
+            self.device.decref(d, holders);
             moved.insert(d, h);
             pairs.push((id(d), id(h)));
         }
@@ -583,12 +583,11 @@ impl BlockManager {
     /// last blocks are queued first, so they are evicted before its prefix (vLLM's order).
     pub fn free(&mut self, seq: SeqId) -> Result<(), BlockError> {
         let s = self.seqs.remove(&seq).ok_or_else(|| unknown(seq))?;
-        let pool = match s.location {
-            Location::Device => &mut self.device.pool,
-            Location::Host => &mut self.host,
-        };
         for &b in s.owned().iter().rev() {
-            pool.decref(b, 1);
+            match s.location {
+                Location::Device => self.device.decref(b, 1),
+                Location::Host => self.host.decref(b, 1),
+            }
         }
         Ok(())
     }
@@ -596,25 +595,27 @@ impl BlockManager {
     /// The counters and gauges.
     pub fn stats(&self) -> BlockStats {
         let bs = self.config.block_size;
-        let mut fill = vec![0usize; self.config.num_device_blocks];
+        // Each device block's tokens: the most any table holding it has in it. (Over the live
+        // tables only: the engine reads this every step, and a GPU's pool can hold a million
+        // blocks.)
+        let mut fill: HashMap<usize, usize> = HashMap::new();
         for s in self
             .seqs
             .values()
             .filter(|s| s.location == Location::Device)
         {
             for i in s.released..s.table.len() {
-                let b = s.table[i];
-                fill[b] = fill[b].max((s.tokens.len() - i * bs).min(bs));
+                let f = fill.entry(s.table[i]).or_default();
+                *f = (*f).max((s.tokens.len() - i * bs).min(bs));
             }
         }
-        let in_use = self.device.pool.refs.iter().filter(|&&r| r > 0).count();
+        // (A block is free exactly when its count is 0.)
+        let in_use = self.config.num_device_blocks - self.device.pool.num_free();
         BlockStats {
             device_blocks_in_use: in_use,
             host_blocks_in_use: self.config.num_host_blocks - self.host.num_free(),
-            cached_free_blocks: (0..self.config.num_device_blocks)
-                .filter(|&b| self.device.pool.refs[b] == 0 && self.device.hash_of[b].is_some())
-                .count(),
-            tokens_stored: fill.iter().sum(),
+            cached_free_blocks: self.device.cached_free,
+            tokens_stored: fill.values().sum(),
             slots_allocated: in_use * bs,
             prefix_query_tokens: self.counters.prefix_query_tokens,
             prefix_hit_tokens: self.counters.prefix_hit_tokens,
@@ -720,7 +721,7 @@ impl BlockManager {
             let fresh = self.take_device()?;
             let last = s.table.len() - 1;
             let shared = std::mem::replace(&mut s.table[last], fresh);
-            self.device.pool.decref(shared, 1);
+            self.device.decref(shared, 1);
             self.counters.cow_copies += 1;
             copy = Some((id(shared), id(fresh)));
         }
@@ -740,7 +741,7 @@ impl BlockManager {
         let keep_from =
             ((s.computed + 1).saturating_sub(w) / self.config.block_size).min(s.table.len());
         while s.released < keep_from {
-            self.device.pool.decref(s.table[s.released], 1);
+            self.device.decref(s.table[s.released], 1);
             s.released += 1;
             self.counters.window_released_blocks += 1;
         }

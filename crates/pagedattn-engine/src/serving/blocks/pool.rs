@@ -62,6 +62,9 @@ pub(crate) struct DevicePool {
     pub(crate) hash_of: Vec<Option<BlockHash>>,
     pub(crate) cached: HashMap<BlockHash, usize>,
     pub(crate) evictions: u64,
+    /// Free blocks holding a prefix hash (kept up to date: the statistics of every step
+    /// read it, and counting would visit the whole pool).
+    pub(crate) cached_free: usize,
 }
 
 impl DevicePool {
@@ -72,7 +75,24 @@ impl DevicePool {
             hash_of: filled(num_blocks, None)?,
             cached: HashMap::new(),
             evictions: 0,
+            cached_free: 0,
         })
+    }
+
+    /// [`Pool::incref`], counting a cached block that stops being free.
+    pub(crate) fn incref(&mut self, block: usize, by: u32) {
+        if self.pool.refs[block] == 0 && self.hash_of[block].is_some() {
+            self.cached_free -= 1;
+        }
+        self.pool.incref(block, by);
+    }
+
+    /// [`Pool::decref`], counting a cached block that becomes free.
+    pub(crate) fn decref(&mut self, block: usize, by: u32) {
+        self.pool.decref(block, by);
+        if self.pool.refs[block] == 0 && self.hash_of[block].is_some() {
+            self.cached_free += 1;
+        }
     }
 
     /// Takes a free block for new contents (one holder), dropping the prefix hash it held.
@@ -81,6 +101,7 @@ impl DevicePool {
         if let Some(h) = self.hash_of[block].take() {
             self.cached.remove(&h);
             self.evictions += 1;
+            self.cached_free -= 1;
         }
         Some(block)
     }
@@ -92,6 +113,9 @@ impl DevicePool {
         if self.hash_of[block].is_none() && !self.cached.contains_key(&hash) {
             self.hash_of[block] = Some(hash);
             self.cached.insert(hash, block);
+            if self.pool.refs[block] == 0 {
+                self.cached_free += 1;
+            }
         }
     }
 }
