@@ -7,7 +7,8 @@
 # and the same requests through `pagedattn run --trace`, alternated REPEAT times.
 #
 #   bash bench/serve_compare.sh [OUT_DIR]      (env: M, LLAMA_BIN, REQUESTS, MAX_OUTPUT,
-#                                               RATES, PARALLEL, REPEAT, THREADS, BACKEND)
+#                                               RATES, PARALLEL, REPEAT, THREADS, BACKEND,
+#                                               PROCESSES, SWEEP=0: the saturation pairs only)
 #
 # Needs target/release/pagedattn, llama-server (tools/build-llama-server.sh; not for a GPU
 # run: PARALLEL= skips it) and aiohttp. Writes OUT_DIR/*.json and prints the tables.
@@ -29,7 +30,9 @@ ours_flags=(--backend "$BACKEND" --model "$M")
 [ "$BACKEND" = cpu ] && ours_flags+=(--precision fast)
 rate_flags=()
 for r in $RATES; do rate_flags+=(--rate "$r"); done
-load=(python3 bench/serve_load.py --requests "$REQUESTS" --max-output "$MAX_OUTPUT" --first-token 17)
+# PROCESSES client processes share each rate's requests (a GPU server outruns one).
+load=(python3 bench/serve_load.py --requests "$REQUESTS" --max-output "$MAX_OUTPUT" --first-token 17
+  --processes "${PROCESSES:-1}")
 port=8471
 
 wait_up() { # url: until /v1/models answers (60 s)
@@ -57,7 +60,12 @@ measure() { # name, then the server's command
   wait $pid || true
 }
 
-measure ours target/release/pagedattn serve "${ours_flags[@]}" --port $port
+if [ "${SWEEP:-1}" = 0 ]; then
+  PARALLEL=
+  "${load[@]}" --write-trace "$out/trace.jsonl" --dry-run
+else
+  measure ours target/release/pagedattn serve "${ours_flags[@]}" --port $port
+fi
 for p in $PARALLEL; do
   measure "llama-server-p$p" "$LLAMA_BIN/llama-server" -m "$M" --host 127.0.0.1 --port $port \
     -t "$THREADS" --parallel "$p" --cont-batching -c $((p * 2048))

@@ -169,6 +169,12 @@ class Client:
         rec["done_marker"] = done
         rec["e2e_ms"] = (end - start) * 1e3
         if first is None:
+            if done and rec["output_tokens"] > 0:
+                # Every token decoded to no text (special tokens: under ignore_eos a model may
+                # repeat its end of turn): served, its text empty, its first token seen at the
+                # end.
+                rec["outcome"], rec["ttft_ms"], rec["no_text"] = "completed", rec["e2e_ms"], True
+                return rec
             rec["error"] = "the stream carried no text"
             return rec
         rec["outcome"] = "completed"
@@ -209,6 +215,36 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def session_for(args):
+    """The HTTP session: no client-side cap on connections (the arrivals decide), and a new
+    connection per request (a pooled keep-alive connection that the server closed while idle,
+    as llama-server does after 5 s, fails the next request sent on it)."""
+    timeout = aiohttp.ClientTimeout(total=args.timeout, sock_connect=30)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                 timeout=timeout)
+
+
+async def serve_shard(args, token_prompts, shard, t0):
+    """One process's share of a rate: (index, arrival, ids, output length) each sent at
+    t0 + arrival (t0 on the monotonic clock every process shares)."""
+    async with session_for(args) as session:
+        client = Client(args, session)
+        client.token_prompts = token_prompts
+
+        async def one(i, arrival, ids, out):
+            await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+            rec = await client.request(ids, out)
+            rec["index"], rec["arrival_s"], rec["sent_s"] = i, arrival, rec.pop("sent") - t0
+            rec["end_s"] = time.perf_counter() - t0
+            return rec
+
+        return await asyncio.gather(*(one(*item) for item in shard))
+
+
+def shard_process(args, token_prompts, shard, t0):
+    return asyncio.run(serve_shard(args, token_prompts, shard, t0))
+
+
 async def run_rate(client, work, rate, max_concurrency):
     """Serves the whole workload at one rate; returns the rate's summary and records."""
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -216,6 +252,19 @@ async def run_rate(client, work, rate, max_concurrency):
     for i, (gap, _, _) in enumerate(work):
         clock += gap if i else 0.0  # the first arrives at 0
         arrivals.append(0.0 if math.isinf(rate) else clock / rate)
+    if client.args.processes > 1 and not max_concurrency:
+        # The requests dealt round-robin to processes (one client process parses ~25k chunks
+        # a second: a GPU server outruns it), all on one schedule.
+        import concurrent.futures
+        items = [(i, arrivals[i], ids, out) for i, (_, ids, out) in enumerate(work)]
+        t0 = time.perf_counter() + 1.0
+        with concurrent.futures.ProcessPoolExecutor(client.args.processes) as pool:
+            futures = [pool.submit(shard_process, client.args, client.token_prompts,
+                                   items[k::client.args.processes], t0)
+                       for k in range(client.args.processes)]
+            records = sorted((r for f in futures for r in f.result()), key=lambda r: r["index"])
+        duration = max(r["end_s"] for r in records)
+        return summarize(rate, records, duration), records
     t0 = time.perf_counter()
 
     async def one(i):
@@ -348,12 +397,7 @@ async def probe(client):
 
 
 async def main_async(args):
-    timeout = aiohttp.ClientTimeout(total=args.timeout, sock_connect=30)
-    # No client-side cap on connections (the arrivals decide), and a new connection per
-    # request: a pooled keep-alive connection that the server closed while idle (llama-server
-    # does after 5 s) fails the next request sent on it with "Server disconnected".
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with session_for(args) as session:
         client = Client(args, session)
         if args.model is None:
             args.model = await resolve_model(client)
@@ -429,8 +473,18 @@ def main():
                         "long (a soak)")
     p.add_argument("--write-trace", metavar="FILE.jsonl",
                    help="also write the measured requests as a `pagedattn run --trace` file")
+    p.add_argument("--processes", type=int, default=1,
+                   help="client processes sharing each rate's requests (not with "
+                        "--max-concurrency or --duration): one parses ~25k chunks a second")
+    p.add_argument("--dry-run", action="store_true",
+                   help="only write --write-trace's file (no server needed)")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args()
+    if args.dry_run:
+        if not args.write_trace:
+            p.error("--dry-run writes --write-trace's file: give it")
+        write_trace(args.write_trace, chat_workload(args.requests, args.seed, args))
+        return
     if args.duration is not None and not (args.duration > 0 and args.max_concurrency):
         p.error("--duration needs a positive number of seconds and --max-concurrency")
     args.rate = args.rate or [math.inf]

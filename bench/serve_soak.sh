@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The server under a long load (issue 43's soak): CLIENTS streaming clients in a closed loop
-# for SECONDS (bench/serve_load.py --duration, the `chat` workload's requests), the server's
+# for SOAK_SECONDS (bench/serve_load.py --duration, the `chat` workload's requests), the server's
 # resident memory sampled every second; then /metrics must show every KV block free, and
 # SIGTERM must stop the server with exit 0 (its block manager's check after the shutdown).
 # Every request must complete or be refused (429 / 503); none may fail.
 #
-#   bash bench/serve_soak.sh [OUT_DIR]     (env: M, CLIENTS=64, SECONDS=120, MAX_OUTPUT=256,
+#   bash bench/serve_soak.sh [OUT_DIR]     (env: M, CLIENTS=64, SOAK_SECONDS=120, MAX_OUTPUT=256,
 #                                          BACKEND=cpu, SERVE_FLAGS="--kv-cache-memory 1GiB")
 #
 # The host's KV cache is zeroed lazily: its pages become resident as blocks are first used,
@@ -20,7 +20,7 @@ out=${1:-target/serve-soak}
 mkdir -p "$out"
 M=${M:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 CLIENTS=${CLIENTS:-64}
-SECONDS_=${SECONDS:-120}
+SOAK_SECONDS=${SOAK_SECONDS:-120}
 MAX_OUTPUT=${MAX_OUTPUT:-256}
 BACKEND=${BACKEND:-cpu}
 port=8472
@@ -41,7 +41,7 @@ done
   sleep 1
 done) >"$out/rss.txt" &
 sampler=$!
-python3 bench/serve_load.py --url "http://127.0.0.1:$port" --duration "$SECONDS_" \
+python3 bench/serve_load.py --url "http://127.0.0.1:$port" --duration "$SOAK_SECONDS" \
   --max-concurrency "$CLIENTS" --requests 1000 --max-output "$MAX_OUTPUT" --first-token 17 \
   --json "$out/load.json"
 metrics=$(python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())")

@@ -595,27 +595,34 @@ impl BlockManager {
     /// The counters and gauges.
     pub fn stats(&self) -> BlockStats {
         let bs = self.config.block_size;
-        // Each device block's tokens: the most any table holding it has in it. (Over the live
-        // tables only: the engine reads this every step, and a GPU's pool can hold a million
-        // blocks.)
-        let mut fill: HashMap<usize, usize> = HashMap::new();
+        // Each device block's tokens: the most any table holding it has in it. Over the live
+        // tables only (the engine reads this every step, and a GPU's pool can hold a million
+        // blocks); a block with one holder counts at once, only shared ones are gathered.
+        let mut tokens_stored = 0;
+        let mut shared: HashMap<usize, usize> = HashMap::new();
         for s in self
             .seqs
             .values()
             .filter(|s| s.location == Location::Device)
         {
             for i in s.released..s.table.len() {
-                let f = fill.entry(s.table[i]).or_default();
-                *f = (*f).max((s.tokens.len() - i * bs).min(bs));
+                let (block, fill) = (s.table[i], (s.tokens.len() - i * bs).min(bs));
+                if self.device.pool.refs[block] == 1 {
+                    tokens_stored += fill;
+                } else {
+                    let f = shared.entry(block).or_default();
+                    *f = (*f).max(fill);
+                }
             }
         }
+        tokens_stored += shared.values().sum::<usize>();
         // (A block is free exactly when its count is 0.)
         let in_use = self.config.num_device_blocks - self.device.pool.num_free();
         BlockStats {
             device_blocks_in_use: in_use,
             host_blocks_in_use: self.config.num_host_blocks - self.host.num_free(),
             cached_free_blocks: self.device.cached_free,
-            tokens_stored: fill.values().sum(),
+            tokens_stored,
             slots_allocated: in_use * bs,
             prefix_query_tokens: self.counters.prefix_query_tokens,
             prefix_hit_tokens: self.counters.prefix_hit_tokens,
