@@ -4,7 +4,8 @@
 # ignore_eos) at each rate, one request at a time, and a soak-free saturation point; for
 # llama-server each `--parallel` of the sweep (its context -c = parallel x 2048, as each slot
 # gets -c / parallel). Then the server's cost: the saturation load through `pagedattn serve`
-# and the same requests through `pagedattn run --trace`, alternated REPEAT times.
+# (streamed and not) and the same requests through `pagedattn run --trace`, alternated REPEAT
+# times.
 #
 #   bash bench/serve_compare.sh [OUT_DIR]      (env: M, LLAMA_BIN, REQUESTS, MAX_OUTPUT,
 #                                               RATES, PARALLEL, REPEAT, THREADS, BACKEND,
@@ -71,15 +72,21 @@ for p in $PARALLEL; do
     -t "$THREADS" --parallel "$p" --cont-batching -c $((p * 2048))
 done
 
-# The server's cost at saturation: the same requests, all at once, through the server and
-# through `run`, alternated.
+# The server's cost at saturation: the same requests, all at once, through the server
+# (streamed, then not streamed: a fresh server each, so that no prompt is in its prefix
+# cache) and through `run`, alternated.
 for i in $(seq "$REPEAT"); do
-  target/release/pagedattn serve "${ours_flags[@]}" --port $port >"$out/ours-sat.log" 2>&1 &
-  pid=$!
-  wait_up "http://127.0.0.1:$port"
-  "${load[@]}" --url "http://127.0.0.1:$port" --rate inf --json "$out/serve-sat-$i.json" >/dev/null
-  kill -TERM $pid
-  wait $pid || true
+  for mode in serve-sat plain-sat; do
+    target/release/pagedattn serve "${ours_flags[@]}" --port $port >"$out/ours-sat.log" 2>&1 &
+    pid=$!
+    wait_up "http://127.0.0.1:$port"
+    flag=()
+    [ $mode = plain-sat ] && flag=(--no-stream)
+    "${load[@]}" --url "http://127.0.0.1:$port" --rate inf "${flag[@]}" \
+      --json "$out/$mode-$i.json" >/dev/null
+    kill -TERM $pid
+    wait $pid || true
+  done
   target/release/pagedattn run "${ours_flags[@]}" --no-verify --trace "$out/trace.jsonl" --json \
     >"$out/run-sat-$i.json"
 done
@@ -98,6 +105,7 @@ for path in sorted(glob.glob(f"{out}/*-rates.json")) + sorted(glob.glob(f"{out}/
         f = lambda m: f"{s[m]['p50']:.1f} / {s[m]['p99']:.1f}"
         print(f"| {name} | {rate} | {s['output_throughput']:.1f} | {f('ttft_ms')} | {f('tpot_ms')} | {f('itl_ms')} |")
 serve = [rows(p)[0]["output_throughput"] for p in sorted(glob.glob(f"{out}/serve-sat-*.json"))]
+plain = [rows(p)[0]["output_throughput"] for p in sorted(glob.glob(f"{out}/plain-sat-*.json"))]
 run = []
 for p in sorted(glob.glob(f"{out}/run-sat-*.json")):
     r = json.load(open(p))
@@ -106,4 +114,7 @@ if serve and run:
     print(f"\nsaturation: serve {', '.join(f'{x:.1f}' for x in serve)} out tok/s; run "
           f"{', '.join(f'{x:.1f}' for x in run)}; median ratio "
           f"{statistics.median(serve) / statistics.median(run):.3f}")
+if plain and run:
+    print(f"not streamed: serve {', '.join(f'{x:.1f}' for x in plain)} out tok/s; median ratio "
+          f"{statistics.median(plain) / statistics.median(run):.3f}")
 PY

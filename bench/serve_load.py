@@ -99,15 +99,17 @@ class Client:
         self.token_prompts = True
 
     def payload(self, ids, max_tokens):
-        return {
+        body = {
             "model": self.args.model,
             "prompt": ids if self.token_prompts else text_prompt(len(ids)),
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream": not self.args.no_stream,
         }
+        if not self.args.no_stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
 
     async def request(self, ids, max_tokens):
         """Sends one request and reads its stream; returns its record (times in ms)."""
@@ -124,6 +126,13 @@ class Client:
                 if resp.status != 200:
                     rec["error"] = (await resp.text())[:4000]
                     rec["outcome"] = "refused" if resp.status in (429, 503) else "failed"
+                    return rec
+                if self.args.no_stream:
+                    # One answer: its whole latency is the first token's (TTFT = e2e).
+                    usage = (await resp.json()).get("usage") or {}
+                    rec["e2e_ms"] = rec["ttft_ms"] = (time.perf_counter() - start) * 1e3
+                    rec["output_tokens"] = usage.get("completion_tokens", 0)
+                    rec["outcome"] = "completed"
                     return rec
                 buf = b""
                 async for data in resp.content.iter_any():
@@ -476,6 +485,8 @@ def main():
     p.add_argument("--processes", type=int, default=1,
                    help="client processes sharing each rate's requests (not with "
                         "--max-concurrency or --duration): one parses ~25k chunks a second")
+    p.add_argument("--no-stream", action="store_true",
+                   help="plain (not streamed) requests: throughput without the streaming's work")
     p.add_argument("--dry-run", action="store_true",
                    help="only write --write-trace's file (no server needed)")
     p.add_argument("--json", metavar="OUT")
