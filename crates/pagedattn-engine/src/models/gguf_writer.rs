@@ -197,8 +197,9 @@ impl Default for TinyLlama {
 
 /// A complete Llama GGUF of `shape`: f32 weights drawn from its seed (the output head tied to
 /// the embedding), a byte-level BPE tokenizer of the 256 byte tokens and `<|im_end|>` (its
-/// end of turn), and a ChatML template. What `Llama::from_gguf`, `Tokenizer::from_gguf` and
-/// `ChatTemplate::from_gguf` load and the engine serves.
+/// end of turn), and a ChatML template that refuses roles other than system, user and
+/// assistant. What `Llama::from_gguf`, `Tokenizer::from_gguf` and `ChatTemplate::from_gguf`
+/// load and the engine serves.
 pub fn tiny_llama(shape: &TinyLlama) -> Vec<u8> {
     // The 256 byte tokens as byte-level BPE spells them, then the end of turn.
     let tokens: Vec<String> = byte_alphabet()
@@ -240,7 +241,10 @@ pub fn tiny_llama(shape: &TinyLlama) -> Vec<u8> {
         .kv_u32("tokenizer.ggml.eos_token_id", vocab as u32 - 1)
         .kv_str(
             "tokenizer.chat_template",
-            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n\
+            // (Roles checked as many real templates check them: a refusal to test.)
+            "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}\
+             {{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}\
+             <|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n\
              {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
         );
     let h = shape.hidden as u64;

@@ -424,6 +424,12 @@ async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
             400,
             Some("messages[0]"),
         ),
+        (
+            "/v1/chat/completions",
+            chat(json!([{"role": "wizard", "content": "hi"}])),
+            400,
+            Some("messages"),
+        ),
     ];
     for (path, body, status, param) in cases {
         let answer = server.call("POST", path, body.clone()).await;
@@ -443,6 +449,15 @@ async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         assert_eq!(error["param"].as_str(), param, "{body}: {}", answer.body);
         assert!(error.get("code").is_some());
     }
+    // The template's own refusal is the message.
+    let refused = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}),
+        )
+        .await;
+    let message = refused.json()["error"]["message"].to_string();
+    assert!(message.contains("Unknown role: wizard"), "{message}");
     // Not UTF-8.
     let mut bytes = b"{\"model\": \"tiny\", \"prompt\": \"".to_vec();
     bytes.extend([0xff, 0xfe, b'"', b'}']);
