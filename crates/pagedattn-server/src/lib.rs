@@ -96,6 +96,26 @@ pub enum ServerError {
     Panicked(&'static str),
 }
 
+/// Stops the server if the engine thread panics (a bug: the model's and backend's failures
+/// are errors), so that the process ends with the panic instead of answering 503 forever.
+struct StopOnPanic {
+    stop: Arc<tokio::sync::Notify>,
+    shared: Arc<core::Shared>,
+}
+
+impl Drop for StopOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            *self
+                .shared
+                .failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some("the engine thread panicked".into());
+            self.stop.notify_one();
+        }
+    }
+}
+
 /// A running server.
 pub struct Server {
     addr: SocketAddr,
@@ -146,6 +166,10 @@ impl Server {
                 if ready_tx.send(ready).is_err() {
                     return Ok(Summary::default());
                 }
+                let _stop_on_panic = StopOnPanic {
+                    stop: Arc::clone(&stop_on_failure),
+                    shared: Arc::clone(&engine_shared),
+                };
                 let served = core::run(engine, command_rx, &engine_shared);
                 if served.is_err() {
                     // An engine that failed serves no more: the server stops, and `wait`

@@ -82,8 +82,8 @@ pub fn tiny_text_model() -> (Box<dyn Model>, Tokenizer, ChatTemplate) {
 struct Paced {
     model: Box<dyn Model>,
     pace: Duration,
-    /// Fail the step after this many (an engine error).
-    fail_after: Option<usize>,
+    /// Fail the step after this many (an engine error), or panic (a bug).
+    fail_after: Option<(usize, bool)>,
     steps: usize,
 }
 
@@ -117,8 +117,12 @@ impl Model for Paced {
     ) -> pagedattn_engine::Result<()> {
         std::thread::sleep(self.pace);
         self.steps += 1;
-        if self.fail_after.is_some_and(|n| self.steps > n) {
-            return Err(pagedattn_engine::Error::Model("injected failure".into()));
+        match self.fail_after {
+            Some((n, false)) if self.steps > n => {
+                return Err(pagedattn_engine::Error::Model("injected failure".into()))
+            }
+            Some((n, true)) if self.steps > n => panic!("injected panic"),
+            _ => {}
         }
         self.model.forward(step, attend, logits)
     }
@@ -133,6 +137,8 @@ pub enum TestModel {
     Paced,
     /// It paced, failing from its 20th step on.
     Failing,
+    /// It paced, panicking at its 20th step.
+    Panicking,
     /// The tiny Llama with its tokenizer and chat template.
     Text,
 }
@@ -156,11 +162,15 @@ pub fn start(config: ServerConfig, engine: EngineConfig, model: TestModel) -> Te
                 (model, Some((tokenizer, template)))
             }
             TestModel::Synthetic => (synthetic_model(), None),
-            TestModel::Paced | TestModel::Failing => (
+            TestModel::Paced | TestModel::Failing | TestModel::Panicking => (
                 Box::new(Paced {
                     model: synthetic_model(),
                     pace: Duration::from_millis(2),
-                    fail_after: matches!(model, TestModel::Failing).then_some(20),
+                    fail_after: match model {
+                        TestModel::Failing => Some((20, false)),
+                        TestModel::Panicking => Some((20, true)),
+                        _ => None,
+                    },
                     steps: 0,
                 }) as Box<dyn Model>,
                 None,

@@ -83,3 +83,26 @@ async fn an_engine_failure_ends_the_streams_and_stops_the_server() {
     assert_eq!(error["type"], "server_error");
     assert!(server.failure().contains("injected failure"));
 }
+
+/// A panic on the engine's thread (a bug) stops the server too: the stream in flight ends, and
+/// `wait` says the thread panicked instead of the server answering 503 forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_panic_stops_the_server() {
+    let server = start(
+        ServerConfig::new("m"),
+        engine_config(512, 8),
+        TestModel::Panicking,
+    );
+    let body = json!({
+        "model": "m", "prompt": prompt(6, 12), "max_tokens": 100, "temperature": 0,
+        "ignore_eos": true, "stream": true,
+    });
+    let events = server.stream("/v1/completions", &body).await;
+    assert!(events.last().unwrap().is_null());
+    let error = &events[events.len() - 2]["error"];
+    assert!(
+        error["message"].as_str().unwrap().contains("not serving"),
+        "{events:?}"
+    );
+    assert!(server.failure().contains("panicked"));
+}
