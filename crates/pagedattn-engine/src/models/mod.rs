@@ -2,7 +2,8 @@
 //! the host ([`llama`]) and on the GPU ([`gpu_llama`]), the synthetic models
 //! ([`synthetic`]: decoder, and through [`encdec`] encoder-only and encoder-decoder), the
 //! shared ops they are built of ([`ops`]), and the readers of what models come in:
-//! [`gguf`] files with their [`weights`] types, the [`tokenizer`] and [`chat`] templates.
+//! [`gguf`] files with their [`weights`] types, Hugging Face folders ([`hf`]), the
+//! [`tokenizer`] and [`chat`] templates.
 
 pub mod chat;
 pub mod encdec;
@@ -10,6 +11,7 @@ pub mod gguf;
 pub mod gguf_writer;
 #[cfg(feature = "cuda")]
 pub mod gpu_llama;
+pub mod hf;
 pub mod llama;
 pub mod ops;
 pub mod synthetic;

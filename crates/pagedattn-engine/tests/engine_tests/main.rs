@@ -12,6 +12,7 @@ mod engine;
 mod gguf;
 mod golden;
 mod gpu_model;
+mod hf;
 mod hostile;
 mod layout;
 mod memory;

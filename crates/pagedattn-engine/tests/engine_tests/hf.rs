@@ -1,0 +1,108 @@
+//! Hugging Face folders: the tiny checkpoints of `tests/hf-models/` (transformers wrote them)
+//! open, every tensor reads with the shape its config implies, and a broken folder is one
+//! error naming the file and the field or tensor.
+
+use std::path::{Path, PathBuf};
+
+use pagedattn_engine::models::hf::HfFolder;
+
+fn models() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models")
+}
+
+const FAMILIES: [&str; 7] = [
+    "llama", "qwen2", "mistral", "gemma2", "bloom", "bert", "bart",
+];
+
+#[test]
+fn every_family_folder_opens_and_every_tensor_reads() {
+    for family in FAMILIES {
+        let folder = HfFolder::open(&models().join(family)).unwrap();
+        assert_eq!(folder.model_type().unwrap(), family);
+        let mut names: Vec<&str> = folder.tensor_names().collect();
+        names.sort_unstable();
+        assert!(names.len() > 10, "{family}: {names:?}");
+        let vocab = folder.config_usize("vocab_size").unwrap();
+        assert_eq!(vocab, 512);
+        // The embedding's shape follows from the config.
+        let (embedding, hidden) = match family {
+            "bloom" => (
+                "transformer.word_embeddings.weight",
+                folder.config_usize("hidden_size").unwrap(),
+            ),
+            "bert" => (
+                "embeddings.word_embeddings.weight",
+                folder.config_usize("hidden_size").unwrap(),
+            ),
+            "bart" => (
+                "model.shared.weight",
+                folder.config_usize("d_model").unwrap(),
+            ),
+            _ => (
+                "model.embed_tokens.weight",
+                folder.config_usize("hidden_size").unwrap(),
+            ),
+        };
+        let rows = folder.tensor(embedding, &[vocab, hidden]).unwrap();
+        assert_eq!(rows.len(), vocab * hidden);
+        assert!(rows.iter().all(|v| v.is_finite()) && rows.iter().any(|&v| v != 0.0));
+        for name in names {
+            assert!(folder.has(name));
+        }
+    }
+}
+
+#[test]
+fn a_wrong_shape_a_missing_tensor_and_a_bad_config_name_what_is_wrong() {
+    let llama = models().join("llama");
+    let folder = HfFolder::open(&llama).unwrap();
+    let e = folder
+        .tensor("model.embed_tokens.weight", &[64, 512])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains("model.embed_tokens.weight")
+            && e.contains("[512, 64]"),
+        "{e}"
+    );
+    let e = folder
+        .tensor("model.nothing", &[1])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no tensor `model.nothing`"), "{e}");
+    let e = folder.config_usize("rms_norm_eps").unwrap_err().to_string();
+    assert!(
+        e.contains("config.json") && e.contains("rms_norm_eps = 0.00001: expected a whole number"),
+        "{e}"
+    );
+    let e = folder.config_f64("no_such_key").unwrap_err().to_string();
+    assert!(e.contains("no_such_key = missing"), "{e}");
+
+    // A folder without config.json, a config that is not an object, a truncated weight file,
+    // and an index naming a file outside the folder.
+    let dir = std::env::temp_dir().join(format!("pagedattn-hf-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let e = HfFolder::open(&dir).err().unwrap().to_string();
+    assert!(e.contains("config.json"), "{e}");
+    std::fs::write(dir.join("config.json"), "[1, 2]").unwrap();
+    let e = HfFolder::open(&dir).err().unwrap().to_string();
+    assert!(e.contains("config.json: expected a JSON object"), "{e}");
+    std::fs::copy(llama.join("config.json"), dir.join("config.json")).unwrap();
+    let weights = std::fs::read(llama.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("model.safetensors"), &weights[..weights.len() / 2]).unwrap();
+    let e = HfFolder::open(&dir).err().unwrap().to_string();
+    assert!(
+        e.contains("model.safetensors: not a safetensors file"),
+        "{e}"
+    );
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        r#"{"weight_map": {"a": "../../etc/passwd"}}"#,
+    )
+    .unwrap();
+    let e = HfFolder::open(&dir).err().unwrap().to_string();
+    assert!(e.contains("expected a file in the folder"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
