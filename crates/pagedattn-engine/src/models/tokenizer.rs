@@ -57,6 +57,14 @@ pub enum TokenizerError {
         /// What is wrong.
         reason: String,
     },
+    /// A Hugging Face folder's tokenizer file that cannot be read.
+    #[error("{path}: {reason}")]
+    File {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// An error of the `tokenizers` crate (a merge naming an unknown token, …).
     #[error("tokenizer: {0}")]
     Tokenizers(String),
@@ -148,6 +156,9 @@ pub struct Tokenizer {
     special: SpecialTokens,
     add_bos: bool,
     add_eos: bool,
+    /// Special tokens are added by the tokenizer's own post-processor (a Hugging Face
+    /// `tokenizer.json`), not by `add_bos` / `add_eos` (a GGUF file).
+    post_processed: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -268,13 +279,79 @@ impl Tokenizer {
             special: SpecialTokens::from_gguf(g)?,
             add_bos: g.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
             add_eos: g.opt_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
+            post_processed: false,
+        })
+    }
+
+    /// The tokenizer of a Hugging Face folder: `tokenizer.json` as the `tokenizers` library
+    /// reads it (its post-processor adds what a prompt gets: BOS, or BERT's `[CLS]` and
+    /// `[SEP]`, as transformers' fast tokenizers do), with the special tokens
+    /// `tokenizer_config.json` names (`bos_token`, `eos_token`, `unk_token`, `pad_token`:
+    /// strings, or objects with `content`).
+    pub fn from_hf_folder(dir: &std::path::Path) -> Result<Self> {
+        let file_error = |path: &std::path::Path, reason: String| TokenizerError::File {
+            path: path.display().to_string(),
+            reason,
+        };
+        let path = dir.join("tokenizer.json");
+        let inner = Inner::from_file(&path).map_err(|e| file_error(&path, e.to_string()))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config = match std::fs::read_to_string(&config_path) {
+            Ok(text) => match serde_json::from_str::<serde_json::Value>(&text) {
+                Ok(serde_json::Value::Object(map)) => map,
+                Ok(_) => return Err(file_error(&config_path, "expected a JSON object".into())),
+                Err(e) => return Err(file_error(&config_path, format!("not valid JSON: {e}"))),
+            },
+            // (A folder may have no tokenizer_config.json: no named special tokens.)
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Map::new(),
+            Err(e) => return Err(file_error(&config_path, e.to_string())),
+        };
+        let special = |key: &str| -> Result<Option<SpecialToken>> {
+            let text = match config.get(key) {
+                None | Some(serde_json::Value::Null) => return Ok(None),
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(v) => match v.get("content").and_then(serde_json::Value::as_str) {
+                    Some(s) => s.to_string(),
+                    None => {
+                        return Err(file_error(
+                            &config_path,
+                            format!("{key} = {v}: expected a token's text"),
+                        ))
+                    }
+                },
+            };
+            let id = inner.token_to_id(&text).ok_or_else(|| {
+                file_error(
+                    &config_path,
+                    format!("{key} = {text:?}: not a token of tokenizer.json"),
+                )
+            })?;
+            Ok(Some(SpecialToken { id, text }))
+        };
+        let special = SpecialTokens {
+            bos: special("bos_token")?,
+            eos: special("eos_token")?,
+            unk: special("unk_token")?,
+            pad: special("pad_token")?,
+        };
+        Ok(Tokenizer {
+            inner,
+            special,
+            add_bos: false,
+            add_eos: false,
+            post_processed: true,
         })
     }
 
     /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) are recognised
     /// as transformers does. With `add_special_tokens`, BOS/EOS are added as the file's
-    /// `add_bos_token`/`add_eos_token` say.
+    /// `add_bos_token`/`add_eos_token` say (a GGUF), or as the tokenizer's post-processor does
+    /// (a Hugging Face folder).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        if self.post_processed {
+            let encoding = self.inner.encode(text, add_special_tokens).map_err(tk)?;
+            return Ok(encoding.get_ids().to_vec());
+        }
         let encoding = self.inner.encode(text, false).map_err(tk)?;
         let mut ids = Vec::with_capacity(encoding.len() + 2);
         if add_special_tokens && self.add_bos {

@@ -106,3 +106,44 @@ fn a_wrong_shape_a_missing_tensor_and_a_bad_config_name_what_is_wrong() {
     assert!(e.contains("expected a file in the folder"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Each folder's tokenizer encodes the golden prompts (a rendered chat turn among them) to
+/// transformers' ids with what the post-processor adds (BOS; BERT's `[CLS]` … `[SEP]`; BART's
+/// `<s>` … `</s>`), and decodes them back.
+#[test]
+fn every_family_tokenizer_encodes_as_transformers() {
+    use pagedattn_engine::models::tokenizer::Tokenizer;
+    for family in FAMILIES {
+        let dir = models().join(family);
+        let tokenizer = Tokenizer::from_hf_folder(&dir).unwrap();
+        let golden: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+                .unwrap();
+        for prompt in golden["prompts"].as_array().unwrap() {
+            let text = prompt["text"].as_str().unwrap();
+            let want: Vec<u32> = prompt["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(
+                tokenizer.encode(text, true).unwrap(),
+                want,
+                "{family}: {text:?}"
+            );
+            let skip_special = tokenizer.decode(&want, false).unwrap();
+            assert!(skip_special.contains(text.trim_start_matches("<s>")) || family == "bert");
+        }
+        let special = tokenizer.special_tokens();
+        match family {
+            "bert" => assert_eq!(special.unk.as_ref().map(|t| t.text.as_str()), Some("[UNK]")),
+            _ => assert_eq!(special.eos.as_ref().map(|t| t.text.as_str()), Some("</s>")),
+        }
+    }
+    let e = Tokenizer::from_hf_folder(std::path::Path::new("/nonexistent"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("/nonexistent/tokenizer.json"), "{e}");
+}
