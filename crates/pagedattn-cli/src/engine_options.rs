@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use pagedattn::Backend;
 use pagedattn_engine::models::chat::ChatTemplate;
 use pagedattn_engine::models::gguf::Gguf;
+use pagedattn_engine::models::hf::HfFolder;
 use pagedattn_engine::models::llama::Llama;
 use pagedattn_engine::models::ops::Precision;
 use pagedattn_engine::models::synthetic::SyntheticConfig;
@@ -201,7 +202,6 @@ pub fn load(
             path.display()
         ))),
         Some(path) => {
-            let file = Gguf::open(path)?;
             let precision = match args.precision.as_str() {
                 "exact" => Precision::Exact,
                 "fast" if on_device => {
@@ -216,6 +216,17 @@ pub fn load(
                     )))
                 }
             };
+            if path.is_dir() {
+                // A Hugging Face folder (Llama-architecture families so far).
+                let folder = HfFolder::open(path)?;
+                let tokenizer = Tokenizer::from_hf_folder(path)?;
+                let template = ChatTemplate::from_hf_folder(path, &tokenizer)?;
+                return Ok(Loaded {
+                    model: place(Llama::from_hf(&folder, precision)?, on_device, backend)?,
+                    text: Some((tokenizer, template)),
+                });
+            }
+            let file = Gguf::open(path)?;
             Ok(Loaded {
                 model: place(Llama::from_gguf(&file, precision)?, on_device, backend)?,
                 text: Some((

@@ -643,3 +643,44 @@ fn hostile_traces_and_flags_are_one_line_errors_or_runs() {
     assert!(outcomes.iter().all(|&n| n > 0), "{outcomes:?}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `run --model DIR` on a Hugging Face folder as transformers wrote it (tests/hf-models'
+/// Mistral: a window of 16): the greedy tokens transformers generated, from the prompt's text
+/// through the folder's own tokenizer.
+#[test]
+fn a_hugging_face_folder_runs_with_transformers_tokens() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models/mistral");
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let first = &golden["greedy"][0];
+    let out = pagedattn(
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            first["prompt"].as_str().unwrap(),
+            "--max-new-tokens",
+            "32",
+            "--ignore-eos",
+            "--json",
+        ],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let margins = first["margins"].as_array().unwrap();
+    let sure = margins
+        .iter()
+        .position(|m| m.as_f64().unwrap() < 1e-3)
+        .unwrap_or(32);
+    let got = report["requests"][0]["generated"][0].as_array().unwrap();
+    let want = first["tokens"].as_array().unwrap();
+    assert_eq!(got[..sure], want[..sure]);
+}

@@ -7,6 +7,7 @@ use pagedattn::{AttentionConfig, DType, Device, Tensor};
 
 use crate::models::check_layer_output;
 use crate::models::gguf::{Gguf, LlamaConfig, MetaArray};
+use crate::models::hf::HfFolder;
 use crate::models::ops::{
     add_assign, rms_norm, swiglu, Embedding, Linear, Precision, Rope, RopeStyle,
 };
@@ -297,6 +298,138 @@ impl Llama {
             head,
             Some(rope),
             vec![attention; c.n_layers],
+            DType::F32,
+        )
+    }
+}
+
+impl Llama {
+    /// A Llama-architecture model from a Hugging Face folder: `model_type` `llama`, or
+    /// `mistral` (a sliding window on every layer); RoPE in transformers' `rotate_half` layout,
+    /// default RoPE only (no scaling).
+    pub fn from_hf(folder: &HfFolder, precision: Precision) -> Result<Self> {
+        let model_type = folder.model_type()?;
+        let window = match model_type {
+            "llama" => None,
+            "mistral" => match folder.config("sliding_window") {
+                None => None,
+                Some(_) => Some(folder.config_usize("sliding_window")?),
+            },
+            other => {
+                return Err(Error::Model(format!(
+                    "{}: model_type {other:?}: Llama::from_hf reads llama and mistral",
+                    folder.dir().display()
+                )))
+            }
+        };
+        let optional = |key: &str| -> Result<Option<usize>> {
+            folder
+                .config(key)
+                .map(|_| folder.config_usize(key))
+                .transpose()
+        };
+        let hidden = folder.config_usize("hidden_size")?;
+        let n_layers = folder.config_usize("num_hidden_layers")?;
+        let heads = folder.config_usize("num_attention_heads")?;
+        let kv_heads = optional("num_key_value_heads")?.unwrap_or(heads);
+        let head_size = optional("head_dim")?.unwrap_or(hidden / heads.max(1));
+        let ffn = folder.config_usize("intermediate_size")?;
+        let vocab = folder.config_usize("vocab_size")?;
+        // transformers 5 nests RoPE's settings in `rope_parameters`; 4.x wrote `rope_theta`.
+        let rope = folder.config("rope_parameters");
+        if let Some(kind) = rope
+            .and_then(|r| r.get("rope_type"))
+            .and_then(serde_json::Value::as_str)
+            .filter(|&k| k != "default")
+        {
+            return Err(Error::Model(format!(
+                "{}: rope_parameters.rope_type = {kind:?}: only default RoPE is supported",
+                folder.dir().join("config.json").display()
+            )));
+        }
+        let theta = rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(serde_json::Value::as_f64)
+            .or_else(|| {
+                folder
+                    .config("rope_theta")
+                    .and_then(serde_json::Value::as_f64)
+            })
+            .unwrap_or(10_000.0);
+        let tied = folder
+            .config("tie_word_embeddings")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false);
+        let stop_tokens = match folder.config("eos_token_id") {
+            None => Vec::new(),
+            Some(serde_json::Value::Array(ids)) => ids
+                .iter()
+                .filter_map(serde_json::Value::as_u64)
+                .map(|t| t as u32)
+                .collect(),
+            Some(v) => v.as_u64().map(|t| vec![t as u32]).unwrap_or_default(),
+        };
+        let linear = |name: String, out: usize, inp: usize| -> Result<Linear> {
+            Ok(Linear::from_f32(
+                &folder.tensor(&name, &[out, inp])?,
+                out,
+                inp,
+                precision,
+            )?)
+        };
+        let vector = |name: String, len: usize| folder.tensor(&name, &[len]);
+        let (q, kv) = (heads * head_size, kv_heads * head_size);
+        let layers = (0..n_layers)
+            .map(|l| {
+                let name = |part: &str| format!("model.layers.{l}.{part}.weight");
+                Ok(LayerWeights {
+                    attn_norm: vector(name("input_layernorm"), hidden)?,
+                    wq: linear(name("self_attn.q_proj"), q, hidden)?,
+                    wk: linear(name("self_attn.k_proj"), kv, hidden)?,
+                    wv: linear(name("self_attn.v_proj"), kv, hidden)?,
+                    wo: linear(name("self_attn.o_proj"), hidden, q)?,
+                    ffn_norm: vector(name("post_attention_layernorm"), hidden)?,
+                    gate: linear(name("mlp.gate_proj"), ffn, hidden)?,
+                    up: linear(name("mlp.up_proj"), ffn, hidden)?,
+                    down: linear(name("mlp.down_proj"), hidden, ffn)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let table = folder.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
+        let embedding = Embedding::from_f32(&table, vocab, hidden)?;
+        let head = if tied {
+            embedding.to_linear(precision)?
+        } else {
+            linear("lm_head.weight".into(), vocab, hidden)?
+        };
+        let attention = AttentionConfig::builder(heads, head_size)
+            .num_kv_heads(kv_heads)
+            .sliding_window(window)
+            .build()?;
+        Llama::new(
+            LlamaShape {
+                name: folder
+                    .dir()
+                    .file_name()
+                    .map_or(model_type.to_string(), |n| n.to_string_lossy().into_owned()),
+                layers: n_layers,
+                hidden,
+                ffn,
+                heads,
+                kv_heads,
+                head_size,
+                vocab,
+                rms_eps: folder.config_f64("rms_norm_eps")? as f32,
+                max_context: folder.config_usize("max_position_embeddings")?,
+                stop_tokens,
+                first_plain_token: 0,
+            },
+            embedding,
+            layers,
+            vector("model.norm.weight".into(), hidden)?,
+            head,
+            Some(Rope::new(head_size, theta as f32, RopeStyle::Neox)?),
+            vec![attention; n_layers],
             DType::F32,
         )
     }

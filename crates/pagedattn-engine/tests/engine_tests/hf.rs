@@ -147,3 +147,114 @@ fn every_family_tokenizer_encodes_as_transformers() {
         .to_string();
     assert!(e.contains("/nonexistent/tokenizer.json"), "{e}");
 }
+
+/// Llama and Mistral (its window of 16 crossed by the longer prompts) from their folders: the
+/// logits of every position of the golden prompt within 1e-4 of each row's standard
+/// deviation of transformers', and the engine's greedy tokens equal to transformers' up to the
+/// first near tie (a top-2 margin under 1e-3).
+#[test]
+fn llama_and_mistral_folders_compute_what_transformers_computes() {
+    use std::sync::atomic::AtomicBool;
+
+    use pagedattn_engine::harness::score::prompt_logits;
+    use pagedattn_engine::models::llama::Llama;
+    use pagedattn_engine::models::ops::Precision;
+    use pagedattn_engine::serving::engine::{Engine, EngineRequest};
+    use pagedattn_engine::serving::sample::SamplingParams;
+
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let backend = pagedattn::registry::backend("cpu").unwrap();
+    for family in ["llama", "mistral"] {
+        let dir = models().join(family);
+        let folder = HfFolder::open(&dir).unwrap();
+        let golden: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+                .unwrap();
+        let mut model = Llama::from_hf(&folder, Precision::Exact).unwrap();
+        let logits = &golden["logits"];
+        let tokens = ids(&logits["ids"]);
+        let ours = prompt_logits(&mut model, backend.as_ref(), &tokens).unwrap();
+        let vocab = 512;
+        let mut worst = 0.0f64;
+        for (i, (row, std)) in logits["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(logits["row_std"].as_array().unwrap())
+            .enumerate()
+        {
+            let std = std.as_f64().unwrap();
+            for (j, want) in row.as_array().unwrap().iter().enumerate() {
+                let err = (ours[i * vocab + j] as f64 - want.as_f64().unwrap()).abs() / std;
+                worst = worst.max(err);
+            }
+        }
+        assert!(
+            worst <= 1e-4,
+            "{family}: logits off by {worst:.2e} of a row's std"
+        );
+
+        // A greedy entry names its prompt by text.
+        let prompt_ids = |text: &serde_json::Value| {
+            let p = golden["prompts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["text"] == *text);
+            ids(&p.unwrap()["ids"])
+        };
+        let requests: Vec<EngineRequest> = golden["greedy"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| EngineRequest {
+                arrival: 0.0,
+                prompt: prompt_ids(&g["prompt"]),
+                encoder_prompt: None,
+                max_new_tokens: 32,
+                n: 1,
+                sampling: SamplingParams::default(),
+                ignore_eos: true,
+                stop_token_ids: Vec::new(),
+                min_tokens: 0,
+            })
+            .collect();
+        let config = crate::common::config(256, 512);
+        let engine = Engine::new(
+            backend.as_ref(),
+            Box::new(Llama::from_hf(&folder, Precision::Exact).unwrap()),
+            &config,
+        )
+        .unwrap();
+        let report = engine
+            .run("hf", requests, &AtomicBool::new(false), &mut |_, _, _| {})
+            .unwrap();
+        for (g, r) in golden["greedy"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(&report.requests)
+        {
+            let want = ids(&g["tokens"]);
+            let margins: Vec<f64> = g["margins"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m.as_f64().unwrap())
+                .collect();
+            let sure = margins.iter().position(|&m| m < 1e-3).unwrap_or(want.len());
+            assert_eq!(
+                r.generated[0][..sure],
+                want[..sure],
+                "{family}: prompt {:?}",
+                g["prompt"]
+            );
+        }
+    }
+}
