@@ -13,8 +13,7 @@ use pagedattn_engine::models::gguf::Gguf;
 use pagedattn_engine::models::llama::Llama;
 use pagedattn_engine::models::ops::Precision;
 use pagedattn_engine::serving::blocks::BlockConfig;
-use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest};
-use pagedattn_engine::serving::sample::SamplingParams;
+use pagedattn_engine::serving::engine::{Engine, EngineConfig};
 use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
 
 /// Serves every golden prompt on `backend` in one run (chunked prefill: 64 tokens a step)
@@ -48,18 +47,8 @@ fn greedy_tokens_match_on(backend: &str) {
     };
     let requests = cases
         .iter()
-        .map(|c| EngineRequest {
-            arrival: 0.0,
-            prompt: ids(&c["prompt_ids"]),
-            encoder_prompt: None,
-            max_new_tokens: 32,
-            n: 1,
-            sampling: SamplingParams::default(),
-            // transformers generated past the end of the turn.
-            ignore_eos: true,
-            stop_token_ids: Vec::new(),
-            min_tokens: 0,
-        })
+        // (transformers generated past the end of the turn.)
+        .map(|c| crate::common::greedy_past_eos(ids(&c["prompt_ids"]), 32))
         .collect();
     let engine = Engine::new(backend.as_ref(), Box::new(model), &config)
         .expect("the engine starts")

@@ -160,7 +160,6 @@ fn llama_and_mistral_folders_compute_what_transformers_computes() {
     use pagedattn_engine::models::llama::Llama;
     use pagedattn_engine::models::ops::Precision;
     use pagedattn_engine::serving::engine::{Engine, EngineRequest};
-    use pagedattn_engine::serving::sample::SamplingParams;
 
     let ids = |v: &serde_json::Value| -> Vec<u32> {
         v.as_array()
@@ -213,17 +212,7 @@ fn llama_and_mistral_folders_compute_what_transformers_computes() {
             .as_array()
             .unwrap()
             .iter()
-            .map(|g| EngineRequest {
-                arrival: 0.0,
-                prompt: prompt_ids(&g["prompt"]),
-                encoder_prompt: None,
-                max_new_tokens: 32,
-                n: 1,
-                sampling: SamplingParams::default(),
-                ignore_eos: true,
-                stop_token_ids: Vec::new(),
-                min_tokens: 0,
-            })
+            .map(|g| crate::common::greedy_past_eos(prompt_ids(&g["prompt"]), 32))
             .collect();
         let config = crate::common::config(256, 512);
         let engine = Engine::new(

@@ -57,52 +57,27 @@ async fn shutdown_aborts_what_has_not_finished_by_its_deadline() {
     assert_eq!(summary.aborted, 1);
 }
 
-/// An engine error mid-stream: the stream ends with the error, the server stops by itself and
-/// says why (a supervisor restarts it).
+/// An engine that fails (an error mid-stream) or panics (a bug on its thread): the stream in
+/// flight ends with an error event, and the server stops by itself saying why (a supervisor
+/// restarts it) instead of answering 503 forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_engine_failure_ends_the_streams_and_stops_the_server() {
-    let server = start(
-        ServerConfig::new("m"),
-        engine_config(512, 8),
-        TestModel::Failing,
-    );
-    let body = json!({
-        "model": "m", "prompt": prompt(6, 12), "max_tokens": 100, "temperature": 0,
-        "ignore_eos": true, "stream": true,
-    });
-    let events = server.stream("/v1/completions", &body).await;
-    assert!(events.last().unwrap().is_null());
-    let error = &events[events.len() - 2]["error"];
-    assert!(
-        error["message"]
-            .as_str()
-            .unwrap()
-            .contains("injected failure"),
-        "{events:?}"
-    );
-    assert_eq!(error["type"], "server_error");
-    assert!(server.failure().contains("injected failure"));
-}
-
-/// A panic on the engine's thread (a bug) stops the server too: the stream in flight ends, and
-/// `wait` says the thread panicked instead of the server answering 503 forever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_engine_panic_stops_the_server() {
-    let server = start(
-        ServerConfig::new("m"),
-        engine_config(512, 8),
-        TestModel::Panicking,
-    );
-    let body = json!({
-        "model": "m", "prompt": prompt(6, 12), "max_tokens": 100, "temperature": 0,
-        "ignore_eos": true, "stream": true,
-    });
-    let events = server.stream("/v1/completions", &body).await;
-    assert!(events.last().unwrap().is_null());
-    let error = &events[events.len() - 2]["error"];
-    assert!(
-        error["message"].as_str().unwrap().contains("not serving"),
-        "{events:?}"
-    );
-    assert!(server.failure().contains("panicked"));
+async fn an_engine_failure_or_panic_ends_the_streams_and_stops_the_server() {
+    for (model, streamed, stopped) in [
+        (TestModel::Failing, "injected failure", "injected failure"),
+        (TestModel::Panicking, "not serving", "panicked"),
+    ] {
+        let server = start(ServerConfig::new("m"), engine_config(512, 8), model);
+        let body = json!({
+            "model": "m", "prompt": prompt(6, 12), "max_tokens": 100, "temperature": 0,
+            "ignore_eos": true, "stream": true,
+        });
+        let events = server.stream("/v1/completions", &body).await;
+        assert!(events.last().unwrap().is_null());
+        let error = &events[events.len() - 2]["error"];
+        let message = error["message"].as_str().unwrap();
+        assert!(message.contains(streamed), "{model:?}: {events:?}");
+        assert_eq!(error["type"], "server_error");
+        let failure = server.failure();
+        assert!(failure.contains(stopped), "{model:?}: {failure}");
+    }
 }

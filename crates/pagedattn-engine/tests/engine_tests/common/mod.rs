@@ -197,3 +197,19 @@ pub fn model_path() -> Option<std::path::PathBuf> {
     let _ = writeln!(std::io::stderr(), "SKIPPED: {msg}");
     None
 }
+
+/// A greedy request for `max_new_tokens` past any end of turn (as transformers' goldens
+/// generate them).
+pub fn greedy_past_eos(prompt: Vec<u32>, max_new_tokens: usize) -> EngineRequest {
+    EngineRequest {
+        arrival: 0.0,
+        prompt,
+        encoder_prompt: None,
+        max_new_tokens,
+        n: 1,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+        stop_token_ids: Vec::new(),
+        min_tokens: 0,
+    }
+}
