@@ -21,7 +21,6 @@ use pagedattn_engine::models::tokenizer::Tokenizer;
 use pagedattn_engine::serving::blocks::BlockConfig;
 use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest};
 use pagedattn_engine::serving::model::{Attend, Model, StepTokens};
-use pagedattn_engine::serving::sample::SamplingParams;
 use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
 use pagedattn_server::{EngineParts, Server, ServerConfig, Summary};
 use serde_json::Value;
@@ -342,15 +341,8 @@ pub fn alone(prompt: &[u32], max_new_tokens: usize) -> Vec<u32> {
     let engine =
         Engine::new(backend.as_ref(), synthetic_model(), &engine_config(512, 64)).expect("engine");
     let request = EngineRequest {
-        arrival: 0.0,
-        prompt: prompt.to_vec(),
-        encoder_prompt: None,
-        max_new_tokens,
-        n: 1,
-        sampling: SamplingParams::default(),
         ignore_eos: true,
-        stop_token_ids: Vec::new(),
-        min_tokens: 0,
+        ..EngineRequest::greedy(prompt.to_vec(), max_new_tokens)
     };
     let report = engine
         .run(

@@ -73,6 +73,24 @@ pub struct EngineRequest {
     pub min_tokens: usize,
 }
 
+impl EngineRequest {
+    /// A greedy request for `prompt` arriving at once: one sample of at most `max_new_tokens`,
+    /// stopping at the model's stop tokens.
+    pub fn greedy(prompt: Vec<u32>, max_new_tokens: usize) -> Self {
+        EngineRequest {
+            arrival: 0.0,
+            prompt,
+            encoder_prompt: None,
+            max_new_tokens,
+            n: 1,
+            sampling: SamplingParams::default(),
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
+        }
+    }
+}
+
 /// What the engine keeps of an unfinished request besides what the scheduler holds.
 #[derive(Clone, Debug)]
 struct ActiveRequest {

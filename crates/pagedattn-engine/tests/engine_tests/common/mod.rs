@@ -202,14 +202,7 @@ pub fn model_path() -> Option<std::path::PathBuf> {
 /// generate them).
 pub fn greedy_past_eos(prompt: Vec<u32>, max_new_tokens: usize) -> EngineRequest {
     EngineRequest {
-        arrival: 0.0,
-        prompt,
-        encoder_prompt: None,
-        max_new_tokens,
-        n: 1,
-        sampling: SamplingParams::default(),
         ignore_eos: true,
-        stop_token_ids: Vec::new(),
-        min_tokens: 0,
+        ..EngineRequest::greedy(prompt, max_new_tokens)
     }
 }
