@@ -14,7 +14,6 @@ use axum::http::StatusCode;
 use pagedattn_engine::serving::batch::RequestId;
 use pagedattn_engine::serving::engine::{Engine, EngineRequest};
 use pagedattn_engine::serving::scheduler::{FinishReason, SchedulerError, StepEvent};
-use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::Sender;
 
 use crate::error::ApiError;
@@ -154,14 +153,14 @@ pub(crate) fn run(
         // Commands: waited for while idle, taken as they are between steps otherwise.
         if !engine.has_unfinished() && !disconnected {
             match commands.recv_timeout(Duration::from_millis(50)) {
-                Ok(command) => take(&mut engine, command, &mut active, shared, &mut summary),
+                Ok(command) => take(&mut engine, command, &mut active, shared, &mut summary)?,
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => disconnected = true,
             }
         }
         loop {
             match commands.try_recv() {
-                Ok(command) => take(&mut engine, command, &mut active, shared, &mut summary),
+                Ok(command) => take(&mut engine, command, &mut active, shared, &mut summary)?,
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     disconnected = true;
@@ -181,7 +180,7 @@ pub(crate) fn run(
             .collect();
         for id in gone {
             if let Some(a) = active.remove(&id) {
-                engine.abort(id)?;
+                abort(&mut engine, id, Ending::Abort, shared, &mut summary)?;
                 if past_deadline {
                     let _ = a.events.try_send(Event::Aborted {
                         why: ApiError::status(
@@ -190,8 +189,6 @@ pub(crate) fn run(
                         ),
                     });
                 }
-                summary.aborted += 1;
-                shared.metrics().end(Ending::Abort);
             }
         }
         if !engine.has_unfinished() {
@@ -238,14 +235,13 @@ pub(crate) fn run(
                     Some(last) => m.itl.observe((now - last).as_secs_f64()),
                 }
                 a.last_token = Some(now);
-                if let Err(e) = a.events.try_send(Event::Tokens {
+                let event = Event::Tokens {
                     part: a.part,
                     tokens: list,
-                }) {
-                    // A task that stopped reading (its queue full) or went away.
-                    if matches!(e, TrySendError::Full(_) | TrySendError::Closed(_)) {
-                        stalled.push(id);
-                    }
+                };
+                // A full queue: a task that stopped reading; a closed one: a task gone.
+                if a.events.try_send(event).is_err() {
+                    stalled.push(id);
                 }
             }
             for event in output.events {
@@ -275,9 +271,7 @@ pub(crate) fn run(
         }
         for id in stalled {
             if active.remove(&id).is_some() {
-                engine.abort(id)?;
-                summary.aborted += 1;
-                shared.metrics().end(Ending::Abort);
+                abort(&mut engine, id, Ending::Abort, shared, &mut summary)?;
             }
         }
         publish(&engine, shared, &summary);
@@ -290,6 +284,21 @@ pub(crate) fn run(
     Ok(summary)
 }
 
+/// Aborts request `id` in the engine (between steps: every block freed) and counts it ended
+/// for `why`.
+fn abort(
+    engine: &mut Engine<'_>,
+    id: RequestId,
+    why: Ending,
+    shared: &Shared,
+    summary: &mut Summary,
+) -> pagedattn_engine::Result<()> {
+    engine.abort(id)?;
+    summary.aborted += 1;
+    shared.metrics().end(why);
+    Ok(())
+}
+
 /// Carries out one command.
 fn take(
     engine: &mut Engine<'_>,
@@ -297,7 +306,7 @@ fn take(
     active: &mut HashMap<RequestId, Active>,
     shared: &Shared,
     summary: &mut Summary,
-) {
+) -> pagedattn_engine::Result<()> {
     match command {
         Command::Add(s) => {
             let part = s.part;
@@ -307,7 +316,7 @@ fn take(
                     "the server is shutting down",
                 );
                 let _ = s.events.try_send(Event::Rejected { error });
-                return;
+                return Ok(());
             }
             let prompt_tokens = s.request.prompt.len() as u64;
             match engine.add_request(s.id, s.request) {
@@ -329,15 +338,14 @@ fn take(
                 }
             }
         }
+        // (Every choice ended by a stop string: a stop, for the metrics.)
         Command::Abort(id) => {
             if active.remove(&id).is_some() {
-                // (An abort between steps is never refused; `false` is a finished request.)
-                let _ = engine.abort(id);
-                summary.aborted += 1;
-                shared.metrics().end(Ending::Stop);
+                abort(engine, id, Ending::Stop, shared, summary)?;
             }
         }
     }
+    Ok(())
 }
 
 /// Publishes the queues and the cache's use.

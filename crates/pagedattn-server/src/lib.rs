@@ -199,9 +199,7 @@ impl Server {
             shared: Arc::clone(&shared),
             next_id: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
-            created: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            created: routes::unix_seconds(),
             config: config.clone(),
         });
         let stop_rx = Arc::clone(&stop);

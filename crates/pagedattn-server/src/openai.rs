@@ -71,6 +71,23 @@ impl Body {
         }
     }
 
+    /// Field `key` as a `T` that `valid` accepts (`None` where absent or null); a value of
+    /// another type or one refused is an error saying what is `expected`.
+    fn take_valid<T: DeserializeOwned + std::fmt::Display>(
+        &mut self,
+        key: &str,
+        expected: &str,
+        valid: impl Fn(&T) -> bool,
+    ) -> Result<Option<T>, ApiError> {
+        match self.take::<T>(key, expected)? {
+            Some(v) if !valid(&v) => Err(ApiError::invalid(
+                key,
+                format!("{key} = {v}: expected {expected}"),
+            )),
+            v => Ok(v),
+        }
+    }
+
     /// Field `key`, which must be absent, null or `default` (OpenAI parameters not
     /// supported here beyond their no-op value).
     fn only_default(
@@ -179,37 +196,30 @@ fn check_model(body: &mut Body, model: &ModelInfo<'_>) -> Result<(), ApiError> {
 /// Reads the fields both endpoints have.
 fn common(body: &mut Body, model: &ModelInfo<'_>) -> Result<Common, ApiError> {
     let temperature: f64 = body
-        .take("temperature", "a number in [0, 2]")?
+        .take_valid("temperature", "a number in [0, 2]", |t| {
+            (0.0..=2.0).contains(t)
+        })?
         .unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::invalid(
-            "temperature",
-            format!("temperature = {temperature}: expected a number in [0, 2]"),
-        ));
-    }
-    let top_p: f64 = body.take("top_p", "a number in (0, 1]")?.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) || (top_p as f32) <= 0.0 {
-        return Err(ApiError::invalid(
-            "top_p",
-            format!("top_p = {top_p}: expected a number in (0, 1]"),
-        ));
-    }
+    // (As the sampler computes it: 1e-300 is 0 as an f32.)
+    let top_p: f64 = body
+        .take_valid("top_p", "a number in (0, 1]", |&p: &f64| {
+            p > 0.0 && p <= 1.0 && (p as f32) > 0.0
+        })?
+        .unwrap_or(1.0);
     let top_k: i64 = body
-        .take("top_k", "an integer: -1 or 0 (all tokens), or at least 1")?
-        .unwrap_or(0);
-    if top_k < -1 {
-        return Err(ApiError::invalid(
+        .take_valid(
             "top_k",
-            format!("top_k = {top_k}: expected -1 or 0 (all tokens), or at least 1"),
-        ));
-    }
-    let n: i64 = body.take("n", "an integer")?.unwrap_or(1);
-    if n < 1 || n as u64 > model.max_n as u64 {
-        return Err(ApiError::invalid(
+            "an integer: -1 or 0 (all tokens), or at least 1",
+            |&k| k >= -1,
+        )?
+        .unwrap_or(0);
+    let n: i64 = body
+        .take_valid(
             "n",
-            format!("n = {n}: expected an integer in [1, {}]", model.max_n),
-        ));
-    }
+            &format!("an integer in [1, {}]", model.max_n),
+            |&n: &i64| n >= 1 && n as u64 <= model.max_n as u64,
+        )?
+        .unwrap_or(1);
     // (Seeds are 64-bit integers either way; a negative one keeps its bits.)
     let seed = match body.take::<i64>("seed", "an integer")? {
         Some(s) => s as u64,
@@ -272,14 +282,8 @@ fn common(body: &mut Body, model: &ModelInfo<'_>) -> Result<Common, ApiError> {
     let include_usage = options.and_then(|o| o.include_usage).unwrap_or(false);
     let ignore_eos: bool = body.take("ignore_eos", "a boolean")?.unwrap_or(false);
     let min_tokens: i64 = body
-        .take("min_tokens", "an integer of at least 0")?
+        .take_valid("min_tokens", "an integer of at least 0", |&m| m >= 0)?
         .unwrap_or(0);
-    if min_tokens < 0 {
-        return Err(ApiError::invalid(
-            "min_tokens",
-            format!("min_tokens = {min_tokens}: expected an integer of at least 0"),
-        ));
-    }
     let stop_token_ids: Vec<u32> = body
         .take("stop_token_ids", "an array of token ids")?
         .unwrap_or_default();
@@ -334,13 +338,7 @@ fn random_seed() -> u64 {
 fn max_tokens(body: &mut Body, keys: &[&str]) -> Result<Option<usize>, ApiError> {
     let mut value = None;
     for key in keys {
-        if let Some(v) = body.take::<i64>(key, "an integer of at least 1")? {
-            if v < 1 {
-                return Err(ApiError::invalid(
-                    *key,
-                    format!("{key} = {v}: expected an integer of at least 1"),
-                ));
-            }
+        if let Some(v) = body.take_valid::<i64>(key, "an integer of at least 1", |&v| v >= 1)? {
             value = Some(v as usize);
         }
     }

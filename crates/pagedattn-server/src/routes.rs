@@ -174,9 +174,7 @@ async fn generate(
     }
     .await;
     answer.unwrap_or_else(|e| {
-        if e.status != StatusCode::OK {
-            s.shared.metrics().refuse(e.status.as_u16());
-        }
+        s.shared.metrics().refuse(e.status.as_u16());
         e.into_response()
     })
 }
@@ -232,7 +230,8 @@ impl Drop for Run {
     }
 }
 
-fn unix_seconds() -> u64 {
+/// Seconds since the Unix epoch (OpenAI's `created`).
+pub(crate) fn unix_seconds() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -320,7 +319,7 @@ impl Run {
         while acked < parts {
             match run.events.recv().await {
                 Some(Event::Accepted) => acked += 1,
-                Some(Event::Rejected { error, .. }) => return Err(error),
+                Some(Event::Rejected { error }) => return Err(error),
                 Some(other) => run.backlog.push_back(other),
                 None => return Err(engine_gone()),
             }
@@ -341,7 +340,7 @@ impl Run {
             let deltas = match event {
                 Event::Tokens { part, tokens } => self.tokens(part, tokens),
                 Event::Finished { part, reasons } => self.finished(part, &reasons),
-                Event::Aborted { why, .. } => return Err(why),
+                Event::Aborted { why } => return Err(why),
                 Event::Accepted | Event::Rejected { .. } => Vec::new(),
             };
             if !deltas.is_empty() {
@@ -354,7 +353,7 @@ impl Run {
         if self.parts.get(part).is_none_or(|p| p.done) {
             return Vec::new();
         }
-        let text = self.state.text.clone();
+        let text = self.state.text.as_deref();
         let mut deltas: Vec<Delta> = Vec::new();
         for (sample, token) in tokens {
             let index = part * self.n + sample;
@@ -408,7 +407,7 @@ impl Run {
         };
         p.done = true;
         let mut deltas = Vec::new();
-        let text = self.state.text.clone();
+        let text = self.state.text.as_deref();
         for (sample, reason) in reasons.iter().enumerate() {
             let index = part * self.n + sample;
             let Some(choice) = self.choices.get_mut(index) else {
