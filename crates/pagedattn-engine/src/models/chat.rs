@@ -149,38 +149,21 @@ impl ChatTemplate {
         Self::new(g.get_str(CHAT_TEMPLATE_KEY)?, SpecialTokens::from_gguf(g)?)
     }
 
-    /// The chat template of a Hugging Face folder: `tokenizer_config.json`'s `chat_template`
-    /// (a string, or the entry named `default` of a list), else `chat_template.jinja` (where
-    /// transformers 5 writes it); with `tokenizer`'s special tokens. A folder without one gets
-    /// a template that refuses every conversation, saying so.
+    /// The chat template of a Hugging Face folder, which its tokenizer holds (as
+    /// transformers' does), with the tokenizer's special tokens. A folder without one gets a
+    /// template that refuses every conversation, saying so.
     pub fn from_hf_folder(
         dir: &std::path::Path,
         tokenizer: &crate::models::tokenizer::Tokenizer,
     ) -> Result<Self, ChatError> {
-        let special = tokenizer.special_tokens().clone();
-        let config = dir.join("tokenizer_config.json");
-        let from_config = std::fs::read_to_string(&config)
-            .ok()
-            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-            .and_then(|v| match v.get("chat_template")? {
-                serde_json::Value::String(s) => Some(s.clone()),
-                serde_json::Value::Array(named) => named
-                    .iter()
-                    .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some("default"))
-                    .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
-                _ => None,
-            });
-        let source = match from_config {
-            Some(s) => s,
-            None => match std::fs::read_to_string(dir.join("chat_template.jinja")) {
-                Ok(s) => s,
-                Err(_) => format!(
-                    "{{{{ raise_exception('{} has no chat template') }}}}",
-                    dir.display().to_string().replace(['\\', '\''], "")
-                ),
-            },
+        let source = match tokenizer.chat_template() {
+            Some(s) => s.to_string(),
+            None => format!(
+                "{{{{ raise_exception('{} has no chat template') }}}}",
+                dir.display().to_string().replace(['\\', '\''], "")
+            ),
         };
-        Self::new(&source, special)
+        Self::new(&source, tokenizer.special_tokens().clone())
     }
 
     /// Renders `messages`; with `add_generation_prompt`, ends with the header of the

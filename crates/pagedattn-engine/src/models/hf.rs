@@ -41,7 +41,7 @@ fn model_error(path: &Path, what: impl std::fmt::Display) -> Error {
 }
 
 /// Reads `path` as a JSON object.
-fn json_object(path: &Path) -> Result<Map<String, Value>> {
+pub(crate) fn json_object(path: &Path) -> Result<Map<String, Value>> {
     let text = std::fs::read_to_string(path).map_err(io_error(path))?;
     match serde_json::from_str(&text) {
         Ok(Value::Object(map)) => Ok(map),
@@ -157,6 +157,11 @@ impl HfFolder {
             .and_then(Value::as_u64)
             .and_then(|v| usize::try_from(v).ok())
             .ok_or_else(|| self.config_error(key, "a whole number"))
+    }
+
+    /// `config.json`'s field `key` as a whole number, `None` where absent or null.
+    pub fn config_usize_opt(&self, key: &str) -> Result<Option<usize>> {
+        self.config(key).map(|_| self.config_usize(key)).transpose()
     }
 
     /// `config.json`'s field `key` as a number.

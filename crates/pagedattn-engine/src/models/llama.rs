@@ -311,10 +311,7 @@ impl Llama {
         let model_type = folder.model_type()?;
         let window = match model_type {
             "llama" => None,
-            "mistral" => match folder.config("sliding_window") {
-                None => None,
-                Some(_) => Some(folder.config_usize("sliding_window")?),
-            },
+            "mistral" => folder.config_usize_opt("sliding_window")?,
             other => {
                 return Err(Error::Model(format!(
                     "{}: model_type {other:?}: Llama::from_hf reads llama and mistral",
@@ -322,17 +319,15 @@ impl Llama {
                 )))
             }
         };
-        let optional = |key: &str| -> Result<Option<usize>> {
-            folder
-                .config(key)
-                .map(|_| folder.config_usize(key))
-                .transpose()
-        };
         let hidden = folder.config_usize("hidden_size")?;
         let n_layers = folder.config_usize("num_hidden_layers")?;
         let heads = folder.config_usize("num_attention_heads")?;
-        let kv_heads = optional("num_key_value_heads")?.unwrap_or(heads);
-        let head_size = optional("head_dim")?.unwrap_or(hidden / heads.max(1));
+        let kv_heads = folder
+            .config_usize_opt("num_key_value_heads")?
+            .unwrap_or(heads);
+        let head_size = folder
+            .config_usize_opt("head_dim")?
+            .unwrap_or(hidden / heads.max(1));
         let ffn = folder.config_usize("intermediate_size")?;
         let vocab = folder.config_usize("vocab_size")?;
         // transformers 5 nests RoPE's settings in `rope_parameters`; 4.x wrote `rope_theta`.

@@ -27,6 +27,7 @@ use tokenizers::{AddedToken, DecodeStream, DecoderWrapper, ModelWrapper, Normali
 use tokenizers::{PostProcessorWrapper, PreTokenizerWrapper};
 
 use crate::models::gguf::{Gguf, GgufError, MetaArray};
+use crate::models::hf::json_object;
 
 /// The `tokenizer.ggml.pre` values this module builds, all with GPT-2's split regex as
 /// transformers does for them.
@@ -54,14 +55,6 @@ pub enum TokenizerError {
     BadMetadata {
         /// The key.
         key: &'static str,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A Hugging Face folder's tokenizer file that cannot be read.
-    #[error("{path}: {reason}")]
-    File {
-        /// The file.
-        path: String,
         /// What is wrong.
         reason: String,
     },
@@ -159,6 +152,8 @@ pub struct Tokenizer {
     /// Special tokens are added by the tokenizer's own post-processor (a Hugging Face
     /// `tokenizer.json`), not by `add_bos` / `add_eos` (a GGUF file).
     post_processed: bool,
+    /// A Hugging Face folder's chat template source.
+    chat_template: Option<String>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -280,6 +275,7 @@ impl Tokenizer {
             add_bos: g.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
             add_eos: g.opt_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
             post_processed: false,
+            chat_template: None,
         })
     }
 
@@ -287,44 +283,33 @@ impl Tokenizer {
     /// reads it (its post-processor adds what a prompt gets: BOS, or BERT's `[CLS]` and
     /// `[SEP]`, as transformers' fast tokenizers do), with the special tokens
     /// `tokenizer_config.json` names (`bos_token`, `eos_token`, `unk_token`, `pad_token`:
-    /// strings, or objects with `content`).
-    pub fn from_hf_folder(dir: &std::path::Path) -> Result<Self> {
-        let file_error = |path: &std::path::Path, reason: String| TokenizerError::File {
-            path: path.display().to_string(),
-            reason,
-        };
+    /// strings, or objects with `content`) and its chat template (`chat_template`: a string, or
+    /// the entry named `default` of a list; else the file `chat_template.jinja`, where
+    /// transformers 5 writes it), as transformers' tokenizer holds them.
+    pub fn from_hf_folder(dir: &std::path::Path) -> crate::Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = Inner::from_file(&path).map_err(|e| file_error(&path, e.to_string()))?;
+        let inner = Inner::from_file(&path)
+            .map_err(|e| crate::Error::Model(format!("{}: {e}", path.display())))?;
         let config_path = dir.join("tokenizer_config.json");
-        let config = match std::fs::read_to_string(&config_path) {
-            Ok(text) => match serde_json::from_str::<serde_json::Value>(&text) {
-                Ok(serde_json::Value::Object(map)) => map,
-                Ok(_) => return Err(file_error(&config_path, "expected a JSON object".into())),
-                Err(e) => return Err(file_error(&config_path, format!("not valid JSON: {e}"))),
-            },
-            // (A folder may have no tokenizer_config.json: no named special tokens.)
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Map::new(),
-            Err(e) => return Err(file_error(&config_path, e.to_string())),
+        // (A folder may have no tokenizer_config.json: no named special tokens.)
+        let config = if config_path.exists() {
+            json_object(&config_path)?
+        } else {
+            serde_json::Map::new()
         };
-        let special = |key: &str| -> Result<Option<SpecialToken>> {
+        let refused =
+            |what: String| crate::Error::Model(format!("{}: {what}", config_path.display()));
+        let special = |key: &str| -> crate::Result<Option<SpecialToken>> {
             let text = match config.get(key) {
                 None | Some(serde_json::Value::Null) => return Ok(None),
                 Some(serde_json::Value::String(s)) => s.clone(),
                 Some(v) => match v.get("content").and_then(serde_json::Value::as_str) {
                     Some(s) => s.to_string(),
-                    None => {
-                        return Err(file_error(
-                            &config_path,
-                            format!("{key} = {v}: expected a token's text"),
-                        ))
-                    }
+                    None => return Err(refused(format!("{key} = {v}: expected a token's text"))),
                 },
             };
             let id = inner.token_to_id(&text).ok_or_else(|| {
-                file_error(
-                    &config_path,
-                    format!("{key} = {text:?}: not a token of tokenizer.json"),
-                )
+                refused(format!("{key} = {text:?}: not a token of tokenizer.json"))
             })?;
             Ok(Some(SpecialToken { id, text }))
         };
@@ -334,13 +319,28 @@ impl Tokenizer {
             unk: special("unk_token")?,
             pad: special("pad_token")?,
         };
+        let chat_template = match config.get("chat_template") {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Array(named)) => named
+                .iter()
+                .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+            _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
+        };
         Ok(Tokenizer {
             inner,
             special,
             add_bos: false,
             add_eos: false,
             post_processed: true,
+            chat_template,
         })
+    }
+
+    /// A Hugging Face folder's chat template source (`None` for a GGUF file, whose template
+    /// the chat module reads from the file itself, or for a folder without one).
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
     }
 
     /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) are recognised

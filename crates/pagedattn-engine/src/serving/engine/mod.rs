@@ -29,8 +29,8 @@ use crate::serving::sample::{Sampler, SamplingParams};
 use crate::serving::scheduler::{
     RequestSpec, Sampled, Scheduler, SchedulerConfig, SchedulerError, StepEvent,
 };
-
 use crate::{Error, Result};
+
 pub use run::MAX_ARRIVAL_SECONDS;
 
 mod forward;
@@ -584,10 +584,8 @@ impl<'a> Engine<'a> {
         let attention_seconds = self.clock.take_seconds()?;
         let width = self.model.output_width();
         let mut results: Vec<Sampled> = Vec::with_capacity(batch.seqs.len());
-        let mut sampled = Vec::with_capacity(batch.seqs.len());
         let mut pooled_states = Vec::new();
         let mut row = 0;
-        let mut generated = 0;
         for s in &batch.seqs {
             let mut tokens = Vec::with_capacity(s.num_samples);
             // An encoder-only sequence's pooled state, or a sampling one's logits.
@@ -614,12 +612,6 @@ impl<'a> Engine<'a> {
                 }
                 row += 1;
                 tokens.resize(s.num_samples, token);
-                generated += tokens.len();
-                sampled.extend(tokens.iter().enumerate().map(|(i, &token)| SampledToken {
-                    request: s.request,
-                    sample: s.sample + i,
-                    token,
-                }));
                 results.push(Sampled { seq: s.seq, tokens });
                 continue;
             }
@@ -678,15 +670,22 @@ impl<'a> Engine<'a> {
                     };
                     tokens.push(self.sampler.sample(logits, &params, position as u64)?);
                 }
-                generated += tokens.len();
             }
-            sampled.extend(tokens.iter().enumerate().map(|(i, &token)| SampledToken {
-                request: s.request,
-                sample: s.sample + i,
-                token,
-            }));
             results.push(Sampled { seq: s.seq, tokens });
         }
+        // (`results` holds one entry per scheduled sequence, in the batch's order.)
+        let sampled: Vec<SampledToken> = batch
+            .seqs
+            .iter()
+            .zip(&results)
+            .flat_map(|(s, r)| {
+                r.tokens.iter().enumerate().map(|(i, &token)| SampledToken {
+                    request: s.request,
+                    sample: s.sample + i,
+                    token,
+                })
+            })
+            .collect();
         let events = self.scheduler.finish_step(&results)?;
         let usage = self.scheduler.blocks().stats();
         let record = StepRecord {
@@ -697,7 +696,7 @@ impl<'a> Engine<'a> {
             graph: replayed,
             prefill_tokens: prefill,
             decode_tokens: decode,
-            generated_tokens: generated,
+            generated_tokens: sampled.len(),
             blocks_used: usage.device_blocks_in_use,
             blocks_total: self.num_blocks,
             tokens_stored: usage.tokens_stored,
