@@ -53,9 +53,9 @@ pub(crate) fn json_object(path: &Path) -> Result<Map<String, Value>> {
 impl WeightFile {
     fn open(path: PathBuf) -> Result<Self> {
         let file = std::fs::File::open(&path).map_err(io_error(&path))?;
-        // SAFETY: the map is read only; a file changed underneath it while the model loads
-        // gives wrong weights (as any reader would), not undefined behaviour in safe code that
-        // only copies bytes out of it.
+        // SAFETY: the map is read-only and private to this value; the contract is that the
+        // model's files are not modified while it loads, as the GGUF reader's is (and every
+        // memory-mapping loader's).
         let map = unsafe { Mmap::map(&file) }.map_err(io_error(&path))?;
         let (header_len, header) = safetensors::SafeTensors::read_metadata(&map)
             .map_err(|e| model_error(&path, format!("not a safetensors file: {e}")))?;
@@ -219,7 +219,14 @@ impl HfFolder {
                 format!("tensor `{name}`'s data is outside the file"),
             )
         })?;
-        let count: usize = shape.iter().product();
+        // (Shapes come from the caller's config and the file's header: sizes are checked, not
+        // trusted to fit.)
+        let count = shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| {
+                model_error(&file.path, format!("tensor `{name}`: {shape:?} overflows"))
+            })?;
         let width = match info.dtype {
             Dtype::F32 => 4,
             Dtype::F16 | Dtype::BF16 => 2,
@@ -230,7 +237,7 @@ impl HfFolder {
                 ))
             }
         };
-        if bytes.len() != count * width {
+        if count.checked_mul(width) != Some(bytes.len()) {
             return Err(model_error(
                 &file.path,
                 format!(

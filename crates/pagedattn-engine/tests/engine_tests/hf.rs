@@ -97,6 +97,20 @@ fn a_wrong_shape_a_missing_tensor_and_a_bad_config_name_what_is_wrong() {
         e.contains("model.safetensors: not a safetensors file"),
         "{e}"
     );
+    // A header whose shape's size overflows: refused at open or at read, never a panic.
+    let header =
+        br#"{"w":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}}"#;
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(header);
+    file.extend_from_slice(&[0; 4]);
+    std::fs::write(dir.join("model.safetensors"), &file).unwrap();
+    if let Ok(folder) = HfFolder::open(&dir) {
+        let e = folder
+            .tensor("w", &[4294967296, 4294967296, 16])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("overflows"), "{e}");
+    }
     std::fs::write(
         dir.join("model.safetensors.index.json"),
         r#"{"weight_map": {"a": "../../etc/passwd"}}"#,
