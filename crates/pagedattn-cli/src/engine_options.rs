@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use pagedattn::Backend;
 use pagedattn_engine::models::chat::ChatTemplate;
+use pagedattn_engine::models::families::{self, HfModel};
 use pagedattn_engine::models::gguf::Gguf;
 use pagedattn_engine::models::hf::HfFolder;
 use pagedattn_engine::models::llama::Llama;
@@ -64,10 +65,11 @@ pub struct EngineArgs {
     /// transformers computes) or `fast` (quantized weights, int8 activations).
     #[arg(long, default_value = "exact")]
     pub precision: String,
-    /// Where a Llama model's layers run: `device` (the backend's GPU: bf16 weights and
-    /// activations, cuBLAS products, nothing crossing to the host but token ids) or `host`
-    /// (the CPU at `--precision`, attention tensors moved to the backend and back). Default:
-    /// `device` on a GPU backend, `host` otherwise.
+    /// Where a model's layers run: `device` (the backend's GPU: bf16 weights and
+    /// activations, cuBLAS products, nothing crossing to the host but token ids; Llama's
+    /// blocks only: Llama, Mistral, a Llama GGUF) or `host` (the CPU at `--precision`,
+    /// attention tensors moved to the backend and back). Default: `device` on a GPU backend
+    /// for a model the GPU model computes, `host` otherwise.
     #[arg(long)]
     pub model_on: Option<String>,
     /// Run every decode step's forward pass as it is, never replayed from a CUDA graph (by
@@ -142,6 +144,9 @@ pub struct Loaded {
     pub model: Box<dyn Model>,
     /// Its tokenizer and chat template (a GGUF file's; the synthetic model has none).
     pub text: Option<(Tokenizer, ChatTemplate)>,
+    /// The token an encoder-decoder model's generation starts from (`config.json`'s
+    /// `decoder_start_token_id`), the decoder prompt of a request that gives none.
+    pub decoder_start: Option<u32>,
 }
 
 /// Whether the model's layers run on the backend's device (`--model-on`).
@@ -161,12 +166,16 @@ fn model_on_device(args: &EngineArgs, backend: &dyn Backend) -> pagedattn_engine
     }
 }
 
-/// `llama` as the engine serves it: on the backend's GPU where `on_device`, else as it is.
+/// `llama` as the engine serves it: on the backend's GPU where `on_device` (by default only a
+/// model of Llama's blocks, which the GPU model computes; asked for explicitly, others are
+/// refused), else as it is.
 fn place(
     llama: Llama,
     on_device: bool,
+    args: &EngineArgs,
     backend: &dyn Backend,
 ) -> pagedattn_engine::Result<Box<dyn Model>> {
+    let on_device = on_device && (llama.is_plain_llama() || args.model_on.is_some());
     #[cfg(feature = "cuda")]
     if let (true, pagedattn::Device::Cuda(gpu)) = (on_device, backend.device()) {
         let cuda = pagedattn::cuda::Cuda::new(gpu)?;
@@ -178,7 +187,8 @@ fn place(
     Ok(Box::new(llama))
 }
 
-/// Loads the model the options name: a GGUF file, or the synthetic model of `kind`.
+/// Loads the model the options name: a GGUF file, a Hugging Face folder, or the synthetic
+/// model of `kind` (a file's or folder's kind is its own: the caller checks it).
 pub fn load(
     args: &EngineArgs,
     backend: &dyn Backend,
@@ -188,19 +198,18 @@ pub fn load(
     match &args.model {
         None => Ok(Loaded {
             model: match kind {
-                ModelKind::Decoder => {
-                    place(SyntheticConfig::default().build()?, on_device, backend)?
-                }
+                ModelKind::Decoder => place(
+                    SyntheticConfig::default().build()?,
+                    on_device,
+                    args,
+                    backend,
+                )?,
                 ModelKind::EncoderOnly => SyntheticConfig::encoder_only().build_model()?,
                 ModelKind::EncoderDecoder => SyntheticConfig::encoder_decoder().build_model()?,
             },
             text: None,
+            decoder_start: None,
         }),
-        Some(path) if kind != ModelKind::Decoder => Err(pagedattn_engine::Error::Model(format!(
-            "--model {}: a Llama GGUF is a decoder, and {kind:?} models are only synthetic ones \
-             (leave out --model)",
-            path.display()
-        ))),
         Some(path) => {
             let precision = match args.precision.as_str() {
                 "exact" => Precision::Exact,
@@ -217,22 +226,42 @@ pub fn load(
                 }
             };
             if path.is_dir() {
-                // A Hugging Face folder (Llama-architecture families so far).
                 let folder = HfFolder::open(path)?;
                 let tokenizer = Tokenizer::from_hf_folder(path)?;
                 let template = ChatTemplate::from_hf_folder(path, &tokenizer)?;
+                let model = match families::from_hf(&folder, precision)? {
+                    HfModel::Decoder(llama) => place(llama, on_device, args, backend)?,
+                    HfModel::Encoder(_) if args.model_on.as_deref() == Some("device") => {
+                        return Err(pagedattn_engine::Error::Model(format!(
+                            "--model-on device: {} is an encoder model, computed on the host \
+                             (its attention runs on the backend)",
+                            path.display()
+                        )))
+                    }
+                    encoder => encoder.into_model(),
+                };
+                let decoder_start = folder
+                    .config_usize_opt("decoder_start_token_id")?
+                    .and_then(|t| u32::try_from(t).ok());
                 return Ok(Loaded {
-                    model: place(Llama::from_hf(&folder, precision)?, on_device, backend)?,
+                    model,
                     text: Some((tokenizer, template)),
+                    decoder_start,
                 });
             }
             let file = Gguf::open(path)?;
             Ok(Loaded {
-                model: place(Llama::from_gguf(&file, precision)?, on_device, backend)?,
+                model: place(
+                    Llama::from_gguf(&file, precision)?,
+                    on_device,
+                    args,
+                    backend,
+                )?,
                 text: Some((
                     Tokenizer::from_gguf(&file)?,
                     ChatTemplate::from_gguf(&file)?,
                 )),
+                decoder_start: None,
             })
         }
     }

@@ -32,10 +32,11 @@ pub struct RunArgs {
     /// A JSONL trace of requests (docs/engine.md); replaces the workload.
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// The built-in workload: chat, long-context, shared-prefix, or (on the synthetic
-    /// model's encoder-only and encoder-decoder shapes) encoder, encoder-decoder.
-    #[arg(long, default_value = "chat")]
-    pub workload: String,
+    /// The built-in workload: chat, long-context, shared-prefix (decoders), encoder
+    /// (encoder-only models), encoder-decoder. Default: `chat`, or the model's kind's
+    /// (`encoder` for BERT, `encoder-decoder` for BART).
+    #[arg(long)]
+    pub workload: Option<String>,
     /// Requests of the built-in workload.
     #[arg(long, default_value_t = 32, conflicts_with = "trace", value_parser = request_count)]
     pub requests: usize,
@@ -116,12 +117,29 @@ fn probability_mass(text: &str) -> Result<f32, String> {
     )
 }
 
-/// The built-in workload in effect (none when prompts, chat turns or a trace replace it).
-fn builtin(args: &RunArgs) -> pagedattn_engine::Result<Option<Builtin>> {
+/// The built-in workload in effect (none when prompts, chat turns or a trace replace it):
+/// `--workload`, else the one of a model of `kind`.
+fn builtin(args: &RunArgs, kind: ModelKind) -> pagedattn_engine::Result<Option<Builtin>> {
     if !args.prompt.is_empty() || !args.chat.is_empty() || args.trace.is_some() {
         return Ok(None);
     }
-    Ok(Some(args.workload.parse()?))
+    Ok(Some(match &args.workload {
+        Some(w) => w.parse()?,
+        None => match kind {
+            ModelKind::Decoder => Builtin::Chat,
+            ModelKind::EncoderOnly => Builtin::Encoder,
+            ModelKind::EncoderDecoder => Builtin::EncoderDecoder,
+        },
+    }))
+}
+
+/// The name of a model kind, for messages.
+fn kind_name(kind: ModelKind) -> &'static str {
+    match kind {
+        ModelKind::Decoder => "a decoder",
+        ModelKind::EncoderOnly => "an encoder-only",
+        ModelKind::EncoderDecoder => "an encoder-decoder",
+    }
 }
 
 /// The requests the options ask for: prompts and chat turns given on the command line, else
@@ -143,13 +161,18 @@ fn requests(
         .chain(args.chat.iter().map(|c| Prompt::Chat(c.clone())))
         .collect();
     if !given.is_empty() {
+        // An encoder-decoder model encodes the prompt and generates from its decoder start.
+        let encoder_decoder = loaded.model.kind() == ModelKind::EncoderDecoder;
         let requests = given
             .into_iter()
             .enumerate()
             .map(|(i, prompt)| RequestInput {
                 arrival: 0.0,
-                prompt,
-                encoder_prompt: None,
+                prompt: match encoder_decoder {
+                    true => Prompt::Tokens(Vec::new()),
+                    false => prompt.clone(),
+                },
+                encoder_prompt: encoder_decoder.then_some(prompt),
                 max_new_tokens: args.max_new_tokens,
                 n: 1,
                 sampling: SamplingParams {
@@ -180,8 +203,8 @@ fn requests(
         }
         return Ok((format!("trace {}", path.display()), requests));
     }
-    let builtin = builtin(args)?.unwrap_or(Builtin::Chat);
     let model = &loaded.model;
+    let builtin = builtin(args, model.kind())?.unwrap_or(Builtin::Chat);
     let params = BuiltinParams {
         requests: args.requests,
         rate: args.rate,
@@ -215,22 +238,32 @@ pub fn run(args: &RunArgs, backend_name: &str) -> pagedattn_engine::Result<Serve
         .use_current_thread()
         .build_global();
     let backend: Box<dyn Backend> = registry::backend(backend_name)?;
-    let kind = builtin(args)?.map_or(ModelKind::Decoder, Builtin::model_kind);
-    if kind != ModelKind::Decoder && args.engine.model.is_some() {
+    // The synthetic model's kind is the workload's; a file's or folder's is its own.
+    let kind = builtin(args, ModelKind::Decoder)?.map_or(ModelKind::Decoder, Builtin::model_kind);
+    let loaded = load(&args.engine, backend.as_ref(), kind)?;
+    let model_kind = loaded.model.kind();
+    if let Some(w) = builtin(args, model_kind)?.filter(|w| w.model_kind() != model_kind) {
         return Err(pagedattn_engine::Error::Model(format!(
-            "--workload {} needs an {} model, which only the synthetic model has (leave out --model)",
-            args.workload,
-            match kind {
-                ModelKind::EncoderOnly => "encoder-only",
-                _ => "encoder-decoder",
-            }
+            "--workload {w} needs {} model; {} is {} model",
+            kind_name(w.model_kind()),
+            loaded.model.name(),
+            kind_name(model_kind)
         )));
     }
-    let loaded = load(&args.engine, backend.as_ref(), kind)?;
     let (workload_name, inputs) = requests(args, &loaded)?;
     let mut requests = Vec::with_capacity(inputs.len());
     let ids = |prompt: &Prompt| -> pagedattn_engine::Result<Vec<u32>> {
         Ok(match (prompt, &loaded.text) {
+            // An encoder-decoder request without a decoder prompt starts from the model's
+            // decoder start token.
+            (Prompt::Tokens(t), _) if t.is_empty() && model_kind == ModelKind::EncoderDecoder => {
+                vec![loaded.decoder_start.ok_or_else(|| {
+                    pagedattn_engine::Error::Model(format!(
+                        "{}: no decoder prompt, and the model names no decoder start token",
+                        loaded.model.name()
+                    ))
+                })?]
+            }
             (Prompt::Tokens(t), _) => t.clone(),
             (Prompt::Text(text), Some((tok, _))) => tok.encode(text, true)?,
             // The rendered template holds its special tokens already (transformers'

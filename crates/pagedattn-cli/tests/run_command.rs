@@ -212,6 +212,9 @@ fn bad_input_is_one_line_and_exit_code_2() {
     let not_gguf = dir.join("model.gguf");
     std::fs::write(&not_gguf, b"GGUF\x03\x00\x00\x00").unwrap();
     let (trace, not_gguf) = (trace.to_str().unwrap(), not_gguf.to_str().unwrap());
+    let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models");
+    let (llama, bert) = (hf.join("llama"), hf.join("bert"));
+    let (llama, bert) = (llama.to_str().unwrap(), bert.to_str().unwrap());
     for (args, says) in [
         (
             &["forward", "--input", "/nonexistent/case.safetensors"][..],
@@ -232,12 +235,12 @@ fn bad_input_is_one_line_and_exit_code_2() {
             "unknown workload `nope`",
         ),
         (
-            &["run", "--workload", "encoder", "--model", not_gguf][..],
-            "--workload encoder needs an encoder-only model, which only the synthetic model has (leave out --model)",
+            &["run", "--workload", "encoder", "--model", llama][..],
+            "--workload encoder needs an encoder-only model; llama is a decoder model",
         ),
         (
-            &["run", "--workload", "encoder-decoder", "--model", not_gguf][..],
-            "needs an encoder-decoder model",
+            &["run", "--workload", "encoder-decoder", "--model", bert][..],
+            "--workload encoder-decoder needs an encoder-decoder model; bert is an encoder-only model",
         ),
         (
             &["run", "--input", "case.safetensors"][..],
@@ -644,43 +647,68 @@ fn hostile_traces_and_flags_are_one_line_errors_or_runs() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// `run --model DIR` on a Hugging Face folder as transformers wrote it (tests/hf-models'
-/// Mistral: a window of 16): the greedy tokens transformers generated, from the prompt's text
-/// through the folder's own tokenizer.
+/// `run --model DIR --prompt TEXT` on each family's Hugging Face folder as transformers wrote
+/// it (tests/hf-models), the prompt's text through the folder's own tokenizer: the decoders'
+/// and BART's greedy tokens transformers generated (BART's from its decoder start token), and
+/// BERT's pooled output.
 #[test]
-fn a_hugging_face_folder_runs_with_transformers_tokens() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models/mistral");
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    let first = &golden["greedy"][0];
-    let out = pagedattn(
-        &[
-            "run",
-            "--backend",
-            "cpu",
-            "--model",
-            dir.to_str().unwrap(),
-            "--prompt",
-            first["prompt"].as_str().unwrap(),
-            "--max-new-tokens",
-            "32",
-            "--ignore-eos",
-            "--json",
-        ],
-        None,
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let margins = first["margins"].as_array().unwrap();
-    let sure = margins
-        .iter()
-        .position(|m| m.as_f64().unwrap() < 1e-3)
-        .unwrap_or(32);
-    let got = report["requests"][0]["generated"][0].as_array().unwrap();
-    let want = first["tokens"].as_array().unwrap();
-    assert_eq!(got[..sure], want[..sure]);
+fn every_hugging_face_family_runs_from_its_folder() {
+    let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models");
+    for family in [
+        "llama", "qwen2", "mistral", "gemma2", "bloom", "bart", "bert",
+    ] {
+        let dir = models.join(family);
+        let golden: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+                .unwrap();
+        let bert = family == "bert";
+        let prompt = match bert {
+            true => &golden["prompts"][0]["text"],
+            false => &golden["greedy"][0]["prompt"],
+        };
+        let out = pagedattn(
+            &[
+                "run",
+                "--backend",
+                "cpu",
+                "--model",
+                dir.to_str().unwrap(),
+                "--prompt",
+                prompt.as_str().unwrap(),
+                "--max-new-tokens",
+                "32",
+                "--ignore-eos",
+                "--json",
+            ],
+            None,
+        );
+        assert!(
+            out.status.success(),
+            "{family}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let request = &report["requests"][0];
+        if bert {
+            let want = golden["pooled"][0].as_array().unwrap();
+            let got = request["pooled"].as_array().unwrap();
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(want) {
+                let (g, w) = (g.as_f64().unwrap(), w.as_f64().unwrap());
+                assert!((g - w).abs() <= 1e-5, "bert: pooled {g} against {w}");
+            }
+            continue;
+        }
+        let first = &golden["greedy"][0];
+        let sure = first["margins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .position(|m| m.as_f64().unwrap() < 1e-3)
+            .unwrap_or(32);
+        let got = request["generated"][0].as_array().unwrap();
+        let want = first["tokens"].as_array().unwrap();
+        assert!(sure >= 8, "{family}: a near tie at token {sure}");
+        assert_eq!(got[..sure], want[..sure], "{family}");
+    }
 }

@@ -30,7 +30,8 @@ pub struct RequestInput {
     /// Its prompt (the decoder's, for an encoder-decoder model; the tokens to encode, for an
     /// encoder-only one).
     pub prompt: Prompt,
-    /// The encoder's prompt of an encoder-decoder request.
+    /// The encoder's prompt of an encoder-decoder request (its decoder prompt may then be
+    /// empty tokens: the model's decoder start token, which the caller supplies).
     pub encoder_prompt: Option<Prompt>,
     /// The most tokens to generate per sample (fewer when a stop token comes first; 0 for an
     /// encoder-only request).
@@ -100,12 +101,14 @@ pub enum WorkloadError {
 pub const MAX_TRACE_LINE_BYTES: usize = 4 << 20;
 
 /// The fields a trace line may have.
-const TRACE_FIELDS: &str =
-    "arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, top_k, seed, ignore_eos";
+const TRACE_FIELDS: &str = "arrival, prompt, chat, tokens, encoder_prompt, encoder_tokens, \
+     max_new_tokens, n, temperature, top_p, top_k, seed, ignore_eos";
 
 /// Parses a JSONL trace: one request per non-empty line, a JSON object with `arrival`
 /// (seconds, default 0), exactly one of `prompt` (text), `chat` (a user turn) or `tokens`
-/// (token ids), and optionally `max_new_tokens` (default 128), `n` (default 1),
+/// (token ids), for an encoder-decoder model at most one of `encoder_prompt` (text) or
+/// `encoder_tokens` (ids) beside it (the decoder's prompt may then be left out: the model's
+/// decoder start token), and optionally `max_new_tokens` (default 128), `n` (default 1),
 /// `temperature` (default 0: greedy), `top_p` (default 1), `top_k` (default 0: every token)
 /// `seed` (default: the line number) and `ignore_eos` (default false).
 pub fn parse_trace(text: &str) -> Result<Vec<RequestInput>, WorkloadError> {
@@ -190,6 +193,31 @@ fn parse_trace_line(
             "a number of seconds >= 0",
         ));
     }
+    let token_ids = |field: &'static str| -> Result<Vec<u32>, WorkloadError> {
+        let v = &fields[field];
+        v.as_array()
+            .filter(|a| !a.is_empty())
+            .and_then(|a| {
+                a.iter()
+                    .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+                    .collect::<Option<Vec<u32>>>()
+            })
+            .ok_or_else(|| bad(field, v, "a non-empty array of token ids (u32)"))
+    };
+    let encoder_prompt = match (fields.get("encoder_prompt"), fields.get("encoder_tokens")) {
+        (None, None) => None,
+        (Some(serde_json::Value::String(s)), None) => Some(Prompt::Text(s.clone())),
+        (Some(v), None) => return Err(bad("encoder_prompt", v, "a string")),
+        (None, Some(_)) => Some(Prompt::Tokens(token_ids("encoder_tokens")?)),
+        (Some(_), Some(_)) => {
+            return Err(WorkloadError::BadField {
+                line,
+                field: "encoder_prompt",
+                got: "given with encoder_tokens".into(),
+                expected: "at most one of `encoder_prompt` or `encoder_tokens`",
+            })
+        }
+    };
     let prompts: Vec<&str> = ["prompt", "chat", "tokens"]
         .into_iter()
         .filter(|f| fields.contains_key(*f))
@@ -203,19 +231,8 @@ fn parse_trace_line(
             serde_json::Value::String(s) => Prompt::Chat(s.clone()),
             v => return Err(bad("chat", v, "a string")),
         },
-        ["tokens"] => {
-            let v = &fields["tokens"];
-            let ids = v
-                .as_array()
-                .filter(|a| !a.is_empty())
-                .and_then(|a| {
-                    a.iter()
-                        .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
-                        .collect::<Option<Vec<u32>>>()
-                })
-                .ok_or_else(|| bad("tokens", v, "a non-empty array of token ids (u32)"))?;
-            Prompt::Tokens(ids)
-        }
+        ["tokens"] => Prompt::Tokens(token_ids("tokens")?),
+        [] if encoder_prompt.is_some() => Prompt::Tokens(Vec::new()),
         [] => {
             return Err(WorkloadError::BadField {
                 line,
@@ -253,7 +270,7 @@ fn parse_trace_line(
     Ok(RequestInput {
         arrival,
         prompt,
-        encoder_prompt: None,
+        encoder_prompt,
         max_new_tokens: to_usize(max_new_tokens),
         n: to_usize(n),
         sampling: SamplingParams {
@@ -507,13 +524,29 @@ mod tests {
             ("{\"prompt\": \"a\", \"arrival\": -1}", "trace line 1: field `arrival` is -1, expected a number of seconds >= 0"),
             ("{\"max_new_tokens\": 3}", "trace line 1: field `prompt` is missing, expected one of `prompt`, `chat` or `tokens`"),
             ("{\"prompt\": \"a\", \"chat\": \"b\"}", "trace line 1: field `prompt` is given as prompt and chat, expected exactly one of `prompt`, `chat` or `tokens`"),
-            ("{\"prompt\": \"a\", \"max_tokens\": 3}", "trace line 1: unknown field `max_tokens` (known: arrival, prompt, chat, tokens, max_new_tokens, n, temperature, top_p, top_k, seed, ignore_eos)"),
+            ("{\"prompt\": \"a\", \"max_tokens\": 3}", "trace line 1: unknown field `max_tokens` (known: arrival, prompt, chat, tokens, encoder_prompt, encoder_tokens, max_new_tokens, n, temperature, top_p, top_k, seed, ignore_eos)"),
+            ("{\"prompt\": \"a\", \"encoder_prompt\": 3}", "trace line 1: field `encoder_prompt` is 3, expected a string"),
+            ("{\"encoder_tokens\": [1.5]}", "trace line 1: field `encoder_tokens` is [1.5], expected a non-empty array of token ids (u32)"),
+            ("{\"encoder_prompt\": \"a\", \"encoder_tokens\": [1]}", "trace line 1: field `encoder_prompt` is given with encoder_tokens, expected at most one of `encoder_prompt` or `encoder_tokens`"),
             ("[1]", "trace line 1: not a JSON object (the line holds an array)"),
             ("\n  \n", "the trace holds no request"),
         ];
         for (text, want) in cases {
             assert_eq!(parse_trace(text).unwrap_err().to_string(), want, "{text}");
         }
+        // An encoder-decoder line: the encoder's prompt, the decoder's left to the model.
+        let r = parse_trace(
+            "{\"encoder_prompt\": \"x\"}\n{\"tokens\": [1], \"encoder_tokens\": [4, 5]}",
+        )
+        .unwrap();
+        assert_eq!(
+            (&r[0].prompt, &r[0].encoder_prompt),
+            (&Prompt::Tokens(vec![]), &Some(Prompt::Text("x".into())))
+        );
+        assert_eq!(
+            (&r[1].prompt, &r[1].encoder_prompt),
+            (&Prompt::Tokens(vec![1]), &Some(Prompt::Tokens(vec![4, 5])))
+        );
         let broken = parse_trace("{\"prompt\": ").unwrap_err().to_string();
         assert!(
             broken.starts_with("trace line 1: not a JSON object ("),

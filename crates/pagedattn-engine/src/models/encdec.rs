@@ -1,38 +1,40 @@
-//! Encoder-only and encoder-decoder models on the CPU, of the Llama blocks (RMSNorm, RoPE,
-//! SwiGLU MLP): an encoder of bidirectional self-attention layers (`encoder`, or
-//! `encoder_only` for a BERT-like model whose output is the pooled final state of each
-//! sequence's first token), and for an encoder-decoder model (T5/BART-like) a decoder whose
-//! layers run causal self-attention over the paged cache, cross-attention over the encoder's
-//! output (`encoder_decoder`, through the cross cache), then the MLP.
+//! Encoder-only and encoder-decoder models on the CPU: an encoder of bidirectional
+//! self-attention layers (`encoder`, or `encoder_only` for a BERT-like model whose output is
+//! each sequence's first token's final state, or BERT's pooler over it), and for an
+//! encoder-decoder model (T5/BART-like) a decoder whose layers run causal self-attention over
+//! the paged cache, cross-attention over the encoder's output (`encoder_decoder`, through the
+//! cross cache), then the MLP. The blocks are [`crate::models::blocks`]'s: norms before
+//! (the synthetic models) or after (BERT, BART) each sublayer, RoPE or learned positions.
 //!
 //! Attention indices ([`Model::layers`]): the encoder's layers first, then per decoder layer
 //! its self-attention and its cross-attention.
 
 use pagedattn::{AttentionConfig, DType, Tensor};
 
+use crate::models::blocks::{InputEmbedding, LayerWeights, MlpBuffers, Placement, SublayerBuffers};
 use crate::models::check_layer_output;
-use crate::models::llama::{LayerWeights, MlpBuffers};
-use crate::models::ops::{add_assign, rms_norm, Embedding, Linear, Rope};
+use crate::models::ops::{Linear, Norm, Rope};
 use crate::serving::model::{Attend, Model, ModelKind, StepTokens};
 use crate::{Error, Result};
 
 /// A decoder layer's cross-attention weights.
-pub(crate) struct CrossWeights {
-    /// RMSNorm weight before cross-attention.
-    pub(crate) norm: Vec<f32>,
+pub struct CrossWeights {
+    /// The norm of the cross-attention sublayer.
+    pub norm: Norm,
     /// Query projection of the decoder's states.
-    pub(crate) wq: Linear,
+    pub wq: Linear,
     /// Key projection of the encoder's output.
-    pub(crate) wk: Linear,
+    pub wk: Linear,
     /// Value projection of the encoder's output.
-    pub(crate) wv: Linear,
+    pub wv: Linear,
     /// Output projection.
-    pub(crate) wo: Linear,
+    pub wo: Linear,
 }
 
 /// An attention sublayer's weights, borrowed from a [`LayerWeights`] or [`CrossWeights`].
 struct AttnWeights<'a> {
-    norm: &'a [f32],
+    norm: &'a Norm,
+    out_norm: Option<&'a Norm>,
     wq: &'a Linear,
     wk: &'a Linear,
     wv: &'a Linear,
@@ -43,6 +45,7 @@ impl<'a> From<&'a LayerWeights> for AttnWeights<'a> {
     fn from(w: &'a LayerWeights) -> Self {
         AttnWeights {
             norm: &w.attn_norm,
+            out_norm: w.attn_out_norm.as_ref(),
             wq: &w.wq,
             wk: &w.wk,
             wv: &w.wv,
@@ -55,6 +58,7 @@ impl<'a> From<&'a CrossWeights> for AttnWeights<'a> {
     fn from(w: &'a CrossWeights) -> Self {
         AttnWeights {
             norm: &w.norm,
+            out_norm: None,
             wq: &w.wq,
             wk: &w.wk,
             wv: &w.wv,
@@ -65,11 +69,21 @@ impl<'a> From<&'a CrossWeights> for AttnWeights<'a> {
 
 /// Where an attention sublayer's keys and values come from.
 enum KvSource<'a> {
-    /// The sublayer's own (normed) input, rotated by RoPE at these positions if `Some`
+    /// The sublayer's own input, rotated by RoPE at these positions if `Some`
     /// (self-attention).
     Own(Option<&'a [usize]>),
     /// Another stream's rows, used as they are (cross-attention over the encoder's output).
     Other(&'a [f32]),
+}
+
+/// What an encoder-only model outputs for a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pooling {
+    /// The final state of the asked rows (the first token's: `[CLS]` pooling, vLLM's
+    /// default for BERT embeddings).
+    State,
+    /// BERT's pooler over that state, `tanh(dense(state))` (transformers' `pooler_output`).
+    Pooler,
 }
 
 /// An encoder-only or encoder-decoder model (see the [module docs](self)).
@@ -82,25 +96,52 @@ pub struct EncDec {
     pub(crate) head_size: usize,
     pub(crate) vocab: usize,
     pub(crate) max_context: usize,
-    pub(crate) rms_eps: f32,
-    pub(crate) embedding: Embedding,
+    /// Where every layer's norms sit.
+    pub(crate) placement: Placement,
+    pub(crate) encoder_embedding: InputEmbedding,
+    /// The decoder's (`None` for an encoder-only model).
+    pub(crate) decoder_embedding: Option<InputEmbedding>,
     pub(crate) encoder: Vec<LayerWeights>,
-    pub(crate) encoder_norm: Vec<f32>,
+    /// The norm of the encoder's output, if it has one.
+    pub(crate) encoder_norm: Option<Norm>,
     /// Each decoder layer: self-attention and MLP, cross-attention.
     pub(crate) decoder: Vec<(LayerWeights, CrossWeights)>,
-    pub(crate) out_norm: Vec<f32>,
+    /// The norm before the LM head, if it has one.
+    pub(crate) out_norm: Option<Norm>,
     /// The LM head (`None` for an encoder-only model, which outputs states).
     pub(crate) head: Option<Linear>,
-    pub(crate) rope: Rope,
+    /// What an encoder-only model outputs.
+    pub(crate) pooling: Pooling,
+    /// BERT's pooler dense layer, if the model has one.
+    pub(crate) pooler: Option<Linear>,
+    /// RoPE of self-attention (the encoder's, and the decoder's where `decoder_rope`), or
+    /// `None` where positions are learned.
+    pub(crate) rope: Option<Rope>,
     /// Whether the decoder's self-attention rotates by RoPE (not with ALiBi).
     pub(crate) decoder_rope: bool,
     pub(crate) attention: Vec<AttentionConfig>,
     pub(crate) dtype: DType,
+    pub(crate) stop_tokens: Vec<u32>,
 }
 
 impl EncDec {
-    /// `x += wo · attend(norm(x) · wq, keys · wk, keys · wv)` for the `x.len() / hidden`
-    /// rows of `x`, with attention `layer`; the keys come from `kv`.
+    /// The same model outputting `pooling` (an encoder-only model's choice).
+    ///
+    /// # Errors
+    /// [`Pooling::Pooler`] for a model without a pooler.
+    pub fn with_pooling(mut self, pooling: Pooling) -> Result<Self> {
+        if pooling == Pooling::Pooler && self.pooler.is_none() {
+            return Err(Error::Model(format!(
+                "{}: the model has no pooler",
+                self.name
+            )));
+        }
+        self.pooling = pooling;
+        Ok(self)
+    }
+
+    /// `x` updated by attention sublayer `w` (attention `layer`) over its `x.len() / hidden`
+    /// rows, the keys from `kv`.
     fn attention(
         &self,
         w: AttnWeights<'_>,
@@ -111,42 +152,41 @@ impl EncDec {
     ) -> Result<()> {
         let t = x.len() / self.hidden;
         let (q_width, kv_width) = (self.heads * self.head_size, self.kv_heads * self.head_size);
-        let mut h = vec![0.0; x.len()];
-        rms_norm(x, w.norm, self.rms_eps, &mut h)?;
-        let mut q = vec![0.0; t * q_width];
-        w.wq.forward(&h, &mut q)?;
-        let (source, positions) = match kv {
-            KvSource::Own(positions) => (h.as_slice(), positions),
-            KvSource::Other(rows) => (rows, None),
-        };
-        let tk = source.len() / self.hidden;
-        let (mut k, mut v) = (vec![0.0; tk * kv_width], vec![0.0; tk * kv_width]);
-        // (A cross-attention of a step without encoder tokens has no key to project.)
-        if tk > 0 {
-            w.wk.forward(source, &mut k)?;
-            w.wv.forward(source, &mut v)?;
-        }
-        if let Some(positions) = positions {
-            self.rope.apply(&mut q, positions, self.heads)?;
-            self.rope.apply(&mut k, positions, self.kv_heads)?;
-        }
-        let tensor = |rows: usize, heads: usize, values: &[f32]| {
-            Tensor::from_f32(self.dtype, &[rows, heads, self.head_size], values)
-        };
-        let (qt, kt, vt) = (
-            tensor(t, self.heads, &q)?,
-            tensor(tk, self.kv_heads, &k)?,
-            tensor(tk, self.kv_heads, &v)?,
-        );
-        let mut ot = Tensor::zeros(self.dtype, &[t, self.heads, self.head_size])?;
-        attend(layer, &qt, &kt, &vt, &mut ot)?;
-        let mut out = vec![0.0; x.len()];
-        w.wo.forward(&ot.to_f32_vec()?, &mut out)?;
-        add_assign(x, &out)?;
-        Ok(())
+        let mut buf = SublayerBuffers::default();
+        self.placement
+            .sublayer(x, w.norm, w.out_norm, &mut buf, |h, out| {
+                let mut q = vec![0.0; t * q_width];
+                w.wq.forward(h, &mut q)?;
+                let (source, positions) = match kv {
+                    KvSource::Own(positions) => (h, positions),
+                    KvSource::Other(rows) => (rows, None),
+                };
+                let tk = source.len() / self.hidden;
+                let (mut k, mut v) = (vec![0.0; tk * kv_width], vec![0.0; tk * kv_width]);
+                // (A cross-attention of a step without encoder tokens has no key to project.)
+                if tk > 0 {
+                    w.wk.forward(source, &mut k)?;
+                    w.wv.forward(source, &mut v)?;
+                }
+                if let (Some(positions), Some(rope)) = (positions, &self.rope) {
+                    rope.apply(&mut q, positions, self.heads)?;
+                    rope.apply(&mut k, positions, self.kv_heads)?;
+                }
+                let tensor = |rows: usize, heads: usize, values: &[f32]| {
+                    Tensor::from_f32(self.dtype, &[rows, heads, self.head_size], values)
+                };
+                let (qt, kt, vt) = (
+                    tensor(t, self.heads, &q)?,
+                    tensor(tk, self.kv_heads, &k)?,
+                    tensor(tk, self.kv_heads, &v)?,
+                );
+                let mut ot = Tensor::zeros(self.dtype, &[t, self.heads, self.head_size])?;
+                attend(layer, &qt, &kt, &vt, &mut ot)?;
+                Ok(w.wo.forward(&ot.to_f32_vec()?, out)?)
+            })
     }
 
-    /// The encoder over `tokens` at `positions`: its final normed states, `[T, hidden]`.
+    /// The encoder over `tokens` at `positions`: its final states, `[T, hidden]`.
     fn encode(
         &self,
         tokens: &[u32],
@@ -154,7 +194,8 @@ impl EncDec {
         attend: &mut Attend<'_>,
     ) -> Result<Vec<f32>> {
         let mut x = vec![0.0; tokens.len() * self.hidden];
-        self.embedding.lookup(tokens, &mut x)?;
+        self.encoder_embedding.embed(tokens, positions, &mut x)?;
+        let mut mlp = MlpBuffers::default();
         for (l, layer) in self.encoder.iter().enumerate() {
             self.attention(
                 layer.into(),
@@ -163,25 +204,27 @@ impl EncDec {
                 l,
                 attend,
             )?;
-            layer.mlp(&mut x, self.rms_eps, &mut MlpBuffers::default())?;
+            layer.mlp(&mut x, self.placement, &mut mlp)?;
             check_layer_output(&x, self.hidden, || format!("encoder layer {l}"))?;
         }
-        let mut out = vec![0.0; x.len()];
-        rms_norm(&x, &self.encoder_norm, self.rms_eps, &mut out)?;
-        Ok(out)
+        normed(x, self.encoder_norm.as_ref())
     }
+}
 
-    /// The rows `rows` of `x`, normed by `norm`.
-    fn rows(&self, x: &[f32], rows: &[usize], norm: &[f32]) -> Result<Vec<f32>> {
-        let picked: Vec<f32> = rows
-            .iter()
-            .flat_map(|&r| &x[r * self.hidden..(r + 1) * self.hidden])
-            .copied()
-            .collect();
-        let mut out = vec![0.0; picked.len()];
-        rms_norm(&picked, norm, self.rms_eps, &mut out)?;
-        Ok(out)
-    }
+/// `x`'s rows normed by `norm`, or `x` where there is none.
+fn normed(x: Vec<f32>, norm: Option<&Norm>) -> Result<Vec<f32>> {
+    let Some(norm) = norm else { return Ok(x) };
+    let mut out = vec![0.0; x.len()];
+    norm.apply(&x, &mut out)?;
+    Ok(out)
+}
+
+/// The rows `rows` of `x` (rows of `width`).
+fn pick(x: &[f32], rows: &[usize], width: usize) -> Vec<f32> {
+    rows.iter()
+        .flat_map(|&r| &x[r * width..(r + 1) * width])
+        .copied()
+        .collect()
 }
 
 impl Model for EncDec {
@@ -210,7 +253,7 @@ impl Model for EncDec {
     }
 
     fn stop_tokens(&self) -> Vec<u32> {
-        Vec::new()
+        self.stop_tokens.clone()
     }
 
     fn first_plain_token(&self) -> u32 {
@@ -231,12 +274,17 @@ impl Model for EncDec {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         if self.kind == ModelKind::EncoderOnly {
-            // The final states (already normed by the encoder) of the asked rows: each
-            // sequence's first token, its pooled state (BERT's [CLS] pooling).
+            // The final states of the asked rows (each sequence's first token: BERT's [CLS]),
+            // or the pooler over them.
             let states = self.encode(step.tokens, step.positions, attend)?;
-            logits.clear();
-            for &r in step.logit_rows {
-                logits.extend_from_slice(&states[r * self.hidden..(r + 1) * self.hidden]);
+            let rows = pick(&states, step.logit_rows, self.hidden);
+            match (self.pooling, &self.pooler) {
+                (Pooling::Pooler, Some(pooler)) => {
+                    logits.resize(rows.len(), 0.0);
+                    pooler.forward(&rows, logits)?;
+                    logits.iter_mut().for_each(|v| *v = v.tanh());
+                }
+                _ => *logits = rows,
             }
             return Ok(());
         }
@@ -245,10 +293,14 @@ impl Model for EncDec {
         } else {
             self.encode(step.encoder_tokens, step.encoder_positions, attend)?
         };
+        let embedding = self.decoder_embedding.as_ref().ok_or_else(|| {
+            Error::Model("an encoder-decoder model without a decoder embedding".into())
+        })?;
         let mut x = vec![0.0; step.tokens.len() * self.hidden];
-        self.embedding.lookup(step.tokens, &mut x)?;
+        embedding.embed(step.tokens, step.positions, &mut x)?;
         let first = self.encoder.len();
         let positions = self.decoder_rope.then_some(step.positions);
+        let mut mlp = MlpBuffers::default();
         for (l, (layer, cross)) in self.decoder.iter().enumerate() {
             let index = first + 2 * l;
             self.attention(
@@ -265,10 +317,13 @@ impl Model for EncDec {
                 index + 1,
                 attend,
             )?;
-            layer.mlp(&mut x, self.rms_eps, &mut MlpBuffers::default())?;
+            layer.mlp(&mut x, self.placement, &mut mlp)?;
             check_layer_output(&x, self.hidden, || format!("decoder layer {l}"))?;
         }
-        let h = self.rows(&x, step.logit_rows, &self.out_norm)?;
+        let h = normed(
+            pick(&x, step.logit_rows, self.hidden),
+            self.out_norm.as_ref(),
+        )?;
         let head = self
             .head
             .as_ref()

@@ -207,6 +207,8 @@ pub struct GpuLlama {
     embedding: Buffer<u16>,
     layers: Vec<Layer>,
     out_norm: Buffer<f32>,
+    /// Every RMSNorm's epsilon.
+    eps: f32,
     /// The LM head; `None` where it is the embedding (tied).
     head: Option<Buffer<u16>>,
     rope: Option<GpuRope>,
@@ -232,6 +234,16 @@ fn to_bf16(values: &[f32]) -> Vec<u16> {
         .collect()
 }
 
+/// An RMSNorm's weight and epsilon.
+fn rms(norm: &crate::models::ops::Norm) -> Result<(&[f32], f32)> {
+    match norm {
+        crate::models::ops::Norm::Rms { weight, eps } => Ok((weight, *eps)),
+        crate::models::ops::Norm::Layer { .. } => Err(Error::Model(
+            "the GPU model computes RMSNorms, not LayerNorms".into(),
+        )),
+    }
+}
+
 /// The f32 weights of a projection (the model must be loaded at `Precision::Exact`).
 fn weights<'a>(linear: &'a crate::models::ops::Linear, name: &str) -> Result<&'a [f32]> {
     linear.f32_weights().ok_or_else(|| {
@@ -247,6 +259,23 @@ impl GpuLlama {
     /// compiled (or found in the kernel cache). The kernels index by the model's shape:
     /// [`Llama::new`] checked every weight, attention config and RoPE width against it.
     pub fn new(model: &Llama, cuda: &Cuda) -> Result<Self> {
+        if !model.is_plain_llama() {
+            return Err(Error::Model(format!(
+                "{}: the GPU model computes Llama's blocks (RMSNorm, no biases, SwiGLU, no \
+                 soft-capped logits); this model's run on the host (--model-on host)",
+                model.shape.name
+            )));
+        }
+        // One epsilon for every norm (the kernels take one).
+        let eps = rms(&model.out_norm)?.1;
+        fn rms_weight(n: &crate::models::ops::Norm, eps: f32) -> Result<&[f32]> {
+            match rms(n)? {
+                (w, e) if e == eps => Ok(w),
+                (_, e) => Err(Error::Model(format!(
+                    "norms of epsilon {e} and {eps}: the GPU model takes one"
+                ))),
+            }
+        }
         let stream = cuda.stream().clone();
         let functions = cuda.load_kernels("llama", KERNEL_SOURCE, &KERNEL_NAMES)?;
         let [embed, rms_norm, split_rope, swiglu, argmax]: [CudaFunction; 5] = functions
@@ -274,21 +303,25 @@ impl GpuLlama {
             .iter()
             .map(|l| {
                 Ok(Layer {
-                    attn_norm: Buffer::upload(&stream, &l.attn_norm)?,
+                    attn_norm: Buffer::upload(&stream, rms_weight(&l.attn_norm, eps)?)?,
                     qkv: bf16(&[
                         weights(&l.wq, "wq")?,
                         weights(&l.wk, "wk")?,
                         weights(&l.wv, "wv")?,
                     ])?,
                     wo: bf16(&[weights(&l.wo, "wo")?])?,
-                    ffn_norm: Buffer::upload(&stream, &l.ffn_norm)?,
-                    gate_up: bf16(&[weights(&l.gate, "gate")?, weights(&l.up, "up")?])?,
-                    down: bf16(&[weights(&l.down, "down")?])?,
+                    ffn_norm: Buffer::upload(&stream, rms_weight(&l.ffn_norm, eps)?)?,
+                    gate_up: bf16(&[
+                        weights(l.mlp.gate.as_ref().expect("a Llama layer"), "gate")?,
+                        weights(&l.mlp.up, "up")?,
+                    ])?,
+                    down: bf16(&[weights(&l.mlp.down, "down")?])?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let table = model
             .embedding
+            .tokens
             .to_linear(crate::models::ops::Precision::Exact)?;
         let table = weights(&table, "token_embd")?;
         let head = weights(&model.head, "output")?;
@@ -310,7 +343,8 @@ impl GpuLlama {
             attention: model.attention.clone(),
             device: cuda.device(),
             embedding: bf16(&[table])?,
-            out_norm: Buffer::upload(&stream, &model.out_norm)?,
+            out_norm: Buffer::upload(&stream, rms_weight(&model.out_norm, eps)?)?,
+            eps,
             head,
             rope,
             layers,
@@ -546,7 +580,7 @@ impl GpuLlama {
         let stream = &self.stream;
         let (qw, kvw) = (s.heads * s.head_size, s.kv_heads * s.head_size);
         let hidden = int(s.hidden, "hidden")?;
-        let eps = s.rms_eps;
+        let eps = self.eps;
         let embed = EmbedParams {
             tokens: acts.ids.addr,
             table: self.embedding.addr,

@@ -171,7 +171,34 @@ impl HfFolder {
             .ok_or_else(|| self.config_error(key, "a number"))
     }
 
-    fn config_error(&self, key: &str, expected: &str) -> Error {
+    /// `config.json`'s field `key` as a number, `None` where absent or null.
+    pub fn config_f64_opt(&self, key: &str) -> Result<Option<f64>> {
+        self.config(key).map(|_| self.config_f64(key)).transpose()
+    }
+
+    /// `config.json`'s field `key` as a boolean, `default` where absent or null.
+    pub fn config_bool(&self, key: &str, default: bool) -> Result<bool> {
+        match self.config(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.config_error(key, "true or false")),
+        }
+    }
+
+    /// `config.json`'s field `key` as a string, `None` where absent or null.
+    pub fn config_str_opt(&self, key: &str) -> Result<Option<&str>> {
+        match self.config(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.config_error(key, "a string")),
+        }
+    }
+
+    /// An error naming `config.json`, the field `key`, its value and what was `expected`.
+    pub fn config_error(&self, key: &str, expected: &str) -> Error {
         let value = self
             .config
             .get(key)

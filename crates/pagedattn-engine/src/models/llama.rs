@@ -1,16 +1,19 @@
-//! A Llama-architecture decoder on the CPU: token embedding, per layer RMSNorm → q/k/v
-//! projections → RoPE → attention (the engine's, over the paged cache) → output projection
-//! → residual → RMSNorm → SwiGLU MLP → residual, then the final norm and the LM head. Its
-//! weights come from a GGUF file or are drawn from a seed (the synthetic model).
+//! A decoder-only transformer on the CPU, Llama's architecture and its relatives': the input
+//! embedding, per layer a norm → q/k/v projections → RoPE (unless ALiBi) → attention (the
+//! engine's, over the paged cache, with the layer's window, soft cap, slopes) → output
+//! projection → residual, then a norm → MLP → residual, and the final norm, the LM head and
+//! an optional soft cap of the logits. Which norms, biases, activation and embedding a model
+//! has is its [`LayerWeights`] and [`InputEmbedding`] ([`crate::models::blocks`]): Llama,
+//! Mistral, Qwen2, Gemma-2 and BLOOM are all this model (the `families` module loads
+//! them from Hugging Face folders). Weights also come from a GGUF file (Llama) or are drawn
+//! from a seed (the synthetic model).
 
 use pagedattn::{AttentionConfig, DType, Device, Tensor};
 
+use crate::models::blocks::{InputEmbedding, LayerWeights, MlpBuffers, Placement, SublayerBuffers};
 use crate::models::check_layer_output;
 use crate::models::gguf::{Gguf, LlamaConfig, MetaArray};
-use crate::models::hf::HfFolder;
-use crate::models::ops::{
-    add_assign, rms_norm, swiglu, Embedding, Linear, Precision, Rope, RopeStyle,
-};
+use crate::models::ops::{soft_cap, Embedding, Linear, Norm, Precision, Rope, RopeStyle};
 use crate::serving::model::{Attend, Model, StepTokens};
 use crate::{Error, Result};
 
@@ -33,66 +36,12 @@ pub struct LlamaShape {
     pub head_size: usize,
     /// Vocabulary size.
     pub vocab: usize,
-    /// RMSNorm's epsilon.
-    pub rms_eps: f32,
     /// The longest sequence served.
     pub max_context: usize,
     /// Tokens that end a sample.
     pub stop_tokens: Vec<u32>,
     /// Ids below this are special tokens.
     pub first_plain_token: u32,
-}
-
-/// One decoder layer's weights.
-pub struct LayerWeights {
-    /// RMSNorm weight before attention.
-    pub attn_norm: Vec<f32>,
-    /// Query projection `[heads * head_size, hidden]`.
-    pub wq: Linear,
-    /// Key projection `[kv_heads * head_size, hidden]`.
-    pub wk: Linear,
-    /// Value projection `[kv_heads * head_size, hidden]`.
-    pub wv: Linear,
-    /// Output projection `[hidden, heads * head_size]`.
-    pub wo: Linear,
-    /// RMSNorm weight before the MLP.
-    pub ffn_norm: Vec<f32>,
-    /// Gate projection `[ffn, hidden]`.
-    pub gate: Linear,
-    /// Up projection `[ffn, hidden]`.
-    pub up: Linear,
-    /// Down projection `[hidden, ffn]`.
-    pub down: Linear,
-}
-
-/// The MLP's activations, reused across calls.
-#[derive(Default)]
-pub struct MlpBuffers {
-    h: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    act: Vec<f32>,
-    out: Vec<f32>,
-}
-
-impl LayerWeights {
-    /// The layer's MLP with its residual, `x += down(swiglu(gate(norm(x)), up(norm(x))))`,
-    /// over the rows of `x` (`[t, hidden]`), in `buf`'s buffers.
-    pub fn mlp(&self, x: &mut [f32], rms_eps: f32, buf: &mut MlpBuffers) -> Result<()> {
-        // (A `Linear` has no zero dimension.)
-        let inner = x.len() / self.gate.in_features() * self.gate.out_features();
-        buf.h.resize(x.len(), 0.0);
-        buf.out.resize(x.len(), 0.0);
-        for b in [&mut buf.gate, &mut buf.up, &mut buf.act] {
-            b.resize(inner, 0.0);
-        }
-        rms_norm(x, &self.ffn_norm, rms_eps, &mut buf.h)?;
-        self.gate.forward(&buf.h, &mut buf.gate)?;
-        self.up.forward(&buf.h, &mut buf.up)?;
-        swiglu(&buf.gate, &buf.up, &mut buf.act)?;
-        self.down.forward(&buf.act, &mut buf.out)?;
-        Ok(add_assign(x, &buf.out)?)
-    }
 }
 
 /// The [`Model`] methods a Llama model on any device answers from its `shape`
@@ -123,13 +72,15 @@ macro_rules! llama_model_info {
 #[cfg(feature = "cuda")]
 pub(crate) use llama_model_info;
 
-/// A Llama model's weights and attention settings.
+/// A decoder's weights and attention settings.
 pub struct Llama {
     pub(crate) shape: LlamaShape,
-    pub(crate) embedding: Embedding,
+    pub(crate) embedding: InputEmbedding,
     pub(crate) layers: Vec<LayerWeights>,
-    pub(crate) out_norm: Vec<f32>,
+    pub(crate) out_norm: Norm,
     pub(crate) head: Linear,
+    /// `cap · tanh(logits / cap)` (Gemma-2's final soft cap).
+    pub(crate) final_soft_cap: Option<f32>,
     /// RoPE, or `None` where position comes from ALiBi.
     pub(crate) rope: Option<Rope>,
     pub(crate) attention: Vec<AttentionConfig>,
@@ -142,11 +93,11 @@ pub struct Llama {
 struct Scratch {
     x: Vec<f32>,
     h: Vec<f32>,
-    h2: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
     o: Vec<f32>,
+    attn: SublayerBuffers,
     mlp: MlpBuffers,
     rows: Vec<f32>,
 }
@@ -157,9 +108,9 @@ impl Llama {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         shape: LlamaShape,
-        embedding: Embedding,
+        embedding: InputEmbedding,
         layers: Vec<LayerWeights>,
-        out_norm: Vec<f32>,
+        out_norm: Norm,
         head: Linear,
         rope: Option<Rope>,
         attention: Vec<AttentionConfig>,
@@ -203,6 +154,7 @@ impl Llama {
             layers,
             out_norm,
             head,
+            final_soft_cap: None,
             rope,
             attention,
             dtype,
@@ -210,9 +162,25 @@ impl Llama {
         })
     }
 
+    /// The same model with its logits soft-capped, `cap · tanh(logits / cap)`.
+    pub fn with_final_soft_cap(mut self, cap: Option<f32>) -> Self {
+        self.final_soft_cap = cap;
+        self
+    }
+
     /// Its shape.
     pub fn shape(&self) -> &LlamaShape {
         &self.shape
+    }
+
+    /// Whether it is Llama's architecture exactly (RMSNorms, no biases, SwiGLU, the token
+    /// table alone, no soft cap of the logits): what the GPU model computes.
+    pub fn is_plain_llama(&self) -> bool {
+        self.embedding.is_plain()
+            && matches!(self.out_norm, Norm::Rms { .. })
+            && self.final_soft_cap.is_none()
+            && self.head.bias().is_none()
+            && self.layers.iter().all(LayerWeights::is_llama)
     }
 
     /// The model of a Llama-architecture GGUF file: configuration and weights from the file,
@@ -243,17 +211,22 @@ impl Llama {
         let layers = (0..c.n_layers)
             .map(|l| {
                 let name = |part: &str| format!("blk.{l}.{part}.weight");
-                Ok(LayerWeights {
-                    attn_norm: vector(&name("attn_norm"), c.hidden)?,
-                    wq: linear(&name("attn_q"), q, c.hidden)?,
-                    wk: linear(&name("attn_k"), kv, c.hidden)?,
-                    wv: linear(&name("attn_v"), kv, c.hidden)?,
-                    wo: linear(&name("attn_output"), c.hidden, q)?,
-                    ffn_norm: vector(&name("ffn_norm"), c.hidden)?,
-                    gate: linear(&name("ffn_gate"), c.ffn, c.hidden)?,
-                    up: linear(&name("ffn_up"), c.ffn, c.hidden)?,
-                    down: linear(&name("ffn_down"), c.hidden, c.ffn)?,
-                })
+                Ok(LayerWeights::llama(
+                    vector(&name("attn_norm"), c.hidden)?,
+                    [
+                        linear(&name("attn_q"), q, c.hidden)?,
+                        linear(&name("attn_k"), kv, c.hidden)?,
+                        linear(&name("attn_v"), kv, c.hidden)?,
+                        linear(&name("attn_output"), c.hidden, q)?,
+                    ],
+                    vector(&name("ffn_norm"), c.hidden)?,
+                    [
+                        linear(&name("ffn_gate"), c.ffn, c.hidden)?,
+                        linear(&name("ffn_up"), c.ffn, c.hidden)?,
+                        linear(&name("ffn_down"), c.hidden, c.ffn)?,
+                    ],
+                    c.rms_eps,
+                ))
             })
             .collect::<Result<Vec<_>>>()?;
         let table = file.tensor("token_embd.weight")?;
@@ -287,14 +260,16 @@ impl Llama {
                 kv_heads: c.n_kv_heads,
                 head_size: c.head_size,
                 vocab: c.vocab_size,
-                rms_eps: c.rms_eps,
                 max_context: c.context_length,
                 stop_tokens,
                 first_plain_token: first_plain_token(file)?,
             },
-            embedding,
+            InputEmbedding::plain(embedding),
             layers,
-            vector("output_norm.weight", c.hidden)?,
+            Norm::Rms {
+                weight: vector("output_norm.weight", c.hidden)?,
+                eps: c.rms_eps,
+            },
             head,
             Some(rope),
             vec![attention; c.n_layers],
@@ -303,159 +278,46 @@ impl Llama {
     }
 }
 
-impl Llama {
-    /// A Llama-architecture model from a Hugging Face folder: `model_type` `llama`, or
-    /// `mistral` (a sliding window on every layer); RoPE in transformers' `rotate_half` layout,
-    /// default RoPE only (no scaling).
-    pub fn from_hf(folder: &HfFolder, precision: Precision) -> Result<Self> {
-        let model_type = folder.model_type()?;
-        let window = match model_type {
-            "llama" => None,
-            "mistral" => folder.config_usize_opt("sliding_window")?,
-            other => {
-                return Err(Error::Model(format!(
-                    "{}: model_type {other:?}: Llama::from_hf reads llama and mistral",
-                    folder.dir().display()
-                )))
-            }
-        };
-        let hidden = folder.config_usize("hidden_size")?;
-        let n_layers = folder.config_usize("num_hidden_layers")?;
-        let heads = folder.config_usize("num_attention_heads")?;
-        let kv_heads = folder
-            .config_usize_opt("num_key_value_heads")?
-            .unwrap_or(heads);
-        let head_size = folder
-            .config_usize_opt("head_dim")?
-            .unwrap_or(hidden / heads.max(1));
-        let ffn = folder.config_usize("intermediate_size")?;
-        let vocab = folder.config_usize("vocab_size")?;
-        // transformers 5 nests RoPE's settings in `rope_parameters`; 4.x wrote `rope_theta`.
-        let rope = folder.config("rope_parameters");
-        if let Some(kind) = rope
-            .and_then(|r| r.get("rope_type"))
-            .and_then(serde_json::Value::as_str)
-            .filter(|&k| k != "default")
-        {
-            return Err(Error::Model(format!(
-                "{}: rope_parameters.rope_type = {kind:?}: only default RoPE is supported",
-                folder.dir().join("config.json").display()
-            )));
-        }
-        let theta = rope
-            .and_then(|r| r.get("rope_theta"))
-            .and_then(serde_json::Value::as_f64)
-            .or_else(|| {
-                folder
-                    .config("rope_theta")
-                    .and_then(serde_json::Value::as_f64)
-            })
-            .unwrap_or(10_000.0);
-        let tied = folder
-            .config("tie_word_embeddings")
-            .and_then(serde_json::Value::as_bool)
-            .unwrap_or(false);
-        let stop_tokens = match folder.config("eos_token_id") {
-            None => Vec::new(),
-            Some(serde_json::Value::Array(ids)) => ids
-                .iter()
-                .filter_map(serde_json::Value::as_u64)
-                .map(|t| t as u32)
-                .collect(),
-            Some(v) => v.as_u64().map(|t| vec![t as u32]).unwrap_or_default(),
-        };
-        let linear = |name: String, out: usize, inp: usize| -> Result<Linear> {
-            Ok(Linear::from_f32(
-                &folder.tensor(&name, &[out, inp])?,
-                out,
-                inp,
-                precision,
-            )?)
-        };
-        let vector = |name: String, len: usize| folder.tensor(&name, &[len]);
-        let (q, kv) = (heads * head_size, kv_heads * head_size);
-        let layers = (0..n_layers)
-            .map(|l| {
-                let name = |part: &str| format!("model.layers.{l}.{part}.weight");
-                Ok(LayerWeights {
-                    attn_norm: vector(name("input_layernorm"), hidden)?,
-                    wq: linear(name("self_attn.q_proj"), q, hidden)?,
-                    wk: linear(name("self_attn.k_proj"), kv, hidden)?,
-                    wv: linear(name("self_attn.v_proj"), kv, hidden)?,
-                    wo: linear(name("self_attn.o_proj"), hidden, q)?,
-                    ffn_norm: vector(name("post_attention_layernorm"), hidden)?,
-                    gate: linear(name("mlp.gate_proj"), ffn, hidden)?,
-                    up: linear(name("mlp.up_proj"), ffn, hidden)?,
-                    down: linear(name("mlp.down_proj"), hidden, ffn)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let table = folder.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
-        let embedding = Embedding::from_f32(&table, vocab, hidden)?;
-        let head = if tied {
-            embedding.to_linear(precision)?
-        } else {
-            linear("lm_head.weight".into(), vocab, hidden)?
-        };
-        let attention = AttentionConfig::builder(heads, head_size)
-            .num_kv_heads(kv_heads)
-            .sliding_window(window)
-            .build()?;
-        Llama::new(
-            LlamaShape {
-                name: folder
-                    .dir()
-                    .file_name()
-                    .map_or(model_type.to_string(), |n| n.to_string_lossy().into_owned()),
-                layers: n_layers,
-                hidden,
-                ffn,
-                heads,
-                kv_heads,
-                head_size,
-                vocab,
-                rms_eps: folder.config_f64("rms_norm_eps")? as f32,
-                max_context: folder.config_usize("max_position_embeddings")?,
-                stop_tokens,
-                first_plain_token: 0,
-            },
-            embedding,
-            layers,
-            vector("model.norm.weight".into(), hidden)?,
-            head,
-            Some(Rope::new(head_size, theta as f32, RopeStyle::Neox)?),
-            vec![attention; n_layers],
-            DType::F32,
-        )
-    }
-}
-
 /// Every weight's size against `shape` (the GPU model's kernels index by the shape alone).
 fn check_parts(
     s: &LlamaShape,
-    embedding: &Embedding,
+    embedding: &InputEmbedding,
     layers: &[LayerWeights],
-    out_norm: &[f32],
+    out_norm: &Norm,
     head: &Linear,
 ) -> Result<()> {
     let (q, kv) = (s.heads * s.head_size, s.kv_heads * s.head_size);
     let linear = |w: &Linear| (w.out_features(), w.in_features());
-    let embedding = (embedding.vocab(), embedding.hidden());
-    check_part(|| "token embedding".into(), embedding, (s.vocab, s.hidden))?;
-    check_part(|| "output norm".into(), (out_norm.len(), 1), (s.hidden, 1))?;
+    let norm = |n: &Norm| (n.width(), 1);
+    let table = (embedding.tokens.vocab(), embedding.tokens.hidden());
+    check_part(|| "token embedding".into(), table, (s.vocab, s.hidden))?;
+    if let Some(n) = &embedding.norm {
+        check_part(|| "embedding norm".into(), norm(n), (s.hidden, 1))?;
+    }
+    check_part(|| "output norm".into(), norm(out_norm), (s.hidden, 1))?;
     check_part(|| "LM head".into(), linear(head), (s.vocab, s.hidden))?;
     for (i, l) in layers.iter().enumerate() {
-        let parts = [
-            ("attention norm", (l.attn_norm.len(), 1), (s.hidden, 1)),
-            ("MLP norm", (l.ffn_norm.len(), 1), (s.hidden, 1)),
+        let mut parts = vec![
+            ("attention norm", norm(&l.attn_norm), (s.hidden, 1)),
+            ("MLP norm", norm(&l.ffn_norm), (s.hidden, 1)),
             ("wq", linear(&l.wq), (q, s.hidden)),
             ("wk", linear(&l.wk), (kv, s.hidden)),
             ("wv", linear(&l.wv), (kv, s.hidden)),
             ("wo", linear(&l.wo), (s.hidden, q)),
-            ("gate", linear(&l.gate), (s.ffn, s.hidden)),
-            ("up", linear(&l.up), (s.ffn, s.hidden)),
-            ("down", linear(&l.down), (s.hidden, s.ffn)),
+            ("up", linear(&l.mlp.up), (s.ffn, s.hidden)),
+            ("down", linear(&l.mlp.down), (s.hidden, s.ffn)),
         ];
+        if let Some(gate) = &l.mlp.gate {
+            parts.push(("gate", linear(gate), (s.ffn, s.hidden)));
+        }
+        for (name, n) in [
+            ("attention output norm", &l.attn_out_norm),
+            ("MLP output norm", &l.ffn_out_norm),
+        ] {
+            if let Some(n) = n {
+                parts.push((name, norm(n), (s.hidden, 1)));
+            }
+        }
         for (name, got, want) in parts {
             check_part(|| format!("layer {i} {name}"), got, want)?;
         }
@@ -589,15 +451,23 @@ impl Model for Llama {
         let s = &self.shape;
         let t = step.tokens.len();
         let (q_width, kv_width) = (s.heads * s.head_size, s.kv_heads * s.head_size);
-        let w = &mut self.scratch;
+        let Scratch {
+            x,
+            h,
+            q,
+            k,
+            v,
+            o,
+            attn,
+            mlp,
+            rows,
+        } = &mut self.scratch;
         for (buf, len) in [
-            (&mut w.x, t * s.hidden),
-            (&mut w.h, t * s.hidden),
-            (&mut w.h2, t * s.hidden),
-            (&mut w.q, t * q_width),
-            (&mut w.k, t * kv_width),
-            (&mut w.v, t * kv_width),
-            (&mut w.o, t * q_width),
+            (&mut *x, t * s.hidden),
+            (&mut *q, t * q_width),
+            (&mut *k, t * kv_width),
+            (&mut *v, t * kv_width),
+            (&mut *o, t * q_width),
         ] {
             buf.resize(len, 0.0);
         }
@@ -606,41 +476,39 @@ impl Model for Llama {
         let mut kt = config.zeros_kv(Device::Cpu, self.dtype, t)?;
         let mut vt = config.zeros_kv(Device::Cpu, self.dtype, t)?;
         let mut ot = config.zeros_query(Device::Cpu, self.dtype, t)?;
-        self.embedding.lookup(step.tokens, &mut w.x)?;
+        self.embedding.embed(step.tokens, step.positions, x)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            rms_norm(&w.x, &layer.attn_norm, s.rms_eps, &mut w.h)?;
-            layer.wq.forward(&w.h, &mut w.q)?;
-            layer.wk.forward(&w.h, &mut w.k)?;
-            layer.wv.forward(&w.h, &mut w.v)?;
-            if let Some(rope) = &self.rope {
-                rope.apply(&mut w.q, step.positions, s.heads)?;
-                rope.apply(&mut w.k, step.positions, s.kv_heads)?;
-            }
-            fill(&mut qt, &w.q)?;
-            fill(&mut kt, &w.k)?;
-            fill(&mut vt, &w.v)?;
-            attend(l, &qt, &kt, &vt, &mut ot)?;
-            read(&ot, &mut w.o)?;
-            layer.wo.forward(&w.o, &mut w.h2)?;
-            add_assign(&mut w.x, &w.h2)?;
-            layer.mlp(&mut w.x, s.rms_eps, &mut w.mlp)?;
-            check_layer_output(&w.x, s.hidden, || format!("layer {l}"))?;
+            let norms = (&layer.attn_norm, layer.attn_out_norm.as_ref());
+            Placement::Pre.sublayer(x, norms.0, norms.1, attn, |h, out| {
+                layer.wq.forward(h, q)?;
+                layer.wk.forward(h, k)?;
+                layer.wv.forward(h, v)?;
+                if let Some(rope) = &self.rope {
+                    rope.apply(q, step.positions, s.heads)?;
+                    rope.apply(k, step.positions, s.kv_heads)?;
+                }
+                fill(&mut qt, q)?;
+                fill(&mut kt, k)?;
+                fill(&mut vt, v)?;
+                attend(l, &qt, &kt, &vt, &mut ot)?;
+                read(&ot, o)?;
+                Ok(layer.wo.forward(o, out)?)
+            })?;
+            layer.mlp(x, Placement::Pre, mlp)?;
+            check_layer_output(x, s.hidden, || format!("layer {l}"))?;
         }
-        let rows = step.logit_rows.len();
-        w.rows.clear();
+        let n = step.logit_rows.len();
+        rows.clear();
         for &r in step.logit_rows {
-            w.rows
-                .extend_from_slice(&w.x[r * s.hidden..(r + 1) * s.hidden]);
+            rows.extend_from_slice(&x[r * s.hidden..(r + 1) * s.hidden]);
         }
-        w.h.resize(rows * s.hidden, 0.0);
-        rms_norm(
-            &w.rows,
-            &self.out_norm,
-            s.rms_eps,
-            &mut w.h[..rows * s.hidden],
-        )?;
-        logits.resize(rows * s.vocab, 0.0);
-        self.head.forward(&w.h[..rows * s.hidden], logits)?;
+        h.resize(n * s.hidden, 0.0);
+        self.out_norm.apply(rows, h)?;
+        logits.resize(n * s.vocab, 0.0);
+        self.head.forward(h, logits)?;
+        if let Some(cap) = self.final_soft_cap {
+            soft_cap(logits, cap);
+        }
         Ok(())
     }
 }

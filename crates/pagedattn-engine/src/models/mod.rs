@@ -5,8 +5,10 @@
 //! [`gguf`] files with their [`weights`] types, Hugging Face folders ([`hf`]), the
 //! [`tokenizer`] and [`chat`] templates.
 
+pub mod blocks;
 pub mod chat;
 pub mod encdec;
+pub mod families;
 pub mod gguf;
 pub mod gguf_writer;
 #[cfg(feature = "cuda")]

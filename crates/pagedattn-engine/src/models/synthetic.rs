@@ -5,9 +5,10 @@
 
 use pagedattn::{alibi_slopes_bloom, AttentionConfig, AttnType, DType, KvCacheDtype};
 
-use crate::models::encdec::{CrossWeights, EncDec};
-use crate::models::llama::{LayerWeights, Llama, LlamaShape};
-use crate::models::ops::{Embedding, Linear, Precision, Rope, RopeStyle};
+use crate::models::blocks::{InputEmbedding, LayerWeights, Placement};
+use crate::models::encdec::{CrossWeights, EncDec, Pooling};
+use crate::models::llama::{Llama, LlamaShape};
+use crate::models::ops::{Embedding, Linear, Norm, Precision, Rope, RopeStyle};
 use crate::rng::SplitMix64;
 use crate::serving::model::{Model, ModelKind};
 use crate::{Error, Result};
@@ -149,14 +150,13 @@ impl SyntheticConfig {
                 kv_heads: self.kv_heads,
                 head_size: self.head_size,
                 vocab: self.vocab,
-                rms_eps: 1e-5,
                 max_context: self.max_context,
                 stop_tokens: Vec::new(),
                 first_plain_token: 0,
             },
-            embedding,
+            InputEmbedding::plain(embedding),
             layers,
-            vec![1.0; self.hidden],
+            unit_norm(self.hidden),
             head,
             rope,
             vec![attention; self.layers],
@@ -188,7 +188,7 @@ impl SyntheticConfig {
             .map(|_| {
                 let layer = draw.layer(c)?;
                 let cross = CrossWeights {
-                    norm: vec![1.0; c.hidden],
+                    norm: unit_norm(c.hidden),
                     wq: draw.matrix(q, c.hidden)?,
                     wk: draw.matrix(kv, c.hidden)?,
                     wv: draw.matrix(kv, c.hidden)?,
@@ -243,6 +243,9 @@ impl SyntheticConfig {
             c.head_size,
             c.dtype
         );
+        let embedding = InputEmbedding::plain(c.embedding()?);
+        let decoder_embedding = (kind == ModelKind::EncoderDecoder)
+            .then(|| InputEmbedding::shared(embedding.tokens.clone()));
         Ok(EncDec {
             name,
             kind,
@@ -252,17 +255,21 @@ impl SyntheticConfig {
             head_size: c.head_size,
             vocab: c.vocab,
             max_context: c.max_context,
-            rms_eps: 1e-5,
-            embedding: c.embedding()?,
+            placement: Placement::Pre,
+            encoder_embedding: embedding,
+            decoder_embedding,
             encoder,
-            encoder_norm: vec![1.0; c.hidden],
+            encoder_norm: Some(unit_norm(c.hidden)),
             decoder,
-            out_norm: vec![1.0; c.hidden],
+            out_norm: Some(unit_norm(c.hidden)),
             head,
-            rope: Rope::new(c.head_size, 10_000.0, RopeStyle::Neox)?,
+            pooling: Pooling::State,
+            pooler: None,
+            rope: Some(Rope::new(c.head_size, 10_000.0, RopeStyle::Neox)?),
             decoder_rope: !c.alibi,
             attention,
             dtype: c.dtype,
+            stop_tokens: Vec::new(),
         })
     }
 
@@ -329,16 +336,32 @@ impl Draw {
     /// One attention-and-MLP layer of `c`'s shape, norm weights 1.
     pub(crate) fn layer(&mut self, c: &SyntheticConfig) -> Result<LayerWeights> {
         let (q, kv) = (c.heads * c.head_size, c.kv_heads * c.head_size);
-        Ok(LayerWeights {
-            attn_norm: vec![1.0; c.hidden],
-            wq: self.matrix(q, c.hidden)?,
-            wk: self.matrix(kv, c.hidden)?,
-            wv: self.matrix(kv, c.hidden)?,
-            wo: self.matrix(c.hidden, q)?,
-            ffn_norm: vec![1.0; c.hidden],
-            gate: self.matrix(c.ffn, c.hidden)?,
-            up: self.matrix(c.ffn, c.hidden)?,
-            down: self.matrix(c.hidden, c.ffn)?,
-        })
+        Ok(LayerWeights::llama(
+            vec![1.0; c.hidden],
+            [
+                self.matrix(q, c.hidden)?,
+                self.matrix(kv, c.hidden)?,
+                self.matrix(kv, c.hidden)?,
+                self.matrix(c.hidden, q)?,
+            ],
+            vec![1.0; c.hidden],
+            [
+                self.matrix(c.ffn, c.hidden)?,
+                self.matrix(c.ffn, c.hidden)?,
+                self.matrix(c.hidden, c.ffn)?,
+            ],
+            SYNTHETIC_EPS,
+        ))
+    }
+}
+
+/// The synthetic models' RMSNorm epsilon.
+const SYNTHETIC_EPS: f32 = 1e-5;
+
+/// An RMSNorm of weights 1.
+fn unit_norm(hidden: usize) -> Norm {
+    Norm::Rms {
+        weight: vec![1.0; hidden],
+        eps: SYNTHETIC_EPS,
     }
 }

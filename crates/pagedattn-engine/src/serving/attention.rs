@@ -1,7 +1,9 @@
 //! One attention call from the engine's side: a model computing on the host with a GPU
 //! backend has its tensors moved to the device and the output moved back.
 
-use pagedattn::{AttentionImpl, Backend, Device, Inputs, KvCache, Plan, Tensor, Workspace};
+use pagedattn::{
+    AttentionConfig, AttentionImpl, Backend, Device, Inputs, KvCache, Plan, Tensor, Workspace,
+};
 
 use crate::Result;
 
@@ -12,6 +14,23 @@ fn moved(t: &Tensor, device: Device) -> Result<Option<Tensor>> {
     } else {
         Some(t.to_device(device)?)
     })
+}
+
+/// Whether layers of configs `a` and `b` share a plan: the same attention type, heads, head
+/// size, window and cache dtype (they may differ in scale, slopes, soft cap and fp8 scales;
+/// docs/semantics.md, "A step"). Gemma-2's local and global layers do not.
+pub(crate) fn same_plan(a: &AttentionConfig, b: &AttentionConfig) -> bool {
+    let key = |c: &AttentionConfig| {
+        (
+            c.attn_type(),
+            c.num_heads(),
+            c.num_kv_heads(),
+            c.head_size(),
+            c.sliding_window(),
+            c.kv_cache_dtype(),
+        )
+    };
+    key(a) == key(b)
 }
 
 /// One attention call on `backend`: a model computing on the host with a GPU backend has its

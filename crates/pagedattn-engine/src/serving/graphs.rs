@@ -58,11 +58,11 @@ mod gpu {
 
     use pagedattn::cuda::{Cuda, Graph};
     use pagedattn::{
-        AttentionImpl, AttnType, Backend, BlockId, Device, GraphCapacity, KvCache, MetadataBuilder,
-        Plan, SequenceDesc, Workspace,
+        AttentionConfig, AttentionImpl, AttnType, Backend, BlockId, Device, GraphCapacity, KvCache,
+        MetadataBuilder, Plan, SequenceDesc, Workspace,
     };
 
-    use crate::serving::attention::run_attention;
+    use crate::serving::attention::{run_attention, same_plan};
     use crate::serving::model::{Model, StepTokens};
     use crate::{Error, Result};
 
@@ -114,7 +114,11 @@ mod gpu {
                 return Ok(None);
             };
             let layers = model.layers();
-            if layers.is_empty() || layers.iter().any(|c| c.attn_type() != AttnType::Decoder) {
+            // A graph's step has one plan: every layer a decoder, all sharing it.
+            let shared = |c: &AttentionConfig| {
+                c.attn_type() == AttnType::Decoder && same_plan(c, &layers[0])
+            };
+            if layers.is_empty() || !layers.iter().all(shared) {
                 return Ok(None);
             }
             let max_seq_len = model.max_context();

@@ -55,8 +55,9 @@ fn prompt_logits_predict_what_the_engine_generates() {
 #[test]
 fn llama_new_refuses_parts_that_disagree_with_its_shape() {
     use pagedattn::{AttentionConfig, DType};
-    use pagedattn_engine::models::llama::{LayerWeights, Llama, LlamaShape};
-    use pagedattn_engine::models::ops::{Embedding, Linear, Precision, Rope, RopeStyle};
+    use pagedattn_engine::models::blocks::{InputEmbedding, LayerWeights};
+    use pagedattn_engine::models::llama::{Llama, LlamaShape};
+    use pagedattn_engine::models::ops::{Embedding, Linear, Norm, Precision, Rope, RopeStyle};
 
     let (hidden, heads, kv_heads, d, ffn, vocab) = (8, 2, 1, 4, 16, 32);
     let shape = LlamaShape {
@@ -68,7 +69,6 @@ fn llama_new_refuses_parts_that_disagree_with_its_shape() {
         kv_heads,
         head_size: d,
         vocab,
-        rms_eps: 1e-5,
         max_context: 64,
         stop_tokens: Vec::new(),
         first_plain_token: 0,
@@ -76,16 +76,23 @@ fn llama_new_refuses_parts_that_disagree_with_its_shape() {
     let linear = |out: usize, inp: usize| {
         Linear::from_f32(&vec![0.01; out * inp], out, inp, Precision::Exact).unwrap()
     };
-    let layer = |q_rows: usize| LayerWeights {
-        attn_norm: vec![1.0; hidden],
-        wq: linear(q_rows, hidden),
-        wk: linear(kv_heads * d, hidden),
-        wv: linear(kv_heads * d, hidden),
-        wo: linear(hidden, heads * d),
-        ffn_norm: vec![1.0; hidden],
-        gate: linear(ffn, hidden),
-        up: linear(ffn, hidden),
-        down: linear(hidden, ffn),
+    let layer = |q_rows: usize| {
+        LayerWeights::llama(
+            vec![1.0; hidden],
+            [
+                linear(q_rows, hidden),
+                linear(kv_heads * d, hidden),
+                linear(kv_heads * d, hidden),
+                linear(hidden, heads * d),
+            ],
+            vec![1.0; hidden],
+            [
+                linear(ffn, hidden),
+                linear(ffn, hidden),
+                linear(hidden, ffn),
+            ],
+            1e-5,
+        )
     };
     let config = |heads: usize| {
         AttentionConfig::builder(heads, d)
@@ -96,9 +103,14 @@ fn llama_new_refuses_parts_that_disagree_with_its_shape() {
     let build = |q_rows: usize, attn_heads: usize, rope_dim: usize| {
         Llama::new(
             shape.clone(),
-            Embedding::from_f32(&vec![0.1; vocab * hidden], vocab, hidden).unwrap(),
+            InputEmbedding::plain(
+                Embedding::from_f32(&vec![0.1; vocab * hidden], vocab, hidden).unwrap(),
+            ),
             vec![layer(q_rows)],
-            vec![1.0; hidden],
+            Norm::Rms {
+                weight: vec![1.0; hidden],
+                eps: 1e-5,
+            },
             linear(vocab, hidden),
             Some(Rope::new(rope_dim, 10_000.0, RopeStyle::Neox).unwrap()),
             vec![config(attn_heads)],

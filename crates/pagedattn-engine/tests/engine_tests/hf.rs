@@ -4,7 +4,15 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::atomic::AtomicBool;
+
+use pagedattn_engine::harness::score::{encoder_decoder_logits, prompt_logits};
+use pagedattn_engine::models::encdec::Pooling;
+use pagedattn_engine::models::families::{self, HfModel};
 use pagedattn_engine::models::hf::HfFolder;
+use pagedattn_engine::models::ops::Precision;
+use pagedattn_engine::serving::engine::{Engine, EngineRequest};
+use pagedattn_engine::serving::model::Model;
 
 fn models() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models")
@@ -162,102 +170,217 @@ fn every_family_tokenizer_encodes_as_transformers() {
     assert!(e.contains("/nonexistent/tokenizer.json"), "{e}");
 }
 
-/// Llama and Mistral (its window of 16 crossed by the longer prompts) from their folders: the
-/// logits of every position of the golden prompt within 1e-4 of each row's standard
-/// deviation of transformers', and the engine's greedy tokens equal to transformers' up to the
-/// first near tie (a top-2 margin under 1e-3).
-#[test]
-fn llama_and_mistral_folders_compute_what_transformers_computes() {
-    use std::sync::atomic::AtomicBool;
+/// The golden of `family`'s folder.
+fn golden(family: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(models().join(family).join("golden.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
 
-    use pagedattn_engine::harness::score::prompt_logits;
-    use pagedattn_engine::models::llama::Llama;
-    use pagedattn_engine::models::ops::Precision;
-    use pagedattn_engine::serving::engine::{Engine, EngineRequest};
+/// A JSON list of ids.
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
 
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let backend = pagedattn::registry::backend("cpu").unwrap();
-    for family in ["llama", "mistral"] {
-        let dir = models().join(family);
-        let folder = HfFolder::open(&dir).unwrap();
-        let golden: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
-                .unwrap();
-        let mut model = Llama::from_hf(&folder, Precision::Exact).unwrap();
-        let logits = &golden["logits"];
-        let tokens = ids(&logits["ids"]);
-        let ours = prompt_logits(&mut model, backend.as_ref(), &tokens).unwrap();
-        let vocab = 512;
-        let mut worst = 0.0f64;
-        for (i, (row, std)) in logits["rows"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(logits["row_std"].as_array().unwrap())
-            .enumerate()
-        {
-            let std = std.as_f64().unwrap();
-            for (j, want) in row.as_array().unwrap().iter().enumerate() {
-                let err = (ours[i * vocab + j] as f64 - want.as_f64().unwrap()).abs() / std;
-                worst = worst.max(err);
-            }
+/// A JSON list of numbers.
+fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_f64().unwrap())
+        .collect()
+}
+
+/// `family`'s model from its folder, at exact precision.
+fn load(family: &str) -> HfModel {
+    let folder = HfFolder::open(&models().join(family)).unwrap();
+    families::from_hf(&folder, Precision::Exact).unwrap()
+}
+
+/// The largest error of `ours` (rows of `golden["rows"]`'s width) against the golden rows,
+/// in units of each row's standard deviation (`golden["row_std"]`).
+fn worst_in_stds(ours: &[f32], golden: &serde_json::Value) -> f64 {
+    let mut worst = 0.0f64;
+    let rows = golden["rows"].as_array().unwrap();
+    let width = rows[0].as_array().unwrap().len();
+    assert_eq!(ours.len(), rows.len() * width);
+    for (i, (row, std)) in rows.iter().zip(floats(&golden["row_std"])).enumerate() {
+        for (j, want) in floats(row).into_iter().enumerate() {
+            worst = worst.max((ours[i * width + j] as f64 - want).abs() / std);
         }
+    }
+    worst
+}
+
+/// Serves `requests` on `model` (cpu backend) and checks each one's 32 greedy tokens
+/// against transformers' `greedy` entries up to the first near tie (a top-2 margin under
+/// 1e-3): how many tokens were compared in all.
+fn greedy_matches(family: &str, model: Box<dyn Model>, requests: Vec<EngineRequest>) -> usize {
+    let golden = golden(family);
+    let backend = pagedattn::registry::backend("cpu").unwrap();
+    let config = crate::common::config(256, 512);
+    let engine = Engine::new(backend.as_ref(), model, &config).unwrap();
+    let report = engine
+        .run("hf", requests, &AtomicBool::new(false), &mut |_, _, _| {})
+        .unwrap();
+    let mut compared = 0;
+    for (g, r) in golden["greedy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(&report.requests)
+    {
+        let want = ids(&g["tokens"]);
+        let sure = floats(&g["margins"])
+            .iter()
+            .position(|&m| m < 1e-3)
+            .unwrap_or(want.len());
+        assert_eq!(
+            r.generated[0][..sure],
+            want[..sure],
+            "{family}: prompt {:?}",
+            g["prompt"]
+        );
+        compared += sure;
+    }
+    compared
+}
+
+/// The ids of the golden prompt whose text is `text`.
+fn prompt_ids(golden: &serde_json::Value, text: &serde_json::Value) -> Vec<u32> {
+    let p = golden["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["text"] == *text);
+    ids(&p.unwrap()["ids"])
+}
+
+/// Every decoder family from its folder: Llama, Mistral (its window of 16 crossed by the
+/// longer prompts), Qwen2 (q/k/v biases), Gemma-2 (local/global layers, both soft caps
+/// biting) and BLOOM (ALiBi over 6 heads, LayerNorms, the fused qkv): the logits of every
+/// position of the golden prompt within 1e-4 of each row's standard deviation of
+/// transformers', and the engine's greedy tokens equal to transformers' up to the first near
+/// tie.
+#[test]
+fn every_decoder_family_computes_what_transformers_computes() {
+    let backend = pagedattn::registry::backend("cpu").unwrap();
+    for family in ["llama", "mistral", "qwen2", "gemma2", "bloom"] {
+        let golden = golden(family);
+        let HfModel::Decoder(mut model) = load(family) else {
+            panic!("{family} is a decoder")
+        };
+        let tokens = ids(&golden["logits"]["ids"]);
+        let ours = prompt_logits(&mut model, backend.as_ref(), &tokens).unwrap();
+        let worst = worst_in_stds(&ours, &golden["logits"]);
         assert!(
             worst <= 1e-4,
             "{family}: logits off by {worst:.2e} of a row's std"
         );
-
-        // A greedy entry names its prompt by text.
-        let prompt_ids = |text: &serde_json::Value| {
-            let p = golden["prompts"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|p| p["text"] == *text);
-            ids(&p.unwrap()["ids"])
-        };
-        let requests: Vec<EngineRequest> = golden["greedy"]
+        let requests = golden["greedy"]
             .as_array()
             .unwrap()
             .iter()
-            .map(|g| crate::common::greedy_past_eos(prompt_ids(&g["prompt"]), 32))
+            .map(|g| crate::common::greedy_past_eos(prompt_ids(&golden, &g["prompt"]), 32))
             .collect();
-        let config = crate::common::config(256, 512);
-        let engine = Engine::new(
-            backend.as_ref(),
-            Box::new(Llama::from_hf(&folder, Precision::Exact).unwrap()),
-            &config,
-        )
-        .unwrap();
-        let report = engine
-            .run("hf", requests, &AtomicBool::new(false), &mut |_, _, _| {})
-            .unwrap();
-        for (g, r) in golden["greedy"]
-            .as_array()
-            .unwrap()
+        let compared = greedy_matches(family, Box::new(model), requests);
+        assert!(compared >= 64, "{family}: only {compared} tokens compared");
+    }
+}
+
+/// BERT from its folder: every token's final hidden state of each golden prompt within 1e-5
+/// of the row's largest magnitude of transformers' (`last_hidden_state`), and served as
+/// encoder-only requests, each prompt's pooled output (`pooler_output`) the same.
+#[test]
+fn bert_computes_what_transformers_computes() {
+    let golden = golden("bert");
+    let backend = pagedattn::registry::backend("cpu").unwrap();
+    let HfModel::Encoder(model) = load("bert") else {
+        panic!("bert is an encoder")
+    };
+    let close = |ours: &[f32], want: &serde_json::Value, what: &str| {
+        let want = floats(want);
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let worst = ours
             .iter()
-            .zip(&report.requests)
-        {
-            let want = ids(&g["tokens"]);
-            let margins: Vec<f64> = g["margins"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|m| m.as_f64().unwrap())
-                .collect();
-            let sure = margins.iter().position(|&m| m < 1e-3).unwrap_or(want.len());
-            assert_eq!(
-                r.generated[0][..sure],
-                want[..sure],
-                "{family}: prompt {:?}",
-                g["prompt"]
-            );
+            .zip(&want)
+            .fold(0.0f64, |m, (&a, b)| m.max((a as f64 - b).abs()));
+        assert!(
+            worst <= 1e-5 * scale,
+            "bert {what}: off by {worst:.2e} of {scale:.2e}"
+        );
+    };
+    let mut states = model.with_pooling(Pooling::State).unwrap();
+    let prompts = golden["prompts"].as_array().unwrap();
+    for (p, hidden) in prompts
+        .iter()
+        .zip(golden["hidden_states"].as_array().unwrap())
+    {
+        let ours = prompt_logits(&mut states, backend.as_ref(), &ids(&p["ids"])).unwrap();
+        for (i, row) in hidden.as_array().unwrap().iter().enumerate() {
+            close(&ours[i * 64..(i + 1) * 64], row, "hidden state");
         }
     }
+    let HfModel::Encoder(pooled) = load("bert") else {
+        unreachable!()
+    };
+    let config = crate::common::config(256, 512);
+    let engine = Engine::new(backend.as_ref(), Box::new(pooled), &config).unwrap();
+    let requests = prompts
+        .iter()
+        .map(|p| EngineRequest::greedy(ids(&p["ids"]), 0))
+        .collect();
+    let report = engine
+        .run("bert", requests, &AtomicBool::new(false), &mut |_, _, _| {})
+        .unwrap();
+    for (r, want) in report
+        .requests
+        .iter()
+        .zip(golden["pooled"].as_array().unwrap())
+    {
+        close(r.pooled.as_ref().unwrap(), want, "pooled output");
+    }
+}
+
+/// BART from its folder: the decoder's logits at every position of the teacher-forced
+/// decoder prompt (over the encoder's prompt) within 1e-4 of each row's std of transformers',
+/// and, served as encoder-decoder requests from the decoder start token, the greedy tokens
+/// transformers generates.
+#[test]
+fn bart_computes_what_transformers_computes() {
+    let golden = golden("bart");
+    let backend = pagedattn::registry::backend("cpu").unwrap();
+    let HfModel::Encoder(mut model) = load("bart") else {
+        panic!("bart is an encoder-decoder")
+    };
+    let forced = &golden["teacher_forced"];
+    let ours = encoder_decoder_logits(
+        &mut model,
+        backend.as_ref(),
+        &ids(&forced["encoder_ids"]),
+        &ids(&forced["decoder_ids"]),
+    )
+    .unwrap();
+    let worst = worst_in_stds(&ours, forced);
+    assert!(
+        worst <= 1e-4,
+        "bart: logits off by {worst:.2e} of a row's std"
+    );
+    let requests = golden["greedy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| EngineRequest {
+            encoder_prompt: Some(prompt_ids(&golden, &g["prompt"])),
+            ..crate::common::greedy_past_eos(
+                vec![g["decoder_start_token_id"].as_u64().unwrap() as u32],
+                32,
+            )
+        })
+        .collect();
+    let compared = greedy_matches("bart", Box::new(model), requests);
+    assert!(compared >= 64, "bart: only {compared} tokens compared");
 }

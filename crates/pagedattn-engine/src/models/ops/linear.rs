@@ -44,6 +44,8 @@ pub struct Linear {
     isa: Isa,
     gemm_min_rows: usize,
     repr: Repr,
+    /// Added to every output row (`[out]`), where the layer has one.
+    bias: Option<Vec<f32>>,
 }
 
 impl std::fmt::Debug for Linear {
@@ -54,6 +56,7 @@ impl std::fmt::Debug for Linear {
             .field("ty", &self.ty)
             .field("precision", &self.precision)
             .field("isa", &self.isa)
+            .field("bias", &self.bias.is_some())
             .finish()
     }
 }
@@ -114,6 +117,7 @@ impl Linear {
             isa,
             gemm_min_rows: GEMM_MIN_ROWS,
             repr,
+            bias: None,
         })
     }
 
@@ -135,7 +139,23 @@ impl Linear {
             isa: isa_from_env()?,
             gemm_min_rows: GEMM_MIN_ROWS,
             repr: Repr::F32(values.to_vec()),
+            bias: None,
         })
+    }
+
+    /// The same matrix with a bias added to every output row, `y = x · Wᵀ + b`.
+    ///
+    /// # Errors
+    /// `bias` not `out` long.
+    pub fn with_bias(mut self, bias: Vec<f32>) -> Result<Self> {
+        check_len("Linear bias", self.out, bias.len())?;
+        self.bias = Some(bias);
+        Ok(self)
+    }
+
+    /// The bias added to every output row, if any.
+    pub fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
     }
 
     /// Output features (rows of the matrix).
@@ -184,7 +204,7 @@ impl Linear {
         self.isa
     }
 
-    /// `y[t, out] = x[t, in] · Wᵀ` for `t = x.len() / in` rows.
+    /// `y[t, out] = x[t, in] · Wᵀ (+ bias)` for `t = x.len() / in` rows.
     ///
     /// # Errors
     /// If `x` is not a whole number of rows, or `y` not `t * out` long.
@@ -216,6 +236,13 @@ impl Linear {
         match &self.repr {
             Repr::F32(w) => self.forward_f32(isa, w, x, y, t),
             Repr::Quant(q) => self.forward_quant(QIsa::of(isa), q, x, y, t),
+        }
+        if let Some(bias) = &self.bias {
+            for row in y.chunks_exact_mut(self.out) {
+                for (v, &b) in row.iter_mut().zip(bias) {
+                    *v += b;
+                }
+            }
         }
         Ok(())
     }

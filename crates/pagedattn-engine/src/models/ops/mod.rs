@@ -1,6 +1,7 @@
 //! The CPU operations of a transformer forward pass other than attention: [`Linear`]
-//! (exact f32 or fast int8 products over GGUF weights), [`Embedding`] lookup, [`rms_norm`],
-//! [`Rope`], [`swiglu`] and [`add_assign`] (sampling is the serving core's:
+//! (exact f32 or fast int8 products over GGUF weights, with or without a bias), [`Embedding`]
+//! lookup, the norms ([`Norm`]: [`rms_norm`], [`layer_norm`]), [`Rope`], the MLP's
+//! [`Activation`]s ([`gated`], [`swiglu`], [`activate`]), [`soft_cap`] and [`add_assign`] (sampling is the serving core's:
 //! [`crate::serving::sample`]).
 //!
 //! Every op works on a batch of `t` rows stored row-major in caller-owned `f32` slices and
@@ -24,7 +25,9 @@ mod rope;
 
 pub use embedding::Embedding;
 pub use linear::{Linear, Precision, GEMM_MIN_ROWS};
-pub use norm::{add_assign, rms_norm, swiglu};
+pub use norm::{
+    activate, add_assign, gated, layer_norm, rms_norm, soft_cap, swiglu, Activation, Norm,
+};
 pub use pagedattn::cpu::Isa;
 pub use quant::{dequantize_row, quantize_row_q8, ACT_BLOCK};
 pub use rope::{Rope, RopeStyle};

@@ -8,7 +8,7 @@ use pagedattn::{
 };
 
 use super::{Engine, StepBuffers};
-use crate::serving::attention::{run_attention, write_kv};
+use crate::serving::attention::{run_attention, same_plan, write_kv};
 use crate::serving::batch::StepBatch;
 use crate::serving::check::{CallCheck, CheckedCall, CheckedCross, CheckedSeq};
 use crate::serving::clock::AttentionClock;
@@ -19,8 +19,9 @@ use crate::{Error, Result};
 /// not called).
 #[derive(Default)]
 struct StepPlans {
-    /// Decoder self-attention over the paged caches.
-    decoder: Option<Plan>,
+    /// Decoder self-attention over the paged caches: a plan per group of layers that share
+    /// one ([`same_plan`]), with the first layer of the group.
+    decoder: Vec<(usize, Plan)>,
     /// Encoder (or encoder-only) attention, without a cache.
     dense: Option<Plan>,
     /// Cross-attention of every sequence, reading the cross caches.
@@ -84,7 +85,9 @@ impl LayerCalls<'_> {
             AttnType::Decoder => {
                 let plan = plans
                     .decoder
-                    .as_ref()
+                    .iter()
+                    .find(|(first, _)| same_plan(&self.layers[*first], config))
+                    .map(|(_, plan)| plan)
                     .ok_or_else(|| missing("decoder tokens"))?;
                 let cache = cache.as_deref_mut();
                 let kv = Some((key, value));
@@ -235,12 +238,20 @@ impl Engine<'_> {
             Ok(self.attention[layer].plan(&builder.build()?, spec_of(layer).as_ref())?)
         };
         let only_encoder = batch.seqs.iter().all(|s| s.encoder_only);
-        if let Some(layer) = first_of(AttnType::Decoder).filter(|_| !only_encoder) {
+        if !only_encoder {
             let mut builder = MetadataBuilder::new(self.block_size);
             for d in descs {
                 builder.push(*d);
             }
-            plans.decoder = Some(plan(layer, &builder)?);
+            for (layer, c) in self.layers.iter().enumerate() {
+                let planned = plans
+                    .decoder
+                    .iter()
+                    .any(|(first, _)| same_plan(&self.layers[*first], c));
+                if c.attn_type() == AttnType::Decoder && !planned {
+                    plans.decoder.push((layer, plan(layer, &builder)?));
+                }
+            }
         }
         let dense = first_of(AttnType::Encoder).or(first_of(AttnType::EncoderOnly));
         if let Some(layer) = dense.filter(|_| !dense_lens.is_empty()) {
@@ -276,14 +287,11 @@ impl Engine<'_> {
                 plans.cross_write = Some(plan(layer, &with_encoder(true)?)?);
             }
         }
-        for p in [
-            &plans.decoder,
-            &plans.dense,
-            &plans.cross_read,
-            &plans.cross_write,
-        ]
-        .into_iter()
-        .flatten()
+        let decoder = plans.decoder.iter().map(|(_, plan)| plan);
+        for p in [&plans.dense, &plans.cross_read, &plans.cross_write]
+            .into_iter()
+            .flatten()
+            .chain(decoder)
         {
             self.workspace.reserve(p)?;
         }
