@@ -18,8 +18,9 @@
 #                                  the CUDA-graph test (test-cuda_graph), the replay cases
 #                                  through `pagedattn forward --backend cuda --check`, the engine's built-in
 #                                  workloads on cuda (verified), SmolLM2's golden tokens
-#                                  and the bf16 GPU model against f32 (the `golden` and
-#                                  `gpu_model` modules of test-engine_tests; the GGUF at
+#                                  and the bf16 GPU model against f32, the Hugging Face
+#                                  families against transformers (the `golden`, `gpu_model`
+#                                  and `hf` modules of test-engine_tests; the GGUF at
 #                                  PAGEDATTN_SMOLLM2, default models/, must be there), the Python
 #                                  package (the wheel pip-installed into a fresh venv that also
 #                                  sees the machine's torch; pytest and transformers from the
@@ -238,11 +239,18 @@ run() {
 
     # The engine on cuda: every built-in workload of the synthetic model with every attention
     # call recomputed by `reference` (the decoder's on the GPU model, and once on the host
-    # model), then SmolLM2's greedy tokens against transformers' and its bf16 GPU model
-    # against f32 (the GGUF at PAGEDATTN_SMOLLM2, default models/; its absence fails the
-    # part). The output joins info.log.
+    # model) and of every Hugging Face family's folder, then SmolLM2's greedy tokens against
+    # transformers' and its bf16 GPU model against f32 (the GGUF at PAGEDATTN_SMOLLM2,
+    # default models/; its absence fails the part), and every family's logits and greedy
+    # tokens against transformers' goldens with attention on the GPU (`hf`). The output
+    # joins info.log.
     local workload served=0 refused=0 part_log
-    for workload in chat long-context shared-prefix encoder encoder-decoder "chat --model-on host"; do
+    # The Hugging Face families' folders (tests/hf-models) each serve their kind's workload.
+    for workload in chat long-context shared-prefix encoder encoder-decoder "chat --model-on host" \
+        "chat --model tests/hf-models/llama" "chat --model tests/hf-models/mistral" \
+        "chat --model tests/hf-models/qwen2" "chat --model tests/hf-models/gemma2" \
+        "chat --model tests/hf-models/bloom" "encoder --model tests/hf-models/bert" \
+        "encoder-decoder --model tests/hf-models/bart"; do
         echo "==== pagedattn run --backend cuda --workload $workload --verify" >>"$log"
         # (word splitting on purpose: the last entry carries an option)
         # shellcheck disable=SC2086
@@ -258,7 +266,7 @@ run() {
     else
         record "engine workloads" FAIL "$served served, $refused failed"
     fi
-    for part in golden gpu_model; do
+    for part in golden gpu_model hf; do
         part_log=$(mktemp)
         PAGEDATTN_REQUIRE_MODEL=1 PAGEDATTN_SMOLLM2=${PAGEDATTN_SMOLLM2:-models/SmolLM2-135M-Instruct.Q4_1.gguf} \
             timeout "$TIMEOUT" "$BIN/test-engine_tests" "$part::" --include-ignored --nocapture --test-threads=1 >"$part_log" 2>&1

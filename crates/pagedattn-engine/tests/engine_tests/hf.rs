@@ -215,12 +215,17 @@ fn worst_in_stds(ours: &[f32], golden: &serde_json::Value) -> f64 {
     worst
 }
 
-/// Serves `requests` on `model` (cpu backend) and checks each one's 32 greedy tokens
+/// Serves `requests` on `model` on `backend` and checks each one's 32 greedy tokens
 /// against transformers' `greedy` entries up to the first near tie (a top-2 margin under
 /// 1e-3): how many tokens were compared in all.
-fn greedy_matches(family: &str, model: Box<dyn Model>, requests: Vec<EngineRequest>) -> usize {
+fn greedy_matches(
+    backend: &str,
+    family: &str,
+    model: Box<dyn Model>,
+    requests: Vec<EngineRequest>,
+) -> usize {
     let golden = golden(family);
-    let backend = pagedattn::registry::backend("cpu").unwrap();
+    let backend = pagedattn::registry::backend(backend).unwrap();
     let config = crate::common::config(256, 512);
     let engine = Engine::new(backend.as_ref(), model, &config).unwrap();
     let report = engine
@@ -267,7 +272,12 @@ fn prompt_ids(golden: &serde_json::Value, text: &serde_json::Value) -> Vec<u32> 
 /// tie.
 #[test]
 fn every_decoder_family_computes_what_transformers_computes() {
-    let backend = pagedattn::registry::backend("cpu").unwrap();
+    decoders_compute_what_transformers_computes("cpu");
+}
+
+/// [`every_decoder_family_computes_what_transformers_computes`] with `backend`'s attention.
+fn decoders_compute_what_transformers_computes(backend_name: &str) {
+    let backend = pagedattn::registry::backend(backend_name).unwrap();
     for family in ["llama", "mistral", "qwen2", "gemma2", "bloom"] {
         let golden = golden(family);
         let HfModel::Decoder(mut model) = load(family) else {
@@ -286,7 +296,7 @@ fn every_decoder_family_computes_what_transformers_computes() {
             .iter()
             .map(|g| crate::common::greedy_past_eos(prompt_ids(&golden, &g["prompt"]), 32))
             .collect();
-        let compared = greedy_matches(family, Box::new(model), requests);
+        let compared = greedy_matches(backend_name, family, Box::new(model), requests);
         assert!(compared >= 64, "{family}: only {compared} tokens compared");
     }
 }
@@ -296,8 +306,13 @@ fn every_decoder_family_computes_what_transformers_computes() {
 /// encoder-only requests, each prompt's pooled output (`pooler_output`) the same.
 #[test]
 fn bert_computes_what_transformers_computes() {
+    bert_on("cpu");
+}
+
+/// [`bert_computes_what_transformers_computes`] with `backend`'s attention.
+fn bert_on(backend: &str) {
     let golden = golden("bert");
-    let backend = pagedattn::registry::backend("cpu").unwrap();
+    let backend = pagedattn::registry::backend(backend).unwrap();
     let HfModel::Encoder(model) = load("bert") else {
         panic!("bert is an encoder")
     };
@@ -351,8 +366,13 @@ fn bert_computes_what_transformers_computes() {
 /// transformers generates.
 #[test]
 fn bart_computes_what_transformers_computes() {
+    bart_on("cpu");
+}
+
+/// [`bart_computes_what_transformers_computes`] with `backend`'s attention.
+fn bart_on(backend_name: &str) {
     let golden = golden("bart");
-    let backend = pagedattn::registry::backend("cpu").unwrap();
+    let backend = pagedattn::registry::backend(backend_name).unwrap();
     let HfModel::Encoder(mut model) = load("bart") else {
         panic!("bart is an encoder-decoder")
     };
@@ -381,6 +401,51 @@ fn bart_computes_what_transformers_computes() {
             )
         })
         .collect();
-    let compared = greedy_matches("bart", Box::new(model), requests);
+    let compared = greedy_matches(backend_name, "bart", Box::new(model), requests);
     assert!(compared >= 64, "bart: only {compared} tokens compared");
+}
+
+/// A family's folder as a model source of the shared runs.
+#[derive(Debug)]
+struct Folder(&'static str);
+
+impl crate::common::ModelSource for Folder {
+    fn model(&self) -> Box<dyn Model> {
+        load(self.0).into_model()
+    }
+}
+
+/// Preemption by swap and by recompute changes no greedy token on any family: 12 requests of
+/// each family's golden prompts (64 new tokens each, past EOS) in a pool of 12 blocks of 16
+/// tokens, against a pool where nothing is preempted.
+#[test]
+fn preemption_changes_no_greedy_token_on_any_family() {
+    for family in ["llama", "qwen2", "mistral", "gemma2", "bloom", "bart"] {
+        let golden = golden(family);
+        let requests: Vec<EngineRequest> = (0..12)
+            .map(|i| {
+                let prompts = golden["prompts"].as_array().unwrap();
+                let prompt = ids(&prompts[i % prompts.len()]["ids"]);
+                match family {
+                    "bart" => EngineRequest {
+                        encoder_prompt: Some(prompt),
+                        ..crate::common::greedy_past_eos(vec![1], 64)
+                    },
+                    _ => crate::common::greedy_past_eos(prompt, 64),
+                }
+            })
+            .collect();
+        crate::common::preemption_changes_nothing(&Folder(family), &requests, (512, 12), 256);
+    }
+}
+
+/// Every family's checks with attention on the GPU (the models compute on the host in f32,
+/// as on `cpu`; the same tolerances).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
+fn every_family_computes_what_transformers_computes_on_cuda() {
+    decoders_compute_what_transformers_computes("cuda");
+    bert_on("cuda");
+    bart_on("cuda");
 }

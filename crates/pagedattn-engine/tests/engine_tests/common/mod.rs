@@ -14,6 +14,18 @@ use pagedattn_engine::serving::report::Report;
 use pagedattn_engine::serving::sample::SamplingParams;
 use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
 
+/// What the shared runs build their model from (a fresh one per run).
+pub trait ModelSource: std::fmt::Debug {
+    /// The model.
+    fn model(&self) -> Box<dyn Model>;
+}
+
+impl ModelSource for SyntheticConfig {
+    fn model(&self) -> Box<dyn Model> {
+        self.build_model().unwrap()
+    }
+}
+
 /// A small synthetic model of `kind` (fast enough for `reference`).
 pub fn small(kind: ModelKind) -> SyntheticConfig {
     let base = match kind {
@@ -102,7 +114,7 @@ pub fn config(blocks: usize, max_batched_tokens: usize) -> EngineConfig {
 /// blocks) and a budget of `max_batched_tokens` a step.
 pub fn serve(
     backend: &str,
-    model: &SyntheticConfig,
+    model: &dyn ModelSource,
     requests: Vec<EngineRequest>,
     (blocks, max_batched_tokens): (usize, usize),
     policy: PreemptionPolicy,
@@ -111,7 +123,7 @@ pub fn serve(
     let backend = registry::backend(backend).unwrap();
     let mut config = config(blocks, max_batched_tokens);
     config.scheduler.preemption = policy;
-    let engine = Engine::new(backend.as_ref(), model.build_model().unwrap(), &config)
+    let engine = Engine::new(backend.as_ref(), model.model(), &config)
         .unwrap()
         .with_check(Box::new(Verifier::new(verify, 1).unwrap()));
     engine
@@ -133,7 +145,7 @@ pub fn generated(report: &Report) -> Vec<Vec<Vec<u32>>> {
 /// budget of `max_batched_tokens` a step, asserting that preemption changed no greedy token;
 /// returns the tight runs' reports.
 pub fn preemption_changes_nothing(
-    model: &SyntheticConfig,
+    model: &dyn ModelSource,
     requests: &[EngineRequest],
     (roomy_blocks, tight_blocks): (usize, usize),
     max_batched_tokens: usize,
