@@ -79,6 +79,7 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> Result<(), String> {
             model: loaded.model,
             config,
             text: loaded.text,
+            decoder_start: loaded.decoder_start,
         })
     })
     .map_err(|e| e.to_string())?;

@@ -53,6 +53,8 @@ pub(crate) enum Event {
         part: usize,
         tokens: Vec<(usize, u32)>,
     },
+    /// An encoder-only request's pooled output (its embedding), before its `Finished`.
+    Pooled { part: usize, state: Vec<f32> },
     /// Every sample finished; each one's reason, in sample order.
     Finished {
         part: usize,
@@ -240,6 +242,18 @@ pub(crate) fn run(
                     tokens: list,
                 };
                 // A full queue: a task that stopped reading; a closed one: a task gone.
+                if a.events.try_send(event).is_err() {
+                    stalled.push(id);
+                }
+            }
+            for (id, state) in output.pooled {
+                let Some(a) = active.get(&id) else {
+                    continue;
+                };
+                let event = Event::Pooled {
+                    part: a.part,
+                    state,
+                };
                 if a.events.try_send(event).is_err() {
                     stalled.push(id);
                 }

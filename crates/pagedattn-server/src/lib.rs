@@ -5,7 +5,8 @@
 //! unfinished; tokio's runtime serves HTTP (axum): each request is read, checked and tokenized
 //! by its task, handed to the loop over a channel, and answered from the tokens the loop sends
 //! back as they are sampled. Requests that arrive while others run join the running batch at
-//! the next step. See docs/server.md for the endpoints, options and metrics.
+//! the next step. A decoder answers completions and chats, an encoder-decoder model
+//! completions (the prompt encoded), an encoder-only model embeddings. See docs/server.md for the endpoints, options and metrics.
 
 #![warn(missing_docs)]
 
@@ -26,7 +27,7 @@ use pagedattn::Backend;
 use pagedattn_engine::models::chat::ChatTemplate;
 use pagedattn_engine::models::tokenizer::Tokenizer;
 use pagedattn_engine::serving::engine::{Engine, EngineConfig};
-use pagedattn_engine::serving::model::Model;
+use pagedattn_engine::serving::model::{Model, ModelKind};
 
 pub use crate::core::Summary;
 pub use crate::error::ApiError;
@@ -80,6 +81,9 @@ pub struct EngineParts {
     /// The tokenizer and chat template (text prompts, chat, stop strings); without them the
     /// server takes token ids only.
     pub text: Option<(Tokenizer, ChatTemplate)>,
+    /// An encoder-decoder model's decoder start token: a completion's prompt is encoded, and
+    /// the answer generated from this token.
+    pub decoder_start: Option<u32>,
 }
 
 /// Why the server could not start or did not end cleanly.
@@ -126,9 +130,11 @@ pub struct Server {
 
 /// What the engine thread reports once the engine is built.
 struct Ready {
+    kind: ModelKind,
     max_context: usize,
     vocab: usize,
     text: Option<(Tokenizer, ChatTemplate)>,
+    decoder_start: Option<u32>,
 }
 
 impl Server {
@@ -158,9 +164,11 @@ impl Server {
                     .build_global();
                 let parts = build()?;
                 let ready = Ready {
+                    kind: parts.model.kind(),
                     max_context: parts.model.max_context(),
                     vocab: parts.model.vocab_size(),
                     text: parts.text,
+                    decoder_start: parts.decoder_start,
                 };
                 let engine = Engine::new(parts.backend.as_ref(), parts.model, &parts.config)?;
                 if ready_tx.send(ready).is_err() {
@@ -192,6 +200,8 @@ impl Server {
             .enable_all()
             .build()?;
         let state = Arc::new(routes::AppState {
+            kind: ready.kind,
+            decoder_start: ready.decoder_start,
             max_context: ready.max_context,
             vocab: ready.vocab,
             text: ready.text.map(Arc::new),

@@ -5,6 +5,7 @@
 use pagedattn_engine::models::chat::{ChatMessage, ChatTemplate};
 use pagedattn_engine::models::tokenizer::Tokenizer;
 use pagedattn_engine::serving::engine::EngineRequest;
+use pagedattn_engine::serving::model::ModelKind;
 use pagedattn_engine::serving::sample::SamplingParams;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -31,6 +32,37 @@ pub struct ModelInfo<'a> {
     pub text: Option<&'a (Tokenizer, ChatTemplate)>,
     /// The most choices (`n`) a request may ask for.
     pub max_n: usize,
+    /// What it computes: which endpoints it answers.
+    pub kind: ModelKind,
+    /// An encoder-decoder model's decoder start token.
+    pub decoder_start: Option<u32>,
+}
+
+impl ModelInfo<'_> {
+    /// Refuses a request for `endpoint` (`completions`, `chat/completions`, `embeddings`)
+    /// that this model's kind does not answer.
+    fn answers(&self, endpoint: &str) -> Result<(), ApiError> {
+        let (answered, kind) = match self.kind {
+            ModelKind::Decoder => (endpoint != "embeddings", "a decoder"),
+            ModelKind::EncoderDecoder => (endpoint == "completions", "an encoder-decoder model"),
+            ModelKind::EncoderOnly => (endpoint == "embeddings", "an encoder-only model"),
+        };
+        if answered {
+            return Ok(());
+        }
+        let serves = match self.kind {
+            ModelKind::Decoder => "/v1/completions and /v1/chat/completions",
+            ModelKind::EncoderDecoder => "/v1/completions",
+            ModelKind::EncoderOnly => "/v1/embeddings",
+        };
+        Err(ApiError::invalid(
+            "model",
+            format!(
+                "`{}` is {kind}: it serves {serves}, not /v1/{endpoint}",
+                self.name
+            ),
+        ))
+    }
 }
 
 /// A JSON object whose fields are taken one by one; what is left at the end was not known.
@@ -156,6 +188,20 @@ pub struct Generation {
     pub include_usage: bool,
     /// Give each choice's token ids (vLLM's `return_token_ids`).
     pub return_token_ids: bool,
+}
+
+impl Generation {
+    /// Encoder-only requests, answered with their pooled outputs.
+    pub fn pooled(requests: Vec<EngineRequest>) -> Self {
+        Generation {
+            requests,
+            n: 1,
+            stop: Vec::new(),
+            stream: false,
+            include_usage: false,
+            return_token_ids: false,
+        }
+    }
 }
 
 /// The sampling fields both endpoints share, and the stop conditions.
@@ -368,6 +414,29 @@ fn engine_request(
             ),
         ));
     }
+    // An encoder-decoder model encodes the prompt and generates from its decoder start.
+    let (prompt, encoder_prompt) = match (model.kind, model.decoder_start) {
+        (ModelKind::EncoderDecoder, Some(start)) => {
+            if prompt.len() > model.max_context {
+                return Err(ApiError::invalid(
+                    param,
+                    format!(
+                        "{param}: {} tokens: this model encodes at most {}",
+                        prompt.len(),
+                        model.max_context
+                    ),
+                ));
+            }
+            (vec![start], Some(prompt))
+        }
+        (ModelKind::EncoderDecoder, None) => {
+            return Err(ApiError::invalid(
+                "model",
+                "this encoder-decoder model names no decoder start token",
+            ))
+        }
+        _ => (prompt, None),
+    };
     // Checked here to name the fields; the engine checks it again.
     if prompt.len().saturating_add(max_new_tokens) > model.max_context {
         return Err(ApiError::invalid(
@@ -392,7 +461,7 @@ fn engine_request(
     Ok(EngineRequest {
         arrival: 0.0,
         prompt,
-        encoder_prompt: None,
+        encoder_prompt,
         max_new_tokens,
         n: c.n,
         sampling: c.sampling,
@@ -413,26 +482,20 @@ fn generation(requests: Vec<EngineRequest>, c: Common) -> Generation {
     }
 }
 
-/// `POST /v1/completions`: `prompt` is a string, an array of token ids, or an array of either
-/// (one engine request each).
-pub fn completion(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Generation, ApiError> {
-    let mut body = Body::parse(bytes)?;
-    check_model(&mut body, model)?;
+/// Field `param` (`prompt`, `input`): a string, an array of token ids, or an array of either,
+/// as token ids (text through the tokenizer, its special tokens added as vLLM does), at
+/// most [`MAX_PROMPTS`] of them.
+fn token_prompts(
+    body: &mut Body,
+    param: &str,
+    model: &ModelInfo<'_>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let expected = "a string, an array of token ids, or an array of either";
     let prompt: Value = body
-        .take(
-            "prompt",
-            "a string, an array of token ids, or an array of either",
-        )?
-        .ok_or_else(|| ApiError::invalid("prompt", "prompt is missing"))?;
+        .take(param, expected)?
+        .ok_or_else(|| ApiError::invalid(param, format!("{param} is missing")))?;
     let shown = short(&prompt);
-    let bad = || {
-        ApiError::invalid(
-            "prompt",
-            format!(
-                "prompt = {shown}: expected a string, an array of token ids, or an array of either"
-            ),
-        )
-    };
+    let bad = || ApiError::invalid(param, format!("{param} = {shown}: expected {expected}"));
     let texts_or_ids: Vec<Value> = match prompt {
         Value::String(_) => vec![prompt],
         Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => {
@@ -443,9 +506,9 @@ pub fn completion(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Generation, Api
     };
     if texts_or_ids.len() > MAX_PROMPTS {
         return Err(ApiError::invalid(
-            "prompt",
+            param,
             format!(
-                "prompt: {} prompts: expected at most {MAX_PROMPTS}",
+                "{param}: {} prompts: expected at most {MAX_PROMPTS}",
                 texts_or_ids.len()
             ),
         ));
@@ -454,14 +517,13 @@ pub fn completion(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Generation, Api
     for p in texts_or_ids {
         prompts.push(match p {
             Value::String(text) => match model.text {
-                // As vLLM's completions: the tokenizer's special tokens (BOS) added.
                 Some((tokenizer, _)) => tokenizer
                     .encode(&text, true)
-                    .map_err(|e| ApiError::invalid("prompt", format!("prompt: {e}")))?,
+                    .map_err(|e| ApiError::invalid(param, format!("{param}: {e}")))?,
                 None => {
                     return Err(ApiError::invalid(
-                        "prompt",
-                        "this model has no tokenizer: give the prompt as token ids",
+                        param,
+                        format!("this model has no tokenizer: give the {param} as token ids"),
                     ))
                 }
             },
@@ -473,6 +535,16 @@ pub fn completion(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Generation, Api
             _ => return Err(bad()),
         });
     }
+    Ok(prompts)
+}
+
+/// `POST /v1/completions`: `prompt` is a string, an array of token ids, or an array of either
+/// (one engine request each).
+pub fn completion(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Generation, ApiError> {
+    let mut body = Body::parse(bytes)?;
+    check_model(&mut body, model)?;
+    model.answers("completions")?;
+    let prompts = token_prompts(&mut body, "prompt", model)?;
     let max_new_tokens = max_tokens(&mut body, &["max_tokens"])?.unwrap_or(16);
     let c = common(&mut body, model)?;
     body.only_default("echo", |v| v == &Value::Bool(false))?;
@@ -520,6 +592,7 @@ struct Part {
 pub fn chat_completion(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Generation, ApiError> {
     let mut body = Body::parse(bytes)?;
     check_model(&mut body, model)?;
+    model.answers("chat/completions")?;
     let messages: Vec<Value> = body
         .take("messages", "an array of messages")?
         .ok_or_else(|| ApiError::invalid("messages", "messages is missing"))?;
@@ -585,4 +658,74 @@ pub fn chat_completion(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Generation
         max_new_tokens.unwrap_or_else(|| model.max_context.saturating_sub(prompt.len()).max(1));
     let request = engine_request(prompt, max_new_tokens, &c, model, "messages")?;
     Ok(generation(vec![request], c))
+}
+
+/// How an embeddings response writes each vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EncodingFormat {
+    /// A JSON array of numbers.
+    Float,
+    /// The little-endian f32 bytes in base64 (what OpenAI's Python client asks for by
+    /// default, and decodes).
+    Base64,
+}
+
+/// What an embeddings request asks for: one engine request per input, and the format.
+#[derive(Debug)]
+pub struct Embeddings {
+    /// One encoder-only request per input.
+    pub requests: Vec<EngineRequest>,
+    /// How to write the vectors.
+    pub format: EncodingFormat,
+}
+
+/// `POST /v1/embeddings`: `input` as a completion's `prompt` (a string, token ids, or an
+/// array of either), each input's pooled output (BERT's `pooler_output`, or its first
+/// token's final state).
+pub fn embeddings(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Embeddings, ApiError> {
+    let mut body = Body::parse(bytes)?;
+    check_model(&mut body, model)?;
+    model.answers("embeddings")?;
+    let inputs = token_prompts(&mut body, "input", model)?;
+    let format = match body.take::<String>("encoding_format", "\"float\" or \"base64\"")? {
+        None => EncodingFormat::Float,
+        Some(f) if f == "float" => EncodingFormat::Float,
+        Some(f) if f == "base64" => EncodingFormat::Base64,
+        Some(f) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                format!("encoding_format = {f:?}: expected \"float\" or \"base64\""),
+            ))
+        }
+    };
+    // Vectors of the model's own width only.
+    body.only_default("dimensions", |_| false)?;
+    body.take::<String>("user", "a string")?;
+    body.finish()?;
+    let requests = inputs
+        .into_iter()
+        .map(|input| {
+            if input.is_empty() {
+                return Err(ApiError::invalid("input", "input: no tokens: expected at least one"));
+            }
+            if let Some(t) = input.iter().find(|&&t| t as usize >= model.vocab) {
+                return Err(ApiError::invalid(
+                    "input",
+                    format!("input holds token {t}: expected ids below the vocabulary's {}", model.vocab),
+                ));
+            }
+            if input.len() > model.max_context {
+                return Err(ApiError::invalid(
+                    "input",
+                    format!(
+                        "This model's maximum context length is {} tokens. However, you requested {} tokens in the input. Please reduce the length of the input.",
+                        model.max_context,
+                        input.len()
+                    ),
+                ));
+            }
+            Ok(EngineRequest::greedy(input, 0))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Embeddings { requests, format })
 }

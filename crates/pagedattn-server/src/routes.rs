@@ -19,13 +19,14 @@ use axum::Router;
 use pagedattn_engine::models::chat::ChatTemplate;
 use pagedattn_engine::models::tokenizer::Tokenizer;
 use pagedattn_engine::serving::batch::RequestId;
+use pagedattn_engine::serving::model::ModelKind;
 use pagedattn_engine::serving::scheduler::FinishReason;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{channel, Receiver};
 
 use crate::core::{Command, Event, Shared, Submission};
 use crate::error::ApiError;
-use crate::openai::{self, Generation, ModelInfo};
+use crate::openai::{self, EncodingFormat, Generation, ModelInfo};
 use crate::text::ChoiceText;
 use crate::ServerConfig;
 
@@ -46,6 +47,10 @@ pub(crate) struct AppState {
     pub pending: AtomicUsize,
     /// Seconds since the epoch when the server started (the model's `created`).
     pub created: u64,
+    /// What the model computes (which endpoints answer).
+    pub kind: ModelKind,
+    /// An encoder-decoder model's decoder start token.
+    pub decoder_start: Option<u32>,
 }
 
 impl AppState {
@@ -56,6 +61,8 @@ impl AppState {
             vocab: self.vocab,
             text: self.text.as_deref(),
             max_n: self.config.max_n,
+            kind: self.kind,
+            decoder_start: self.decoder_start,
         }
     }
 }
@@ -66,6 +73,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -125,11 +133,12 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// The two generation endpoints.
+/// The endpoints that run the engine.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
     Completion,
     Chat,
+    Embeddings,
 }
 
 async fn completions(
@@ -144,6 +153,13 @@ async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     generate(s, body, Endpoint::Chat).await
+}
+
+async fn embeddings(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(s, body, Endpoint::Embeddings).await
 }
 
 async fn generate(
@@ -161,15 +177,19 @@ async fn generate(
             };
             ApiError::status(status, message)
         })?;
-        let spec = match endpoint {
-            Endpoint::Completion => openai::completion(&bytes, &s.model())?,
-            Endpoint::Chat => openai::chat_completion(&bytes, &s.model())?,
+        let (spec, format) = match endpoint {
+            Endpoint::Completion => (openai::completion(&bytes, &s.model())?, None),
+            Endpoint::Chat => (openai::chat_completion(&bytes, &s.model())?, None),
+            Endpoint::Embeddings => {
+                let e = openai::embeddings(&bytes, &s.model())?;
+                (Generation::pooled(e.requests), Some(e.format))
+            }
         };
         let run = Run::start(Arc::clone(&s), spec, endpoint).await?;
-        Ok::<_, ApiError>(if run.stream {
-            run.into_stream()
-        } else {
-            run.gather().await?
+        Ok::<_, ApiError>(match format {
+            Some(format) => run.embeddings(format).await?,
+            None if run.stream => run.into_stream(),
+            None => run.gather().await?,
         })
     }
     .await;
@@ -213,6 +233,8 @@ struct Run {
     backlog: VecDeque<Event>,
     parts: Vec<PartState>,
     choices: Vec<Choice>,
+    /// Each encoder-only request's pooled output, as it comes.
+    pooled: Vec<Option<Vec<f32>>>,
     n: usize,
     stop: Vec<String>,
     stream: bool,
@@ -262,6 +284,7 @@ impl Run {
             backlog: VecDeque::new(),
             parts: Vec::with_capacity(parts),
             choices: Vec::new(),
+            pooled: vec![None; parts],
             n: spec.n,
             stop: spec.stop,
             stream: spec.stream,
@@ -291,7 +314,8 @@ impl Run {
             return Err(e);
         }
         for (part, request) in spec.requests.into_iter().enumerate() {
-            run.parts[part].prompt_len = request.prompt.len();
+            run.parts[part].prompt_len =
+                request.prompt.len() + request.encoder_prompt.as_ref().map_or(0, Vec::len);
             let text = run
                 .state
                 .text
@@ -339,6 +363,12 @@ impl Run {
             };
             let deltas = match event {
                 Event::Tokens { part, tokens } => self.tokens(part, tokens),
+                Event::Pooled { part, state } => {
+                    if let Some(slot) = self.pooled.get_mut(part) {
+                        *slot = Some(state);
+                    }
+                    Vec::new()
+                }
                 Event::Finished { part, reasons } => self.finished(part, &reasons),
                 Event::Aborted { why } => return Err(why),
                 Event::Accepted | Event::Rejected { .. } => Vec::new(),
@@ -449,7 +479,36 @@ impl Run {
             (Endpoint::Completion, _) => ("text_completion", format!("cmpl-{}", self.id)),
             (Endpoint::Chat, false) => ("chat.completion", format!("chatcmpl-{}", self.id)),
             (Endpoint::Chat, true) => ("chat.completion.chunk", format!("chatcmpl-{}", self.id)),
+            (Endpoint::Embeddings, _) => ("list", format!("embd-{}", self.id)),
         }
+    }
+
+    /// The embeddings answer: every input's pooled output, as `format` writes it.
+    async fn embeddings(mut self, format: EncodingFormat) -> Result<Response, ApiError> {
+        while self.next().await?.is_some() {}
+        let mut data = Vec::with_capacity(self.pooled.len());
+        for (index, state) in self.pooled.iter().enumerate() {
+            let state = state.as_ref().ok_or_else(|| {
+                ApiError::status(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("the engine finished input {index} without its embedding"),
+                )
+            })?;
+            let embedding = match format {
+                EncodingFormat::Float => json!(state),
+                EncodingFormat::Base64 => {
+                    use base64::Engine as _;
+                    let bytes: Vec<u8> = state.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+                }
+            };
+            data.push(json!({"object": "embedding", "index": index, "embedding": embedding}));
+        }
+        let prompt: usize = self.parts.iter().map(|p| p.prompt_len).sum();
+        Ok(json_response(json!({
+            "object": "list", "data": data, "model": self.state.config.model_name,
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+        })))
     }
 
     /// The whole answer at once.
@@ -467,7 +526,7 @@ impl Run {
             .enumerate()
             .map(|(index, (c, text))| {
                 let mut choice = match self.endpoint {
-                    Endpoint::Completion => json!({
+                    Endpoint::Completion | Endpoint::Embeddings => json!({
                         "index": index, "text": text, "logprobs": null,
                         "finish_reason": c.finish,
                     }),
@@ -508,8 +567,9 @@ impl Run {
     fn stream_chunks(&mut self, deltas: Vec<Delta>) -> String {
         let mut out = String::new();
         for d in deltas {
+            // (Embeddings never stream.)
             let mut choice = match self.endpoint {
-                Endpoint::Completion => json!({
+                Endpoint::Completion | Endpoint::Embeddings => json!({
                     "index": d.index, "text": d.text, "logprobs": null, "finish_reason": d.finish,
                 }),
                 Endpoint::Chat => {

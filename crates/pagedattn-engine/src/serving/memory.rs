@@ -42,6 +42,9 @@ impl KvCacheMemory {
     }
 }
 
+/// The pool of a model that caches no attention (an encoder-only model): a few blocks.
+pub const CACHELESS_BLOCKS: usize = 16;
+
 /// A KV pool's size, and what it was sized from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvPoolSize {
@@ -105,7 +108,13 @@ pub fn kv_pool_size(
             budget
         }
     };
-    let blocks = usize::try_from(budget / bytes_per_block).unwrap_or(usize::MAX);
+    // A model without a cached attention (encoder-only) keeps nothing in the pool: its
+    // blocks are bookkeeping that no request takes, not the budget's bytes a byte each.
+    let cacheless = !model.layers().iter().any(|c| c.attn_type().uses_cache());
+    let blocks = match cacheless {
+        true => CACHELESS_BLOCKS,
+        false => usize::try_from(budget / bytes_per_block).unwrap_or(usize::MAX),
+    };
     if blocks == 0 {
         return Err(Error::Model(format!(
             "a KV cache of {budget} bytes: expected at least one block ({bytes_per_block} \

@@ -50,6 +50,25 @@ fn a_budget_holds_whole_blocks_of_every_cached_layer() {
     }
 }
 
+/// An encoder-only model caches nothing: whatever the budget, its pool is a few blocks of
+/// bookkeeping (4 GiB of 1-byte "blocks" once made the scheduler refuse 2^32 blocks).
+#[test]
+fn a_model_without_a_cache_gets_a_nominal_pool() {
+    let backend = registry::backend("cpu").unwrap();
+    let model = small(ModelKind::EncoderOnly).build_model().unwrap();
+    for budget in [
+        KvCacheMemory::Bytes(1),
+        KvCacheMemory::Bytes(4 << 30),
+        KvCacheMemory::Utilization(0.9),
+    ] {
+        let pool = kv_pool_size(backend.as_ref(), model.as_ref(), 16, budget).unwrap();
+        assert_eq!(
+            pool.blocks,
+            pagedattn_engine::serving::memory::CACHELESS_BLOCKS
+        );
+    }
+}
+
 #[test]
 fn a_share_of_the_host_counts_what_is_in_use() {
     let backend = registry::backend("cpu").unwrap();

@@ -12,8 +12,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use pagedattn::{registry, AttentionConfig, DType};
 use pagedattn_engine::models::chat::ChatTemplate;
+use pagedattn_engine::models::families;
 use pagedattn_engine::models::gguf::Gguf;
 use pagedattn_engine::models::gguf_writer::{tiny_llama, TinyLlama};
+use pagedattn_engine::models::hf::HfFolder;
 use pagedattn_engine::models::llama::Llama;
 use pagedattn_engine::models::ops::Precision;
 use pagedattn_engine::models::synthetic::SyntheticConfig;
@@ -140,6 +142,15 @@ pub enum TestModel {
     Panicking,
     /// The tiny Llama with its tokenizer and chat template.
     Text,
+    /// A Hugging Face family's folder of tests/hf-models (`llama`, `bert`, `bart`, ...).
+    Folder(&'static str),
+}
+
+/// The folder of tests/hf-models named `family`.
+pub fn hf_folder(family: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/hf-models")
+        .join(family)
 }
 
 /// A server on 127.0.0.1 port 0 and a client for it; shut down and checked when dropped
@@ -155,7 +166,19 @@ pub fn start(config: ServerConfig, engine: EngineConfig, model: TestModel) -> Te
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let server = Server::start(listener, config, move || {
         let backend = registry::backend("cpu")?;
+        let mut decoder_start = None;
         let (model, text) = match model {
+            TestModel::Folder(family) => {
+                let dir = hf_folder(family);
+                let folder = HfFolder::open(&dir)?;
+                decoder_start = folder
+                    .config_usize_opt("decoder_start_token_id")?
+                    .map(|t| t as u32);
+                let tokenizer = Tokenizer::from_hf_folder(&dir)?;
+                let template = ChatTemplate::from_hf_folder(&dir, &tokenizer)?;
+                let model = families::from_hf(&folder, Precision::Exact)?.into_model();
+                (model, Some((tokenizer, template)))
+            }
             TestModel::Text => {
                 let (model, tokenizer, template) = tiny_text_model();
                 (model, Some((tokenizer, template)))
@@ -176,6 +199,7 @@ pub fn start(config: ServerConfig, engine: EngineConfig, model: TestModel) -> Te
             ),
         };
         Ok(EngineParts {
+            decoder_start,
             backend,
             model,
             config: engine,

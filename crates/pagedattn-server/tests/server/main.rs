@@ -4,4 +4,5 @@ mod common;
 
 mod api;
 mod concurrency;
+mod families;
 mod lifecycle;
