@@ -22,7 +22,11 @@ Usage, from the repository root after `cargo build --release -p pagedattn-cli` (
 tools/golden-requirements.txt, as for tools/hf-goldens.py):
 
     .venv/bin/python tools/hf-fresh-check.py [--bin target/release/pagedattn] [--keep DIR]
-        [--smollm2 models/SmolLM2-135M-Instruct.Q4_1.gguf]
+        [--smollm2 models/SmolLM2-135M-Instruct.Q4_1.gguf] [--backend cuda] [--only llama,bert]
+
+`--backend cuda` puts pagedattn's attention on the GPU (a GPU machine with torch and
+transformers; the models compute on the host in f32 there too, or on the GPU model in bf16 for
+Llama's blocks unless `--model-on host`: the script passes `--model-on host` with cuda).
 
 Exits 1 on any disagreement; prints one line per check.
 """
@@ -56,8 +60,9 @@ PROMPTS = [
 
 def config(family: str):
     """A config shaped unlike the tests' (and like the real family)."""
+    # (Heads of 32 or more: the CUDA backend's sizes, so that --backend cuda checks too.)
     causal = dict(vocab_size=512, hidden_size=96, num_hidden_layers=3, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=16, intermediate_size=160,
+                  num_key_value_heads=2, head_dim=32, intermediate_size=160,
                   max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=50000.0,
                   bos_token_id=0, eos_token_id=1, pad_token_id=2, initializer_range=0.12)
     if family == "llama":
@@ -72,16 +77,16 @@ def config(family: str):
                                          final_logit_softcapping=3.0,
                                          hidden_activation="gelu_pytorch_tanh")
     if family == "bloom":
-        return transformers.BloomConfig(vocab_size=512, hidden_size=80, n_layer=3, n_head=10,
+        return transformers.BloomConfig(vocab_size=512, hidden_size=160, n_layer=3, n_head=5,
                                         bos_token_id=0, eos_token_id=1, pad_token_id=2,
                                         initializer_range=0.12)
     if family == "bert":
         return transformers.BertConfig(vocab_size=512, hidden_size=96, num_hidden_layers=3,
-                                       num_attention_heads=6, intermediate_size=160,
+                                       num_attention_heads=3, intermediate_size=160,
                                        max_position_embeddings=96, initializer_range=0.12)
     if family == "bart":
         return transformers.BartConfig(vocab_size=512, d_model=96, encoder_layers=3, decoder_layers=2,
-                                       encoder_attention_heads=6, decoder_attention_heads=6,
+                                       encoder_attention_heads=3, decoder_attention_heads=3,
                                        encoder_ffn_dim=160, decoder_ffn_dim=192,
                                        max_position_embeddings=96, bos_token_id=0, eos_token_id=1,
                                        pad_token_id=2, decoder_start_token_id=1,
@@ -112,10 +117,14 @@ def build(family: str, folder: Path):
     return cls, len(shards)
 
 
+BACKEND = "cpu"
+
+
 def pagedattn(binary: str, folder: Path, prompt: str) -> dict:
     out = subprocess.run(
-        [binary, "run", "--backend", "cpu", "--model", str(folder), "--prompt", prompt,
-         "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json"],
+        [binary, "run", "--backend", BACKEND, "--model", str(folder), "--prompt", prompt,
+         "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json"]
+        + (["--model-on", "host"] if BACKEND != "cpu" else []),
         capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"pagedattn run --model {folder}: {out.stderr.strip()}")
@@ -197,7 +206,10 @@ def main() -> int:
     parser.add_argument("--keep", help="build the folders here and keep them")
     parser.add_argument("--smollm2", help="SmolLM2's GGUF: check it as a Hugging Face folder too")
     parser.add_argument("--only", help="comma-separated families")
+    parser.add_argument("--backend", default="cpu", help="pagedattn's attention backend (cpu, cuda)")
     args = parser.parse_args()
+    global BACKEND
+    BACKEND = args.backend
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="pagedattn-hf-"))
     root.mkdir(parents=True, exist_ok=True)
