@@ -32,13 +32,15 @@
 #                                  GPU tests among them).
 #   tools/gpu-suite.sh tests [all] the same without the sanitizers; `sanitizers`: only them
 #                                  (the two halves fit separate device calls of 10 minutes);
-#                                  `python`: only the Python package's tests.
+#                                  `python`: only the Python package's tests; `engine`: only
+#                                  the engine's part (its workloads, golden, gpu_model, hf;
+#                                  needs gpu-bin/pagedattn and gpu-bin/test-engine_tests).
 #
 # The tests that need a GPU are `#[ignore]`d (`cargo test` without one lists them as ignored,
 # and they fail saying why where no GPU is usable): `run` passes `--include-ignored` to every
 # test executable, so that they run with the others.
 #
-# `run` writes each part's full log to $OUT/ (else /tmp/pagedattn-gpu-suite/): at most 8
+# `run` writes each part's full log to $OUT/ (else /tmp/pagedattn-gpu-suite/): at most 9
 # files (each sanitizer's log holds the three binaries' runs; the other test executables share
 # other-tests.log). It prints one summary line per part last and exits non-zero if any part
 # failed. A test left ignored, or an NVRTC test that skips (no libnvrtc), fails its part: this
@@ -138,6 +140,49 @@ test_verdict() {
     fi
 }
 
+# The engine's part (run, tests, or alone as `engine`): its log is engine.log.
+engine_tests() {
+    # The engine on cuda: every built-in workload of the synthetic model with every attention
+    # call recomputed by `reference` (the decoder's on the GPU model, and once on the host
+    # model) and of every Hugging Face family's folder, then SmolLM2's greedy tokens against
+    # transformers' and its bf16 GPU model against f32 (the GGUF at PAGEDATTN_SMOLLM2,
+    # default models/; its absence fails the part), and every family's logits and greedy
+    # tokens against transformers' goldens with attention on the GPU (`hf`). The output
+    # goes to engine.log.
+    local workload served=0 refused=0 part_log status verdict log="$out/engine.log"
+    # The Hugging Face families' folders (tests/hf-models) each serve their kind's workload.
+    for workload in chat long-context shared-prefix encoder encoder-decoder "chat --model-on host" \
+        "chat --model tests/hf-models/llama" "chat --model tests/hf-models/mistral" \
+        "chat --model tests/hf-models/qwen2" "chat --model tests/hf-models/gemma2" \
+        "chat --model tests/hf-models/bloom" "encoder --model tests/hf-models/bert" \
+        "encoder-decoder --model tests/hf-models/bart"; do
+        echo "==== pagedattn run --backend cuda --workload $workload --verify" >>"$log"
+        # (word splitting on purpose: the last entry carries an option)
+        # shellcheck disable=SC2086
+        if timeout "$TIMEOUT" "$BIN/pagedattn" run --backend cuda --workload $workload \
+            --requests 8 --max-new-tokens 16 --verify >>"$log" 2>&1; then
+            served=$((served + 1))
+        else
+            refused=$((refused + 1))
+        fi
+    done
+    if [ "$refused" = 0 ]; then
+        record "engine workloads" PASS "$served workloads served on cuda, every attention call verified"
+    else
+        record "engine workloads" FAIL "$served served, $refused failed"
+    fi
+    for part in golden gpu_model hf; do
+        part_log=$(mktemp)
+        PAGEDATTN_REQUIRE_MODEL=1 PAGEDATTN_SMOLLM2=${PAGEDATTN_SMOLLM2:-models/SmolLM2-135M-Instruct.Q4_1.gguf} \
+            timeout "$TIMEOUT" "$BIN/test-engine_tests" "$part::" --include-ignored --nocapture --test-threads=1 >"$part_log" 2>&1
+        status=$?
+        verdict=$(test_verdict "$part_log" "$status")
+        record "engine $part" "${verdict%%|*}" "${verdict#*|}"
+        { echo "==== $part: exit status $status"; cat "$part_log"; } >>"$log"
+        rm -f "$part_log"
+    done
+}
+
 # run PARTS [all]: PARTS is everything, tests (no sanitizers) or sanitizers.
 run() {
     parts=$1
@@ -145,8 +190,9 @@ run() {
     out=${OUT:-/tmp/pagedattn-gpu-suite}
     TIMEOUT=${GPU_SUITE_TIMEOUT:-400}
     mkdir -p "$out"
-    local exe
-    for exe in test-cuda test-cuda_attention test-cuda_graph pagedattn; do
+    local exe needed="test-cuda test-cuda_attention test-cuda_graph pagedattn"
+    [ "$parts" = engine ] && needed="pagedattn test-engine_tests"
+    for exe in $needed; do
         [ -x "$BIN/$exe" ] || {
             echo "gpu-suite run: $BIN/$exe not found: run 'tools/gpu-suite.sh build' first and carry $BIN" >&2
             exit 2
@@ -163,6 +209,10 @@ run() {
     fi
     if [ "$parts" = python ]; then
         python_tests
+        finish
+    fi
+    if [ "$parts" = engine ]; then
+        engine_tests
         finish
     fi
 
@@ -237,45 +287,7 @@ run() {
         record "replay cases" FAIL "$ok pass, $refused refused as unsupported, $failed failed"
     fi
 
-    # The engine on cuda: every built-in workload of the synthetic model with every attention
-    # call recomputed by `reference` (the decoder's on the GPU model, and once on the host
-    # model) and of every Hugging Face family's folder, then SmolLM2's greedy tokens against
-    # transformers' and its bf16 GPU model against f32 (the GGUF at PAGEDATTN_SMOLLM2,
-    # default models/; its absence fails the part), and every family's logits and greedy
-    # tokens against transformers' goldens with attention on the GPU (`hf`). The output
-    # joins info.log.
-    local workload served=0 refused=0 part_log
-    # The Hugging Face families' folders (tests/hf-models) each serve their kind's workload.
-    for workload in chat long-context shared-prefix encoder encoder-decoder "chat --model-on host" \
-        "chat --model tests/hf-models/llama" "chat --model tests/hf-models/mistral" \
-        "chat --model tests/hf-models/qwen2" "chat --model tests/hf-models/gemma2" \
-        "chat --model tests/hf-models/bloom" "encoder --model tests/hf-models/bert" \
-        "encoder-decoder --model tests/hf-models/bart"; do
-        echo "==== pagedattn run --backend cuda --workload $workload --verify" >>"$log"
-        # (word splitting on purpose: the last entry carries an option)
-        # shellcheck disable=SC2086
-        if timeout "$TIMEOUT" "$BIN/pagedattn" run --backend cuda --workload $workload \
-            --requests 8 --max-new-tokens 16 --verify >>"$log" 2>&1; then
-            served=$((served + 1))
-        else
-            refused=$((refused + 1))
-        fi
-    done
-    if [ "$refused" = 0 ]; then
-        record "engine workloads" PASS "$served workloads served on cuda, every attention call verified"
-    else
-        record "engine workloads" FAIL "$served served, $refused failed"
-    fi
-    for part in golden gpu_model hf; do
-        part_log=$(mktemp)
-        PAGEDATTN_REQUIRE_MODEL=1 PAGEDATTN_SMOLLM2=${PAGEDATTN_SMOLLM2:-models/SmolLM2-135M-Instruct.Q4_1.gguf} \
-            timeout "$TIMEOUT" "$BIN/test-engine_tests" "$part::" --include-ignored --nocapture --test-threads=1 >"$part_log" 2>&1
-        status=$?
-        verdict=$(test_verdict "$part_log" "$status")
-        record "engine $part" "${verdict%%|*}" "${verdict#*|}"
-        { echo "==== $part: exit status $status"; cat "$part_log"; } >>"$log"
-        rm -f "$part_log"
-    done
+    engine_tests
 
     python_tests
 
@@ -399,8 +411,9 @@ run) run everything "${2:-}" ;;
 tests) run tests "${2:-}" ;;
 sanitizers) run sanitizers ;;
 python) run python ;;
+engine) run engine ;;
 *)
-    echo "usage: tools/gpu-suite.sh build [all] | run [all] | tests [all] | sanitizers | python" >&2
+    echo "usage: tools/gpu-suite.sh build [all] | run [all] | tests [all] | sanitizers | python | engine" >&2
     exit 2
     ;;
 esac

@@ -71,6 +71,16 @@ pub fn model_types() -> impl Iterator<Item = &'static str> {
 /// the error names the file and the field or tensor.
 pub fn from_hf(folder: &HfFolder, precision: Precision) -> Result<HfModel> {
     let model_type = folder.model_type()?;
+    if let Some(q) = folder.config("quantization_config") {
+        let method = q.get("quant_method").and_then(serde_json::Value::as_str);
+        return Err(folder.config_error(
+            "quantization_config",
+            &format!(
+                "none: quantized checkpoints ({}) are not read (a GGUF file is)",
+                method.unwrap_or("a quantization")
+            ),
+        ));
+    }
     match FAMILIES.iter().find(|(name, _)| *name == model_type) {
         Some((_, load)) => load(&Reader { folder, precision }),
         None => {
