@@ -2,7 +2,7 @@
 """`pagedattn run --model DIR` on Hugging Face checkpoints the tests never saw, against
 transformers on the same folders.
 
-For each family (llama, qwen2, mistral, gemma2, bloom, bert, bart) this builds, with
+For each family (llama, qwen2, mistral, gemma2, bloom, opt, bert, bart) this builds, with
 transformers itself, a random-weight checkpoint shaped unlike tests/hf-models' (other widths,
 head counts, layer counts, windows and caps; a seed of its own), saved as transformers saves
 big models — in bf16 for the decoders and sharded into several `*.safetensors` files with an
@@ -80,6 +80,12 @@ def config(family: str):
         return transformers.BloomConfig(vocab_size=512, hidden_size=160, n_layer=3, n_head=5,
                                         bos_token_id=0, eos_token_id=1, pad_token_id=2,
                                         initializer_range=0.12)
+    if family == "opt":
+        return transformers.OPTConfig(vocab_size=512, hidden_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, ffn_dim=224,
+                                      max_position_embeddings=96, activation_function="relu",
+                                      bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                                      init_std=0.12)
     if family == "bert":
         return transformers.BertConfig(vocab_size=512, hidden_size=96, num_hidden_layers=3,
                                        num_attention_heads=3, intermediate_size=160,
@@ -213,7 +219,7 @@ def main() -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="pagedattn-hf-"))
     root.mkdir(parents=True, exist_ok=True)
-    families = args.only.split(",") if args.only else ["llama", "qwen2", "mistral", "gemma2", "bloom", "bert", "bart"]
+    families = args.only.split(",") if args.only else ["llama", "qwen2", "mistral", "gemma2", "bloom", "opt", "bert", "bart"]
     problems = []
     try:
         for family in families:

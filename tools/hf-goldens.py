@@ -2,7 +2,7 @@
 """Tiny random-weight Hugging Face checkpoints and their goldens, made by transformers itself.
 
 Groundwork for issue 44 (model families verified against transformers). For each family
-(llama, qwen2, mistral, gemma2, bloom, bert, bart) this script:
+(llama, qwen2, mistral, gemma2, bloom, opt, bert, bart) this script:
   - trains a tiny deterministic tokenizer on the English text below (byte-level BPE for the
     generative families, BERT WordPiece for bert) and saves it with transformers'
     PreTrainedTokenizerFast.save_pretrained (tokenizer.json + tokenizer_config.json);
@@ -115,7 +115,8 @@ BOS, EOS, PAD, UNK = 0, 1, 2, 3
 WP_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 # Seeds fixed per family so a change to one family never moves another's weights.
-SEEDS = {"llama": 4401, "qwen2": 4402, "mistral": 4403, "gemma2": 4404, "bloom": 4405, "bert": 4406, "bart": 4407}
+SEEDS = {"llama": 4401, "qwen2": 4402, "mistral": 4403, "gemma2": 4404, "bloom": 4405, "bert": 4406, "bart": 4407,
+         "opt": 4408}
 
 # Random init with transformers' default initializer_range (0.02) gives logits so flat that
 # nearly every greedy step is a near tie and Gemma-2's soft caps never bite. A wider init keeps
@@ -298,6 +299,26 @@ def make_config(family: str):
             pad_token_id=PAD,
             initializer_range=INIT_RANGE,
         )
+    if family == "opt":
+        # As every OPT but opt-350m: LayerNorms before the sublayers, the token table as wide
+        # as the hidden state (no project_in/out), ReLU, the head tied. 2 heads of 32.
+        return transformers.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            ffn_dim=128,
+            # (Learned positions, 2 rows more for OPT's offset: kept to what the prompts use.)
+            max_position_embeddings=128,
+            activation_function="relu",
+            do_layer_norm_before=True,
+            word_embed_proj_dim=64,
+            tie_word_embeddings=True,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            init_std=INIT_RANGE,
+        )
     if family == "bert":
         return transformers.BertConfig(
             vocab_size=VOCAB,
@@ -341,11 +362,12 @@ def config_summary(cfg) -> dict:
         "model_type", "architectures", "vocab_size", "hidden_size", "d_model", "num_hidden_layers",
         "n_layer", "encoder_layers", "decoder_layers", "num_attention_heads", "n_head",
         "encoder_attention_heads", "decoder_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings",
+        "intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings",
         "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_parameters", "rope_theta",
         "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
         "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
         "hidden_act", "hidden_activation", "activation_function", "tie_word_embeddings",
+        "do_layer_norm_before", "word_embed_proj_dim", "enable_bias",
         "scale_embedding", "type_vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
         "decoder_start_token_id", "initializer_range", "init_std",
     ]
@@ -589,6 +611,7 @@ LOADERS = {
     "mistral": AutoModelForCausalLM,
     "gemma2": AutoModelForCausalLM,
     "bloom": AutoModelForCausalLM,
+    "opt": AutoModelForCausalLM,
     "bert": AutoModel,
     "bart": AutoModelForSeq2SeqLM,
 }

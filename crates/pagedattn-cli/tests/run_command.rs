@@ -655,7 +655,7 @@ fn hostile_traces_and_flags_are_one_line_errors_or_runs() {
 fn every_hugging_face_family_runs_from_its_folder() {
     let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models");
     for family in [
-        "llama", "qwen2", "mistral", "gemma2", "bloom", "bart", "bert",
+        "llama", "qwen2", "mistral", "gemma2", "bloom", "opt", "bart", "bert",
     ] {
         let dir = models.join(family);
         let golden: serde_json::Value =

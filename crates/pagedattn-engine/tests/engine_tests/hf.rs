@@ -18,8 +18,8 @@ fn models() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models")
 }
 
-const FAMILIES: [&str; 7] = [
-    "llama", "qwen2", "mistral", "gemma2", "bloom", "bert", "bart",
+const FAMILIES: [&str; 8] = [
+    "llama", "qwen2", "mistral", "gemma2", "bloom", "opt", "bert", "bart",
 ];
 
 #[test]
@@ -45,6 +45,10 @@ fn every_family_folder_opens_and_every_tensor_reads() {
             "bart" => (
                 "model.shared.weight",
                 folder.config_usize("d_model").unwrap(),
+            ),
+            "opt" => (
+                "model.decoder.embed_tokens.weight",
+                folder.config_usize("hidden_size").unwrap(),
             ),
             _ => (
                 "model.embed_tokens.weight",
@@ -266,7 +270,8 @@ fn prompt_ids(golden: &serde_json::Value, text: &serde_json::Value) -> Vec<u32> 
 
 /// Every decoder family from its folder: Llama, Mistral (its window of 16 crossed by the
 /// longer prompts), Qwen2 (q/k/v biases), Gemma-2 (local/global layers, both soft caps
-/// biting) and BLOOM (ALiBi over 6 heads, LayerNorms, the fused qkv): the logits of every
+/// biting), BLOOM (ALiBi over 3 heads, LayerNorms, the fused qkv) and OPT (learned positions
+/// from row 2, LayerNorms, biases, ReLU): the logits of every
 /// position of the golden prompt within 1e-4 of each row's standard deviation of
 /// transformers', and the engine's greedy tokens equal to transformers' up to the first near
 /// tie.
@@ -278,7 +283,7 @@ fn every_decoder_family_computes_what_transformers_computes() {
 /// [`every_decoder_family_computes_what_transformers_computes`] with `backend`'s attention.
 fn decoders_compute_what_transformers_computes(backend_name: &str) {
     let backend = pagedattn::registry::backend(backend_name).unwrap();
-    for family in ["llama", "mistral", "qwen2", "gemma2", "bloom"] {
+    for family in ["llama", "mistral", "qwen2", "gemma2", "bloom", "opt"] {
         let golden = golden(family);
         let HfModel::Decoder(mut model) = load(family) else {
             panic!("{family} is a decoder")
@@ -420,7 +425,9 @@ impl crate::common::ModelSource for Folder {
 /// tokens, against a pool where nothing is preempted.
 #[test]
 fn preemption_changes_no_greedy_token_on_any_family() {
-    for family in ["llama", "qwen2", "mistral", "gemma2", "bloom", "bart"] {
+    for family in [
+        "llama", "qwen2", "mistral", "gemma2", "bloom", "opt", "bart",
+    ] {
         let golden = golden(family);
         let requests: Vec<EngineRequest> = (0..12)
             .map(|i| {

@@ -38,7 +38,9 @@ fn sure_tokens(golden: &Value) -> (&Value, Vec<u64>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_generating_family_completes_as_transformers() {
-    for family in ["llama", "qwen2", "mistral", "gemma2", "bloom", "bart"] {
+    for family in [
+        "llama", "qwen2", "mistral", "gemma2", "bloom", "opt", "bart",
+    ] {
         let golden = golden(family);
         let (entry, want) = sure_tokens(&golden);
         let server = start(

@@ -9,6 +9,7 @@
 //! | `llama`, `mistral`, `qwen2` | [`Llama`] | GQA, RoPE; Mistral's window; Qwen2's q/k/v biases |
 //! | `gemma2` | [`Llama`] | local/global layers, attention and final soft caps |
 //! | `bloom` | [`Llama`] | ALiBi |
+//! | `opt` | [`Llama`] | learned positions (offset 2), no RoPE |
 //! | `bert` | [`EncDec`], encoder-only | bidirectional attention, no cache |
 //! | `bart` | [`EncDec`], encoder-decoder | cross-attention over a cached encoder |
 
@@ -17,6 +18,7 @@ mod bert;
 mod bloom;
 mod gemma2;
 mod llama;
+mod opt;
 
 use crate::models::encdec::EncDec;
 use crate::models::hf::HfFolder;
@@ -48,12 +50,13 @@ impl HfModel {
 type Loader = fn(&Reader<'_>) -> Result<HfModel>;
 
 /// Every `model_type` served, with its family's loader.
-const FAMILIES: [(&str, Loader); 7] = [
+const FAMILIES: [(&str, Loader); 8] = [
     ("llama", llama::load),
     ("mistral", llama::load),
     ("qwen2", llama::load),
     ("gemma2", gemma2::load),
     ("bloom", bloom::load),
+    ("opt", opt::load),
     ("bert", bert::load),
     ("bart", bart::load),
 ];
@@ -157,9 +160,10 @@ impl Reader<'_> {
             Some("silu" | "swish") => Ok(Activation::Silu),
             Some("gelu") => Ok(Activation::Gelu),
             Some("gelu_pytorch_tanh" | "gelu_new" | "gelu_fast") => Ok(Activation::GeluTanh),
+            Some("relu") => Ok(Activation::Relu),
             _ => Err(self
                 .folder
-                .config_error(key, "silu, gelu, gelu_new or gelu_pytorch_tanh")),
+                .config_error(key, "silu, gelu, gelu_new, gelu_pytorch_tanh or relu")),
         }
     }
 

@@ -139,6 +139,8 @@ pub enum Activation {
     GeluTanh,
     /// GELU by `erf`: `0.5 x (1 + erf(x / √2))` (`gelu`, BERT and BART).
     Gelu,
+    /// `max(x, 0)` (`relu`, OPT).
+    Relu,
 }
 
 impl Activation {
@@ -151,6 +153,15 @@ impl Activation {
                 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
             }
             Activation::Gelu => 0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2)),
+            // Not `x.max(0.0)`, which turns a NaN into 0: torch's relu keeps it, and so the
+            // layer check still sees a broken value.
+            Activation::Relu => {
+                if x < 0.0 {
+                    0.0
+                } else {
+                    x
+                }
+            }
         }
     }
 }
