@@ -155,7 +155,7 @@ engine_tests() {
         "chat --model tests/hf-models/llama" "chat --model tests/hf-models/mistral" \
         "chat --model tests/hf-models/qwen2" "chat --model tests/hf-models/gemma2" \
         "chat --model tests/hf-models/bloom" "encoder --model tests/hf-models/bert" \
-        "encoder-decoder --model tests/hf-models/bart"; do
+        "chat --model tests/hf-models/opt" "encoder-decoder --model tests/hf-models/bart"; do
         echo "==== pagedattn run --backend cuda --workload $workload --verify" >>"$log"
         # (word splitting on purpose: the last entry carries an option)
         # shellcheck disable=SC2086

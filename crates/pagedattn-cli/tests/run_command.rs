@@ -215,6 +215,18 @@ fn bad_input_is_one_line_and_exit_code_2() {
     let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models");
     let (llama, bert) = (hf.join("llama"), hf.join("bert"));
     let (llama, bert) = (llama.to_str().unwrap(), bert.to_str().unwrap());
+    // A folder of an architecture not served: llama's files under a T5 config.
+    let t5 = dir.join("t5");
+    std::fs::create_dir_all(&t5).unwrap();
+    for file in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(hf.join("llama").join(file), t5.join(file)).unwrap();
+    }
+    std::fs::write(t5.join("config.json"), r#"{"model_type": "t5"}"#).unwrap();
+    let t5 = t5.to_str().unwrap();
     for (args, says) in [
         (
             &["forward", "--input", "/nonexistent/case.safetensors"][..],
@@ -233,6 +245,10 @@ fn bad_input_is_one_line_and_exit_code_2() {
         (
             &["run", "--workload", "nope"][..],
             "unknown workload `nope`",
+        ),
+        (
+            &["run", "--model", t5][..],
+            "t5/config.json: model_type = \"t5\": expected one of llama, mistral, qwen2, gemma2, bloom, opt, bert, bart",
         ),
         (
             &["run", "--workload", "encoder", "--model", llama][..],

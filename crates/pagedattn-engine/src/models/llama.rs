@@ -4,7 +4,7 @@
 //! projection → residual, then a norm → MLP → residual, and the final norm, the LM head and
 //! an optional soft cap of the logits. Which norms, biases, activation and embedding a model
 //! has is its [`LayerWeights`] and [`InputEmbedding`] ([`crate::models::blocks`]): Llama,
-//! Mistral, Qwen2, Gemma-2 and BLOOM are all this model (the `families` module loads
+//! Mistral, Qwen2, Gemma-2, BLOOM and OPT are all this model (the `families` module loads
 //! them from Hugging Face folders). Weights also come from a GGUF file (Llama) or are drawn
 //! from a seed (the synthetic model).
 

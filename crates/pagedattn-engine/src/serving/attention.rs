@@ -18,7 +18,7 @@ fn moved(t: &Tensor, device: Device) -> Result<Option<Tensor>> {
 
 /// Whether layers of configs `a` and `b` share a plan: the same attention type, heads, head
 /// size, window and cache dtype (they may differ in scale, slopes, soft cap and fp8 scales;
-/// docs/semantics.md, "A step"). Gemma-2's local and global layers do not.
+/// docs/semantics.md, "A step"). Windowed and global layers of one model do not.
 pub(crate) fn same_plan(a: &AttentionConfig, b: &AttentionConfig) -> bool {
     let key = |c: &AttentionConfig| {
         (

@@ -13,6 +13,7 @@ mod gguf;
 mod golden;
 mod gpu_model;
 mod hf;
+mod hf_hostile;
 mod hostile;
 mod layout;
 mod memory;

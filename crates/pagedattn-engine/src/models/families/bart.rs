@@ -93,7 +93,10 @@ pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
             ..InputEmbedding::shared(tokens.clone())
         })
     };
-    let encoder = (0..r.positive("encoder_layers")?)
+    let layer_norm = |part: &'static str| {
+        move |l: usize| format!("model.{part}.layers.{l}.final_layer_norm.weight")
+    };
+    let encoder = (0..r.layers("encoder_layers", layer_norm("encoder"))?)
         .map(|l| {
             layer(
                 r,
@@ -104,7 +107,7 @@ pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
             )
         })
         .collect::<Result<Vec<_>>>()?;
-    let decoder = (0..r.positive("decoder_layers")?)
+    let decoder = (0..r.layers("decoder_layers", layer_norm("decoder"))?)
         .map(|l| {
             let prefix = format!("model.decoder.layers.{l}");
             let [wq, wk, wv, wo] = projections(r, &format!("{prefix}.encoder_attn"), d)?;

@@ -34,7 +34,10 @@ pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
     let eps = r.eps("layer_norm_eps")?;
     let activation = r.activation("hidden_act")?;
     let name = |p: &str| format!("{prefix}{p}");
-    let layers = (0..r.positive("num_hidden_layers")?)
+    let count = r.layers("num_hidden_layers", |l| {
+        name(&format!("encoder.layer.{l}.output.dense.weight"))
+    })?;
+    let layers = (0..count)
         .map(|l| {
             let name = |p: &str| name(&format!("encoder.layer.{l}.{p}"));
             let linear = |p: &str, out: usize, inp: usize| r.linear(&name(p), out, inp);

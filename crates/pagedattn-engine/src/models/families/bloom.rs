@@ -48,7 +48,9 @@ pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
     }
     let s = LlamaShape {
         name: r.name(),
-        layers: r.positive("n_layer")?,
+        layers: r.layers("n_layer", |l| {
+            format!("transformer.h.{l}.mlp.dense_4h_to_h.weight")
+        })?,
         hidden,
         ffn: 4 * hidden,
         heads,

@@ -21,7 +21,6 @@ fn norm(r: &Reader<'_>, name: &str, len: usize, eps: f32) -> Result<Norm> {
 
 /// A Gemma-2 folder.
 pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
-    let f = r.folder;
     let s = shape(r)?;
     let eps = r.eps("rms_norm_eps")?;
     let windows = r.windows(s.layers, false)?;
@@ -47,12 +46,10 @@ pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
     let head = head(r, &s, &embedding, true)?;
     // transformers multiplies by √hidden rounded to the activations' dtype.
     embedding.scale = Some((s.hidden as f64).sqrt() as f32);
-    let scalar = f
-        .config_f64_opt("query_pre_attn_scalar")?
-        .unwrap_or(s.head_size as f64);
-    let attention_cap = f
-        .config_f64_opt("attn_logit_softcapping")?
-        .map(|c| c as f32);
+    let scalar = r
+        .positive_f32("query_pre_attn_scalar")?
+        .map_or(s.head_size as f64, f64::from);
+    let attention_cap = r.positive_f32("attn_logit_softcapping")?;
     let attention = windows
         .iter()
         .map(|&window| {
@@ -66,9 +63,7 @@ pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
         .collect::<pagedattn::Result<Vec<_>>>()?;
     let rope = Rope::new(s.head_size, r.rope_theta()?, RopeStyle::Neox)?;
     let out_norm = norm(r, "model.norm", s.hidden, eps)?;
-    let final_cap = f
-        .config_f64_opt("final_logit_softcapping")?
-        .map(|c| c as f32);
+    let final_cap = r.positive_f32("final_logit_softcapping")?;
     Ok(HfModel::Decoder(
         Llama::new(
             s,

@@ -18,7 +18,9 @@ pub(super) fn shape(r: &Reader<'_>) -> Result<LlamaShape> {
     let kv_heads = f.config_usize_opt("num_key_value_heads")?.unwrap_or(heads);
     Ok(LlamaShape {
         name: r.name(),
-        layers: r.positive("num_hidden_layers")?,
+        layers: r.layers("num_hidden_layers", |l| {
+            format!("model.layers.{l}.self_attn.o_proj.weight")
+        })?,
         hidden,
         ffn: r.positive("intermediate_size")?,
         heads,

@@ -149,9 +149,40 @@ impl Reader<'_> {
         }
     }
 
-    /// The epsilon of config field `key`.
+    /// The layer count of config field `key`, checked against the weights: the folder must
+    /// hold `tensor_of(count - 1)` (a count from the config alone sizes the model's tables
+    /// before any tensor is read: 2^31 layers once asked for 32 GiB).
+    pub(crate) fn layers(&self, key: &str, tensor_of: impl Fn(usize) -> String) -> Result<usize> {
+        let n = self.positive(key)?;
+        let last = tensor_of(n - 1);
+        if n > self.folder.tensor_names().count() || !self.folder.has(&last) {
+            return Err(self.folder.config_error(
+                key,
+                &format!("the layers the weights hold (no tensor `{last}`)"),
+            ));
+        }
+        Ok(n)
+    }
+
+    /// The epsilon of config field `key`: finite and at least 0 (as an f32).
     pub(crate) fn eps(&self, key: &str) -> Result<f32> {
-        Ok(self.folder.config_f64(key)? as f32)
+        let eps = self.folder.config_f64(key)? as f32;
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(self
+                .folder
+                .config_error(key, "a finite number of at least 0"));
+        }
+        Ok(eps)
+    }
+
+    /// Config field `key` if given (a soft cap, a scalar): finite and above 0 (as an f32).
+    pub(crate) fn positive_f32(&self, key: &str) -> Result<Option<f32>> {
+        match self.folder.config_f64_opt(key)? {
+            Some(v) if !(v as f32 > 0.0 && (v as f32).is_finite()) => {
+                Err(self.folder.config_error(key, "a finite number above 0"))
+            }
+            v => Ok(v.map(|v| v as f32)),
+        }
     }
 
     /// The activation named by config field `key` (transformers' `ACT2FN` names).
@@ -204,7 +235,14 @@ impl Reader<'_> {
         layers: usize,
         all_without_types: bool,
     ) -> Result<Vec<Option<usize>>> {
-        let window = self.folder.config_usize_opt("sliding_window")?;
+        let window = match self.folder.config_usize_opt("sliding_window")? {
+            Some(0) => {
+                return Err(self
+                    .folder
+                    .config_error("sliding_window", "a positive number"))
+            }
+            w => w,
+        };
         let Some(types) = self.folder.config("layer_types") else {
             return Ok(vec![window.filter(|_| all_without_types); layers]);
         };
@@ -250,9 +288,16 @@ impl Reader<'_> {
             Some(v) => v.as_f64(),
             None => self.folder.config_f64_opt("rope_theta")?.or(Some(10_000.0)),
         };
-        theta.map(|t| t as f32).ok_or_else(|| {
-            self.folder
-                .config_error("rope_parameters", "a number rope_theta")
-        })
+        theta
+            .map(|t| t as f32)
+            .filter(|t| t.is_finite() && *t > 0.0)
+            .ok_or_else(|| {
+                let key = match rope {
+                    Some(_) => "rope_parameters",
+                    None => "rope_theta",
+                };
+                self.folder
+                    .config_error(key, "a rope_theta: a finite number above 0")
+            })
     }
 }

@@ -77,7 +77,9 @@ pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
     let positions = r.positive("max_position_embeddings")?;
     let s = LlamaShape {
         name: r.name(),
-        layers: r.positive("num_hidden_layers")?,
+        layers: r.layers("num_hidden_layers", |l| {
+            format!("model.decoder.layers.{l}.fc2.weight")
+        })?,
         hidden,
         ffn: r.positive("ffn_dim")?,
         heads,
