@@ -110,20 +110,11 @@ pub fn encoder_decoder_logits(
         with(SequenceDesc::prompt(0, dense_len, &[]), None),
     )?;
     let cross = first_of(AttnType::EncoderDecoder);
-    let cross_read = plan(
-        cross,
-        with(
-            decoder_desc,
-            Some((false, encoder_tokens.len(), &cross_table)),
-        ),
-    )?;
-    let cross_write = plan(
-        cross,
-        with(
-            decoder_desc,
-            Some((true, encoder_tokens.len(), &cross_table)),
-        ),
-    )?;
+    let cross_plan = |written| {
+        let cross_step = Some((written, encoder_tokens.len(), cross_table.as_slice()));
+        plan(cross, with(decoder_desc, cross_step))
+    };
+    let (cross_read, cross_write) = (cross_plan(false)?, cross_plan(true)?);
     let mut workspace = Workspace::empty(backend.device());
     let decoder_plans = decoder.iter().map(|(_, p)| p);
     for p in [&dense, &cross_read, &cross_write]
@@ -149,54 +140,26 @@ pub fn encoder_decoder_logits(
         &mut |layer, q, k, v, out| {
             let (attention, cache) = (attention[layer].as_ref(), caches[layer].as_mut());
             let config = &layers[layer];
-            match config.attn_type() {
+            // Self-attention reads this step's keys and values (and a decoder's cache);
+            // cross-attention writes the encoder's into the cross cache, then reads it.
+            let (plan, kv, cache) = match config.attn_type() {
                 AttnType::Decoder => {
                     let plan = decoder
                         .iter()
                         .find(|(first, _)| same_plan(&layers[*first], config))
-                        .map(|(_, p)| p)
-                        .ok_or_else(missing)?;
-                    run_attention(
-                        backend,
-                        attention,
-                        plan,
-                        &mut workspace,
-                        q,
-                        Some((k, v)),
-                        cache,
-                        out,
-                    )
+                        .map(|(_, p)| p);
+                    (plan, Some((k, v)), cache)
                 }
-                AttnType::Encoder | AttnType::EncoderOnly => {
-                    let plan = dense.as_ref().ok_or_else(missing)?;
-                    run_attention(
-                        backend,
-                        attention,
-                        plan,
-                        &mut workspace,
-                        q,
-                        Some((k, v)),
-                        None,
-                        out,
-                    )
-                }
+                AttnType::Encoder | AttnType::EncoderOnly => (dense.as_ref(), Some((k, v)), None),
                 AttnType::EncoderDecoder => {
                     let cache = cache.ok_or_else(missing)?;
                     let write = cross_write.as_ref().ok_or_else(missing)?;
                     write_kv(backend, attention, write, k, v, cache)?;
-                    let read = cross_read.as_ref().ok_or_else(missing)?;
-                    run_attention(
-                        backend,
-                        attention,
-                        read,
-                        &mut workspace,
-                        q,
-                        None,
-                        Some(cache),
-                        out,
-                    )
+                    (cross_read.as_ref(), None, Some(cache))
                 }
-            }
+            };
+            let plan = plan.ok_or_else(missing)?;
+            run_attention(backend, attention, plan, &mut workspace, q, kv, cache, out)
         },
         &mut logits,
     )?;

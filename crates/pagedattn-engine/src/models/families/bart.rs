@@ -60,11 +60,11 @@ fn layer(
 pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
     let f = r.folder;
     let d = r.positive("d_model")?;
-    let heads = r.positive("encoder_attention_heads")?;
-    if r.positive("decoder_attention_heads")? != heads || d % heads != 0 {
+    let heads = r.heads("encoder_attention_heads", d, "d_model")?;
+    if r.positive("decoder_attention_heads")? != heads {
         return Err(f.config_error(
             "decoder_attention_heads",
-            &format!("encoder_attention_heads ({heads}), a divisor of d_model {d}"),
+            &format!("encoder_attention_heads ({heads})"),
         ));
     }
     let vocab = r.positive("vocab_size")?;

@@ -21,13 +21,7 @@ pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
         ""
     };
     let hidden = r.positive("hidden_size")?;
-    let heads = r.positive("num_attention_heads")?;
-    if hidden % heads != 0 {
-        return Err(f.config_error(
-            "num_attention_heads",
-            &format!("a divisor of hidden_size {hidden}"),
-        ));
-    }
+    let heads = r.heads("num_attention_heads", hidden, "hidden_size")?;
     let ffn = r.positive("intermediate_size")?;
     let vocab = r.positive("vocab_size")?;
     let positions = r.positive("max_position_embeddings")?;

@@ -32,14 +32,11 @@ fn split_qkv(r: &Reader<'_>, name: &str, s: &LlamaShape) -> Result<[Linear; 3]> 
 /// A BLOOM folder.
 pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
     let f = r.folder;
-    let hidden = match f.config_usize_opt("hidden_size")? {
-        Some(h) => h,
+    let hidden = match f.config("hidden_size") {
+        Some(_) => r.positive("hidden_size")?,
         None => r.positive("n_embed")?,
     };
-    let heads = r.positive("n_head")?;
-    if hidden % heads != 0 {
-        return Err(f.config_error("n_head", &format!("a divisor of hidden_size {hidden}")));
-    }
+    let heads = r.heads("n_head", hidden, "hidden_size")?;
     if f.config_bool("apply_residual_connection_post_layernorm", false)? {
         return Err(Error::Model(format!(
             "{}: apply_residual_connection_post_layernorm = true is not supported",

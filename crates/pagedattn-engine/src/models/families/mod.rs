@@ -149,6 +149,18 @@ impl Reader<'_> {
         }
     }
 
+    /// The head count of config field `key`, which must divide `width` (config field
+    /// `width_key`: the heads split it).
+    pub(crate) fn heads(&self, key: &str, width: usize, width_key: &str) -> Result<usize> {
+        let heads = self.positive(key)?;
+        if !width.is_multiple_of(heads) {
+            return Err(self
+                .folder
+                .config_error(key, &format!("a divisor of {width_key} {width}")));
+        }
+        Ok(heads)
+    }
+
     /// The layer count of config field `key`, checked against the weights: the folder must
     /// hold `tensor_of(count - 1)` (a count from the config alone sizes the model's tables
     /// before any tensor is read: 2^31 layers once asked for 32 GiB).

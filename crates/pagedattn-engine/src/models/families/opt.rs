@@ -66,13 +66,7 @@ fn refuse_variants(r: &Reader<'_>, hidden: usize) -> Result<()> {
 pub(super) fn load(r: &Reader<'_>) -> Result<HfModel> {
     let f = r.folder;
     let hidden = r.positive("hidden_size")?;
-    let heads = r.positive("num_attention_heads")?;
-    if hidden % heads != 0 {
-        return Err(f.config_error(
-            "num_attention_heads",
-            &format!("a divisor of hidden_size {hidden}"),
-        ));
-    }
+    let heads = r.heads("num_attention_heads", hidden, "hidden_size")?;
     refuse_variants(r, hidden)?;
     let positions = r.positive("max_position_embeddings")?;
     let s = LlamaShape {
