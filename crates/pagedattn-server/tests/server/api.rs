@@ -482,8 +482,12 @@ async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
         assert_eq!(answer.status.as_u16(), status);
         assert!(answer.json()["error"]["message"].is_string());
     }
-    // Still serving, and nothing leaked (the drop checks the block manager).
+    // Still serving, and nothing leaked (the drop checks the block manager). The engine loop
+    // publishes the metrics after the step whose tokens the answer carries: a loaded machine
+    // may read them before (CI saw 1 block in use).
     let answer = server.post("/v1/completions", &ok).await;
     assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
-    assert_eq!(server.metric("pagedattn:kv_cache_blocks_used").await, 0.0);
+    server
+        .await_metric("pagedattn:kv_cache_blocks_used", 0.0)
+        .await;
 }
