@@ -680,3 +680,107 @@ def test_native_metadata_conversion():
     assert n.seq_lens == [5, 10, 8, 17, 4] and n.context_lens == [0, 6, 7, 16, 3]
     assert n.query_start_loc == batch.qsl
     assert n.max_prefill_seq_len == 10 and n.max_decode_seq_len == 17
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM 0.6's fields and call forms; metadata that contradicts itself
+# ---------------------------------------------------------------------------------------------
+
+
+def vllm_06_fields(batch):
+    """The fields vLLM 0.6's builders add beside the base ones, consistent with ``batch``
+    (docs/design/vllm-interface.md)."""
+    np_ = batch.num_prefills
+    seq_lens = [c + n for c, n in batch.seqs]
+    cum = lambda lens: [sum(lens[:i]) for i in range(len(lens) + 1)]
+    i32 = dict(dtype=torch.int32)
+    prefill_queries = [n for _, n in batch.seqs[:np_]]
+    return dict(
+        seq_start_loc=torch.tensor(cum(seq_lens), **i32),
+        max_decode_query_len=1,
+        is_prompt=len(batch.seqs) == np_,
+        seqlen_q=torch.tensor(cum(prefill_queries), **i32),
+        max_seqlen=max(prefill_queries),
+        chunked_prefill=True,
+        max_kv_len=max(seq_lens[:np_]),
+        kv_start_loc=torch.tensor(cum(seq_lens[:np_]), **i32),
+        prefill_query_start_loc=torch.tensor(cum(prefill_queries), **i32),
+        enable_kv_scales_calculation=False,
+    )
+
+
+def test_vllm_06_fields_are_accepted_and_change_nothing(backend):
+    """Metadata with every field vLLM 0.6's TorchSDPA / xFormers / IPEX builders pass gives the
+    output of the base fields alone; the attention type given per call (0.6's form, a string
+    or 0.6.3's enum member) overrides the construction's."""
+    import enum
+
+    name, dev = backend
+    gen = torch.Generator().manual_seed(5)
+    batch = Batch(MIXED, BS, NB, gen, device=dev)
+    base = batch.metadata()
+    full = batch.metadata(**{k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in vllm_06_fields(batch).items()})
+    impl = PagedAttnImpl(H, D, D ** -0.5, num_kv_heads=HKV)
+    cache = torch.randn(PagedAttnBackend.get_kv_cache_shape(NB, BS, HKV, D), generator=gen).to(dev)
+    t = batch.num_tokens
+    q = torch.randn(t, H * D, generator=gen).to(dev)
+    k = torch.randn(t, HKV * D, generator=gen).to(dev)
+    v = torch.randn(t, HKV * D, generator=gen).to(dev)
+    want = impl.forward(q, k, v, cache.clone(), base)
+    got = impl.forward(q, k, v, cache.clone(), full)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+    class VllmAttentionType(enum.Enum):  # vLLM 0.6.3's
+        DECODER = enum.auto()
+        ENCODER = enum.auto()
+        ENCODER_DECODER = enum.auto()
+
+    by_enum = impl.forward(q, k, v, cache.clone(), base, 1.0, 1.0, attn_type=VllmAttentionType.DECODER)
+    torch.testing.assert_close(by_enum, want, atol=0, rtol=0)
+    # An encoder-only call of a decoder-built layer: bidirectional, no cache, per call.
+    enc = PagedAttnImpl(H, D, D ** -0.5, num_kv_heads=HKV, attn_type=AttentionType.ENCODER_ONLY)
+    prompts = Batch([(0, 5), (0, 4)], BS, NB, gen, device=dev).metadata()
+    qe, ke, ve = (x[:9] for x in (q, k, v))
+    torch.testing.assert_close(
+        impl.forward(qe, ke, ve, cache.clone(), prompts, attn_type="encoder_only"),
+        enc.forward(qe, ke, ve, cache.clone(), prompts),
+        atol=0, rtol=0,
+    )
+    with pytest.raises(ValueError, match="attn_type: 'sideways'"):
+        impl.forward(q, k, v, cache.clone(), base, attn_type="sideways")
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("query_start_loc", [0, 5, 8, 9, 10, 11], "metadata.query_start_loc and metadata.context_lens_tensor disagree: sequence 1"),
+        ("seq_start_loc", [0, 5, 15, 23, 40, 40], "metadata.seq_start_loc and metadata.seq_lens disagree"),
+        ("max_decode_query_len", 2, "metadata.max_decode_query_len and metadata.num_decode_tokens disagree"),
+        ("is_prompt", True, "metadata.is_prompt and metadata.num_decode_tokens disagree"),
+        ("seqlen_q", [0, 5, 10], "metadata.seqlen_q and metadata.query_start_loc disagree"),
+        ("max_seqlen", 3, "metadata.max_seqlen and metadata.query_start_loc disagree"),
+        ("max_kv_len", 11, "metadata.max_kv_len and metadata.seq_lens disagree"),
+        ("kv_start_loc", [0, 5, 16], "metadata.kv_start_loc and metadata.seq_lens disagree"),
+        ("prefill_query_start_loc", [0, 4, 9], "metadata.prefill_query_start_loc and metadata.query_start_loc disagree"),
+        ("max_prefill_seq_len", 9, "metadata.max_prefill_seq_len and metadata.seq_lens disagree"),
+        ("max_decode_seq_len", 16, "metadata.max_decode_seq_len and metadata.seq_lens disagree"),
+        ("max_query_len", 4, "metadata.max_query_len and metadata.query_start_loc disagree"),
+        ("num_prefill_tokens", 8, "metadata.num_prefill_tokens and metadata.query_start_loc disagree"),
+        ("slot_mapping", list(range(11)), "metadata.slot_mapping and metadata.query_start_loc disagree: 11 slots for 12"),
+    ],
+)
+def test_metadata_that_contradicts_itself_is_refused_naming_both_fields(field, value, says):
+    """Two fields that describe the same thing and disagree: a ``ValueError`` naming both at
+    the first forward, never one silently winning."""
+    gen = torch.Generator().manual_seed(6)
+    batch = Batch(MIXED, BS, NB, gen)
+    if isinstance(value, list):
+        value = torch.tensor(value, dtype=torch.int64 if field == "slot_mapping" else torch.int32)
+    md = batch.metadata(**{field: value})
+    impl = PagedAttnImpl(H, D, D ** -0.5, num_kv_heads=HKV)
+    cache = torch.zeros(PagedAttnBackend.get_kv_cache_shape(NB, BS, HKV, D))
+    t = batch.num_tokens
+    q = torch.randn(t, H * D, generator=gen)
+    k = torch.randn(t, HKV * D, generator=gen)
+    with pytest.raises(ValueError, match=__import__("re").escape(says)):
+        impl.forward(q, k, k.clone(), cache, md)

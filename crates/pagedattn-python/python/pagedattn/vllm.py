@@ -69,6 +69,17 @@ _ATTN_TYPES = (
 )
 
 
+def _attn_type_name(attn_type: Any, where: str) -> str:
+    """``attn_type`` as one of the strings of :class:`AttentionType`: vLLM 0.6.6 on passes
+    those strings; 0.6.3's ``AttentionType`` is an ``Enum`` (``AttentionType.DECODER``), read by
+    its member's name. ``ValueError`` for anything else."""
+    name = getattr(attn_type, "name", attn_type)
+    name = name.lower() if isinstance(name, str) else name
+    if name not in _ATTN_TYPES:
+        raise ValueError(f"{where}: {attn_type!r}; expected one of {', '.join(_ATTN_TYPES)}")
+    return name
+
+
 class BlocksparseNotSupported(NotImplementedError, ValueError):
     """Raised for ``blocksparse_params``: pagedattn has no block-sparse attention. It is a
     ``NotImplementedError`` and, as vLLM's own backends raise ``ValueError`` for it, a
@@ -325,10 +336,34 @@ class PagedAttnMetadata:
     num_encoder_tokens: Optional[int] = None
     cross_slot_mapping: Any = None
     cross_block_tables: Any = None
-    # Not vLLM's: accepted for runners that carry them.
+    # vLLM's too, by its builders and runners (docs/design/vllm-interface.md): accepted; where
+    # a field repeats what others say, the two must agree (checked at the first forward).
     use_cuda_graph: bool = False
     prefill_block_tables: Any = None
     multi_modal_placeholder_index_maps: Any = None
+    #: ``[S+1]`` cumulative sequence lengths (CommonMetadataBuilder): must match ``seq_lens``.
+    seq_start_loc: Any = None
+    #: The decodes' longest query (CUDA-graph capture): must match the decodes' (1).
+    max_decode_query_len: Optional[int] = None
+    #: Whether the batch is prompts only (TorchSDPA and IPEX in 0.6.3): must match
+    #: ``num_decode_tokens == 0``.
+    is_prompt: Optional[bool] = None
+    #: IPEX's cumulative prefill query lengths (``[num_prefills+1]``): must match the queries.
+    seqlen_q: Any = None
+    #: IPEX's longest prefill query: must match the prefills'.
+    max_seqlen: Optional[int] = None
+    #: TorchSDPA's (0.6.6) switch for chunked prefill: accepted.
+    chunked_prefill: Optional[bool] = None
+    #: TorchSDPA's (0.6.6) longest prefill sequence: must match the prefills'.
+    max_kv_len: Optional[int] = None
+    #: TorchSDPA's (0.6.6) cumulative prefill sequence lengths: must match them.
+    kv_start_loc: Any = None
+    #: The prefills' ``query_start_loc`` (0.11's TorchSDPA): must match the queries.
+    prefill_query_start_loc: Any = None
+    #: ``[S+1]`` cumulative encoder lengths (0.6.6): must match ``encoder_seq_lens``.
+    encoder_seq_start_loc: Any = None
+    #: vLLM's fp8 scale calculation switch: accepted (pagedattn's scales are the layer's).
+    enable_kv_scales_calculation: bool = False
     #: The block size the slots and tables were computed for; checked against the cache's.
     block_size: Optional[int] = None
 
@@ -501,7 +536,77 @@ class PagedAttnMetadata:
             query_lens = [seq_lens[i] - ctx[i] for i in range(np_)] + [1] * nd
         else:
             query_lens = seq_lens[:np_] + [1] * nd
+        self._check_agreement(seq_lens, qsl, ctx, query_lens)
         return seq_lens, qsl, ctx, query_lens
+
+    def _check_agreement(self, seq_lens: List[int], qsl: Optional[list], ctx: Optional[list],
+                         query_lens: List[int]) -> None:
+        """``ValueError`` naming both fields where two fields say the same thing differently
+        (one must not silently win)."""
+        np_, s = self.num_prefills, self.num_seqs
+        prefill_seq_lens, prefill_queries = seq_lens[:np_], query_lens[:np_]
+
+        def cumulative(lens: List[int]) -> List[int]:
+            out = [0]
+            for n in lens:
+                out.append(out[-1] + n)
+            return out
+
+        def disagree(a: str, b: str, detail: str) -> ValueError:
+            return ValueError(f"metadata.{a} and metadata.{b} disagree: {detail}")
+
+        if qsl is not None and ctx is not None:
+            for i in range(s):
+                if seq_lens[i] - ctx[i] != query_lens[i]:
+                    raise disagree(
+                        "query_start_loc", "context_lens_tensor",
+                        f"sequence {i} has {query_lens[i]} query tokens by query_start_loc, but "
+                        f"seq_len {seq_lens[i]} - context {ctx[i]} = {seq_lens[i] - ctx[i]}",
+                    )
+        if sum(query_lens) != _numel(self.slot_mapping):
+            raise disagree(
+                "slot_mapping", "query_start_loc" if qsl is not None else "seq_lens",
+                f"{_numel(self.slot_mapping)} slots for {sum(query_lens)} query tokens",
+            )
+        if sum(prefill_queries) != self.num_prefill_tokens:
+            raise disagree(
+                "num_prefill_tokens", "query_start_loc" if qsl is not None else "seq_lens",
+                f"{self.num_prefill_tokens} against the prefills' {sum(prefill_queries)} query tokens",
+            )
+        checks = [
+            ("seq_start_loc", "seq_lens", self.seq_start_loc, cumulative(seq_lens)),
+            ("kv_start_loc", "seq_lens", self.kv_start_loc, cumulative(prefill_seq_lens)),
+            ("seqlen_q", "query_start_loc", self.seqlen_q, cumulative(prefill_queries)),
+            ("prefill_query_start_loc", "query_start_loc", self.prefill_query_start_loc,
+             cumulative(prefill_queries)),
+        ]
+        for name, other, given, want in checks:
+            if given is not None and _numel(given) > 0:
+                got = [int(v) for v in _to_list(given)]
+                if got != want:
+                    raise disagree(name, other, f"{got} against {want}")
+        maxima = [
+            ("max_prefill_seq_len", "seq_lens", self.max_prefill_seq_len, prefill_seq_lens),
+            ("max_decode_seq_len", "seq_lens", self.max_decode_seq_len, seq_lens[np_:]),
+            ("max_kv_len", "seq_lens", self.max_kv_len, prefill_seq_lens),
+            ("max_seqlen", "query_start_loc", self.max_seqlen, prefill_queries),
+            ("max_decode_query_len", "num_decode_tokens", self.max_decode_query_len,
+             query_lens[np_:]),
+        ]
+        for name, other, given, lens in maxima:
+            # (0 or None: not set. The runners leave the maxima of an absent part at 0.)
+            if given and lens and int(given) != max(lens):
+                raise disagree(name, other, f"{int(given)} against the longest {max(lens)}")
+        if self.max_query_len is not None and int(self.max_query_len) < max(query_lens, default=0):
+            raise disagree(
+                "max_query_len", "query_start_loc" if qsl is not None else "seq_lens",
+                f"{self.max_query_len} below the longest query, {max(query_lens)}",
+            )
+        if self.is_prompt is not None and bool(self.is_prompt) != (self.num_decode_tokens == 0):
+            raise disagree(
+                "is_prompt", "num_decode_tokens",
+                f"is_prompt {self.is_prompt} with {self.num_decode_tokens} decode tokens",
+            )
 
     def _decoder_block_tables(
         self, seq_lens: List[int], query_lens: List[int], block_size: int
@@ -549,8 +654,10 @@ class PagedAttnMetadata:
         ``with_kv``: the call carries the encoder's keys and values). ``block_size``: the
         cache's, for the block tables of prefills (see the class docstring); None without a
         cache."""
-        if attn_type not in _ATTN_TYPES:
-            raise AttributeError(f"Invalid attention type {attn_type}")
+        try:
+            attn_type = _attn_type_name(attn_type, "attn_type")
+        except ValueError:
+            raise AttributeError(f"Invalid attention type {attn_type}") from None
         if attn_type != AttentionType.ENCODER_DECODER:
             with_kv = True
         if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
@@ -565,8 +672,20 @@ class PagedAttnMetadata:
 
     def _encoder_seq_lens(self) -> List[int]:
         if self.encoder_seq_lens is not None:
-            return [int(v) for v in self.encoder_seq_lens]
-        return [int(v) for v in _to_list(self.encoder_seq_lens_tensor)]
+            lens = [int(v) for v in self.encoder_seq_lens]
+        else:
+            lens = [int(v) for v in _to_list(self.encoder_seq_lens_tensor)]
+        if self.encoder_seq_start_loc is not None and _numel(self.encoder_seq_start_loc) > 0:
+            got = [int(v) for v in _to_list(self.encoder_seq_start_loc)]
+            want = [0]
+            for n in lens:
+                want.append(want[-1] + n)
+            if got != want:
+                raise ValueError(
+                    f"metadata.encoder_seq_start_loc and metadata.encoder_seq_lens disagree: "
+                    f"{got} against {want}"
+                )
+        return lens
 
     def _build_native(self, attn_type: str, with_kv: bool, block_size: Optional[int]) -> Any:
         if attn_type == AttentionType.ENCODER:
@@ -658,10 +777,7 @@ class PagedAttnImpl:
         ``attn_type``; the native module checks the rest at the first ``forward``."""
         if blocksparse_params is not None:
             raise BlocksparseNotSupported("pagedattn does not support block-sparse attention.")
-        if attn_type not in _ATTN_TYPES:
-            raise ValueError(
-                f"attn_type: {attn_type!r}; expected one of {', '.join(_ATTN_TYPES)}"
-            )
+        attn_type = _attn_type_name(attn_type, "attn_type")
         self.num_heads = int(num_heads)
         self.head_size = int(head_size)
         self.scale = float(scale)
@@ -680,9 +796,9 @@ class PagedAttnImpl:
         self.attn_type = attn_type
         self._layers: Dict[Any, Any] = {}
 
-    def _layer(self, backend: Any, k_scale: float, v_scale: float) -> Any:
-        """The native ``Attention`` for ``backend`` and these scales (cached)."""
-        key = (id(backend), k_scale, v_scale)
+    def _layer(self, backend: Any, k_scale: float, v_scale: float, attn_type: str) -> Any:
+        """The native ``Attention`` for ``backend``, these scales and ``attn_type`` (cached)."""
+        key = (id(backend), k_scale, v_scale, attn_type)
         layer = self._layers.get(key)
         if layer is None:
             layer = _native.Attention(
@@ -697,14 +813,14 @@ class PagedAttnImpl:
                 kv_cache_dtype=self.kv_cache_dtype,
                 k_scale=k_scale,
                 v_scale=v_scale,
-                attn_type=self.attn_type,
+                attn_type=attn_type,
             )
             self._layers[key] = layer
         return layer
 
     def _plan(self, layer: Any, backend: Any, md: PagedAttnMetadata, cache: Any,
               block_size: Optional[int], with_kv: bool, num_kv_tokens: Optional[int],
-              dtype: Any) -> Any:
+              dtype: Any, attn_type: str) -> Any:
         """The step's plan for this layer's shape, made once per metadata object and shared
         by every layer of the same shape (heads, head size, window, attention type, cache
         geometry and dtype, activation dtype)."""
@@ -713,7 +829,7 @@ class PagedAttnImpl:
             cache_key = (int(cache.shape[1]), block_size, str(cache.dtype))
         key = (
             id(backend),
-            self.attn_type,
+            attn_type,
             self.num_heads,
             self.num_kv_heads,
             self.head_size,
@@ -726,7 +842,7 @@ class PagedAttnImpl:
         )
         plan = md._plans.get(key)
         if plan is None:
-            native_md = md.native(self.attn_type, with_kv=with_kv, block_size=block_size)
+            native_md = md.native(attn_type, with_kv=with_kv, block_size=block_size)
             plan = layer.plan(native_md, cache, dtype=dtype)
             md._plans[key] = plan
         return plan
@@ -741,9 +857,14 @@ class PagedAttnImpl:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         output: Optional[Any] = None,
+        *,
+        attn_type: Optional[Any] = None,
     ) -> Any:
         """vLLM's ``forward``: writes the new ``key``/``value`` into ``kv_cache`` through
         ``slot_mapping`` (``cross_slot_mapping`` for ``encoder_decoder``), then attends.
+
+        ``attn_type``: this call's attention type, as vLLM 0.6 passes it per call (a string of
+        :class:`AttentionType` or 0.6.3's enum member); default the one given at construction.
 
         ``query``: ``[T, H * D]`` or ``[T, H, D]``; ``key``/``value``: ``[Tk, Hkv * D]`` or
         ``[Tk, Hkv, D]``, both or neither (None: a cross-attention decode step reading the
@@ -758,14 +879,15 @@ class PagedAttnImpl:
         md = attn_metadata
         t = int(query.shape[0])
         hd = self.num_heads * self.head_size
+        kind = self.attn_type if attn_type is None else _attn_type_name(attn_type, "attn_type")
         backend = backend_for(query)
-        layer = self._layer(backend, _scale_value(k_scale), _scale_value(v_scale))
+        layer = self._layer(backend, _scale_value(k_scale), _scale_value(v_scale), kind)
 
         cache = kv_cache
         if (
             cache is None
             or _numel(cache) == 0
-            or self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+            or kind in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
         ):
             cache = None
         block_size = None
@@ -780,7 +902,7 @@ class PagedAttnImpl:
         with_kv = k is not None
         plan = self._plan(
             layer, backend, md, cache, block_size, with_kv,
-            None if k is None else int(k.shape[0]), q.dtype,
+            None if k is None else int(k.shape[0]), q.dtype, kind,
         )
 
         out = None
