@@ -755,11 +755,10 @@ def test_vllm_06_fields_are_accepted_and_change_nothing(backend):
     [
         ("query_start_loc", [0, 5, 8, 9, 10, 11], "metadata.query_start_loc and metadata.context_lens_tensor disagree: sequence 1"),
         ("seq_start_loc", [0, 5, 15, 23, 40, 40], "metadata.seq_start_loc and metadata.seq_lens disagree"),
-        ("max_decode_query_len", 2, "metadata.max_decode_query_len and metadata.num_decode_tokens disagree"),
         ("is_prompt", True, "metadata.is_prompt and metadata.num_decode_tokens disagree"),
         ("seqlen_q", [0, 5, 10], "metadata.seqlen_q and metadata.query_start_loc disagree"),
         ("max_seqlen", 3, "metadata.max_seqlen and metadata.query_start_loc disagree"),
-        ("max_kv_len", 11, "metadata.max_kv_len and metadata.seq_lens disagree"),
+        ("max_kv_len", 9, "metadata.max_kv_len and metadata.seq_lens disagree"),
         ("kv_start_loc", [0, 5, 16], "metadata.kv_start_loc and metadata.seq_lens disagree"),
         ("prefill_query_start_loc", [0, 4, 9], "metadata.prefill_query_start_loc and metadata.query_start_loc disagree"),
         ("max_prefill_seq_len", 9, "metadata.max_prefill_seq_len and metadata.seq_lens disagree"),
@@ -771,7 +770,8 @@ def test_vllm_06_fields_are_accepted_and_change_nothing(backend):
 )
 def test_metadata_that_contradicts_itself_is_refused_naming_both_fields(field, value, says):
     """Two fields that describe the same thing and disagree: a ``ValueError`` naming both at
-    the first forward, never one silently winning."""
+    the first forward, never one silently winning. (A maximum is a bound: only one below the
+    longest disagrees.)"""
     gen = torch.Generator().manual_seed(6)
     batch = Batch(MIXED, BS, NB, gen)
     if isinstance(value, list):
@@ -784,3 +784,25 @@ def test_metadata_that_contradicts_itself_is_refused_naming_both_fields(field, v
     k = torch.randn(t, HKV * D, generator=gen)
     with pytest.raises(ValueError, match=__import__("re").escape(says)):
         impl.forward(q, k, k.clone(), cache, md)
+
+
+def test_cuda_graph_capture_metadata_is_accepted(backend):
+    """The metadata vLLM 0.6's ``CommonAttentionState`` makes to capture a decode graph of B
+    sequences: every slot -1, lengths of 1, ``max_decode_seq_len`` the longest it captures for
+    (a bound, not the batch's), ``max_decode_query_len`` 1, no query_start_loc."""
+    name, dev = backend
+    b = 4
+    md = PagedAttnBackend.make_metadata(
+        num_prefills=0, num_prefill_tokens=0, num_decode_tokens=b,
+        slot_mapping=torch.full((b,), -1, dtype=torch.int64, device=dev), seq_lens=None,
+        seq_lens_tensor=torch.ones(b, dtype=torch.int32, device=dev), max_query_len=1,
+        max_decode_query_len=1, max_prefill_seq_len=0, max_decode_seq_len=8192,
+        query_start_loc=None, seq_start_loc=None, context_lens_tensor=None,
+        block_tables=torch.zeros(b, 4, dtype=torch.int32, device=dev), use_cuda_graph=True,
+    )
+    impl = PagedAttnImpl(H, D, D ** -0.5, num_kv_heads=HKV)
+    cache = torch.zeros(PagedAttnBackend.get_kv_cache_shape(NB, BS, HKV, D)).to(dev)
+    q = torch.randn(b, H * D).to(dev)
+    k = torch.randn(b, HKV * D).to(dev)
+    out = impl.forward(q, k, k.clone(), cache, md)
+    assert out.shape == (b, H * D) and torch.isfinite(out).all()

@@ -343,18 +343,18 @@ class PagedAttnMetadata:
     multi_modal_placeholder_index_maps: Any = None
     #: ``[S+1]`` cumulative sequence lengths (CommonMetadataBuilder): must match ``seq_lens``.
     seq_start_loc: Any = None
-    #: The decodes' longest query (CUDA-graph capture): must match the decodes' (1).
+    #: The decodes' longest query (CUDA-graph capture): at least the decodes' (1).
     max_decode_query_len: Optional[int] = None
     #: Whether the batch is prompts only (TorchSDPA and IPEX in 0.6.3): must match
     #: ``num_decode_tokens == 0``.
     is_prompt: Optional[bool] = None
     #: IPEX's cumulative prefill query lengths (``[num_prefills+1]``): must match the queries.
     seqlen_q: Any = None
-    #: IPEX's longest prefill query: must match the prefills'.
+    #: IPEX's longest prefill query: at least the prefills'.
     max_seqlen: Optional[int] = None
     #: TorchSDPA's (0.6.6) switch for chunked prefill: accepted.
     chunked_prefill: Optional[bool] = None
-    #: TorchSDPA's (0.6.6) longest prefill sequence: must match the prefills'.
+    #: TorchSDPA's (0.6.6) longest prefill sequence: at least the prefills'.
     max_kv_len: Optional[int] = None
     #: TorchSDPA's (0.6.6) cumulative prefill sequence lengths: must match them.
     kv_start_loc: Any = None
@@ -594,9 +594,10 @@ class PagedAttnMetadata:
              query_lens[np_:]),
         ]
         for name, other, given, lens in maxima:
-            # (0 or None: not set. The runners leave the maxima of an absent part at 0.)
-            if given and lens and int(given) != max(lens):
-                raise disagree(name, other, f"{int(given)} against the longest {max(lens)}")
+            # A maximum is a bound (CUDA-graph capture gives max_decode_seq_len the longest
+            # sequence it captures for): refused only below the longest. 0 or None: not set.
+            if given and lens and int(given) < max(lens):
+                raise disagree(name, other, f"{int(given)} below the longest, {max(lens)}")
         if self.max_query_len is not None and int(self.max_query_len) < max(query_lens, default=0):
             raise disagree(
                 "max_query_len", "query_start_loc" if qsl is not None else "seq_lens",
