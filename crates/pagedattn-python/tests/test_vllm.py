@@ -806,3 +806,71 @@ def test_cuda_graph_capture_metadata_is_accepted(backend):
     k = torch.randn(b, HKV * D).to(dev)
     out = impl.forward(q, k, k.clone(), cache, md)
     assert out.shape == (b, H * D) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked_prefill", "plain_prompts"])
+def test_metadata_builder_as_vllm_runners_use_it(backend, chunked):
+    """``PagedAttnBackend.make_metadata_builder(input_builder).build(...)``, as vLLM 0.6's model
+    runner calls it (its ``inter_data_list`` of sequence groups, made here as the runner makes
+    them), gives the step's metadata: the same output as the metadata written by hand. With
+    chunked prefill a prefill may have context (its table is given); without, prompts are fresh
+    (an empty table row: their keys are their new tokens) and a prefill with context is a
+    prefix-cache hit (its computed blocks)."""
+    from types import SimpleNamespace as NS
+
+    name, dev = backend
+    gen = torch.Generator().manual_seed(12)
+    batch = Batch(MIXED, BS, NB, gen, device=dev)
+    groups = []
+    for i, (ctx, new) in enumerate(batch.seqs):
+        prompt = i < batch.num_prefills
+        hit = prompt and ctx > 0 and not chunked
+        groups.append(NS(
+            seq_ids=[i], input_tokens=[[0] * new], orig_seq_lens=[ctx + new], seq_lens=[ctx + new],
+            query_lens=[new], context_lens=[ctx], curr_sliding_window_blocks=[0], is_prompt=prompt,
+            block_tables={i: batch.tables[i]}, prefix_cache_hit=hit,
+            computed_block_nums=batch.tables[i] if hit else [],
+        ))
+    runner = NS(device=torch.device(dev), graph_block_tables=None)
+    input_builder = NS(runner=runner, sliding_window=None, block_size=BS,
+                       chunked_prefill_enabled=chunked, inter_data_list=groups)
+    builder = PagedAttnBackend.make_metadata_builder(input_builder)
+    assert isinstance(builder, PagedAttnBackend.get_builder_cls())
+    seq_lens = [c + n for c, n in batch.seqs]
+    md = builder.build(seq_lens, [n for _, n in batch.seqs], -1, len(seq_lens))
+    assert md.slot_mapping.tolist() == batch.slots
+    assert (md.num_prefills, md.num_prefill_tokens, md.num_decode_tokens) == (2, 9, 3)
+    impl = PagedAttnImpl(H, D, D ** -0.5, num_kv_heads=HKV)
+    cache = torch.randn(PagedAttnBackend.get_kv_cache_shape(NB, BS, HKV, D), generator=gen).to(dev)
+    t = batch.num_tokens
+    q = torch.randn(t, H * D, generator=gen).to(dev)
+    k = torch.randn(t, HKV * D, generator=gen).to(dev)
+    v = torch.randn(t, HKV * D, generator=gen).to(dev)
+    want = impl.forward(q, k, v, cache.clone(), batch.metadata())
+    got = impl.forward(q, k, v, cache.clone(), md)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert 64 in PagedAttnBackend.get_supported_head_sizes()
+
+
+def test_metadata_builder_profiling_run(backend):
+    """vLLM's profiling run (block tables ``{seq_id: None}``, an empty cache): every slot is
+    PAD_SLOT_ID and the layer attends over the new tokens, as the no-cache path does."""
+    from types import SimpleNamespace as NS
+
+    name, dev = backend
+    gen = torch.Generator().manual_seed(13)
+    group = NS(seq_ids=[0], input_tokens=[[0] * 6], orig_seq_lens=[6], seq_lens=[6], query_lens=[6],
+               context_lens=[0], curr_sliding_window_blocks=[0], is_prompt=True,
+               block_tables={0: None}, prefix_cache_hit=False, computed_block_nums=[])
+    input_builder = NS(runner=NS(device=torch.device(dev)), sliding_window=None, block_size=BS,
+                       chunked_prefill_enabled=False, inter_data_list=[group])
+    md = PagedAttnBackend.make_metadata_builder(input_builder).build([6], [6], -1, 1)
+    assert md.slot_mapping.tolist() == [pv.PAD_SLOT_ID] * 6
+    impl = PagedAttnImpl(H, D, D ** -0.5, num_kv_heads=HKV)
+    q = torch.randn(6, H * D, generator=gen).to(dev)
+    k = torch.randn(6, HKV * D, generator=gen).to(dev)
+    v = torch.randn(6, HKV * D, generator=gen).to(dev)
+    out = impl.forward(q, k, v, torch.empty(0, device=dev), md)
+    want = dense_attention(q.view(6, H, D).double(), k.view(6, HKV, D).double(),
+                           v.view(6, HKV, D).double(), scale=D ** -0.5, causal=True)
+    torch.testing.assert_close(out.view(6, H, D).double(), want, atol=2e-5, rtol=0)

@@ -35,6 +35,7 @@ __all__ = [
     "AttentionType",
     "PagedAttnBackend",
     "PagedAttnMetadata",
+    "PagedAttnMetadataBuilder",
     "PagedAttnImpl",
     "BlocksparseNotSupported",
     "set_backend",
@@ -46,6 +47,13 @@ __all__ = [
 BACKEND_ENV = "PAGEDATTN_BACKEND"
 
 _KNOWN_BACKENDS = ("auto", "reference", "cpu", "cuda")
+
+#: vLLM's slot of a token not to be written (``PAD_SLOT_ID``).
+PAD_SLOT_ID = -1
+
+#: The head sizes every native backend serves (the ``cuda`` attention's list, vLLM's; ``cpu``
+#: and ``reference`` serve any).
+SUPPORTED_HEAD_SIZES = [32, 64, 80, 96, 112, 120, 128, 192, 256]
 
 
 class AttentionType:
@@ -255,6 +263,22 @@ class PagedAttnBackend:
     def make_metadata(cls, *args: Any, **kwargs: Any) -> "PagedAttnMetadata":
         """``get_metadata_cls()(*args, **kwargs)``."""
         return cls.get_metadata_cls()(*args, **kwargs)
+
+    @staticmethod
+    def get_builder_cls() -> Type["PagedAttnMetadataBuilder"]:
+        """:class:`PagedAttnMetadataBuilder` (vLLM 0.6's model runners build each step's
+        metadata with it)."""
+        return PagedAttnMetadataBuilder
+
+    @classmethod
+    def make_metadata_builder(cls, *args: Any, **kwargs: Any) -> "PagedAttnMetadataBuilder":
+        """``get_builder_cls()(*args, **kwargs)``."""
+        return cls.get_builder_cls()(*args, **kwargs)
+
+    @staticmethod
+    def get_supported_head_sizes() -> List[int]:
+        """The head sizes every native backend serves (:data:`SUPPORTED_HEAD_SIZES`)."""
+        return list(SUPPORTED_HEAD_SIZES)
 
     @staticmethod
     def get_kv_cache_shape(
@@ -737,6 +761,132 @@ class PagedAttnMetadata:
             cross_block_tables=_index_table(self.cross_block_tables) if block_size is not None else None,
             cross_slot_mapping=cross_slots,
             **common,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Metadata builder (vLLM 0.6's runners)
+# --------------------------------------------------------------------------------------------
+
+
+class PagedAttnMetadataBuilder:
+    """vLLM 0.6's ``AttentionMetadataBuilder`` for pagedattn: built by the model runner's input
+    builder (``ModelInputForGPUBuilder`` / the CPU runner's), it reads that builder's
+    ``inter_data_list`` (one entry per sequence group: ``seq_ids``, ``input_tokens``,
+    ``orig_seq_lens``, ``seq_lens``, ``query_lens``, ``context_lens``,
+    ``curr_sliding_window_blocks``, ``is_prompt``, ``block_tables`` (seq id to block ids, None
+    in a profiling run), ``computed_block_nums``, ``prefix_cache_hit``) and makes a
+    :class:`PagedAttnMetadata` as vLLM's ``CommonMetadataBuilder`` makes its backends'.
+
+    Slots: a prompt's tokens before ``query_len - sliding_window`` get :data:`PAD_SLOT_ID`
+    (not cached: outside every later query's window), a profiling run's tokens all do, the
+    others ``block * block_size + offset`` of their position. Table rows: the computed blocks
+    on a prefix-cache hit, the last ``curr_sliding_window_block`` blocks of a decode or of a
+    chunked prefill, none for a plain prompt (its keys are its own new tokens).
+    """
+
+    def __init__(self, input_builder: Any) -> None:
+        """Reads ``input_builder.runner`` (``device``, ``graph_block_tables`` with CUDA
+        graphs), ``sliding_window`` and ``block_size``."""
+        self.input_builder = input_builder
+        self.runner = input_builder.runner
+        self.sliding_window = input_builder.sliding_window
+        self.block_size = int(input_builder.block_size)
+
+    def build(self, seq_lens: List[int], query_lens: List[int], cuda_graph_pad_size: int,
+              batch_size: int) -> PagedAttnMetadata:
+        """The step's metadata. ``seq_lens`` and ``query_lens``: every sequence's (padded
+        for a CUDA graph); ``cuda_graph_pad_size``: padding decodes to add (-1: no graph);
+        ``batch_size``: the (padded) batch."""
+        import torch
+
+        slots: List[int] = []
+        context_lens: List[int] = []
+        tables: List[List[int]] = []
+        prefill_seq_lens: List[int] = []
+        decode_seq_lens: List[int] = []
+        num_prefills = num_prefill_tokens = num_decode_tokens = 0
+        chunked = bool(getattr(self.input_builder, "chunked_prefill_enabled", False))
+        for group in self.input_builder.inter_data_list:
+            given = group.block_tables
+            profiling = given is None or (
+                isinstance(given, dict) and all(t is None for t in given.values())
+            )
+            per_seq = zip(
+                group.seq_ids, group.input_tokens, group.orig_seq_lens, group.seq_lens,
+                group.query_lens, group.context_lens, group.curr_sliding_window_blocks,
+            )
+            for seq_id, tokens, seq_len, curr_len, query_len, context_len, window_blocks in per_seq:
+                context_lens.append(context_len)
+                if group.is_prompt:
+                    num_prefills += 1
+                    num_prefill_tokens += len(tokens)
+                    prefill_seq_lens.append(seq_len)
+                else:
+                    if query_len != 1:
+                        raise ValueError(
+                            f"sequence {seq_id}: a decode of {query_len} query tokens; expected 1"
+                        )
+                    num_decode_tokens += 1
+                    decode_seq_lens.append(curr_len)
+                row: List[int] = []
+                if group.prefix_cache_hit:
+                    row = list(group.computed_block_nums)
+                elif (chunked or not group.is_prompt) and given is not None:
+                    row = list(given[seq_id][-window_blocks:])
+                tables.append(row)
+                if profiling:
+                    slots.extend([PAD_SLOT_ID] * seq_len)
+                    continue
+                # A prompt's tokens that no later query's window reaches are not cached.
+                start = 0
+                if group.is_prompt and self.sliding_window is not None:
+                    start = max(0, query_len - self.sliding_window)
+                slots.extend([PAD_SLOT_ID] * max(0, start - context_len))
+                table = given[seq_id]
+                b = self.block_size
+                slots.extend(
+                    table[p // b] * b + p % b for p in range(max(start, context_len), seq_len)
+                )
+        device = getattr(self.runner, "device", None)
+        with_graph = cuda_graph_pad_size != -1
+        if with_graph:
+            slots.extend([PAD_SLOT_ID] * cuda_graph_pad_size)
+            num_decode_tokens = batch_size
+            rows = self.runner.graph_block_tables[:batch_size].copy()
+            for i, row in enumerate(tables):
+                rows[i, : len(row)] = row
+            block_tables = torch.from_numpy(rows).to(device)
+        else:
+            width = max((len(r) for r in tables), default=0)
+            block_tables = torch.tensor(
+                [r + [0] * (width - len(r)) for r in tables], dtype=torch.int32, device=device
+            ).reshape(len(tables), width)
+        if max(query_lens, default=0) <= 0:
+            raise ValueError(f"query_lens: {query_lens}; expected a query of at least one token")
+
+        def cumulative(lens: List[int]) -> Any:
+            out = [0]
+            for n in lens:
+                out.append(out[-1] + int(n))
+            return torch.tensor(out, dtype=torch.int32, device=device)
+
+        return PagedAttnMetadata(
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decode_tokens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            seq_lens=list(seq_lens),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens),
+            max_prefill_seq_len=max(prefill_seq_lens, default=0),
+            max_decode_seq_len=max(decode_seq_lens, default=0),
+            query_start_loc=cumulative(query_lens),
+            seq_start_loc=cumulative(seq_lens),
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables,
+            use_cuda_graph=with_graph,
+            block_size=self.block_size,
         )
 
 
