@@ -874,3 +874,66 @@ def test_metadata_builder_profiling_run(backend):
     want = dense_attention(q.view(6, H, D).double(), k.view(6, HKV, D).double(),
                            v.view(6, HKV, D).double(), scale=D ** -0.5, causal=True)
     torch.testing.assert_close(out.view(6, H, D).double(), want, atol=2e-5, rtol=0)
+
+
+def test_v1_backend_serves_a_batch_in_any_order_with_padding(backend):
+    """``pagedattn.vllm.v1`` as vLLM 0.11's v1 runner drives it: the impl constructed
+    positionally in the v1 layer's order, the builder's ``build(0, common_attn_metadata)``,
+    ``forward(layer, q, k, v, kv_cache, md, output=output)`` with ``[T, H, D]`` views and
+    padding tokens past ``num_actual_tokens`` (slot -1). Requests in any order, a decode
+    first and a speculative decode of 3 tokens last: each request's rows equal the v0 layer's
+    for the same sequence; the padding rows are untouched; ``md=None`` returns ``output``."""
+    from types import SimpleNamespace as NS
+
+    from pagedattn.vllm import v1
+
+    name, dev = backend
+    gen = torch.Generator().manual_seed(14)
+    v0_order = [(6, 4), (0, 5), (16, 3), (7, 1)]
+    batch = Batch(v0_order, BS, NB, gen, device=dev)
+    order = [3, 0, 1, 2]  # the v1 batch: the decode first
+    seqs = [v0_order[i] for i in order]
+    cache = torch.randn(PagedAttnBackend.get_kv_cache_shape(NB, BS, HKV, D), generator=gen).to(dev)
+    t = batch.num_tokens
+    q = torch.randn(t, H, D, generator=gen).to(dev)
+    k = torch.randn(t, HKV, D, generator=gen).to(dev)
+    v = torch.randn(t, HKV, D, generator=gen).to(dev)
+    want = PagedAttnImpl(H, D, D ** -0.5, HKV).forward(
+        q.view(t, H * D), k.view(t, HKV * D), v.view(t, HKV * D), cache.clone(), batch.metadata()
+    ).view(t, H, D)
+    rows = [list(range(batch.qsl[i], batch.qsl[i + 1])) for i in order]
+    perm = [r for rs in rows for r in rs]
+    pad = 3
+    slots = [batch.slots[r] for r in perm] + [-1] * pad
+    width = max(len(tb) for tb in batch.tables)
+    i32 = dict(dtype=torch.int32, device=dev)
+    qsl = [0]
+    for _, n in seqs:
+        qsl.append(qsl[-1] + n)
+    cam = NS(
+        query_start_loc=torch.tensor(qsl, **i32),
+        seq_lens=torch.tensor([c + n for c, n in seqs], **i32),
+        num_reqs=len(seqs), num_actual_tokens=t, max_query_len=5,
+        max_seq_len=max(c + n for c, n in seqs),
+        block_table_tensor=torch.tensor([batch.tables[i] + [0] * (width - len(batch.tables[i])) for i in order], **i32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), causal=True,
+    )
+    assert v1.PagedAttnBackend.get_builder_cls() is v1.PagedAttnMetadataBuilder
+    builder = v1.PagedAttnBackend.get_builder_cls()(NS(block_size=BS), ["layer.0"], None, dev)
+    md = builder.build(0, cam)
+    impl = v1.PagedAttnBackend.get_impl_cls()(H, D, D ** -0.5, HKV, None, None, "auto", None,
+                                             "decoder", None)
+    layer = NS(_k_scale_float=1.0, _v_scale_float=1.0)
+    qp = torch.cat([q[perm], torch.zeros(pad, H, D, device=dev)])
+    kp = torch.cat([k[perm], torch.zeros(pad, HKV, D, device=dev)])
+    vp = torch.cat([v[perm], torch.zeros(pad, HKV, D, device=dev)])
+    output = torch.full((t + pad, H, D), 7.0, device=dev)
+    got = impl.forward(layer, qp, kp, vp, cache.clone(), md, output=output)
+    assert got is output
+    torch.testing.assert_close(output[:t], want[perm], atol=0, rtol=0)
+    assert (output[t:] == 7.0).all()
+    assert impl.forward(layer, qp, kp, vp, cache, None, output=output) is output
+    with pytest.raises(ValueError, match="cascade"):
+        builder.build(4, cam)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        v1.PagedAttnImpl(H, D, D ** -0.5, HKV, sinks=torch.zeros(H))

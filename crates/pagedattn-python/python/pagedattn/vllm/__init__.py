@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
-from . import _native
+from .. import _native
 
 __all__ = [
     "AttentionType",
