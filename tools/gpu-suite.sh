@@ -192,6 +192,7 @@ run() {
     mkdir -p "$out"
     local exe needed="test-cuda test-cuda_attention test-cuda_graph pagedattn"
     [ "$parts" = engine ] && needed="pagedattn test-engine_tests"
+    [ "$parts" = python ] && needed=""
     for exe in $needed; do
         [ -x "$BIN/$exe" ] || {
             echo "gpu-suite run: $BIN/$exe not found: run 'tools/gpu-suite.sh build' first and carry $BIN" >&2

@@ -871,9 +871,9 @@ def test_metadata_builder_profiling_run(backend):
     k = torch.randn(6, HKV * D, generator=gen).to(dev)
     v = torch.randn(6, HKV * D, generator=gen).to(dev)
     out = impl.forward(q, k, v, torch.empty(0, device=dev), md)
-    want = dense_attention(q.view(6, H, D).double(), k.view(6, HKV, D).double(),
-                           v.view(6, HKV, D).double(), scale=D ** -0.5, causal=True)
-    torch.testing.assert_close(out.view(6, H, D).double(), want, atol=2e-5, rtol=0)
+    want = dense_attention(q.cpu().view(6, H, D).double(), k.cpu().view(6, HKV, D).double(),
+                           v.cpu().view(6, HKV, D).double(), scale=D ** -0.5, causal=True)
+    torch.testing.assert_close(out.cpu().view(6, H, D).double(), want, atol=2e-5, rtol=0)
 
 
 def test_v1_backend_serves_a_batch_in_any_order_with_padding(backend):
