@@ -175,7 +175,7 @@ fn place(
     args: &EngineArgs,
     backend: &dyn Backend,
 ) -> pagedattn_engine::Result<Box<dyn Model>> {
-    let on_device = on_device && (llama.is_plain_llama() || args.model_on.is_some());
+    let on_device = on_device && (llama.runs_on_gpu_model() || args.model_on.is_some());
     #[cfg(feature = "cuda")]
     if let (true, pagedattn::Device::Cuda(gpu)) = (on_device, backend.device()) {
         let cuda = pagedattn::cuda::Cuda::new(gpu)?;

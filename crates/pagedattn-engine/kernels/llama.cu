@@ -64,7 +64,7 @@ extern "C" __global__ void rms_norm(const RmsNormParams args) {
 }
 
 // Splits the fused projection qkv[t] = [q (heads × D) | k (kv_heads × D) | v (kv_heads × D)]
-// into q, k and v, rotating the first `rope_dim` elements of every q and k head by the
+// into q, k and v, adding the projections' biases (`bias`, f32; nullptr: none), rotating the first `rope_dim` elements of every q and k head by the
 // token's position (`inv_freq` has rope_dim / 2 entries; nullptr: no rotation). `adjacent`:
 // pairs (2i, 2i + 1) (GGUF's permuted rows); else (i, i + rope_dim / 2) (NeoX). One block
 // per token.
@@ -75,6 +75,7 @@ extern "C" __global__ void split_rope(const SplitRopeParams args) {
     u16* v = args.v;
     const u32* positions = args.positions;
     const float* inv_freq = args.inv_freq;
+    const float* bias = args.bias;
     const int heads = args.heads, kv_heads = args.kv_heads, head_size = args.head_size;
     const int rope_dim = args.rope_dim, adjacent = args.adjacent;
     const int t = blockIdx.x;
@@ -89,7 +90,9 @@ extern "C" __global__ void split_rope(const SplitRopeParams args) {
         u16* dst = head < heads ? q + (size_t)t * qw + head * head_size
                                 : k + (size_t)t * kw + (head - heads) * head_size;
         const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + half;
-        const float x0 = bf16_to_f32(src[a]), x1 = bf16_to_f32(src[b]);
+        const float* hb = bias ? bias + head * head_size : nullptr;
+        const float x0 = bf16_to_f32(src[a]) + (hb ? hb[a] : 0.0f);
+        const float x1 = bf16_to_f32(src[b]) + (hb ? hb[b] : 0.0f);
         // The angle in f32, its cosine and sine in f64 rounded once: the host's `Rope`.
         double s, c;
         sincos((double)(pos * inv_freq[i]), &s, &c);
@@ -104,7 +107,7 @@ extern "C" __global__ void split_rope(const SplitRopeParams args) {
         u16* dst = e < qw        ? q + (size_t)t * qw + e
                    : e < qw + kw ? k + (size_t)t * kw + (e - qw)
                                  : v + (size_t)t * kw + (e - qw - kw);
-        *dst = in[e];
+        *dst = bias ? f32_to_bf16(bf16_to_f32(in[e]) + bias[e]) : in[e];
     }
 }
 

@@ -65,6 +65,8 @@ pagedattn::kernel_params! {
         positions: u64 => "const unsigned int*",
         /// RoPE's inverse frequencies (0: no rotation).
         inv_freq: u64 => "const float*",
+        /// The q, k and v projections' biases, `[(heads + 2 kv_heads) · D]` (0: none).
+        bias: u64 => "const float*",
         heads: i32 => "int",
         kv_heads: i32 => "int",
         head_size: i32 => "int",
@@ -162,6 +164,8 @@ struct Layer {
     attn_norm: Buffer<f32>,
     /// The q, k and v projections as one `[(heads + 2 kv_heads) · D, hidden]` matrix.
     qkv: Buffer<u16>,
+    /// Their biases, f32 (Qwen2's), where the model has them.
+    qkv_bias: Option<Buffer<f32>>,
     wo: Buffer<u16>,
     ffn_norm: Buffer<f32>,
     /// The gate and up projections as one `[2 ffn, hidden]` matrix.
@@ -234,6 +238,23 @@ fn to_bf16(values: &[f32]) -> Vec<u16> {
         .collect()
 }
 
+/// A layer's q, k and v biases as one `[q | k | v]` vector (zeros for a projection without
+/// one), or `None` where none has one.
+fn qkv_bias(layer: &crate::models::blocks::LayerWeights) -> Option<Vec<f32>> {
+    let parts = [&layer.wq, &layer.wk, &layer.wv];
+    if parts.iter().all(|w| w.bias().is_none()) {
+        return None;
+    }
+    let mut all = Vec::new();
+    for w in parts {
+        match w.bias() {
+            Some(b) => all.extend_from_slice(b),
+            None => all.resize(all.len() + w.out_features(), 0.0),
+        }
+    }
+    Some(all)
+}
+
 /// An RMSNorm's weight and epsilon.
 fn rms(norm: &crate::models::ops::Norm) -> Result<(&[f32], f32)> {
     match norm {
@@ -259,10 +280,10 @@ impl GpuLlama {
     /// compiled (or found in the kernel cache). The kernels index by the model's shape:
     /// [`Llama::new`] checked every weight, attention config and RoPE width against it.
     pub fn new(model: &Llama, cuda: &Cuda) -> Result<Self> {
-        if !model.is_plain_llama() {
+        if !model.runs_on_gpu_model() {
             return Err(Error::Model(format!(
-                "{}: the GPU model computes Llama's blocks (RMSNorm, no biases, SwiGLU, no \
-                 soft-capped logits); this model's run on the host (--model-on host)",
+                "{}: the GPU model computes Llama's blocks (RMSNorm, no biases but q/k/v's, \
+                 SwiGLU, no soft-capped logits); this model's run on the host (--model-on host)",
                 model.shape.name
             )));
         }
@@ -309,6 +330,9 @@ impl GpuLlama {
                         weights(&l.wk, "wk")?,
                         weights(&l.wv, "wv")?,
                     ])?,
+                    qkv_bias: qkv_bias(l)
+                        .map(|b| Buffer::upload(&stream, &b))
+                        .transpose()?,
                     wo: bf16(&[weights(&l.wo, "wo")?])?,
                     ffn_norm: Buffer::upload(&stream, rms_weight(&l.ffn_norm, eps)?)?,
                     gate_up: bf16(&[
@@ -635,6 +659,7 @@ impl GpuLlama {
                 v: va,
                 positions: acts.positions.addr,
                 inv_freq: rope_freq,
+                bias: layer.qkv_bias.as_ref().map_or(0, |b| b.addr),
                 heads: heads.0,
                 kv_heads: heads.1,
                 head_size,

@@ -173,9 +173,9 @@ impl Llama {
         &self.shape
     }
 
-    /// Whether it is Llama's architecture exactly (RMSNorms, no biases, SwiGLU, the token
-    /// table alone, no soft cap of the logits): what the GPU model computes.
-    pub fn is_plain_llama(&self) -> bool {
+    /// Whether the GPU model computes it: Llama's blocks (RMSNorms, SwiGLU, the token table
+    /// alone, no soft cap of the logits), biases on the q, k and v projections only (Qwen2's).
+    pub fn runs_on_gpu_model(&self) -> bool {
         self.embedding.is_plain()
             && matches!(self.out_norm, Norm::Rms { .. })
             && self.final_soft_cap.is_none()

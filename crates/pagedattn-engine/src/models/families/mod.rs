@@ -28,7 +28,7 @@ use crate::serving::model::Model;
 use crate::{Error, Result};
 
 /// A model loaded from a folder: a decoder (which may also run on the GPU, see
-/// [`Llama::is_plain_llama`]) or an encoder-only / encoder-decoder model.
+/// [`Llama::runs_on_gpu_model`]) or an encoder-only / encoder-decoder model.
 pub enum HfModel {
     /// A decoder-only model.
     Decoder(Llama),
