@@ -67,7 +67,7 @@ pub struct EngineArgs {
     pub precision: String,
     /// Where a model's layers run: `device` (the backend's GPU: bf16 weights and
     /// activations, cuBLAS products, nothing crossing to the host but token ids; Llama's
-    /// blocks only: Llama, Mistral, a Llama GGUF) or `host` (the CPU at `--precision`,
+    /// blocks only: Llama, Mistral, Qwen2, a Llama GGUF) or `host` (the CPU at `--precision`,
     /// attention tensors moved to the backend and back). Default: `device` on a GPU backend
     /// for a model the GPU model computes, `host` otherwise.
     #[arg(long)]

@@ -187,7 +187,8 @@ impl LayerWeights {
         )
     }
 
-    /// Whether this is a [`llama`](Self::llama) layer (what the GPU model computes).
+    /// Whether this is a [`llama`](Self::llama) layer, with or without biases on its q, k
+    /// and v projections (Qwen2's): what the GPU model computes.
     pub fn is_llama(&self) -> bool {
         let plain = |w: &Linear| w.bias().is_none();
         matches!(self.attn_norm, Norm::Rms { .. })
@@ -196,16 +197,9 @@ impl LayerWeights {
             && self.ffn_out_norm.is_none()
             && self.mlp.gate.as_ref().is_some_and(plain)
             && self.mlp.activation == Activation::Silu
-            && [
-                &self.wq,
-                &self.wk,
-                &self.wv,
-                &self.wo,
-                &self.mlp.up,
-                &self.mlp.down,
-            ]
-            .into_iter()
-            .all(plain)
+            && [&self.wo, &self.mlp.up, &self.mlp.down]
+                .into_iter()
+                .all(plain)
     }
 }
 
