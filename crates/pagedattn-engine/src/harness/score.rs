@@ -9,7 +9,7 @@ use pagedattn::{
 };
 
 use crate::serving::model::{Model, ModelKind, StepTokens};
-use crate::serving::{run_attention, same_plan, write_kv};
+use crate::serving::{run_attention, write_kv, DecoderPlans};
 use crate::{Error, Result};
 
 /// Tokens per cache block of the scoring step.
@@ -93,17 +93,9 @@ pub fn encoder_decoder_logits(
         _ => encoder_tokens.len(),
     };
     // A plan per group of decoder layers that share one (Gemma-2's local and global).
-    let mut decoder: Vec<(usize, Plan)> = Vec::new();
-    for (layer, c) in layers.iter().enumerate() {
-        let planned = decoder
-            .iter()
-            .any(|(first, _)| same_plan(&layers[*first], c));
-        if c.attn_type() == AttnType::Decoder && !planned {
-            let p = plan(Some(layer), with(decoder_desc, None))?
-                .ok_or_else(|| Error::Model("no plan".into()))?;
-            decoder.push((layer, p));
-        }
-    }
+    let decoder = DecoderPlans::new(&layers, |layer| {
+        plan(Some(layer), with(decoder_desc, None))?.ok_or_else(|| Error::Model("no plan".into()))
+    })?;
     let dense_layer = first_of(AttnType::Encoder).or(first_of(AttnType::EncoderOnly));
     let dense = plan(
         dense_layer,
@@ -116,7 +108,7 @@ pub fn encoder_decoder_logits(
     };
     let (cross_read, cross_write) = (cross_plan(false)?, cross_plan(true)?);
     let mut workspace = Workspace::empty(backend.device());
-    let decoder_plans = decoder.iter().map(|(_, p)| p);
+    let decoder_plans = decoder.iter();
     for p in [&dense, &cross_read, &cross_write]
         .into_iter()
         .flatten()
@@ -143,13 +135,7 @@ pub fn encoder_decoder_logits(
             // Self-attention reads this step's keys and values (and a decoder's cache);
             // cross-attention writes the encoder's into the cross cache, then reads it.
             let (plan, kv, cache) = match config.attn_type() {
-                AttnType::Decoder => {
-                    let plan = decoder
-                        .iter()
-                        .find(|(first, _)| same_plan(&layers[*first], config))
-                        .map(|(_, p)| p);
-                    (plan, Some((k, v)), cache)
-                }
+                AttnType::Decoder => (decoder.of(&layers, config), Some((k, v)), cache),
                 AttnType::Encoder | AttnType::EncoderOnly => (dense.as_ref(), Some((k, v)), None),
                 AttnType::EncoderDecoder => {
                     let cache = cache.ok_or_else(missing)?;

@@ -1,8 +1,10 @@
 //! One attention call from the engine's side: a model computing on the host with a GPU
-//! backend has its tensors moved to the device and the output moved back.
+//! backend has its tensors moved to the device and the output moved back. And a step's
+//! decoder plans, one per group of layers that share a plan.
 
 use pagedattn::{
-    AttentionConfig, AttentionImpl, Backend, Device, Inputs, KvCache, Plan, Tensor, Workspace,
+    AttentionConfig, AttentionImpl, AttnType, Backend, Device, Inputs, KvCache, Plan, Tensor,
+    Workspace,
 };
 
 use crate::Result;
@@ -31,6 +33,42 @@ pub(crate) fn same_plan(a: &AttentionConfig, b: &AttentionConfig) -> bool {
         )
     };
     key(a) == key(b)
+}
+
+/// A step's decoder plans: one per group of decoder layers that share a plan ([`same_plan`]),
+/// each kept with the first layer of its group.
+#[derive(Default)]
+pub(crate) struct DecoderPlans(Vec<(usize, Plan)>);
+
+impl DecoderPlans {
+    /// Plans each group of `layers`' decoder layers once, by `plan` of the group's first layer.
+    pub(crate) fn new(
+        layers: &[AttentionConfig],
+        mut plan: impl FnMut(usize) -> Result<Plan>,
+    ) -> Result<Self> {
+        let mut plans: Vec<(usize, Plan)> = Vec::new();
+        for (layer, c) in layers.iter().enumerate() {
+            let planned = plans.iter().any(|(first, _)| same_plan(&layers[*first], c));
+            if c.attn_type() == AttnType::Decoder && !planned {
+                plans.push((layer, plan(layer)?));
+            }
+        }
+        Ok(DecoderPlans(plans))
+    }
+
+    /// The plan of a layer of `config` (`layers` as given to [`DecoderPlans::new`]), if its
+    /// group was planned.
+    pub(crate) fn of(&self, layers: &[AttentionConfig], config: &AttentionConfig) -> Option<&Plan> {
+        self.0
+            .iter()
+            .find(|(first, _)| same_plan(&layers[*first], config))
+            .map(|(_, plan)| plan)
+    }
+
+    /// Every plan.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Plan> {
+        self.0.iter().map(|(_, plan)| plan)
+    }
 }
 
 /// One attention call on `backend`: a model computing on the host with a GPU backend has its

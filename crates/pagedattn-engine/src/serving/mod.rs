@@ -20,4 +20,4 @@ pub mod report;
 pub mod sample;
 pub mod scheduler;
 
-pub(crate) use attention::{run_attention, same_plan, write_kv};
+pub(crate) use attention::{run_attention, write_kv, DecoderPlans};

@@ -8,7 +8,7 @@ use pagedattn::{
 };
 
 use super::{Engine, StepBuffers};
-use crate::serving::attention::{run_attention, same_plan, write_kv};
+use crate::serving::attention::{run_attention, write_kv, DecoderPlans};
 use crate::serving::batch::StepBatch;
 use crate::serving::check::{CallCheck, CheckedCall, CheckedCross, CheckedSeq};
 use crate::serving::clock::AttentionClock;
@@ -20,8 +20,8 @@ use crate::{Error, Result};
 #[derive(Default)]
 struct StepPlans {
     /// Decoder self-attention over the paged caches: a plan per group of layers that share
-    /// one ([`same_plan`]), with the first layer of the group.
-    decoder: Vec<(usize, Plan)>,
+    /// one.
+    decoder: DecoderPlans,
     /// Encoder (or encoder-only) attention, without a cache.
     dense: Option<Plan>,
     /// Cross-attention of every sequence, reading the cross caches.
@@ -85,9 +85,7 @@ impl LayerCalls<'_> {
             AttnType::Decoder => {
                 let plan = plans
                     .decoder
-                    .iter()
-                    .find(|(first, _)| same_plan(&self.layers[*first], config))
-                    .map(|(_, plan)| plan)
+                    .of(self.layers, config)
                     .ok_or_else(|| missing("decoder tokens"))?;
                 let cache = cache.as_deref_mut();
                 let kv = Some((key, value));
@@ -243,15 +241,7 @@ impl Engine<'_> {
             for d in descs {
                 builder.push(*d);
             }
-            for (layer, c) in self.layers.iter().enumerate() {
-                let planned = plans
-                    .decoder
-                    .iter()
-                    .any(|(first, _)| same_plan(&self.layers[*first], c));
-                if c.attn_type() == AttnType::Decoder && !planned {
-                    plans.decoder.push((layer, plan(layer, &builder)?));
-                }
-            }
+            plans.decoder = DecoderPlans::new(&self.layers, |layer| plan(layer, &builder))?;
         }
         let dense = first_of(AttnType::Encoder).or(first_of(AttnType::EncoderOnly));
         if let Some(layer) = dense.filter(|_| !dense_lens.is_empty()) {
@@ -287,7 +277,7 @@ impl Engine<'_> {
                 plans.cross_write = Some(plan(layer, &with_encoder(true)?)?);
             }
         }
-        let decoder = plans.decoder.iter().map(|(_, plan)| plan);
+        let decoder = plans.decoder.iter();
         for p in [&plans.dense, &plans.cross_read, &plans.cross_write]
             .into_iter()
             .flatten()
