@@ -258,34 +258,21 @@ mod gpu {
     /// The Hugging Face folders the GPU model computes — Llama, Mistral, and Qwen2 with its
     /// q/k/v biases — score the golden prompt as their f32 host models do: every logit within
     /// 10% of its row's spread (the tiny random models' bf16 error: 7.6% for Llama on an
-    /// H200), the same greedy token in 90% of the rows (they leave near ties). Gemma-2 is refused by name (its blocks are not the GPU model's).
+    /// H200), the same greedy token in 90% of the rows (they leave near ties). Gemma-2 is
+    /// refused by name (its blocks are not the GPU model's).
     #[test]
     #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
     fn hugging_face_folders_on_the_gpu_model_match_their_host_models() {
-        use pagedattn_engine::models::families::{self, HfModel};
-        use pagedattn_engine::models::hf::HfFolder;
+        use pagedattn_engine::models::families::HfModel;
 
-        let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models");
         let cuda = Cuda::new(0).unwrap();
         let backend = registry::backend("cuda").unwrap();
-        let load = |family: &str| {
-            let folder = HfFolder::open(&models.join(family)).unwrap();
-            match families::from_hf(&folder, Precision::Exact).unwrap() {
-                HfModel::Decoder(m) => m,
-                HfModel::Encoder(_) => unreachable!("{family} is a decoder"),
-            }
+        let load = |family: &str| match crate::hf::load(family) {
+            HfModel::Decoder(m) => m,
+            HfModel::Encoder(_) => unreachable!("{family} is a decoder"),
         };
         for family in ["llama", "mistral", "qwen2"] {
-            let golden: serde_json::Value = serde_json::from_str(
-                &std::fs::read_to_string(models.join(family).join("golden.json")).unwrap(),
-            )
-            .unwrap();
-            let tokens: Vec<u32> = golden["logits"]["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect();
+            let tokens = ids(&crate::hf::golden(family)["logits"]["ids"]);
             let mut host = load(family);
             assert!(host.runs_on_gpu_model(), "{family}");
             let mut gpu = GpuLlama::new(&host, &cuda).unwrap();

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use std::sync::atomic::AtomicBool;
 
+use crate::golden_file::ids;
 use pagedattn_engine::harness::score::{encoder_decoder_logits, prompt_logits};
 use pagedattn_engine::models::encdec::Pooling;
 use pagedattn_engine::models::families::{self, HfModel};
@@ -14,7 +15,8 @@ use pagedattn_engine::models::ops::Precision;
 use pagedattn_engine::serving::engine::{Engine, EngineRequest};
 use pagedattn_engine::serving::model::Model;
 
-fn models() -> PathBuf {
+/// `tests/hf-models/`.
+pub(crate) fn models() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models")
 }
 
@@ -142,17 +144,9 @@ fn every_family_tokenizer_encodes_as_transformers() {
     for family in FAMILIES {
         let dir = models().join(family);
         let tokenizer = Tokenizer::from_hf_folder(&dir).unwrap();
-        let golden: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
-                .unwrap();
-        for prompt in golden["prompts"].as_array().unwrap() {
+        for prompt in golden(family)["prompts"].as_array().unwrap() {
             let text = prompt["text"].as_str().unwrap();
-            let want: Vec<u32> = prompt["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect();
+            let want = ids(&prompt["ids"]);
             assert_eq!(
                 tokenizer.encode(text, true).unwrap(),
                 want,
@@ -175,18 +169,9 @@ fn every_family_tokenizer_encodes_as_transformers() {
 }
 
 /// The golden of `family`'s folder.
-fn golden(family: &str) -> serde_json::Value {
+pub(crate) fn golden(family: &str) -> serde_json::Value {
     let text = std::fs::read_to_string(models().join(family).join("golden.json")).unwrap();
     serde_json::from_str(&text).unwrap()
-}
-
-/// A JSON list of ids.
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect()
 }
 
 /// A JSON list of numbers.
@@ -199,7 +184,7 @@ fn floats(v: &serde_json::Value) -> Vec<f64> {
 }
 
 /// `family`'s model from its folder, at exact precision.
-fn load(family: &str) -> HfModel {
+pub(crate) fn load(family: &str) -> HfModel {
     let folder = HfFolder::open(&models().join(family)).unwrap();
     families::from_hf(&folder, Precision::Exact).unwrap()
 }

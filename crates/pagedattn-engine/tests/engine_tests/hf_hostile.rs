@@ -5,7 +5,6 @@
 //! serves a request: never a panic, never a huge allocation (2^31 layers once asked for 32 GiB
 //! before a tensor was read).
 
-use std::path::Path;
 use std::sync::atomic::AtomicBool;
 
 use pagedattn_engine::models::families;
@@ -36,7 +35,7 @@ fn replacements() -> Vec<Option<Value>> {
 
 #[test]
 fn hostile_config_fields_are_refused_or_served_never_a_panic() {
-    let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/hf-models");
+    let models = crate::hf::models();
     let dir = std::env::temp_dir().join(format!("pagedattn-hf-hostile-{}", std::process::id()));
     let backend = pagedattn::registry::backend("cpu").unwrap();
     let (mut refused, mut served) = (0, 0);
