@@ -171,6 +171,14 @@ def backend_for(tensor: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
+def _cumulative(lens: Sequence[int]) -> List[int]:
+    """``[0, l0, l0 + l1, ...]``: vLLM's ``*_start_loc`` form of lengths."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + int(n))
+    return out
+
+
 def _to_list(x: Any) -> Optional[list]:
     """A tensor, array or sequence as a (nested) Python list; None stays None."""
     if x is None:
@@ -570,12 +578,6 @@ class PagedAttnMetadata:
         np_, s = self.num_prefills, self.num_seqs
         prefill_seq_lens, prefill_queries = seq_lens[:np_], query_lens[:np_]
 
-        def cumulative(lens: List[int]) -> List[int]:
-            out = [0]
-            for n in lens:
-                out.append(out[-1] + n)
-            return out
-
         def disagree(a: str, b: str, detail: str) -> ValueError:
             return ValueError(f"metadata.{a} and metadata.{b} disagree: {detail}")
 
@@ -598,11 +600,11 @@ class PagedAttnMetadata:
                 f"{self.num_prefill_tokens} against the prefills' {sum(prefill_queries)} query tokens",
             )
         checks = [
-            ("seq_start_loc", "seq_lens", self.seq_start_loc, cumulative(seq_lens)),
-            ("kv_start_loc", "seq_lens", self.kv_start_loc, cumulative(prefill_seq_lens)),
-            ("seqlen_q", "query_start_loc", self.seqlen_q, cumulative(prefill_queries)),
+            ("seq_start_loc", "seq_lens", self.seq_start_loc, _cumulative(seq_lens)),
+            ("kv_start_loc", "seq_lens", self.kv_start_loc, _cumulative(prefill_seq_lens)),
+            ("seqlen_q", "query_start_loc", self.seqlen_q, _cumulative(prefill_queries)),
             ("prefill_query_start_loc", "query_start_loc", self.prefill_query_start_loc,
-             cumulative(prefill_queries)),
+             _cumulative(prefill_queries)),
         ]
         for name, other, given, want in checks:
             if given is not None and _numel(given) > 0:
@@ -702,9 +704,7 @@ class PagedAttnMetadata:
             lens = [int(v) for v in _to_list(self.encoder_seq_lens_tensor)]
         if self.encoder_seq_start_loc is not None and _numel(self.encoder_seq_start_loc) > 0:
             got = [int(v) for v in _to_list(self.encoder_seq_start_loc)]
-            want = [0]
-            for n in lens:
-                want.append(want[-1] + n)
+            want = _cumulative(lens)
             if got != want:
                 raise ValueError(
                     f"metadata.encoder_seq_start_loc and metadata.encoder_seq_lens disagree: "
@@ -866,10 +866,7 @@ class PagedAttnMetadataBuilder:
             raise ValueError(f"query_lens: {query_lens}; expected a query of at least one token")
 
         def cumulative(lens: List[int]) -> Any:
-            out = [0]
-            for n in lens:
-                out.append(out[-1] + int(n))
-            return torch.tensor(out, dtype=torch.int32, device=device)
+            return torch.tensor(_cumulative(lens), dtype=torch.int32, device=device)
 
         return PagedAttnMetadata(
             num_prefills=num_prefills,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Type
 
 from . import SUPPORTED_HEAD_SIZES, AttentionType, PagedAttnMetadata
+from . import PagedAttnBackend as _V0Backend
 from . import PagedAttnImpl as _V0Impl
 
 __all__ = ["PagedAttnBackend", "PagedAttnMetadataV1", "PagedAttnMetadataBuilder", "PagedAttnImpl"]
@@ -63,15 +64,14 @@ class PagedAttnBackend:
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> Tuple[int, ...]:
-        """``(2, num_blocks, block_size * num_kv_heads * head_size)``: keys at index 0, values
-        at 1, each block in the native backend's layout (v0's shape; see
-        :meth:`pagedattn.vllm.PagedAttnBackend.get_kv_cache_shape`)."""
-        return (2, num_blocks, block_size * num_kv_heads * head_size)
+        """v0's shape, ``(2, num_blocks, block_size * num_kv_heads * head_size)``: see
+        :meth:`pagedattn.vllm.PagedAttnBackend.get_kv_cache_shape`."""
+        return _V0Backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_supported_head_sizes() -> List[int]:
         """The head sizes every native backend serves."""
-        return list(SUPPORTED_HEAD_SIZES)
+        return _V0Backend.get_supported_head_sizes()
 
     @staticmethod
     def get_supported_dtypes() -> List[Any]:
