@@ -391,21 +391,15 @@ fn max_tokens(body: &mut Body, keys: &[&str]) -> Result<Option<usize>, ApiError>
     Ok(value)
 }
 
-/// The engine request of one prompt.
-fn engine_request(
-    prompt: Vec<u32>,
-    max_new_tokens: usize,
-    c: &Common,
-    model: &ModelInfo<'_>,
-    param: &str,
-) -> Result<EngineRequest, ApiError> {
-    if prompt.is_empty() {
+/// Refuses field `param`'s tokens where there are none or one is past the vocabulary.
+fn check_tokens(tokens: &[u32], model: &ModelInfo<'_>, param: &str) -> Result<(), ApiError> {
+    if tokens.is_empty() {
         return Err(ApiError::invalid(
             param,
             format!("{param}: no tokens: expected at least one"),
         ));
     }
-    if let Some(t) = prompt.iter().find(|&&t| t as usize >= model.vocab) {
+    if let Some(t) = tokens.iter().find(|&&t| t as usize >= model.vocab) {
         return Err(ApiError::invalid(
             param,
             format!(
@@ -414,6 +408,18 @@ fn engine_request(
             ),
         ));
     }
+    Ok(())
+}
+
+/// The engine request of one prompt.
+fn engine_request(
+    prompt: Vec<u32>,
+    max_new_tokens: usize,
+    c: &Common,
+    model: &ModelInfo<'_>,
+    param: &str,
+) -> Result<EngineRequest, ApiError> {
+    check_tokens(&prompt, model, param)?;
     // An encoder-decoder model encodes the prompt and generates from its decoder start.
     let (prompt, encoder_prompt) = match (model.kind, model.decoder_start) {
         (ModelKind::EncoderDecoder, Some(start)) => {
@@ -705,15 +711,7 @@ pub fn embeddings(bytes: &[u8], model: &ModelInfo<'_>) -> Result<Embeddings, Api
     let requests = inputs
         .into_iter()
         .map(|input| {
-            if input.is_empty() {
-                return Err(ApiError::invalid("input", "input: no tokens: expected at least one"));
-            }
-            if let Some(t) = input.iter().find(|&&t| t as usize >= model.vocab) {
-                return Err(ApiError::invalid(
-                    "input",
-                    format!("input holds token {t}: expected ids below the vocabulary's {}", model.vocab),
-                ));
-            }
+            check_tokens(&input, model, "input")?;
             if input.len() > model.max_context {
                 return Err(ApiError::invalid(
                     "input",
