@@ -288,6 +288,24 @@ def forward(t, meta):
                 return kflat[slots].astype(np.float64), vflat[slots].astype(np.float64)
             return (fp8_decode(kflat[slots], sp.kvd) * sp.ks, fp8_decode(vflat[slots], sp.kvd) * sp.vs)
 
+        def keys_of(positions, unwritten, tokens, table):
+            """K, V [len(positions), Hkv, D]: a position's key from the cache through `table`,
+            or, where `unwritten` (a new token with slot -1: not written, still a key), the
+            call's token `tokens[i]` as the cache would hold it."""
+            K, V = np.zeros((len(positions), Hkv, D)), np.zeros((len(positions), Hkv, D))
+            cached = ~unwritten
+            if cached.any():
+                p = positions[cached]
+                K[cached], V[cached] = load(table[p // B] * B + p % B)
+            if unwritten.any():
+                tok = tokens[unwritten]
+                if sp.kvd == "auto":
+                    K[unwritten], V[unwritten] = key[tok].astype(np.float64), value[tok].astype(np.float64)
+                else:
+                    K[unwritten] = fp8_decode(quantize(key[tok], sp.ks, sp.kvd), sp.kvd) * sp.ks
+                    V[unwritten] = fp8_decode(quantize(value[tok], sp.vs, sp.kvd), sp.kvd) * sp.vs
+            return K, V
+
     slopes = t["alibi_slopes"].astype(np.float64) if "alibi_slopes" in t else None
     qf = t["query"].astype(np.float64)
     out = np.zeros((sp.T, H, D))
@@ -308,8 +326,10 @@ def forward(t, meta):
                 bt = t["block_tables"][s].astype(np.int64)
                 if len(bt) * B < L:
                     raise ValueError("block_tables row %d too short for seq_len %d" % (s, L))
-                js = np.array([j for j in range(L) if not (j >= ctx and sm[q0 + j - ctx] == -1)], dtype=np.int64)
-                K, V = load(bt[js // B] * B + js % B) if len(js) else (np.zeros((0, Hkv, D)),) * 2
+                js = np.arange(L, dtype=np.int64)
+                tokens = q0 + js - ctx
+                unwritten = (js >= ctx) & (sm[np.clip(tokens, q0, max(q0, q1 - 1))] == -1)
+                K, V = keys_of(js, unwritten, tokens, bt)
             else:
                 if ctx != 0:
                     raise ValueError("decoder without a cache needs seq_lens == new tokens (seq %d)" % s)
@@ -328,8 +348,10 @@ def forward(t, meta):
                 cbt = t["cross_block_tables"][s].astype(np.int64)
                 if len(cbt) * B < E:
                     raise ValueError("cross_block_tables row %d too short for encoder_seq_len %d" % (s, E))
-                js = np.array([j for j in range(E) if not (sm is not None and sm[e0 + j] == -1)], dtype=np.int64)
-                K, V = load(cbt[js // B] * B + js % B) if len(js) else (np.zeros((0, Hkv, D)),) * 2
+                js = np.arange(E, dtype=np.int64)
+                tokens = e0 + js
+                unwritten = sm[tokens] == -1 if sm is not None else np.zeros(E, dtype=bool)
+                K, V = keys_of(js, unwritten, tokens, cbt)
             else:
                 js = np.arange(E)
                 K, V = key[e0:e0 + E].astype(np.float64), value[e0:e0 + E].astype(np.float64)
@@ -472,6 +494,18 @@ def brute_forward(t, meta):
     def from_input(tok):
         return key[tok].astype(np.float64).tolist(), value[tok].astype(np.float64).tolist()
 
+    def as_cached(tok):
+        """Token tok of the call's key/value as the cache would hold it (a slot -1 key)."""
+        if kvd == "auto":
+            return from_input(tok)
+
+        def stored(x, sc):
+            return elem(brute_fp8_encode(float(np.float32(float(np.float32(x)) / sc)), kvd), sc)
+
+        kk = [[stored(key[tok, hh, d], ks) for d in range(D)] for hh in range(Hkv)]
+        vv = [[stored(value[tok, hh, d], vs) for d in range(D)] for hh in range(Hkv)]
+        return kk, vv
+
     out = [[[0.0] * D for _ in range(H)] for _ in range(T)]
     for s in range(len(seq_lens)):
         n = qsl[s + 1] - qsl[s]
@@ -481,6 +515,7 @@ def brute_forward(t, meta):
             if cache:
                 for j in range(seq_lens[s]):
                     if j >= ctx and smap[qsl[s] + (j - ctx)] == -1:
+                        keys.append((j,) + as_cached(qsl[s] + (j - ctx)))
                         continue
                     blk = int(t["block_tables"][s][j // B])
                     keys.append((j,) + read(blk * B + j % B))
@@ -498,6 +533,7 @@ def brute_forward(t, meta):
             for j in range(E):
                 if cache:
                     if key is not None and smap[e0 + j] == -1:
+                        keys.append((j,) + as_cached(e0 + j))
                         continue
                     blk = int(t["cross_block_tables"][s][j // B])
                     keys.append((j,) + read(blk * B + j % B))

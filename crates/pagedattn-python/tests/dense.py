@@ -55,7 +55,6 @@ def score_bias(
     causal: bool,
     alibi_slopes: Optional[Sequence[float]] = None,
     sliding_window: Optional[int] = None,
-    key_valid=None,
     alibi_q_pos=None,
 ):
     """The additive score term ``[H, Tq, Tk]`` (float64: ALiBi bias, ``-inf`` where masked) and
@@ -63,7 +62,7 @@ def score_bias(
     positions ``0..num_keys-1``.
 
     Mask: causal (decoder) allows ``j <= i`` and, with a window W, ``i - W < j``; non-causal
-    allows every key. ``key_valid[Tk]`` (bool) removes keys that are not keys (padding slots).
+    allows every key.
     ALiBi: ``slope_h * (j - i)`` when causal, ``-slope_h * |j - i|`` otherwise, measured from
     ``alibi_q_pos`` when given (cross-attention: ``min(i, n - 1)``, see ``cross_alibi_positions``),
     else from ``q_pos``.
@@ -77,8 +76,6 @@ def score_bias(
             allowed &= j > i - sliding_window
     elif sliding_window is not None:
         raise ValueError("the contract has no sliding window for non-causal attention")
-    if key_valid is not None:
-        allowed &= torch.as_tensor(key_valid, dtype=torch.bool).reshape(1, -1)
     bias = torch.zeros(num_heads, i.shape[0], num_keys, dtype=F64)
     if alibi_slopes is not None:
         ai = i if alibi_q_pos is None else _positions(alibi_q_pos, 0)[:, None]
@@ -102,7 +99,6 @@ def dense_attention(
     alibi_slopes: Optional[Sequence[float]] = None,
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
-    key_valid=None,
     alibi_q_pos=None,
     use_sdpa: bool = True,
 ) -> torch.Tensor:
@@ -125,13 +121,12 @@ def dense_attention(
     if soft_cap is not None or not use_sdpa:
         return dense_attention_manual(
             q, k, v, q_pos, causal=causal, scale=scale, alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window, soft_cap=soft_cap, key_valid=key_valid,
-            alibi_q_pos=alibi_q_pos,
+            sliding_window=sliding_window, soft_cap=soft_cap, alibi_q_pos=alibi_q_pos,
         )
     q_pos = _positions(q_pos, tq)
     bias, allowed = score_bias(
         q_pos, tk, h, causal=causal, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-        key_valid=key_valid, alibi_q_pos=alibi_q_pos,
+        alibi_q_pos=alibi_q_pos,
     )
     q64, k64, v64 = (x.detach().to("cpu", F64) for x in (q, k, v))
     if tk == 0 or tq == 0:
@@ -151,7 +146,7 @@ def dense_attention(
 
 def dense_attention_manual(
     q, k, v, q_pos=None, *, causal=True, scale=None, alibi_slopes=None, sliding_window=None,
-    soft_cap=None, key_valid=None, alibi_q_pos=None,
+    soft_cap=None, alibi_q_pos=None,
 ) -> torch.Tensor:
     """``dense_attention`` with the scores computed by hand (float64): ``s = scale * q.k``, then
     ``s = cap * tanh(s / cap)`` (soft cap), then ``+ ALiBi``, masked keys at ``-inf``,
@@ -162,7 +157,7 @@ def dense_attention_manual(
     q_pos = _positions(q_pos, tq)
     bias, allowed = score_bias(
         q_pos, tk, h, causal=causal, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-        key_valid=key_valid, alibi_q_pos=alibi_q_pos,
+        alibi_q_pos=alibi_q_pos,
     )
     q64, k64, v64 = (x.detach().to("cpu", F64) for x in (q, k, v))
     group = h // hkv
@@ -357,7 +352,6 @@ class Batch:
     q_pos: list  # per sequence, its queries' positions
     keys: list  # per sequence, float64 [n, Hkv, D]: the keys as the backend reads them
     values: list
-    key_valid: list  # per sequence, bool [n] (False: a padding token, not a key)
     causal: bool
     cross: bool = False
     block_tables: Optional[list] = None
@@ -382,7 +376,7 @@ class Batch:
                 extra["alibi_q_pos"] = cross_alibi_positions(self.q_pos[s], self.keys[s].shape[0])
             out[r.start:r.stop] = dense_attention(
                 q[r.start:r.stop], self.keys[s], self.values[s], self.q_pos[s],
-                causal=self.causal, key_valid=self.key_valid[s], **modifiers, **extra,
+                causal=self.causal, **modifiers, **extra,
             )
         return out
 
@@ -450,8 +444,8 @@ def make_batch(
     then decodes). The context tokens' keys and values are written straight into the cache
     tensor (fp8: quantized) at their shuffled blocks; the new ones are returned as
     ``key``/``value`` for ``run`` to write. Every other cache element is NaN. ``padding``:
-    indices of new tokens (in the step's token order) whose slot is -1 (not written, not a
-    key). ``index_kind``: index tensors as ``torch`` tensors (int32 tables / int64 slots),
+    indices of new tokens (in the step's token order) whose slot is -1 (not written, still a
+    key of this call, as the cache would hold it). ``index_kind``: index tensors as ``torch`` tensors (int32 tables / int64 slots),
     ``numpy`` arrays or Python ``list``s. ``metadata_form``: lengths given as
     ``query_start_loc`` or ``context_lens`` (plus ``num_prefills`` either way).
     """
@@ -468,7 +462,7 @@ def make_batch(
     query = random_values(gen, (t, num_heads, head_size), dtype, amplitude)
     key = random_values(gen, (t, num_kv_heads, head_size), dtype, amplitude)
     value = random_values(gen, (t, num_kv_heads, head_size), dtype, amplitude)
-    slot_mapping, qranges, q_pos, keys, values, valid = [], [], [], [], [], []
+    slot_mapping, qranges, q_pos, keys, values = [], [], [], [], []
     at = 0
     for s, seq in enumerate(seqs):
         # Context: written into the cache directly, as an earlier step would have.
@@ -479,11 +473,9 @@ def make_batch(
         write_slots(c5, layout, 1, ctx_slots, _cache_elements(cv, kv_cache_dtype, v_scale))
         new_slots = slots_of(tables[s], block_size, range(seq.context, seq.length))
         r = range(at, at + seq.new)
-        ok = [True] * seq.context
         for m, tok in enumerate(r):
             if tok in padding:
                 new_slots[m] = -1
-            ok.append(tok not in padding)
         slot_mapping += new_slots
         qranges.append(r)
         q_pos.append(list(range(seq.context, seq.length)))
@@ -492,7 +484,6 @@ def make_batch(
                                _stored(nk, kv_cache_dtype, k_scale)]))
         values.append(torch.cat([_stored(cv, kv_cache_dtype, v_scale),
                                  _stored(nv, kv_cache_dtype, v_scale)]))
-        valid.append(torch.tensor(ok, dtype=torch.bool))
         at += seq.new
     num_prefills = sum(1 for s in seqs if not s.decode)
     assert all(not s.decode for s in seqs[:num_prefills]), "prefills first"
@@ -523,7 +514,6 @@ def make_batch(
         q_pos=q_pos,
         keys=keys,
         values=values,
-        key_valid=valid,
         causal=True,
         block_tables=tables,
         slot_mapping=slot_mapping,
@@ -570,17 +560,16 @@ def make_encoder_batch(backend, lengths: Sequence[int], *, num_heads: int, num_k
     key = random_values(gen, (t, num_kv_heads, head_size), dtype, amplitude)
     value = random_values(gen, (t, num_kv_heads, head_size), dtype, amplitude)
     md = pagedattn.Metadata(seq_lens=list(lengths), slot_mapping=[-1] * t)
-    qranges, q_pos, keys, values, valid, at = [], [], [], [], [], 0
+    qranges, q_pos, keys, values, at = [], [], [], [], 0
     for n in lengths:
         r = range(at, at + n)
         qranges.append(r)
         q_pos.append(list(range(n)))
         keys.append(key[r.start:r.stop].to(F64))
         values.append(value[r.start:r.stop].to(F64))
-        valid.append(torch.ones(n, dtype=torch.bool))
         at += n
     return Batch(md, query.to(dev), key.to(dev), value.to(dev), None, [prompt(0, n) for n in lengths],
-                 qranges, q_pos, keys, values, valid, causal=False)
+                 qranges, q_pos, keys, values, causal=False)
 
 
 def make_cross_batch(
@@ -634,7 +623,7 @@ def make_cross_batch(
     query = random_values(gen, (t, num_heads, head_size), dtype, amplitude)
     ek = random_values(gen, (te, num_kv_heads, head_size), dtype, amplitude)
     ev = random_values(gen, (te, num_kv_heads, head_size), dtype, amplitude)
-    cross_slots, qranges, q_pos, keys, values, valid = [], [], [], [], [], []
+    cross_slots, qranges, q_pos, keys, values = [], [], [], [], []
     at = eat = 0
     kd = kv_cache_dtype if use_cache else "auto"
     for s, seq in enumerate(seqs):
@@ -649,7 +638,6 @@ def make_cross_batch(
         q_pos.append(list(range(seq.context, seq.length)))
         keys.append(_stored(k_s, kd, k_scale))
         values.append(_stored(v_s, kd, v_scale))
-        valid.append(torch.ones(seq.encoder, dtype=torch.bool))
         at += seq.new
         eat += seq.encoder
     num_prefills = sum(1 for s in seqs if not s.decode)
@@ -681,7 +669,6 @@ def make_cross_batch(
         q_pos=q_pos,
         keys=keys,
         values=values,
-        key_valid=valid,
         causal=False,
         cross=True,
         block_tables=tables,

@@ -89,6 +89,7 @@ pub mod config;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod detached;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -53,39 +53,71 @@ pub struct ReferenceAttention {
 }
 
 /// Where a call's keys and values are read: the cache's buffers (fp8 codes decoded with their
-/// scales) or the input tensors, one element at a time as f64, so that memory stays bounded
+/// scales) and the input tensors, one element at a time as f64, so that memory stays bounded
 /// whatever the sequences' lengths.
 struct KeyValueRows<'a> {
-    keys: &'a HostStorage,
-    values: &'a HostStorage,
-    /// The cache, when keys are read from one.
-    cache: Option<&'a KvCache>,
+    /// The cache's key and value buffers and the cache, when keys are read from one.
+    cache: Option<(&'a HostStorage, &'a HostStorage, &'a KvCache)>,
+    /// The call's key and value tensors, when it carries them.
+    input: Option<(&'a HostStorage, &'a HostStorage)>,
     /// The cache's fp8 format and scales (None: elements are values).
     fp8: Option<(Fp8Format, KvScales)>,
     num_kv_heads: usize,
     head_size: usize,
 }
 
+/// Where a key's row is: its first element in the cache's buffers or in the input tensors.
+#[derive(Clone, Copy)]
+enum Row {
+    Cache(usize),
+    Input(usize),
+}
+
 impl KeyValueRows<'_> {
-    fn row_start(&self, location: KeyLocation, kv_head: usize) -> usize {
+    fn row(&self, location: KeyLocation, kv_head: usize) -> Row {
         match location {
-            KeyLocation::Slot(slot) => self
-                .cache
-                .expect("slot implies a cache")
-                .row_start(slot, kv_head),
-            KeyLocation::InputToken(t) => (t * self.num_kv_heads + kv_head) * self.head_size,
-            KeyLocation::Absent => unreachable!("absent keys are filtered out"),
+            KeyLocation::Slot(slot) => Row::Cache(
+                self.cache
+                    .expect("slot implies a cache")
+                    .2
+                    .row_start(slot, kv_head),
+            ),
+            KeyLocation::InputToken(t) => {
+                Row::Input((t * self.num_kv_heads + kv_head) * self.head_size)
+            }
         }
     }
 
-    /// Element `i` of the key buffer.
-    fn key(&self, i: usize) -> f64 {
-        element(self.keys, self.fp8.map(|(f, s)| (f, s.k_scale)), i)
+    /// Element `x` of the key row `row`.
+    fn key(&self, row: Row, x: usize) -> f64 {
+        self.element(row, x, 0, |s| s.k_scale)
     }
 
-    /// Element `i` of the value buffer.
-    fn value(&self, i: usize) -> f64 {
-        element(self.values, self.fp8.map(|(f, s)| (f, s.v_scale)), i)
+    /// Element `x` of the value row `row`.
+    fn value(&self, row: Row, x: usize) -> f64 {
+        self.element(row, x, 1, |s| s.v_scale)
+    }
+
+    /// Element `x` of a key (`side` 0) or value (1) row. An input element read beside a
+    /// cache is the value the cache would hold: with an fp8 cache, its code's value.
+    fn element(&self, row: Row, x: usize, side: usize, scale: fn(&KvScales) -> f32) -> f64 {
+        let fp8 = self.fp8.map(|(f, s)| (f, scale(&s)));
+        match row {
+            Row::Cache(i) => {
+                let (k, v, _) = self.cache.expect("a cache row implies a cache");
+                element([k, v][side], fp8, i + x)
+            }
+            Row::Input(i) => {
+                let (k, v) = self.input.expect("an input row implies input tensors");
+                let x = element([k, v][side], None, i + x);
+                match fp8 {
+                    Some((format, scale)) => {
+                        format.decode(format.encode(x as f32 / scale)) as f64 * scale as f64
+                    }
+                    None => x,
+                }
+            }
+        }
     }
 }
 
@@ -142,22 +174,26 @@ impl AttentionImpl for ReferenceAttention {
                 cfg.kv_scales(),
             )?;
         }
-        // 2. Read every key and value from the cache when there is one, else from the inputs.
+        // 2. Read every key and value from the cache when there is one (new tokens with slot
+        // -1 from the inputs, as the cache would hold them), else from the inputs.
         let cache = kv_cache.as_deref();
-        let (keys, values, fp8) = match (cache, new_kv) {
-            (Some(c), _) => {
-                let (k, v) = c.host_buffers()?;
-                let fp8 = cfg.kv_cache_dtype().fp8_format();
-                (k, v, fp8.map(|f| (f, cfg.kv_scales())))
-            }
-            (None, Some(kv)) => (kv.key.host()?, kv.value.host()?, None),
-            (None, None) => unreachable!("validated: without a cache, key and value are given"),
-        };
         let rows = KeyValueRows {
-            keys,
-            values,
-            cache,
-            fp8,
+            cache: match cache {
+                Some(c) => {
+                    let (k, v) = c.host_buffers()?;
+                    Some((k, v, c))
+                }
+                None => None,
+            },
+            input: match new_kv {
+                Some(kv) => Some((kv.key.host()?, kv.value.host()?)),
+                None => None,
+            },
+            fp8: cache.and_then(|_| {
+                cfg.kv_cache_dtype()
+                    .fp8_format()
+                    .map(|f| (f, cfg.kv_scales()))
+            }),
             num_kv_heads: cfg.num_kv_heads(),
             head_size: cfg.head_size(),
         };
@@ -222,14 +258,11 @@ impl ReferenceAttention {
         let keys = || {
             allowed
                 .clone()
-                .filter_map(|j| match key_map.locate(seq, j) {
-                    KeyLocation::Absent => None,
-                    loc => Some((j, rows.row_start(loc, kv_head))),
-                })
+                .map(|j| (j, rows.row(key_map.locate(seq, j), kv_head)))
         };
         // Each step's result in f32's range: what f32 rounds to infinity is infinite.
-        let score = |j: usize, row: usize| {
-            let dot: f64 = (0..d).map(|x| q[x] * rows.key(row + x)).sum();
+        let score = |j: usize, row: Row| {
+            let dot: f64 = (0..d).map(|x| q[x] * rows.key(row, x)).sum();
             let mut s = in_f32_range(cfg.scale() as f64 * dot);
             if let Some(cap) = cfg.logits_soft_cap() {
                 s = soft_cap(s, cap as f64);
@@ -251,7 +284,7 @@ impl ReferenceAttention {
             let e = (score(j, row) - max).exp();
             total += e;
             for (x, o) in out.iter_mut().enumerate() {
-                *o += e * rows.value(row + x);
+                *o += e * rows.value(row, x);
             }
         }
         for o in out.iter_mut() {

@@ -68,10 +68,10 @@ pub fn soft_cap(s: f64, cap: f64) -> f64 {
 pub enum KeyLocation {
     /// Cache slot (after this call's write).
     Slot(usize),
-    /// Token index in this call's key/value tensors.
+    /// Token index in this call's key/value tensors: the keys of a call without a cache, and
+    /// a new token whose slot is -1 (not written, still a key of its own call; with a cache,
+    /// read as the cache would hold it: fp8 caches quantize it with the layer's scales).
     InputToken(usize),
-    /// Not a key: a new token with slot -1 (padding).
-    Absent,
 }
 
 /// Which keys each sequence of a batch has, and where they live.
@@ -114,25 +114,54 @@ impl<'a> KeyMap<'a> {
         }
     }
 
+    /// The positions of sequence `s` that are this call's new tokens written through a slot
+    /// mapping, with the index of the first one's token among the call's key/value rows:
+    /// the decoder's new tokens and, at a cross-attention prefill, the encoder's tokens.
+    /// Empty without a cache (nothing is written).
+    pub fn new_tokens(&self, s: usize) -> (Range<usize>, usize) {
+        let md = self.metadata;
+        match (self.attn_type, self.block_size) {
+            (AttnType::Decoder, Some(_)) => (
+                md.context_lens[s] as usize..self.num_positions(s),
+                md.query_range(s).start,
+            ),
+            (AttnType::EncoderDecoder, Some(_)) if self.has_new_kv => {
+                (0..self.num_positions(s), md.encoder_token_start(s))
+            }
+            _ => (0..0, 0),
+        }
+    }
+
+    /// The slot mapping the new tokens of [`new_tokens`](Self::new_tokens) are written
+    /// through: `slot_mapping`, or `cross_slot_mapping` for cross-attention.
+    pub fn slot_mapping(&self) -> &'a [i64] {
+        match (self.attn_type, &self.metadata.encoder) {
+            (AttnType::EncoderDecoder, Some(enc)) => &enc.cross_slot_mapping,
+            _ => &self.metadata.slot_mapping,
+        }
+    }
+
     /// Where key position `j` of sequence `s` is read.
     pub fn locate(&self, s: usize, j: usize) -> KeyLocation {
         let md = self.metadata;
+        let (new, first_token) = self.new_tokens(s);
+        if new.contains(&j) {
+            let t = first_token + j - new.start;
+            if self.slot_mapping()[t] < 0 {
+                return KeyLocation::InputToken(t);
+            }
+        }
         let paged = |table: &[i32], b: usize| KeyLocation::Slot(table[j / b] as usize * b + j % b);
         match (self.attn_type, self.block_size) {
-            (AttnType::Decoder, Some(b)) => {
-                let ctx = md.context_lens[s] as usize;
-                if j >= ctx && md.slot_mapping[md.query_range(s).start + j - ctx] < 0 {
-                    return KeyLocation::Absent;
-                }
-                paged(md.block_tables.row(s), b)
-            }
-            (AttnType::EncoderDecoder, Some(b)) => {
-                let enc = md.encoder.as_ref().expect("validated");
-                if self.has_new_kv && enc.cross_slot_mapping[md.encoder_token_start(s) + j] < 0 {
-                    return KeyLocation::Absent;
-                }
-                paged(enc.cross_block_tables.row(s), b)
-            }
+            (AttnType::Decoder, Some(b)) => paged(md.block_tables.row(s), b),
+            (AttnType::EncoderDecoder, Some(b)) => paged(
+                md.encoder
+                    .as_ref()
+                    .expect("validated")
+                    .cross_block_tables
+                    .row(s),
+                b,
+            ),
             (AttnType::EncoderDecoder, None) => {
                 KeyLocation::InputToken(md.encoder_token_start(s) + j)
             }
@@ -140,16 +169,11 @@ impl<'a> KeyMap<'a> {
         }
     }
 
-    /// The positions of sequence `s` that are not keys (new tokens with slot -1), sorted.
-    pub fn absent_positions(&self, s: usize) -> Vec<usize> {
-        let md = self.metadata;
-        let new_tokens = match (self.attn_type, self.block_size) {
-            (AttnType::Decoder, Some(_)) => md.context_lens[s] as usize..self.num_positions(s),
-            (AttnType::EncoderDecoder, Some(_)) if self.has_new_kv => 0..self.num_positions(s),
-            _ => 0..0,
-        };
-        new_tokens
-            .filter(|&j| self.locate(s, j) == KeyLocation::Absent)
-            .collect()
+    /// Whether sequence `s` has a new token whose slot is -1: a key that is not written.
+    pub fn has_unwritten_key(&self, s: usize) -> bool {
+        let (new, first_token) = self.new_tokens(s);
+        self.slot_mapping()[first_token..first_token + new.len()]
+            .iter()
+            .any(|&slot| slot < 0)
     }
 }

@@ -29,8 +29,7 @@ mod common;
 use common::*;
 use pagedattn::cpu::{Cpu, Isa};
 use pagedattn::{
-    registry, AttentionConfig, AttentionMetadata, AttnType, Backend, DType, KvCache, KvCacheDtype,
-    Tensor,
+    registry, AttentionConfig, AttentionMetadata, AttnType, Backend, DType, KvCacheDtype, Tensor,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -740,19 +739,23 @@ proptest! {
 /// Head sizes that run the AVX-512, AVX2 and scalar bodies.
 const HEAD_SIZES: [usize; 3] = [16, 8, 5];
 
-/// Runs `call` (without a cache) on every cpu ISA and requires exact zeros everywhere.
-fn all_zeros(call: &Call, mut cache: impl FnMut(&Cpu) -> Option<KvCache>) {
+/// Runs `call` on every cpu ISA (with a cache built from `model`, which it must leave as it
+/// found it) and requires every output within `tolerance` of `expected`.
+fn all_near(call: &Call, model: Option<&CacheModel>, expected: f32, tolerance: f32) {
     for cpu in cpus() {
-        let mut c = cache(&cpu);
+        let mut c = model.map(|m| (m.build(cpu.kv_cache_layout()), m));
         let out = call
-            .run(&cpu, c.as_mut(), "forward")
+            .run(&cpu, c.as_mut().map(|(c, _)| c), "forward")
             .unwrap_or_else(|e| panic!("{}: {e}", cpu.isa()));
+        let values = out.to_f32_vec().unwrap();
         assert!(
-            out.to_f32_vec().unwrap().iter().all(|&x| x == 0.0),
-            "{}: {:?}",
+            values.iter().all(|&x| (x - expected).abs() <= tolerance),
+            "{}: {values:?}",
             cpu.isa(),
-            out.to_f32_vec().unwrap()
         );
+        if let Some((cache, model)) = &c {
+            model.check(cache, "nothing written").unwrap();
+        }
     }
 }
 
@@ -778,7 +781,7 @@ fn zero_length_encoder_sequences() {
                 metadata: all_empty_encoder_metadata(),
                 scales: st.kv_scales(),
             };
-            all_zeros(&call, |_| None);
+            all_near(&call, None, 0.0, 0.0);
 
             // Encoder / encoder-only batches with empty sequences, and with nothing at all.
             for t in [AttnType::Encoder, AttnType::EncoderOnly] {
@@ -790,7 +793,7 @@ fn zero_length_encoder_sequences() {
 }
 
 #[test]
-fn decoder_queries_without_keys_give_zeros() {
+fn decoder_tokens_with_slot_minus_one_are_keys_but_not_written() {
     for dtype in DType::FLOATS {
         for kv_cache_dtype in [
             KvCacheDtype::Auto,
@@ -799,9 +802,11 @@ fn decoder_queries_without_keys_give_zeros() {
         ] {
             for d in HEAD_SIZES {
                 let st = fixed_settings(dtype, kv_cache_dtype, d);
-                run_decoder_paged(&keyless_decoder_case(&st)).unwrap();
+                run_decoder_paged(&unwritten_keys_case(&st)).unwrap();
 
-                // Exact zeros for every row of a batch whose keys are all padding.
+                // A batch whose keys are all unwritten: every value is 0.25 (as the cache
+                // would hold it: fp8 within its rounding), the poisoned cache is neither read
+                // nor written.
                 let spec = st.spec(3);
                 let model = CacheModel::poisoned(spec, st.kv_scales(), &mut st.rng());
                 let call = Call {
@@ -811,10 +816,10 @@ fn decoder_queries_without_keys_give_zeros() {
                         Tensor::from_f32(dtype, &[4, 2, d], &vec![0.25; 8 * d]).unwrap(),
                         Tensor::from_f32(dtype, &[4, 2, d], &vec![0.25; 8 * d]).unwrap(),
                     )),
-                    metadata: all_padding_metadata(),
+                    metadata: all_unwritten_metadata(),
                     scales: st.kv_scales(),
                 };
-                all_zeros(&call, |cpu| Some(model.build(cpu.kv_cache_layout())));
+                all_near(&call, Some(&model), 0.25, 0.25 * FP8_ROUNDING);
             }
         }
     }
@@ -871,6 +876,43 @@ fn long_decodes_split_along_the_keys() {
                     spare_blocks: 2,
                 };
                 run_decoder_paged(&case).unwrap();
+            }
+        }
+    }
+}
+
+/// vLLM's sliding-window prompt (window 32, 100 tokens, the 68 oldest with slot -1, blocks
+/// reused in a ring): every token is a key of the prompt's queries, only the last 32 are
+/// written, on every ISA, for every dtype and cache dtype. The reference is checked against
+/// the dense attention over the call's own keys in `reference_vs_dense.rs`.
+#[test]
+fn vllm_windowed_prompt_matches_reference() {
+    for dtype in DType::FLOATS {
+        for kv_cache_dtype in [
+            KvCacheDtype::Auto,
+            KvCacheDtype::Fp8E4m3,
+            KvCacheDtype::Fp8E5m2,
+        ] {
+            let VllmPrompt {
+                settings: st,
+                call,
+                poisoned,
+                after,
+            } = vllm_windowed_prompt(&fixed_settings(dtype, kv_cache_dtype, 16));
+            let reference = reference();
+            let mut ref_cache = poisoned.build(reference.kv_cache_layout());
+            let want = call
+                .run(&*reference, Some(&mut ref_cache), "reference")
+                .unwrap();
+            after.check(&ref_cache, "reference").unwrap();
+            for cpu in cpus() {
+                let isa = cpu.isa();
+                let what = format!("{dtype} {kv_cache_dtype} isa {isa}");
+                let tol = Tolerance::new(&st, &call.config, 99, isa);
+                let mut cache = poisoned.build(cpu.kv_cache_layout());
+                let got = call.run(&cpu, Some(&mut cache), &what).unwrap();
+                after.check(&cache, &what).unwrap();
+                compare(&got, &want, &call, &tol, &what).unwrap();
             }
         }
     }

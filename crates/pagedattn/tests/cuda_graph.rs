@@ -354,6 +354,13 @@ fn run(cuda: &pagedattn::cuda::Cuda, seed: u64) {
         .replan(&mut plan, &other_batch.metadata(), Some(&spec))
         .unwrap_err();
     assert!(e.to_string().contains("graph plan"), "{e}");
+    // A new token with slot -1 needs the private cache's launches, which a graph cannot hold.
+    let mut unwritten = Step::shuffled(&mut rng, vec![10; SEQS]).metadata();
+    unwritten.slot_mapping[0] = -1;
+    let e = layers.attention[0]
+        .replan(&mut plan, &unwritten, Some(&spec))
+        .unwrap_err();
+    assert!(e.to_string().contains("slot_mapping"), "{e}");
     let host_inputs: Vec<LayerInputs> =
         (0..LAYERS).map(|_| LayerInputs::random(&mut rng)).collect();
     for (device, host) in layers.inputs.iter_mut().zip(&host_inputs) {

@@ -78,7 +78,7 @@ __device__ __forceinline__ void staged_words(u32 (&w)[W], const u8* at) {
 // lane per key looks its storage up (a chunk ahead of its copies, so that the block-table
 // read is off the critical path) and shuffles it to the lanes that copy it. Dot products
 // over the lanes of a key by xor shuffles; the kv head's query heads (rows) share every
-// load. Non-keys (past the unit, slot -1) are never read: their staged bytes are zeros and
+// load. Non-keys (past the unit) are never read: their staged bytes are zeros and
 // their scores -Inf, so they weigh 0 * 0. At the end the warps' states merge exactly (as
 // attention_merge.cu merges partitions) into the output or this partition's partial.
 template <class E, class C, class V, class S>
@@ -95,12 +95,12 @@ __device__ __forceinline__ void decode(const Params& p) {
     __shared__ DecodeStates<ROWS> states;
     u8* const smem = dynamic_shared(S::BYTES);
 
-    const T* keys = (const T*)p.key;
-    const T* values = (const T*)p.value;
     typedef typename E::Bits Bits;
 
     const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
     const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
+    const T* keys = (const T*)unit_keys(p, seq);
+    const T* values = (const T*)unit_values(p, seq);
     const i64 kv_head = unit[UNIT_KV_HEAD];
     const int heads = (int)unit[UNIT_HEADS];  // <= ROWS
     const i64 token = seq[SEQ_QUERY_START] + unit[UNIT_TOKEN];

@@ -1,13 +1,19 @@
 // The paged-KV loader: where a unit's sequence stores key position j (a block of the paged
 // cache through the compacted block table, or a row of the call's own keys and values), and
-// which positions are no keys at all (past the unit, or a new token whose slot is -1), which
-// no kernel ever reads. Each mainloop gathers its tiles through these: prefill_mma.cuh's
-// `request` / `publish` / `fetch`, prefill_sm90.cuh's producer warpgroup.
+// which positions are no keys at all (past the unit), which no kernel ever reads. Each
+// mainloop gathers its tiles through these: prefill_mma.cuh's `request` / `publish` /
+// `fetch`, prefill_sm90.cuh's producer warpgroup. A sequence with a new token whose slot is -1
+// (not written, still a key) reads every key from the call's private cache instead of the
+// layer's, through its own table (src/detached.rs): `unit_keys` / `unit_values`.
 
-// Whether position j is a key of a unit whose keys end at `key_end`: a cached token, or a new
-// token (j >= new_start) whose slot, read by the caller only for those, is not -1.
-__device__ __forceinline__ bool is_key(i64 j, i64 key_end, i64 new_start, i64 slot) {
-    return j < key_end && (j < new_start || slot >= 0);
+// The key buffer a unit's sequence reads: the layer's (the cache, or the call's keys), or the
+// call's private cache for a detached sequence. A value the whole thread block shares.
+__device__ __forceinline__ const void* unit_keys(const Params& p, const i64* seq) {
+    return seq[SEQ_PRIVATE] ? p.private_key : p.key;
+}
+// The value buffer likewise.
+__device__ __forceinline__ const void* unit_values(const Params& p, const i64* seq) {
+    return seq[SEQ_PRIVATE] ? p.private_value : p.value;
 }
 
 // The element offset of key position j's row in the key and value buffers: in block `block`
@@ -23,15 +29,11 @@ __device__ __forceinline__ i64 dense_offset(const Params& p, i64 key_base, i64 k
 }
 
 // Where the unit's sequence stores key position j (< 2^31 - 1): the element offset of its
-// row in the key and value buffers, or -1 if j is no key (at or past `key_end`, or a new
-// token whose slot is -1; the slot is looked up only for a new token inside the unit).
+// row in the key and value buffers, or -1 if j is no key (at or past `key_end`).
 template <int D>
 __device__ __forceinline__ i64 key_offset(const Params& p, const i64* seq, i64 kv_head,
                                           i64 key_end, u32 block_div, i64 j) {
-    const i64 new_start = seq[SEQ_NEW_START];
-    const i64 slot =
-        j < key_end && j >= new_start ? p.slots[seq[SEQ_SLOT_BASE] + j - new_start] : 0;
-    if (!is_key(j, key_end, new_start, slot)) {
+    if (j >= key_end) {
         return -1;
     }
     if (p.paged) {

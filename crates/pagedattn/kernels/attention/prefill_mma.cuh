@@ -22,9 +22,9 @@
 // unit's keys, in tiles of KT keys.
 //
 // Pipeline: tile i lands in stage i % 2 while tile i - 1 is computed. The block-table entries
-// and slots of tile i's keys (threads 0..KT-1, one key each) are copied asynchronously while
-// tile i - 2 is computed, and after it the same threads turn them into row offsets in
-// off_s[i % 3], with a bit mask of the tile's non-keys (past the unit, slot -1), whose rows
+// of tile i's keys (threads 0..KT-1, one key each) are copied asynchronously while tile i - 2
+// is computed, and after it the same threads turn them into row offsets in off_s[i % 3],
+// with a bit mask of the tile's non-keys (past the unit), whose rows
 // cp.async fills with zeros instead of reading: no thread waits on a lookup's global reads
 // (a warp that did would hold the others at the next barrier). Per tile: S = Q K^T
 // on the tensor cores;
@@ -47,10 +47,9 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     static_assert(KT <= 64 && THREADS >= 64, "threads 0..63 look up a tile's keys");
     __shared__ i64 off_s[3][KT];     // element offset of each key's row; -1: not a key
     __shared__ i64 table_s[3][KT];   // paged: the block-table entry of each key
-    __shared__ i64 slot_s[3][KT];    // each new token's slot
     __shared__ u32 invalid_s[3][2];  // bit t: key t of the tile is not a key
     __shared__ int range_s[2];       // the largest lo and the smallest hi of the real rows
-    __shared__ i64 seq_s[3];         // the sequence's SEQ_NEW_START, SEQ_SLOT_BASE, SEQ_KEY_BASE
+    __shared__ i64 key_base_s;       // the sequence's SEQ_KEY_BASE
 
     u8* const smem = dynamic_shared(S::BYTES);
     const u32 base = smem_address(smem);
@@ -61,6 +60,8 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
 
     const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
     const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
+    const void* const keys = unit_keys(p, seq);
+    const void* const values = unit_values(p, seq);
     const i64 kv_head = unit[UNIT_KV_HEAD];
     const int heads = (int)unit[UNIT_HEADS];
     const int rows = (int)(unit[UNIT_TOKENS] * heads);  // <= PREFILL_ROWS
@@ -109,21 +110,13 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         }
     }
 
-    // Key t = tid of tile i (threads 0..KT-1): its slot (a new token) and block-table entry
-    // (paged) copied into slot_s and table_s, one commit group (empty for the other threads
-    // and past the tiles).
+    // Key t = tid of tile i (threads 0..KT-1): its block-table entry (paged) copied into
+    // table_s, one commit group (empty for the other threads and past the tiles).
     auto request = [&](int i) {
         const i64 j = (i64)key_start + (i64)i * KT + tid;
-        if (tid < KT && i < tiles && j < key_end) {
-            const i64 new_start = seq_s[0];
-            if (j >= new_start) {
-                cp_async<8>(smem_address(&slot_s[i % 3][tid]), p.slots + seq_s[1] + j - new_start,
-                            false);
-            }
-            if (p.paged) {
-                cp_async<8>(smem_address(&table_s[i % 3][tid]),
-                            p.tables + seq_s[2] + (u32)j / block_div, false);
-            }
+        if (tid < KT && i < tiles && j < key_end && p.paged) {
+            cp_async<8>(smem_address(&table_s[i % 3][tid]),
+                        p.tables + key_base_s + (u32)j / block_div, false);
         }
         cp_async_commit();
     };
@@ -133,10 +126,9 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
         if (tid < 64) {
             const i64 j = (i64)key_start + (i64)i * KT + tid;
             i64 off = -1;
-            if (tid < KT && i < tiles &&
-                is_key(j, key_end, seq_s[0], j >= seq_s[0] ? slot_s[i % 3][tid] : 0)) {
+            if (tid < KT && i < tiles && j < key_end) {
                 off = p.paged ? paged_offset<D>(p, table_s[i % 3][tid], kv_head, (u32)j, block_div)
-                              : dense_offset<D>(p, seq_s[2], kv_head, j);
+                              : dense_offset<D>(p, key_base_s, kv_head, j);
             }
             if (tid < KT) {
                 off_s[i % 3][tid] = off;
@@ -181,8 +173,8 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                     break;
                 }
                 const u32 at = TC::chunk_at(KT, t, R::chunk(u));
-                cp_async<R::UNIT>(k_dst + at, R::source(p.key, offs[k], u), offs[k] < 0);
-                cp_async<R::UNIT>(v_dst + at, R::source(p.value, offs[k], u), offs[k] < 0);
+                cp_async<R::UNIT>(k_dst + at, R::source(keys, offs[k], u), offs[k] < 0);
+                cp_async<R::UNIT>(v_dst + at, R::source(values, offs[k], u), offs[k] < 0);
             }
         }
         cp_async_commit();
@@ -210,9 +202,7 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
     if (tid == 0) {
         range_s[0] = -0x7fffffff - 1;
         range_s[1] = 0x7fffffff;
-        seq_s[0] = seq[SEQ_NEW_START];
-        seq_s[1] = seq[SEQ_SLOT_BASE];
-        seq_s[2] = seq[SEQ_KEY_BASE];
+        key_base_s = seq[SEQ_KEY_BASE];
     }
     if constexpr (DP > D) {
         constexpr int PAD = (DP - D) / 8;

@@ -3,12 +3,12 @@
 // unit's 128 rows:
 //
 // * warpgroup 0, the producer (its registers lowered to PRODUCER_REGS), looks up each tile's
-//   keys (thread t: key t; its block-table entry, or its slot for a new token) and gathers
+//   keys (thread t: key t; its block-table entry) and gathers
 //   the tile's key rows, then the previous tile's value rows, with cp.async into a ring of
 //   STAGES key and STAGES value tiles (our blocks are of any size, so no TMA box describes a
 //   page). An mbarrier per tile tells the consumers when every copy landed (`full`); another
 //   tells the producer when both consumers are done with it (`empty`). Non-keys (past the
-//   unit, slot -1) are zero-filled rows, and their bits are published with the key tile.
+//   unit) are zero-filled rows, and their bits are published with the key tile.
 //   fp8 codes are copied into the stage and widened into E there by the thread that copied
 //   them (StageRows, paged_kv.cuh) before its arrival on `full`.
 // * warpgroups 1 and 2, the consumers (registers raised to CONSUMER_REGS), own 64 rows each:
@@ -116,17 +116,12 @@ __device__ __forceinline__ void prefill_sm90(const Params& p) {
         // The producer.
         registers_down<S::PRODUCER_REGS>();
         const int lane = tid % 32;
-        const i64 new_start = seq[SEQ_NEW_START], slot_base = seq[SEQ_SLOT_BASE];
         const i64 key_base = seq[SEQ_KEY_BASE];
         const u32 block_div = block_divisor(p);
         // Key `tid` of tile i: the element offset of its row, -1 if it is no key.
         auto lookup = [&](int i) -> i64 {
             const i64 j = (i64)key_start + (i64)i * KT + tid;
             if (tid >= KT || j >= key_end) {
-                return -1;
-            }
-            const i64 slot = j >= new_start ? p.slots[slot_base + j - new_start] : 0;
-            if (!is_key(j, key_end, new_start, slot)) {
                 return -1;
             }
             return p.paged ? paged_offset<D>(p, p.tables[key_base + (u32)j / block_div],
@@ -210,13 +205,13 @@ __device__ __forceinline__ void prefill_sm90(const Params& p) {
                     absent_s[stage][tid / 32] = absent;
                 }
                 bar_sync(BAR_PRODUCER, GROUP);
-                gather(p.key, k_tile(stage), i);
+                gather(unit_keys(p, seq), k_tile(stage), i);
                 publish(&k_full[stage]);
             }
             if (i > 0) {
                 const int stage = (i - 1) % STAGES;
                 mbar_wait(&v_empty[stage], (((i - 1) / STAGES) & 1) ^ 1);
-                gather(p.value, v_tile(stage), i - 1);
+                gather(unit_values(p, seq), v_tile(stage), i - 1);
                 publish(&v_full[stage]);
             }
             if constexpr (R::WIDEN) {

@@ -45,8 +45,8 @@ __device__ __forceinline__ float rescale(float m_old, float m_new) {
 // ---- The tensor-core mainloops' steps on accumulator fragments ----
 // A thread holds rows of MT row blocks of 16, two rows each (ri = 0: row lane / 4, ri = 1: that
 // + 8); element e of n-tile n of a tile's scores is row e / 2, key 8 n + 2 (lane % 4) + e % 2
-// (mma.sync's C layout, which wgmma's accumulators share). Non-keys of a tile (past the unit,
-// slot -1) are bits of `absent`, 32 keys per word.
+// (mma.sync's C layout, which wgmma's accumulators share). Non-keys of a tile (past the unit)
+// are bits of `absent`, 32 keys per word.
 
 // Bit t of `absent`, for a t known only at run time (selects, not an indexed register array).
 template <int WORDS>

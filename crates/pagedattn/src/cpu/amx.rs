@@ -260,7 +260,7 @@ impl TileSource for AmxSource<'_> {
         _s: S,
         keys: &Range<usize>,
         _cols: &[Range<usize>],
-        absent: &[bool],
+        skip: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
@@ -272,7 +272,7 @@ impl TileSource for AmxSource<'_> {
         // Whole chunks of 32 keys (16 pairs): A's width.
         let chunks = keys.len().div_ceil(2 * TILE_ROWS);
         let mut scratch = Vec::new();
-        let v = p.tile_values(keys, absent, chunks * TILE_ROWS, &mut scratch);
+        let v = p.tile_values(keys, skip, chunks * TILE_ROWS, &mut scratch);
         let (p_stride, v_stride, acc_stride) = (KEY_TILE * 4, d * 4, d * 4);
         for block in 0..rows / TILE_ROWS {
             let probs = probs[block * TILE_ROWS * KEY_TILE..].as_ptr() as *const u8;

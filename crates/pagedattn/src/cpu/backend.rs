@@ -4,6 +4,7 @@
 
 use crate::backend::{AttentionImpl, Backend, Capabilities};
 use crate::config::AttentionConfig;
+use crate::detached::Detached;
 use crate::device::Device;
 use crate::error::Result;
 use crate::kv_cache::write_kv_checked;
@@ -115,7 +116,8 @@ impl AttentionImpl for CpuAttention {
         let cfg = &self.config;
         self.gate().plan(metadata, cache, |md, has_new_kv| {
             let key_map = KeyMap::new(md, cfg.attn_type(), cache.map(|c| c.block_size), has_new_kv);
-            let plan = plan::plan(cfg, md, &key_map, rayon::current_num_threads());
+            let mut plan = plan::plan(cfg, md, &key_map, rayon::current_num_threads());
+            plan.detached = Detached::plan(cfg, md, cache.map(|c| c.block_size), has_new_kv)?;
             // Per partial: the kv head's query rows, each m, l and D accumulators.
             let floats = cfg
                 .head_size()
@@ -186,6 +188,12 @@ impl CpuAttention {
             None => &mut [],
         };
         let cache = kv_cache.as_deref();
+        let private = match (&plan.detached, cache, new_kv) {
+            (Some(detached), Some(cache), Some(kv)) => {
+                Some(detached.fill_host(cache, kv, self.config.kv_scales())?)
+            }
+            _ => None,
+        };
         let (keys, values) = match (cache, new_kv) {
             (Some(c), _) => {
                 let (k, v) = c.host_buffers()?;
@@ -201,6 +209,10 @@ impl CpuAttention {
             query: query.host()?,
             keys,
             values,
+            detached: match &private {
+                Some(p) => Some(p.host_buffers()?),
+                None => None,
+            },
             cache_geometry: cache.map(|c| *c.spec()),
             scales: self.config.kv_scales(),
             #[cfg(target_arch = "x86_64")]

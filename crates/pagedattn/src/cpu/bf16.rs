@@ -36,14 +36,10 @@ pub struct PackedBf16 {
     v: Vec<u32>,
 }
 
-/// Packs positions `keys` (positions that are not keys become zeros): 4 × keys × D bytes,
+/// Packs positions `keys`: 4 × keys × D bytes,
 /// sized by the caller's metadata, so [`Error::OutOfMemory`](crate::Error::OutOfMemory)
 /// where the host cannot allocate them.
-pub fn pack_bf16<E: Load>(
-    kv: &KvRows<'_, E>,
-    keys: Range<usize>,
-    absent: &[usize],
-) -> Result<PackedBf16> {
+pub fn pack_bf16<E: Load>(kv: &KvRows<'_, E>, keys: Range<usize>) -> Result<PackedBf16> {
     debug_assert!(E::BF16_EXACT);
     let d = kv.head_size;
     let half = d / 2;
@@ -55,9 +51,6 @@ pub fn pack_bf16<E: Load>(
     for (t, j) in keys.clone().enumerate() {
         if j + PACK_PREFETCH_KEYS < keys.end {
             kv.prefetch(s, j + PACK_PREFETCH_KEYS);
-        }
-        if absent.binary_search(&j).is_ok() {
-            continue;
         }
         let row = kv.row(j);
         let (k, val) = (&kv.key[row..][..d], &kv.value[row..][..d]);
@@ -113,14 +106,13 @@ impl PackedBf16 {
 
     /// The packed value pairs of tile `keys`, `pairs` key pairs of them from the tile's start
     /// (at least the tile's; a kernel that reads whole chunks asks for more), ready for a P·V
-    /// whose probabilities are 0 outside the tile's attended columns. Positions that are not
-    /// keys were packed as zeros. The columns `0 * v` must not see are zeroed in a copy in
-    /// `scratch`: the tile's `absent` ones, and past the tile's end those whose value is not
+    /// whose probabilities are 0 outside the tile's attended columns. The columns `0 * v` must
+    /// not see are zeroed in a copy in `scratch`: the tile's `skip` ones, and past the tile's end those whose value is not
     /// finite (`0 * NaN` would reach rows that mask them) or that lie past the packed keys.
     pub(crate) fn tile_values<'s>(
         &'s self,
         keys: &Range<usize>,
-        absent: &[bool],
+        skip: &[bool],
         pairs: usize,
         scratch: &'s mut Vec<u32>,
     ) -> &'s [u32] {
@@ -133,7 +125,7 @@ impl PackedBf16 {
             |t: usize| (packed[(t / 2) * d..][..d].iter()).map(move |&x| x >> (16 * (t % 2)));
         let extra =
             (n..2 * pairs).filter(|&t| t >= 2 * have || value_at(t).any(|x| x & 0x7f80 == 0x7f80));
-        let mut zero = absent
+        let mut zero = skip
             .iter()
             .enumerate()
             .filter(|(_, &a)| a)
@@ -237,7 +229,7 @@ impl TileSource for PackedBf16Source<'_> {
         _s: S,
         keys: &Range<usize>,
         _cols: &[Range<usize>],
-        absent: &[bool],
+        skip: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
@@ -246,7 +238,7 @@ impl TileSource for PackedBf16Source<'_> {
         probs_to_pairs(probs, rows);
         let pairs = keys.len().div_ceil(2);
         let mut scratch = Vec::new();
-        let v = p.tile_values(keys, absent, pairs, &mut scratch);
+        let v = p.tile_values(keys, skip, pairs, &mut scratch);
         for_row_blocks!(rows, |r0, R| pv_block_bf16::<R>(
             v,
             pairs,
@@ -515,18 +507,18 @@ impl<C: Bf16Elem, const D: usize> TileSource for RowsBf16Source<'_, C, D> {
         s: S,
         tile: &TileRows<'_, C>,
         _cols: &[Range<usize>],
-        absent: &[bool],
+        skip: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
         let rows = state.m.len();
         probs_to_pairs(probs, rows);
-        // Column t's load mask: all ones for a key to read; positions that are not keys, and
+        // Column t's load mask: all ones for a key to read; skipped columns, and
         // the odd tail column of the last pair, load as zeros without touching memory. (An
         // array, not a bitmask: the same mask folded into a u128 came out with a bit missing
         // when compiled into this AVX-512 kernel; see docs/design/cpu.md.)
         let mut masks = [0u32; KEY_TILE];
-        for (m, &a) in masks.iter_mut().zip(absent) {
+        for (m, &a) in masks.iter_mut().zip(skip) {
             *m = if a { 0 } else { u32::MAX };
         }
         let pairs = tile.len.div_ceil(2);

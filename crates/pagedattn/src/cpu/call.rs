@@ -66,6 +66,8 @@ pub(super) struct TypedCall<'a, S, E> {
     pub(super) call: &'a CallRows<'a>,
     pub(super) keys: &'a [E],
     pub(super) values: &'a [E],
+    /// The private cache's keys and values, which detached sequences read (empty without).
+    pub(super) detached: (&'a [E], &'a [E]),
 }
 
 impl<'a, S, E> std::ops::Deref for TypedCall<'a, S, E> {
@@ -78,9 +80,13 @@ impl<'a, S, E> std::ops::Deref for TypedCall<'a, S, E> {
 impl<S: Simd, E: Load> TypedCall<'_, S, E> {
     /// Where sequence `seq`'s keys and values for `kv_head` are.
     pub(super) fn kv_rows(&self, seq: usize, kv_head: usize) -> KvRows<'_, E> {
+        let (key, value) = match self.call.detached_table(seq) {
+            Some(_) => self.detached,
+            None => (self.keys, self.values),
+        };
         KvRows {
-            key: self.keys,
-            value: self.values,
+            key,
+            value,
             layout: self.call.kv_layout(seq, kv_head),
             head_size: self.cfg.head_size(),
         }
@@ -92,13 +98,20 @@ impl CallRows<'_> {
         self.cfg.num_queries_per_kv()
     }
 
+    /// Sequence `seq`'s block table in the private cache, if it is detached.
+    fn detached_table(&self, seq: usize) -> Option<&[i32]> {
+        self.plan.detached.as_ref().and_then(|d| d.table(seq))
+    }
+
     /// Where sequence `seq`'s keys and values for `kv_head` are in the key and value buffers.
     fn kv_layout(&self, seq: usize, kv_head: usize) -> RowLayout<'_> {
         let (d, hkv) = (self.cfg.head_size(), self.cfg.num_kv_heads());
         let cross = self.cfg.attn_type() == AttnType::EncoderDecoder;
         match self.cache_geometry {
             Some(spec) => {
-                let table = if cross {
+                let table = if let Some(table) = self.detached_table(seq) {
+                    table
+                } else if cross {
                     self.md
                         .encoder
                         .as_ref()
@@ -245,11 +258,7 @@ impl CallRows<'_> {
             t - range.start,
         );
         let n = KeyMap::new(self.md, attn_type, None, false).num_positions(seq);
-        let keys = allowed_keys(attn_type, self.cfg.sliding_window(), i, n);
-        let absent = &self.plan.absent[seq];
-        let absent_inside =
-            absent.partition_point(|&j| j < keys.end) - absent.partition_point(|&j| j < keys.start);
-        keys.len() > absent_inside
+        !allowed_keys(attn_type, self.cfg.sliding_window(), i, n).is_empty()
     }
 
     /// What a finished row's weighted sum is multiplied by: `v_scale / l`, or, for a row whose

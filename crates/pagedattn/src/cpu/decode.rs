@@ -32,7 +32,6 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
                 pos,
                 slope,
                 keys: unit.keys.clone(),
-                absent: &self.plan.absent[unit.seq],
             })
             .collect();
         let mut states: Vec<RowStates> = rows
@@ -107,7 +106,10 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
         if !(self.isa.bf16_dot_products(self.cfg.head_size(), false) && self.bf16_queries()) {
             return false;
         }
-        match (E::as_bf16_rows(self.keys), E::as_bf16_rows(self.values)) {
+        // Every kv head of the unit's sequence reads the same buffers (the cache, or the
+        // private cache of a detached sequence).
+        let kv = &rows.kvs[0];
+        match (E::as_bf16_rows(kv.key), E::as_bf16_rows(kv.value)) {
             (Some(Bf16Rows::Bits(k)), Some(Bf16Rows::Bits(v))) => {
                 self.attend_rows_bf16(k, v, rows, states)
             }
@@ -122,7 +124,7 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
         true
     }
 
-    /// [`TypedCall::decode_bf16`] on `key` and `value`: the call's key and value buffers as
+    /// [`TypedCall::decode_bf16`] on `key` and `value`: the unit's key and value buffers as
     /// the kernels read them ([`Load::as_bf16_rows`]).
     #[cfg(target_arch = "x86_64")]
     fn attend_rows_bf16<C: widen::Bf16Elem>(

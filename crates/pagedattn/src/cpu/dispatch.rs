@@ -31,6 +31,9 @@ pub(super) struct ForwardCall<'a> {
     pub(super) keys: &'a HostStorage,
     /// Where values are read, likewise.
     pub(super) values: &'a HostStorage,
+    /// The key and value buffers of the private cache the detached sequences read
+    /// ([`Detached`](crate::detached::Detached)), when the call has any.
+    pub(super) detached: Option<(&'a HostStorage, &'a HostStorage)>,
     pub(super) cache_geometry: Option<KvCacheSpec>,
     pub(super) scales: KvScales,
     /// The instruction set: which bf16 kernels may run (`Isa::bf16_dot_products`).
@@ -107,43 +110,121 @@ impl WithSimd for RunKv<'_, '_> {
     }
 }
 
+/// An element type keys and values are stored as, viewed in a host buffer.
+trait Stored: Load + Sized {
+    /// The buffer's elements, if it holds this type.
+    fn view(buf: &HostStorage) -> Option<&[Self]>;
+}
+
+impl Stored for f32 {
+    fn view(buf: &HostStorage) -> Option<&[Self]> {
+        match buf {
+            HostStorage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Stored for half::f16 {
+    fn view(buf: &HostStorage) -> Option<&[Self]> {
+        match buf {
+            HostStorage::F16(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Stored for half::bf16 {
+    fn view(buf: &HostStorage) -> Option<&[Self]> {
+        match buf {
+            HostStorage::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// Views a byte buffer as fp8 codes.
+///
+/// # Safety
+/// `C` is repr(transparent) over u8.
+unsafe fn codes<C>(buf: &HostStorage) -> Option<&[C]> {
+    let HostStorage::U8(bytes) = buf else {
+        return None;
+    };
+    // SAFETY: `C` has u8's size and alignment (the caller's promise), and the slice is the
+    // buffer's, for its lifetime.
+    Some(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const C, bytes.len()) })
+}
+
+impl Stored for E4m3 {
+    fn view(buf: &HostStorage) -> Option<&[Self]> {
+        // SAFETY: E4m3 is repr(transparent) over u8.
+        unsafe { codes(buf) }
+    }
+}
+
+impl Stored for E5m2 {
+    fn view(buf: &HostStorage) -> Option<&[Self]> {
+        // SAFETY: E5m2 is repr(transparent) over u8.
+        unsafe { codes(buf) }
+    }
+}
+
 /// Dispatches on the element type the keys and values are read from.
 fn run_kv<S: Simd>(s: S, call: &ForwardCall<'_>, rows: &CallRows<'_>) -> Result<()> {
-    /// Views bytes as fp8 codes.
-    fn codes<C>(bytes: &[u8]) -> &[C] {
-        // SAFETY: E4m3 and E5m2 are repr(transparent) over u8.
-        unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const C, bytes.len()) }
-    }
     let fp8 = call
         .cache_geometry
         .and_then(|_| call.config.kv_cache_dtype().fp8_format());
-    match (call.keys, call.values, fp8) {
-        (HostStorage::U8(k), HostStorage::U8(v), Some(crate::Fp8Format::E4m3)) => {
-            run::<S, E4m3>(s, rows, codes(k), codes(v))
-        }
-        (HostStorage::U8(k), HostStorage::U8(v), Some(crate::Fp8Format::E5m2)) => {
-            run::<S, E5m2>(s, rows, codes(k), codes(v))
-        }
-        (HostStorage::F32(k), HostStorage::F32(v), None) => run::<S, f32>(s, rows, k, v),
-        (HostStorage::F16(k), HostStorage::F16(v), None) => run::<S, half::f16>(s, rows, k, v),
-        (HostStorage::BF16(k), HostStorage::BF16(v), None) => run::<S, half::bf16>(s, rows, k, v),
-        (k, v, _) => Err(Error::invalid(
-            "key / value",
-            format!("{} keys and {} values", k.dtype(), v.dtype()),
-            "keys and values of the query's element type, or fp8 codes in an fp8 cache",
-        )),
+    match (call.keys, fp8) {
+        (HostStorage::U8(_), Some(crate::Fp8Format::E4m3)) => run_typed::<S, E4m3>(s, call, rows),
+        (HostStorage::U8(_), Some(crate::Fp8Format::E5m2)) => run_typed::<S, E5m2>(s, call, rows),
+        (HostStorage::F32(_), None) => run_typed::<S, f32>(s, call, rows),
+        (HostStorage::F16(_), None) => run_typed::<S, half::f16>(s, call, rows),
+        (HostStorage::BF16(_), None) => run_typed::<S, half::bf16>(s, call, rows),
+        _ => Err(mismatch(call.keys, call.values)),
     }
+}
+
+/// [`run`] with the call's buffers viewed as `E` (all of them, or an error).
+fn run_typed<S: Simd, E: Stored>(s: S, call: &ForwardCall<'_>, rows: &CallRows<'_>) -> Result<()> {
+    fn view<'a, T: Stored>(k: &'a HostStorage, v: &'a HostStorage) -> Result<(&'a [T], &'a [T])> {
+        match (T::view(k), T::view(v)) {
+            (Some(k), Some(v)) => Ok((k, v)),
+            _ => Err(mismatch(k, v)),
+        }
+    }
+    let (keys, values) = view::<E>(call.keys, call.values)?;
+    let detached = match call.detached {
+        Some((k, v)) => view::<E>(k, v)?,
+        None => (&[][..], &[][..]),
+    };
+    run(s, rows, (keys, values), detached)
+}
+
+/// The error for key and value buffers of element types the call cannot read.
+fn mismatch(k: &HostStorage, v: &HostStorage) -> Error {
+    Error::invalid(
+        "key / value",
+        format!("{} keys and {} values", k.dtype(), v.dtype()),
+        "keys and values of the query's element type, or fp8 codes in an fp8 cache",
+    )
 }
 
 /// Runs the plan's prefill groups and decode units in parallel. A prefill group whose packing
 /// cannot be allocated ends the call with its error (decode units allocate only what the
 /// configuration bounds: rows × D, a key tile).
-fn run<S: Simd, E: Load>(s: S, rows: &CallRows<'_>, keys: &[E], values: &[E]) -> Result<()> {
+fn run<S: Simd, E: Load>(
+    s: S,
+    rows: &CallRows<'_>,
+    (keys, values): (&[E], &[E]),
+    detached: (&[E], &[E]),
+) -> Result<()> {
     let ctx = TypedCall {
         s,
         call: rows,
         keys,
         values,
+        detached,
     };
     let plan = rows.plan;
     parallel::join(

@@ -32,15 +32,13 @@ pub struct PackF32<'a, 'b, E> {
     pub kv: &'a KvRows<'b, E>,
     /// Positions to pack.
     pub keys: Range<usize>,
-    /// Positions that are not keys (packed as zeros).
-    pub absent: &'a [usize],
 }
 
 impl<E: Load> WithSimd for PackF32<'_, '_, E> {
     type Output = Result<PackedF32>;
     #[inline(always)]
     fn with_simd<S: Simd>(self, s: S) -> Result<PackedF32> {
-        pack_f32(s, self.kv, self.keys, self.absent)
+        pack_f32(s, self.kv, self.keys)
     }
 }
 
@@ -52,7 +50,6 @@ pub fn pack_f32<S: Simd, E: Load>(
     s: S,
     kv: &KvRows<'_, E>,
     keys: Range<usize>,
-    absent: &[usize],
 ) -> Result<PackedF32> {
     let (d, lanes) = (kv.head_size, S::LANES);
     let groups = keys.len().div_ceil(lanes);
@@ -64,9 +61,6 @@ pub fn pack_f32<S: Simd, E: Load>(
     for (t, j) in keys.clone().enumerate() {
         if j + PACK_PREFETCH_KEYS < keys.end {
             kv.prefetch(s, j + PACK_PREFETCH_KEYS);
-        }
-        if absent.binary_search(&j).is_ok() {
-            continue;
         }
         let row = kv.row(j);
         let (k, val) = (&kv.key[row..][..d], &kv.value[row..][..d]);
@@ -165,18 +159,18 @@ impl TileSource for PackedF32Source<'_> {
         s: S,
         keys: &Range<usize>,
         cols: &[Range<usize>],
-        absent: &[bool],
+        skip: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
         let p = self.packed;
         let first_row = (keys.start - p.origin) * p.d;
-        if absent.iter().any(|&a| a) {
+        if skip.iter().any(|&a| a) {
             let mut rows = [0usize; KEY_TILE];
-            for (t, row) in rows[..absent.len()].iter_mut().enumerate() {
+            for (t, row) in rows[..skip.len()].iter_mut().enumerate() {
                 *row = first_row + t * p.d;
             }
-            accumulate_rows(s, &p.v, &rows[..absent.len()], cols, absent, probs, state);
+            accumulate_rows(s, &p.v, &rows[..skip.len()], cols, skip, probs, state);
         } else {
             accumulate_consecutive(s, &p.v, first_row, cols, probs, state);
         }

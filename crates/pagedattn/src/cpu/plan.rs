@@ -9,6 +9,7 @@ use std::ops::Range;
 
 use super::kernel::KEY_TILE;
 use crate::config::AttentionConfig;
+use crate::detached::Detached;
 use crate::metadata::AttentionMetadata;
 use crate::semantics::{allowed_keys, query_position, KeyMap};
 
@@ -101,8 +102,9 @@ pub struct Plan {
     pub merges: Vec<Merge>,
     /// Number of partial-result slots.
     pub num_partials: usize,
-    /// Per sequence: key positions that are not keys (slot -1), sorted.
-    pub absent: Vec<Vec<usize>>,
+    /// The sequences with a new token that is not written (slot -1), which read their keys
+    /// from a private cache the call fills.
+    pub(crate) detached: Option<Detached>,
 }
 
 /// Builds the plan of a call for `threads` threads.
@@ -142,7 +144,6 @@ pub fn plan(
         .max(MIN_PARTITION_KEYS)
         .max(decode_keys.div_ceil(threads * UNITS_PER_THREAD));
     for s in 0..md.num_seqs() {
-        plan.absent.push(key_map.absent_positions(s));
         let tokens = md.query_range(s);
         if tokens.is_empty() {
             continue;

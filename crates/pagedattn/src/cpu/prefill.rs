@@ -26,7 +26,6 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
     pub(super) fn prefill(&self, pg: &PrefillGroup) -> Result<()> {
         let d = self.cfg.head_size();
         let kv = self.kv_rows(pg.seq, pg.kv_head);
-        let absent = &self.plan.absent[pg.seq];
         #[cfg(target_arch = "x86_64")]
         {
             let amx = self.isa == Isa::Amx;
@@ -37,7 +36,7 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
                 && self.bf16_queries()
                 && self.isa.bf16_dot_products(d, true)
             {
-                let packed = bf16::pack_bf16(&kv, pg.keys.clone(), absent)?;
+                let packed = bf16::pack_bf16(&kv, pg.keys.clone())?;
                 parallel::for_each(pg.tiles.len(), &|i| {
                     let tile = &pg.tiles[i];
                     let (pos, slope) = self.rows(pg.seq, pg.kv_head, tile.tokens.clone());
@@ -45,7 +44,6 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
                         pos: &pos,
                         slope: &slope,
                         keys: tile.keys.clone(),
-                        absent,
                     };
                     let mut q = self.q_bf16_pairs(pg.kv_head, tile.tokens.clone());
                     let scale = self.score_scale;
@@ -78,7 +76,6 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
         let packed = self.s.vectorize(packed::PackF32 {
             kv: &kv,
             keys: pg.keys.clone(),
-            absent,
         })?;
         parallel::for_each(pg.tiles.len(), &|i| {
             let tile = &pg.tiles[i];
@@ -93,7 +90,6 @@ impl<S: Simd, E: Load> TypedCall<'_, S, E> {
                 pos: &pos,
                 slope: &slope,
                 keys: tile.keys.clone(),
-                absent,
             };
             let mut state = RowStates::new(pos.len(), d);
             self.s.vectorize(Attend {

@@ -2,11 +2,13 @@
 //!
 //! A plan validates the step's metadata through the gate, makes the work list on the host
 //! (`plan.rs`) and uploads everything the kernels read (the write's slots, the sequences, the
-//! block-table entries, the units and the split-K merges) in one asynchronous copy from pinned
-//! staging memory into device memory the plan owns; its workspace holds the split-K partials.
-//! A forward then only queues work on the GPU's stream, allocating nothing and never waiting
-//! for the GPU: the cache write, the prefill kernel, the decode kernel and the merge, in that
-//! order (so a step's work could be captured in a CUDA graph once its variant is loaded).
+//! block-table entries, the units, the split-K merges and the private cache's slots) in one
+//! asynchronous copy from pinned staging memory into device memory the plan owns; its
+//! workspace holds the split-K partials and the private cache of the sequences with unwritten
+//! keys (`src/detached.rs`). A forward then only queues work on the GPU's stream, allocating
+//! nothing and never waiting for the GPU: the cache write, the private cache's block copies
+//! and write (when the step has one), the prefill kernel, the decode kernel and the merge, in
+//! that order (so a step's work could be captured in a CUDA graph once its variant is loaded).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -16,12 +18,14 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use super::abi::{MergeField, Params, UnitField, DECODE_ROWS, THREADS};
 use super::device::{driver_error, Gpu};
 use super::kernels::{self, grid_size, Merge, WriteKv};
+use super::memory;
 use super::packed::Packed;
 use super::plan::{self, Split, Work};
 use super::storage::{cuda_storage, cuda_storage_mut, CudaStorage};
 use super::variant::{self, Variant};
 use crate::backend::{AttentionImpl, Capabilities, GraphCapacity};
 use crate::config::AttentionConfig;
+use crate::detached::Detached;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kv_cache::write_slots;
@@ -61,6 +65,10 @@ struct Prepared {
     decode: Range<usize>,
     prefill: Range<usize>,
     merges: Range<usize>,
+    /// The private cache's slots for the call's key/value tokens (empty without one).
+    private_slots: Range<usize>,
+    /// Where the private cache lies in the workspace, and what fills it.
+    private: Option<PrivateCache>,
     /// Whether the kernels read keys through block tables (a cache) or from the inputs.
     paged: bool,
     /// For a plan made for CUDA graphs, what stays fixed from step to step.
@@ -69,7 +77,7 @@ struct Prepared {
 
 impl Prepared {
     /// The sections' ranges, in the order of [`CudaAttention::sections`].
-    fn ranges(&self) -> [Range<usize>; 6] {
+    fn ranges(&self) -> [Range<usize>; 7] {
         [
             self.slot_mapping.clone(),
             self.seqs.clone(),
@@ -77,19 +85,45 @@ impl Prepared {
             self.decode.clone(),
             self.prefill.clone(),
             self.merges.clone(),
+            self.private_slots.clone(),
         ]
     }
 }
 
 /// The names of the sections, for errors.
-const SECTION_NAMES: [&str; 6] = [
+const SECTION_NAMES: [&str; 7] = [
     "write slots",
     "sequences",
     "block-table entries",
     "decode units",
     "prefill units",
     "split-K merges",
+    "private cache slots",
 ];
+
+/// The private cache of a step's detached sequences, in the workspace past the split-K
+/// partials: its keys at `offset` bytes, its values `buffer_bytes` later.
+#[derive(Debug, Clone)]
+struct PrivateCache {
+    spec: KvCacheSpec,
+    offset: usize,
+    buffer_bytes: usize,
+    /// (cache block, private block) copies, after the call's write.
+    copies: Vec<(usize, usize)>,
+}
+
+/// Alignment of the private cache's buffers in the workspace (a cp.async reads 16 bytes; the
+/// allocator's 256).
+const PRIVATE_ALIGN: usize = 256;
+
+/// A step's work, its detached sequences and their private cache, and the workspace bytes
+/// they need.
+struct Planned {
+    work: Work,
+    detached: Option<Detached>,
+    private: Option<PrivateCache>,
+    workspace_bytes: usize,
+}
 
 /// What a plan for CUDA graphs keeps from step to step: every decode unit's partitions, and
 /// room for the block-table entries of its longest sequences.
@@ -136,25 +170,37 @@ impl CudaAttention {
 
     /// The work of a step over validated metadata (split automatically, or in a graph
     /// plan's fixed shape), checked against the GPU's launch limits, and the workspace bytes
-    /// its split-K partials need.
+    /// its split-K partials and private cache need.
     fn work(
         &self,
         md: &AttentionMetadata,
         cache: Option<&KvCacheSpec>,
         has_new_kv: bool,
         graph: Option<GraphShape>,
-    ) -> Result<(Work, usize)> {
+    ) -> Result<Planned> {
         let split = graph.map_or(
             Split::Auto {
                 sm_count: self.gpu.sm_count,
             },
             |g| Split::Fixed(g.parts),
         );
+        let block_size = cache.map(|c| c.block_size);
+        let detached = Detached::plan(&self.config, md, block_size, has_new_kv)?;
+        if graph.is_some() && detached.is_some() {
+            // A graph replays a fixed list of launches: the private cache's copies and write
+            // vary with the step.
+            return Err(Error::invalid(
+                "metadata.slot_mapping",
+                "a new token with slot -1",
+                "a slot for every new token in a plan for CUDA graphs (plan_for_graph)",
+            ));
+        }
         let mut work = plan::build(
             &self.config,
             md,
-            cache.map(|c| c.block_size),
+            block_size,
             has_new_kv,
+            detached.as_ref(),
             split,
         );
         if let Some(g) = graph {
@@ -183,12 +229,54 @@ impl CudaAttention {
         }
         grid_size(work.merges.len() / MergeField::COUNT, "split-K merges")?;
         let floats = plan::partial_floats(self.config.head_size());
-        let workspace_bytes = partials_bytes("cuda", work.num_partials, floats)?;
-        Ok((work, workspace_bytes))
+        let mut workspace_bytes = partials_bytes("cuda", work.num_partials, floats)?;
+        let private = match (&detached, cache) {
+            (Some(d), Some(cache)) => {
+                let spec = d.spec(cache);
+                let too_big = || {
+                    Error::unsupported(
+                        "cuda",
+                        format!("a private cache of {} blocks in a workspace", d.num_blocks),
+                    )
+                };
+                let buffer_bytes = spec
+                    .num_blocks
+                    .checked_mul(spec.block_bytes())
+                    .and_then(|b| b.checked_next_multiple_of(PRIVATE_ALIGN))
+                    .ok_or_else(too_big)?;
+                let offset = workspace_bytes
+                    .checked_next_multiple_of(PRIVATE_ALIGN)
+                    .ok_or_else(too_big)?;
+                workspace_bytes = buffer_bytes
+                    .checked_mul(2)
+                    .and_then(|b| b.checked_add(offset))
+                    .ok_or_else(too_big)?;
+                let index = |b: crate::kv_cache::BlockId| b as usize;
+                Some(PrivateCache {
+                    spec,
+                    offset,
+                    buffer_bytes,
+                    copies: d
+                        .copies
+                        .iter()
+                        .map(|&(s, t)| (index(s), index(t)))
+                        .collect(),
+                })
+            }
+            _ => None,
+        };
+        Ok(Planned {
+            work,
+            detached,
+            private,
+            workspace_bytes,
+        })
     }
 
-    /// The sections of a step's packed metadata: the write's slots, then the work's records.
-    fn sections<'a>(&self, md: &'a AttentionMetadata, work: &'a Work) -> [&'a [i64]; 6] {
+    /// The sections of a step's packed metadata: the write's slots, the work's records, the
+    /// private cache's slots.
+    fn sections<'a>(&self, md: &'a AttentionMetadata, planned: &'a Planned) -> [&'a [i64]; 7] {
+        let work = &planned.work;
         [
             write_slots(&self.config, md),
             &work.seqs,
@@ -196,6 +284,7 @@ impl CudaAttention {
             &work.decode,
             &work.prefill,
             &work.merges,
+            planned.detached.as_ref().map_or(&[], |d| &d.slots),
         ]
     }
 
@@ -207,9 +296,9 @@ impl CudaAttention {
         has_new_kv: bool,
         graph: Option<GraphShape>,
     ) -> Result<(Prepared, usize)> {
-        let (work, workspace_bytes) = self.work(md, cache, has_new_kv, graph)?;
-        let (metadata, [slot_mapping, seqs, tables, decode, prefill, merges]) =
-            Packed::upload(&self.gpu, self.sections(md, &work))?;
+        let planned = self.work(md, cache, has_new_kv, graph)?;
+        let (metadata, [slot_mapping, seqs, tables, decode, prefill, merges, private_slots]) =
+            Packed::upload(&self.gpu, self.sections(md, &planned))?;
         let prepared = Prepared {
             ordinal: self.gpu.ordinal,
             metadata,
@@ -219,10 +308,12 @@ impl CudaAttention {
             decode,
             prefill,
             merges,
+            private_slots,
+            private: planned.private,
             paged: cache.is_some(),
             graph,
         };
-        Ok((prepared, workspace_bytes))
+        Ok((prepared, planned.workspace_bytes))
     }
 
     /// The plan's data, if it was uploaded to this layer's GPU.
@@ -273,6 +364,60 @@ impl CudaAttention {
         kernels::write_kv(&self.gpu, &write)
     }
 
+    /// Queues the fill of the private cache that lies at `workspace + private.offset`: the
+    /// copies of the cache's blocks (`key` and `value` are its buffers' addresses, after the
+    /// call's write), then the write of `kv` through the private slots. Returns the private
+    /// key and value buffers' addresses.
+    #[allow(clippy::too_many_arguments)]
+    fn fill_private(
+        &self,
+        prepared: &Prepared,
+        private: &PrivateCache,
+        workspace: u64,
+        key: u64,
+        value: u64,
+        cache: &KvCache,
+        kv: KvPair<'_>,
+    ) -> Result<(u64, u64)> {
+        let private_key = workspace + private.offset as u64;
+        let private_value = private_key + private.buffer_bytes as u64;
+        let block_bytes = cache.spec().block_bytes();
+        self.gpu.with_queue(|stream| {
+            for &(from, to) in &private.copies {
+                for (dst, src) in [(private_key, key), (private_value, value)] {
+                    // SAFETY: `from` is a block of the cache (the metadata's validation checked
+                    // the table entries the plan copied), `to` a block of the private cache,
+                    // which the workspace holds (the gate checked its size); both stay
+                    // allocated until the stream is done (borrowed for this call, device
+                    // memory freed after the streams that use it).
+                    unsafe {
+                        memory::copy_async(
+                            stream,
+                            dst + (to * block_bytes) as u64,
+                            src + (from * block_bytes) as u64,
+                            block_bytes,
+                        )?
+                    };
+                }
+            }
+            Ok(())
+        })?;
+        kernels::write_kv(
+            &self.gpu,
+            &WriteKv {
+                key: address(kv.key.storage(), "key")?,
+                value: address(kv.value.storage(), "value")?,
+                key_cache: private_key,
+                value_cache: private_value,
+                slot_mapping: prepared.metadata.address(prepared.private_slots.start),
+                num_tokens: prepared.private_slots.len(),
+                spec: private.spec,
+                scales: self.config.kv_scales(),
+            },
+        )?;
+        Ok((private_key, private_value))
+    }
+
     /// Queues one attention kernel over the `units` section (nothing when it is empty):
     /// `shape` is (CTAs per unit, threads per CTA, dynamic shared memory in bytes).
     fn launch(
@@ -308,11 +453,11 @@ impl CudaAttention {
             // every record from it: units and sequences name tokens inside the query and output
             // `[T, H, D]` (query_start_loc) and heads below H; keys are read only at positions
             // below the sequence's key count, either through the compacted block-table entries
-            // (each a block inside the cache, checked by the metadata's validation) at kv heads
-            // below Hkv, or as rows of the key/value tensors (whose shape the gate checked against
-            // the sequences' lengths); slot lookups index the write's slot mapping within the new
-            // tokens' range; partial slots lie below the plan's partial count, which the workspace
-            // holds (the gate checked its size). The memory outlives the kernel: the tensors and
+            // (each a block inside the cache, checked by the metadata's validation, or, for a
+            // detached sequence, a block of the private cache, which the plan sized and the
+            // workspace holds) at kv heads below Hkv, or as rows of the key/value tensors (whose
+            // shape the gate checked against the sequences' lengths); partial slots lie below
+            // the plan's partial count, which the workspace holds (the gate checked its size). The memory outlives the kernel: the tensors and
             // cache are borrowed for this call, and device memory of this crate's (the plan's
             // buffer) is freed after the streams that use it.
             unsafe { launch.launch(config) }
@@ -343,7 +488,8 @@ impl AttentionImpl for CudaAttention {
             let block_size = cache.map(|c| c.block_size);
             // The units before any split size the fixed split, as the automatic split
             // would for sequences of the capacity's length.
-            let unsplit = plan::build(&self.config, md, block_size, has_new_kv, Split::Fixed(1));
+            let split = Split::Fixed(1);
+            let unsplit = plan::build(&self.config, md, block_size, has_new_kv, None, split);
             let units = (unsplit.decode.len() + unsplit.prefill.len()) / UnitField::COUNT;
             let max_keys = capacity.max_seq_len;
             let tables = match block_size {
@@ -402,8 +548,8 @@ impl AttentionImpl for CudaAttention {
                     ),
                 ));
             }
-            let (work, workspace_bytes) = self.work(md, cache, has_new_kv, Some(shape))?;
-            let sections = self.sections(md, &work);
+            let planned = self.work(md, cache, has_new_kv, Some(shape))?;
+            let sections = self.sections(md, &planned);
             let ranges = old.ranges();
             if let Some(i) = (0..sections.len()).find(|&i| sections[i].len() != ranges[i].len()) {
                 return Err(Error::invalid(
@@ -424,9 +570,11 @@ impl AttentionImpl for CudaAttention {
                 decode: old.decode.clone(),
                 prefill: old.prefill.clone(),
                 merges: old.merges.clone(),
+                private_slots: old.private_slots.clone(),
+                private: None,
                 ..*old
             };
-            Ok((prepared, workspace_bytes))
+            Ok((prepared, planned.workspace_bytes))
         })?;
         *plan = new;
         Ok(())
@@ -484,6 +632,13 @@ impl AttentionImpl for CudaAttention {
             Some(storage) => address_mut(storage, "workspace")?,
             None => 0,
         };
+        // 3. The detached sequences' private cache (in the workspace, after the write).
+        let (private_key, private_value) = match (&prepared.private, cache.as_deref(), new_kv) {
+            (Some(private), Some(cache), Some(kv)) => {
+                self.fill_private(prepared, private, partials, key, value, cache, kv)?
+            }
+            _ => (0, 0),
+        };
         let cfg = &self.config;
         let scales = cfg.kv_scales();
         // The fp8 scales apply to what is read from an fp8 cache only.
@@ -503,7 +658,8 @@ impl AttentionImpl for CudaAttention {
             partials,
             seqs: metadata.address(prepared.seqs.start),
             tables: metadata.address(prepared.tables.start),
-            slots: metadata.address(prepared.slot_mapping.start),
+            private_key,
+            private_value,
             units: 0,
             slopes: match &self.slopes {
                 Some(s) => s.kernel_address("alibi slopes")?.unwrap_or(0),

@@ -23,6 +23,7 @@ use std::ops::Range;
 
 use super::abi::{MergeField, SeqField, UnitField, DECODE_ROWS, PREFILL_ROWS};
 use crate::config::{AttentionConfig, AttnType};
+use crate::detached::Detached;
 use crate::metadata::AttentionMetadata;
 use crate::semantics::{allowed_keys, query_position, KeyMap};
 
@@ -128,13 +129,14 @@ impl Unit {
 }
 
 /// The work of a call of `config` over `md` (validated): `block_size` is the cache's when the
-/// keys are read from one, `has_new_kv` whether calls carry key/value tensors, `split` how
-/// decode units are split.
+/// keys are read from one, `has_new_kv` whether calls carry key/value tensors, `detached` the
+/// sequences that read the call's private cache, `split` how decode units are split.
 pub(crate) fn build(
     config: &AttentionConfig,
     md: &AttentionMetadata,
     block_size: Option<usize>,
     has_new_kv: bool,
+    detached: Option<&Detached>,
     split: Split,
 ) -> Work {
     let attn_type = config.attn_type();
@@ -155,11 +157,13 @@ pub(crate) fn build(
         let tokens = md.query_range(s);
         let n = key_map.num_positions(s);
         let first_pos = query_position(attn_type, md.seq_lens[s] as usize, tokens.len(), 0);
+        let private = detached.and_then(|d| d.table(s));
         let key_base = match block_size {
             Some(b) => {
-                let table = match &md.encoder {
-                    Some(enc) if cross => enc.cross_block_tables.row(s),
-                    _ => md.block_tables.row(s),
+                let table = match (private, &md.encoder) {
+                    (Some(table), _) => table,
+                    (None, Some(enc)) if cross => enc.cross_block_tables.row(s),
+                    (None, _) => md.block_tables.row(s),
                 };
                 let start = work.tables.len();
                 work.tables
@@ -169,20 +173,12 @@ pub(crate) fn build(
             None if cross => encoder_start,
             None => tokens.start,
         };
-        // The positions that are new tokens, whose slot -1 makes them no key (as
-        // `KeyMap::absent_positions` says), and where their slots start.
-        let (new_start, slot_base) = match (attn_type, block_size) {
-            (AttnType::Decoder, Some(_)) => (md.context_lens[s] as usize, tokens.start),
-            (AttnType::EncoderDecoder, Some(_)) if has_new_kv => (0, encoder_start),
-            _ => (n, 0),
-        };
         let mut record = [0; SeqField::COUNT];
         record[SeqField::QueryStart] = tokens.start;
         record[SeqField::Keys] = n;
         record[SeqField::FirstPos] = first_pos;
         record[SeqField::KeyBase] = key_base;
-        record[SeqField::NewStart] = new_start;
-        record[SeqField::SlotBase] = slot_base;
+        record[SeqField::Private] = private.is_some() as usize;
         work.seqs.extend(record.map(|x| x as i64));
         if cross {
             encoder_start += n;
@@ -351,7 +347,14 @@ mod tests {
             .push(SequenceDesc::decode(99, &(190..197).collect::<Vec<_>>()))
             .build()
             .unwrap();
-        let work = build(&cfg, &md, Some(16), true, Split::Auto { sm_count: 132 });
+        let work = build(
+            &cfg,
+            &md,
+            Some(16),
+            true,
+            None,
+            Split::Auto { sm_count: 132 },
+        );
         check_cover(&work, &md, &cfg);
         let decode = units(&work.decode);
         // The long decode: split for both kv heads, partitions of >= 256 keys, 32-aligned.
@@ -366,7 +369,7 @@ mod tests {
         // Compact tables: ceil(25/16) + ceil(3000/16) + ceil(100/16) entries.
         assert_eq!(work.tables.len(), 2 + 188 + 7);
         // A full GPU gets no split.
-        let busy = build(&cfg, &md, Some(16), true, Split::Auto { sm_count: 1 });
+        let busy = build(&cfg, &md, Some(16), true, None, Split::Auto { sm_count: 1 });
         assert!(busy.merges.is_empty() && busy.num_partials == 0);
         check_cover(&busy, &md, &cfg);
     }
@@ -384,7 +387,14 @@ mod tests {
             b.push(SequenceDesc::decode(16383, blocks));
         }
         let md = b.build().unwrap();
-        let work = build(&cfg, &md, Some(16), true, Split::Auto { sm_count: 132 });
+        let work = build(
+            &cfg,
+            &md,
+            Some(16),
+            true,
+            None,
+            Split::Auto { sm_count: 132 },
+        );
         check_cover(&work, &md, &cfg);
         let decode = units(&work.decode);
         assert_eq!(decode.len(), 64 * 4);
@@ -418,7 +428,7 @@ mod tests {
         let mut shapes = Vec::new();
         for lens in [[1, 40, 1000], [2000, 3, 700], [1, 1, 1]] {
             let md = step(lens);
-            let work = build(&cfg, &md, Some(16), true, Split::Fixed(4));
+            let work = build(&cfg, &md, Some(16), true, None, Split::Fixed(4));
             check_cover(&work, &md, &cfg);
             shapes.push((work.decode.len(), work.merges.len(), work.num_partials));
         }
@@ -444,7 +454,14 @@ mod tests {
             .push(SequenceDesc::prompt(0, 16384, &[0, 1, 2, 3]))
             .build()
             .unwrap();
-        let work = build(&cfg, &md, Some(4096), true, Split::Auto { sm_count: 132 });
+        let work = build(
+            &cfg,
+            &md,
+            Some(4096),
+            true,
+            None,
+            Split::Auto { sm_count: 132 },
+        );
         let all = units(&work.prefill);
         assert_eq!(all.len(), 8 * 128);
         for (half, heads) in all.chunks(4 * 128).zip([0..4, 4..8]) {
@@ -465,7 +482,7 @@ mod tests {
                 .push(SequenceDesc::decode(0, &[9]))
                 .build()
                 .unwrap();
-            let work = build(&cfg, &md, Some(4), true, Split::Auto { sm_count: 1 });
+            let work = build(&cfg, &md, Some(4), true, None, Split::Auto { sm_count: 1 });
             check_cover(&work, &md, &cfg);
             for u in units(&work.prefill) {
                 assert!((u[3] * u[5]) as usize <= PREFILL_ROWS);
@@ -494,18 +511,24 @@ mod tests {
             .push(SequenceDesc::decode(1, &[2]))
             .build()
             .unwrap();
-        md.slot_mapping[1] = -1;
-        let work = build(&cfg, &md, Some(4), true, Split::Auto { sm_count: 1 });
-        assert_eq!(work.seqs, [0, 9, 6, 0, 6, 0, 3, 2, 1, 3, 1, 3]);
+        let work = build(&cfg, &md, Some(4), true, None, Split::Auto { sm_count: 1 });
+        assert_eq!(work.seqs, [0, 9, 6, 0, 0, 3, 2, 1, 3, 0]);
         assert_eq!(work.tables, [3, 1, 0, 2]);
+        // A new token with slot -1: the first sequence reads its private cache's blocks.
+        md.slot_mapping[1] = -1;
+        let detached = Detached::plan(&cfg, &md, Some(4), true).unwrap().unwrap();
+        let split = Split::Auto { sm_count: 1 };
+        let work = build(&cfg, &md, Some(4), true, Some(&detached), split);
+        assert_eq!(work.seqs, [0, 9, 6, 0, 1, 3, 2, 1, 3, 0]);
+        assert_eq!(work.tables, [0, 1, 2, 2]);
         // Without a cache, the keys are the inputs' rows of each sequence.
         let md = MetadataBuilder::new(4)
             .push(SequenceDesc::prompt(0, 3, &[]))
             .push(SequenceDesc::prompt(0, 2, &[]))
             .build()
             .unwrap();
-        let work = build(&cfg, &md, None, true, Split::Auto { sm_count: 1 });
-        assert_eq!(work.seqs, [0, 3, 0, 0, 3, 0, 3, 2, 0, 3, 2, 0]);
+        let work = build(&cfg, &md, None, true, None, Split::Auto { sm_count: 1 });
+        assert_eq!(work.seqs, [0, 3, 0, 0, 0, 3, 2, 0, 3, 0]);
         assert!(work.tables.is_empty());
     }
 }

@@ -1473,9 +1473,9 @@ pub fn all_empty_encoder_metadata() -> AttentionMetadata {
         .unwrap()
 }
 
-/// Decoder sequences with padding: queries that see no key at all, and ones whose only keys
-/// come after padding.
-pub fn keyless_decoder_case(st: &Settings) -> DecoderCase {
+/// Decoder sequences whose new tokens have slot -1 (not written, still keys of their own
+/// call): all of a prompt's, some of them, and a decode's only key.
+pub fn unwritten_keys_case(st: &Settings) -> DecoderCase {
     let seq = |context, pad: Vec<bool>, decode| DecoderSeq {
         context,
         new: pad.len(),
@@ -1486,20 +1486,24 @@ pub fn keyless_decoder_case(st: &Settings) -> DecoderCase {
     DecoderCase {
         settings: st.clone(),
         seqs: vec![
-            // All new tokens padding, no context: every query sees no key.
+            // Every new token unwritten, no context: every key comes from the inputs.
             seq(0, vec![true, true, true], false),
-            // First token padding: its query sees no key; the others see later keys.
+            // Written and unwritten tokens mixed.
             seq(0, vec![true, false, false, true, false], false),
-            // A decode whose only key is padding.
+            // A decode whose only key is unwritten.
             seq(0, vec![true], true),
         ],
         spare_blocks: 2,
     }
 }
 
-/// A 3-token prompt (block 2) and a decode (block 0) whose new tokens are all padding (slot
-/// -1): no query has a key.
-pub fn all_padding_metadata() -> AttentionMetadata {
+/// The largest relative rounding of a normal value stored as fp8 (e5m2's two mantissa bits:
+/// half a unit, 2^-3).
+pub const FP8_ROUNDING: f32 = 0.125;
+
+/// A 3-token prompt (block 2) and a decode (block 0) whose new tokens all have slot -1: every
+/// key comes from the call's inputs, and nothing is written.
+pub fn all_unwritten_metadata() -> AttentionMetadata {
     let mut md = MetadataBuilder::new(4)
         .push(SequenceDesc::prompt(0, 3, &[2]))
         .push(SequenceDesc::decode(0, &[0]))
@@ -1507,6 +1511,77 @@ pub fn all_padding_metadata() -> AttentionMetadata {
         .unwrap();
     md.slot_mapping.fill(-1);
     md
+}
+
+/// A sliding-window prompt as vLLM's model runner gives it (v0.6, `compute_slot_mapping`):
+/// window 32, 100 tokens, blocks of 16 reused in a ring of two (physical blocks 1 and 3, the
+/// table `[1, 3, 1, 3, 1, 3, 1]`); the 68 tokens older than the window get slot -1 (they must
+/// not overwrite the ring), the last 32 their ring slots. Every token is still a key of the
+/// prompt's queries. `st`'s window and block size are replaced.
+pub fn vllm_windowed_prompt(st: &Settings) -> VllmPrompt {
+    let st = Settings {
+        sliding_window: Some(32),
+        block_size: 16,
+        ..st.clone()
+    };
+    let (len, window, b) = (100usize, 32usize, 16usize);
+    let (h, hkv, d) = (st.num_heads(), st.num_kv_heads, st.head_size);
+    let mut rng = st.rng();
+    let table: Vec<i32> = (0..len.div_ceil(b)).map(|i| [1, 3][i % 2]).collect();
+    let poisoned = CacheModel::poisoned(st.spec(4), st.kv_scales(), &mut rng);
+    let mut after = poisoned.clone();
+    let keys = st.values(&mut rng, len * hkv * d);
+    let values = st.values(&mut rng, len * hkv * d);
+    let queries = st.values(&mut rng, len * h * d);
+    // vLLM: start_idx = max(0, query_len - sliding_window); slot -1 before it.
+    let slots: Vec<i64> = (0..len)
+        .map(|p| {
+            if p < len - window {
+                -1
+            } else {
+                slot_of(&table, b, p)
+            }
+        })
+        .collect();
+    for (p, &slot) in slots.iter().enumerate().filter(|(_, &s)| s >= 0) {
+        let row = hkv * d;
+        after.store(slot, &keys[p * row..][..row], &values[p * row..][..row]);
+    }
+    let metadata = AttentionMetadata::from_parts(
+        1,
+        vec![0, len as i32],
+        vec![len as i32],
+        slots,
+        BlockTables::from_rows(&[table]),
+        None,
+    )
+    .expect("vLLM's metadata is valid");
+    let call = Call {
+        config: st.config(AttnType::Decoder),
+        query: tensor(st.dtype, &[len, h, d], &queries),
+        kv: Some((
+            tensor(st.dtype, &[len, hkv, d], &keys),
+            tensor(st.dtype, &[len, hkv, d], &values),
+        )),
+        metadata,
+        scales: st.kv_scales(),
+    };
+    VllmPrompt {
+        settings: st,
+        call,
+        poisoned,
+        after,
+    }
+}
+
+/// [`vllm_windowed_prompt`]'s call and the cache before and after it.
+pub struct VllmPrompt {
+    /// The settings, with the window and block size of the case.
+    pub settings: Settings,
+    pub call: Call,
+    /// The cache before the call (poison only) and after it (the 32 written tokens).
+    pub poisoned: CacheModel,
+    pub after: CacheModel,
 }
 
 // ---------------------------------------------------------------------------------------------

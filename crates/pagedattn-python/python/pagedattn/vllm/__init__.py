@@ -209,6 +209,27 @@ def _len(x: Any) -> Optional[int]:
     return len(x)
 
 
+def _blocks_of_slots(slots: List[int], block_size: int) -> Optional[List[int]]:
+    """The block-table row of a fresh prompt whose token ``p`` has slot ``slots[p]``: each
+    block the one its tokens' slots name, 0 for a block whose tokens all have slot -1 (never
+    read: such tokens are keys from the call's inputs). ``None`` where the slots name no
+    consistent table (an offset other than the position's, two blocks for one)."""
+    row = []
+    for first in range(0, len(slots), block_size):
+        blocks = set()
+        for p in range(first, min(first + block_size, len(slots))):
+            v = slots[p]
+            if v < 0:
+                continue
+            if v % block_size != p % block_size:
+                return None
+            blocks.add(v // block_size)
+        if len(blocks) > 1:
+            return None
+        row.append(blocks.pop() if blocks else 0)
+    return row
+
+
 def _index_table(x: Any) -> Any:
     """A 2-D index table for the native module: tensors and arrays as they are, nested Python
     lists as an int32 tensor (``[S, M]``, rows padded with 0)."""
@@ -345,8 +366,9 @@ class PagedAttnMetadata:
       prefills), else a prefill's query is its whole sequence; decodes have 1 token.
     * ``block_tables`` has one row per sequence, or one per decode (TorchSDPA; the prefills'
       rows then come from ``prefill_block_tables`` when set). A prefill without cached context
-      whose tokens all have a slot reads its keys from the blocks its ``slot_mapping`` names
-      (vLLM gives such prefills an empty, zero-padded table row).
+      reads its keys from the blocks its ``slot_mapping`` names (vLLM gives such prefills an
+      empty, zero-padded table row); its tokens with slot -1 (``PAD_SLOT_ID``: a
+      sliding-window prompt's tokens older than the window) are keys from the call's inputs.
     """
 
     num_prefills: int
@@ -662,11 +684,9 @@ class PagedAttnMetadata:
             n = query_lens[i]
             ctx = seq_lens[i] - n
             if i < np_ and ctx == 0 and n > 0:
-                own = slots[start : start + n]
-                if len(own) == n and all(v >= 0 for v in own) and all(
-                    own[p] % block_size == p % block_size for p in range(n)
-                ):
-                    rows[i] = [own[p] // block_size for p in range(0, n, block_size)]
+                row = _blocks_of_slots(slots[start : start + n], block_size)
+                if row is not None:
+                    rows[i] = row
             start += n
         width = max((len(r) for r in rows), default=0)
         return [r + [0] * (width - len(r)) for r in rows]

@@ -281,7 +281,7 @@ pub fn block_end(cols: &[Range<usize>], r0: usize, n: usize) -> usize {
     })
 }
 
-/// `acc[r] += Σ_t p[r][t] · values[value_rows[t]..]` for every row, skipping absent keys
+/// `acc[r] += Σ_t p[r][t] · values[value_rows[t]..]` for every row, skipping the columns `skip` marks
 /// and, per block of rows, the columns past [`block_end`] (their probabilities are 0).
 #[inline(always)]
 pub fn accumulate_rows<S: Simd, E: Load>(
@@ -289,7 +289,7 @@ pub fn accumulate_rows<S: Simd, E: Load>(
     values: &[E],
     value_rows: &[usize],
     cols: &[Range<usize>],
-    absent: &[bool],
+    skip: &[bool],
     probs: &[f32],
     state: &mut RowStates,
 ) {
@@ -299,7 +299,7 @@ pub fn accumulate_rows<S: Simd, E: Load>(
     let mut count = 0;
     for (t, &row) in value_rows.iter().enumerate() {
         before[t] = count;
-        if !absent[t] {
+        if !skip[t] {
             present[count] = (t, row);
             count += 1;
         }

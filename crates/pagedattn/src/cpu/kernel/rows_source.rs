@@ -119,11 +119,11 @@ impl<E: Load> TileSource for RowsSource<'_, E> {
         s: S,
         tile: &TileRows<'_, E>,
         cols: &[Range<usize>],
-        absent: &[bool],
+        skip: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     ) {
-        accumulate_rows(s, self.kv.value, tile.rows(), cols, absent, probs, state);
+        accumulate_rows(s, self.kv.value, tile.rows(), cols, skip, probs, state);
     }
 
     fn value_row(&self, tile: &TileRows<'_, E>, t: usize, out: &mut [f32]) {

@@ -37,8 +37,6 @@ pub struct QueryRows<'a> {
     pub slope: &'a [f32],
     /// Key positions to visit (outside it every key is masked for every row).
     pub keys: Range<usize>,
-    /// Positions that are not keys (new tokens with slot -1), sorted.
-    pub absent: &'a [usize],
 }
 
 /// Tiles whose terms a row's f32 running sums (`l` and each element of `acc`) take before
@@ -148,7 +146,7 @@ pub trait TileSource {
         cols: &[Range<usize>],
         scores: &mut [f32],
     );
-    /// `acc[r] += Σ_j p[r][j] · v_j` over the tile's keys, skipping positions marked absent;
+    /// `acc[r] += Σ_j p[r][j] · v_j` over the tile's keys, skipping the columns `skip` marks;
     /// `p[r][j]` is 0 where row r does not attend column j (outside `cols[r]`), so a source
     /// may skip such columns too.
     fn accumulate<S: Simd>(
@@ -156,7 +154,7 @@ pub trait TileSource {
         s: S,
         tile: &Self::Tile<'_>,
         cols: &[Range<usize>],
-        absent: &[bool],
+        skip: &[bool],
         probs: &mut [f32],
         state: &mut RowStates,
     );
@@ -203,8 +201,7 @@ impl<Src: TileSource> WithSimd for Attend<'_, '_, Src> {
 }
 
 /// Attends the rows of one or more kv heads over their keys, tile by tile, accumulating into
-/// their states. The heads share the key range, the positions that are not keys and the row
-/// positions (they differ in values and ALiBi slopes); each tile is visited by every head in
+/// their states. The heads share the key range and the row positions (they differ in values and ALiBi slopes); each tile is visited by every head in
 /// turn, so that a decode reads whole cache blocks (every head of a block) close together
 /// instead of one head's 4 KiB slice of each block at a time, which keeps memory streaming
 /// near its sequential rate. Requires `head_size % S::LANES == 0` (the dispatcher picks the
@@ -227,7 +224,6 @@ pub fn attend<S: Simd, Src: TileSource>(
     let mut scores = AlignedF32::zeros(first_state.m.len() * KEY_TILE);
     let mut row_cols = vec![0..0; rows];
     let mut value_row = vec![0.0f32; d];
-    let mut absent = first.absent.iter().copied().peekable();
     let (origin, step) = sources[0].alignment();
     let plain = mods.soft_cap.is_none() && !mods.alibi;
     let first_row = first.pos.iter().copied().min().unwrap_or(0);
@@ -243,19 +239,6 @@ pub fn attend<S: Simd, Src: TileSource>(
         tiles += 1;
         let end = (start + KEY_TILE).min(keys.end);
         let n = end - start;
-        // Positions in this tile that are not keys: masked for every row, skipped in P·V.
-        let mut tile_absent = [false; KEY_TILE];
-        let mut absent_bits = 0u64;
-        while let Some(&j) = absent.peek() {
-            if j >= end {
-                break;
-            }
-            if j >= start {
-                tile_absent[j - start] = true;
-                absent_bits |= 1 << (j - start);
-            }
-            absent.next();
-        }
         // A full tile that every row sees whole, with no score modifier, needs no masking.
         let unmasked = plain
             && n == KEY_TILE
@@ -273,7 +256,7 @@ pub fn attend<S: Simd, Src: TileSource>(
             *cols = attended_columns(start, end, keys.start, pos, mods);
             seen_by_all &= column_bits(cols.clone());
         }
-        let masked = column_bits(0..n) & !absent_bits & !seen_by_all;
+        let masked = column_bits(0..n) & !seen_by_all;
         for ((source, group), state) in sources.iter().zip(groups).zip(states.iter_mut()) {
             let tile = source.tile(start..end);
             let special = if masked == 0 {
@@ -288,19 +271,21 @@ pub fn attend<S: Simd, Src: TileSource>(
                     let slope = group.slope.get(r).copied().unwrap_or(0.0);
                     apply_mods(s, row, start, end, cols.clone(), group.pos[r], slope, mods);
                 }
-                if absent_bits != 0 {
-                    for t in columns(absent_bits) {
-                        row[t] = f32::NEG_INFINITY;
-                    }
-                }
                 softmax_step(s, row, r, d, state);
             }
             if special == 0 {
-                source.accumulate(s, &tile, &row_cols, &tile_absent[..n], &mut scores, state);
+                source.accumulate(
+                    s,
+                    &tile,
+                    &row_cols,
+                    &[false; KEY_TILE][..n],
+                    &mut scores,
+                    state,
+                );
             } else {
                 // Non-finite values that some row must not see: each such key enters the rows
                 // that attend it here, and the source's P·V skips it.
-                let mut skip = tile_absent;
+                let mut skip = [false; KEY_TILE];
                 for t in columns(special) {
                     skip[t] = true;
                     source.value_row(&tile, t, &mut value_row);
@@ -326,7 +311,7 @@ pub fn attend<S: Simd, Src: TileSource>(
 }
 
 /// The tile-local columns of tile `start..end` that a row at position `pos` attends: the
-/// unit's keys from `first` up to the causal end, inside the window (absent positions aside).
+/// unit's keys from `first` up to the causal end, inside the window.
 #[inline(always)]
 fn attended_columns(
     start: usize,
