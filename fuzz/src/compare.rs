@@ -296,17 +296,30 @@ impl KeyStats {
         let (hkv, d) = (config.num_kv_heads(), config.head_size());
         let attn_type = config.attn_type();
         // Where the keys are read: the cache after the call (whose bytes both backends must
-        // share), or the input tensors.
+        // share), and the input tensors (a new token with slot -1 beside a cache: as the
+        // cache would hold it).
         let mut unscale = (1.0, 1.0);
+        let (mut input_keys, mut input_values) = match &case.key_value {
+            Some((k, v)) => (values(k)?, values(v)?),
+            None => (Vec::new(), Vec::new()),
+        };
         let (keys, values, block_size) = match (&case.kv_cache, &want.kv_cache) {
             (Some(cache), Some((k, v))) => {
                 let fp8 = config.kv_cache_dtype().fp8_format();
                 let scales = config.kv_scales();
-                if fp8.is_some() {
+                if let Some(f) = fp8 {
                     unscale = (
                         1.0 / f64::from(scales.k_scale).abs(),
                         1.0 / f64::from(scales.v_scale).abs(),
                     );
+                    for (xs, scale) in [
+                        (&mut input_keys, scales.k_scale),
+                        (&mut input_values, scales.v_scale),
+                    ] {
+                        for x in xs.iter_mut() {
+                            *x = f.decode(f.encode(*x as f32 / scale)) as f64 * scale as f64;
+                        }
+                    }
                 }
                 (
                     decoded(k, fp8, scales.k_scale)?,
@@ -314,13 +327,11 @@ impl KeyStats {
                     Some(cache.spec().block_size),
                 )
             }
-            _ => match &case.key_value {
-                Some((k, v)) => (values(k)?, values(v)?, None),
-                None => (Vec::new(), Vec::new(), None),
-            },
+            _ => (input_keys.clone(), input_values.clone(), None),
         };
-        // The plan's rule: a cross-attention call with a cache carries key/value (so that its
-        // padding tokens are not keys) exactly when it has a cross slot mapping.
+        // The plan's rule: a cross-attention call with a cache carries key/value (whose
+        // tokens with slot -1 are keys from the inputs) exactly when it has a cross slot
+        // mapping.
         let has_new_kv = match (attn_type, block_size) {
             (AttnType::EncoderDecoder, Some(_)) => md
                 .encoder
@@ -342,10 +353,12 @@ impl KeyStats {
                 // work of those, not of key positions no query reads).
                 if !md.query_range(s).is_empty() {
                     for j in 0..key_map.num_positions(s) {
-                        let row = match key_map.locate(s, j) {
-                            KeyLocation::Absent => continue,
-                            KeyLocation::Slot(slot) => (slot * hkv + g) * d,
-                            KeyLocation::InputToken(t) => (t * hkv + g) * d,
+                        let (keys, values, row) = match key_map.locate(s, j) {
+                            KeyLocation::Slot(slot) => (&keys, &values, (slot * hkv + g) * d),
+                            KeyLocation::InputToken(t) if block_size.is_some() => {
+                                (&input_keys, &input_values, (t * hkv + g) * d)
+                            }
+                            KeyLocation::InputToken(t) => (&keys, &values, (t * hkv + g) * d),
                         };
                         st.positions += 1;
                         for x in row..row + d {

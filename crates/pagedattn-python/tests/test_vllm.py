@@ -596,6 +596,10 @@ def test_swap_blocks_cpu_round_trip(name):
             assert torch.equal(back[:, d_back], src[:, s_out])
         with pytest.raises(ValueError):
             PagedAttnBackend.swap_blocks(src, swap, [[12, 0]])
+        # vLLM before 0.5 passed a dict of a source block to its destination.
+        again = torch.zeros_like(src)
+        PagedAttnBackend.swap_blocks(swap, again, {0: 1, 4: 2, 5: 9})
+        assert torch.equal(again, back)
     finally:
         pv.set_backend(None)
 
@@ -631,6 +635,11 @@ def test_copy_blocks_every_layer_byte_for_byte(backend, dtype):
             want[:, d] = b[:, s]
         assert torch.equal(c.view(torch.uint8), want.view(torch.uint8))
     PagedAttnBackend.copy_blocks([], pairs)  # no layer: nothing to do
+    # vLLM before 0.5 passed a dict of a source to its destinations: the same copies.
+    dict_caches = [b.clone() for b in befores]
+    PagedAttnBackend.copy_blocks(dict_caches, {0: [5], 2: [6, 7], 9: [1]})
+    for c, d in zip(caches, dict_caches):
+        assert torch.equal(c.view(torch.uint8), d.view(torch.uint8))
 
 
 def test_blocksparse_rejected():
@@ -852,6 +861,21 @@ def test_metadata_builder_as_vllm_runners_use_it(backend, chunked):
     assert 64 in PagedAttnBackend.get_supported_head_sizes()
 
 
+def test_state_class_serves_eager_runners_and_refuses_graph_capture():
+    """``get_state_cls()(runner)``, which every vLLM 0.6 model runner makes: ``begin_forward``
+    each step does nothing; a CUDA-graph capture is refused naming ``enforce_eager``."""
+    from types import SimpleNamespace as NS
+
+    state = PagedAttnBackend.get_state_cls()(NS(device=torch.device("cpu")))
+    assert state.begin_forward(NS()) is None
+    for call in (lambda: state.graph_capture(8), lambda: state.graph_clone(8),
+                 lambda: state.graph_capture_get_metadata_for_batch(8),
+                 lambda: state.get_graph_input_buffers(None),
+                 lambda: state.prepare_graph_input_buffers({}, None)):
+        with pytest.raises(NotImplementedError, match="enforce_eager=True"):
+            call()
+
+
 def test_metadata_builder_profiling_run(backend):
     """vLLM's profiling run (block tables ``{seq_id: None}``, an empty cache): every slot is
     PAD_SLOT_ID and the layer attends over the new tokens, as the no-cache path does."""
@@ -874,6 +898,64 @@ def test_metadata_builder_profiling_run(backend):
     want = dense_attention(q.cpu().view(6, H, D).double(), k.cpu().view(6, HKV, D).double(),
                            v.cpu().view(6, HKV, D).double(), scale=D ** -0.5, causal=True)
     torch.testing.assert_close(out.cpu().view(6, H, D).double(), want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_sliding_window_prompt_as_vllms_runner_gives_it(backend, kv_cache_dtype):
+    """vLLM 0.6's runner on a Mistral-style layer (window 32), a fresh prompt of 100 tokens,
+    blocks of 16 reused in a ring of two (its block manager's table ``[A, B, A, B, A, B, A]``):
+    the builder gives the 68 tokens older than the window ``PAD_SLOT_ID``
+    (``compute_slot_mapping_start_idx``) and an empty table row; vLLM's prefill attends over the
+    key and value tensors it is given, so every token is a key of the prompt's queries. The
+    output is that dense windowed attention over the call's keys (fp8: as the cache holds
+    them), and only the last 32 tokens are written, at their ring slots."""
+    from types import SimpleNamespace as NS
+
+    name, dev = backend
+    gen = torch.Generator().manual_seed(21)
+    n, window, bs, nb, a, b = 100, 32, 16, 4, 1, 3
+    ring = [[a, b][i % 2] for i in range(math.ceil(n / bs))]
+    group = NS(seq_ids=[0], input_tokens=[[0] * n], orig_seq_lens=[n], seq_lens=[n],
+               query_lens=[n], context_lens=[0], curr_sliding_window_blocks=[0], is_prompt=True,
+               block_tables={0: ring}, prefix_cache_hit=False, computed_block_nums=[])
+    input_builder = NS(runner=NS(device=torch.device(dev), graph_block_tables=None),
+                       sliding_window=window, block_size=bs, chunked_prefill_enabled=False,
+                       inter_data_list=[group])
+    md = PagedAttnBackend.make_metadata_builder(input_builder).build([n], [n], -1, 1)
+    slots = md.slot_mapping.tolist()
+    assert slots[: n - window] == [pv.PAD_SLOT_ID] * (n - window)
+    assert slots[n - window:] == [ring[p // bs] * bs + p % bs for p in range(n - window, n)]
+    scales = dict(k_scale=0.05, v_scale=0.04) if kv_cache_dtype == "fp8" else {}
+    impl = PagedAttnImpl(H, D, D ** -0.5, num_kv_heads=HKV, sliding_window=window,
+                         kv_cache_dtype=kv_cache_dtype)
+    shape = PagedAttnBackend.get_kv_cache_shape(nb, bs, HKV, D)
+    if kv_cache_dtype == "fp8":
+        cache = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).to(dev)
+    else:
+        cache = torch.randn(shape, generator=gen).to(dev)
+    before = cache.clone()
+    q = torch.randn(n, H * D, generator=gen).to(dev)
+    k = torch.randn(n, HKV * D, generator=gen).to(dev)
+    v = torch.randn(n, HKV * D, generator=gen).to(dev)
+    out = impl.forward(q, k, v, cache, md, **scales)
+    kk, vv = k.cpu().view(n, HKV, D).double(), v.cpu().view(n, HKV, D).double()
+    if scales:
+        kk = dequantize(quantize(kk.float(), scales["k_scale"]), scales["k_scale"]).double()
+        vv = dequantize(quantize(vv.float(), scales["v_scale"]), scales["v_scale"]).double()
+    want = dense_attention(q.cpu().view(n, H, D).double(), kk, vv, scale=D ** -0.5, causal=True,
+                           window=window)
+    torch.testing.assert_close(out.cpu().view(n, H, D).double(), want, atol=5e-5, rtol=0)
+    # Written: the last 32 tokens at their ring slots; every other byte as before.
+    layout = layout_of(dev)
+    got, was = (token_view(c.cpu().view(torch.uint8) if scales else c.cpu(), layout, nb, bs, HKV, D)
+                for c in (cache, before))
+    expect = was.clone()
+    for p in range(n - window, n):
+        blk, off = ring[p // bs], p % bs
+        rows = [k.cpu().view(n, HKV, D)[p], v.cpu().view(n, HKV, D)[p]]
+        for side, row in enumerate(rows):
+            expect[side, blk, off] = quantize(row, scales["kv"[side] + "_scale"]) if scales else row
+    assert torch.equal(got, expect)
 
 
 def test_v1_backend_serves_a_batch_in_any_order_with_padding(backend):

@@ -347,14 +347,8 @@ mod tests {
             .push(SequenceDesc::decode(99, &(190..197).collect::<Vec<_>>()))
             .build()
             .unwrap();
-        let work = build(
-            &cfg,
-            &md,
-            Some(16),
-            true,
-            None,
-            Split::Auto { sm_count: 132 },
-        );
+        let wide = Split::Auto { sm_count: 132 };
+        let work = build(&cfg, &md, Some(16), true, None, wide);
         check_cover(&work, &md, &cfg);
         let decode = units(&work.decode);
         // The long decode: split for both kv heads, partitions of >= 256 keys, 32-aligned.
@@ -387,14 +381,8 @@ mod tests {
             b.push(SequenceDesc::decode(16383, blocks));
         }
         let md = b.build().unwrap();
-        let work = build(
-            &cfg,
-            &md,
-            Some(16),
-            true,
-            None,
-            Split::Auto { sm_count: 132 },
-        );
+        let wide = Split::Auto { sm_count: 132 };
+        let work = build(&cfg, &md, Some(16), true, None, wide);
         check_cover(&work, &md, &cfg);
         let decode = units(&work.decode);
         assert_eq!(decode.len(), 64 * 4);

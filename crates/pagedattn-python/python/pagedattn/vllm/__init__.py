@@ -230,6 +230,22 @@ def _blocks_of_slots(slots: List[int], block_size: int) -> Optional[List[int]]:
     return row
 
 
+def _block_pairs(pairs: Any) -> Any:
+    """Block pairs as the native module takes them: a ``[N, 2]`` tensor or array as it is; a
+    dict (vLLM before 0.5: ``{src: dst}`` to swap, ``{src: [dst, ...]}`` to copy) as an
+    int64 ``[N, 2]`` tensor, its pairs in the dict's order."""
+    if not isinstance(pairs, dict):
+        return pairs
+    import torch
+
+    rows = [
+        (int(src), int(dst))
+        for src, dsts in pairs.items()
+        for dst in (dsts if isinstance(dsts, (list, tuple)) else [dsts])
+    ]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 2)
+
+
 def _index_table(x: Any) -> Any:
     """A 2-D index table for the native module: tensors and arrays as they are, nested Python
     lists as an int32 tensor (``[S, M]``, rows padded with 0)."""
@@ -305,6 +321,11 @@ class PagedAttnBackend:
         return cls.get_builder_cls()(*args, **kwargs)
 
     @staticmethod
+    def get_state_cls() -> Type["PagedAttnState"]:
+        """:class:`PagedAttnState` (every vLLM 0.6 model runner makes one, ``(runner)``)."""
+        return PagedAttnState
+
+    @staticmethod
     def get_supported_head_sizes() -> List[int]:
         """The head sizes every native backend serves (:data:`SUPPORTED_HEAD_SIZES`)."""
         return list(SUPPORTED_HEAD_SIZES)
@@ -325,21 +346,23 @@ class PagedAttnBackend:
     @staticmethod
     def swap_blocks(src_kv_cache: Any, dst_kv_cache: Any, src_to_dst: Any) -> None:
         """Copies whole blocks ``src_kv_cache[:, s] -> dst_kv_cache[:, d]`` (keys and values)
-        for each row ``(s, d)`` of ``src_to_dst`` (``[N, 2]``, int32/int64, any device): a GPU
-        cache and a CPU tensor either way, or two caches on one device. Runs on the backend of
-        the GPU involved (the cpu backend for two CPU tensors), on its current stream."""
+        for each row ``(s, d)`` of ``src_to_dst`` (``[N, 2]``, int32/int64, any device; or a
+        dict ``{s: d}``, as vLLM before 0.5 passed it): a GPU cache and a CPU tensor either way,
+        or two caches on one device. Runs on the backend of the GPU involved (the cpu backend
+        for two CPU tensors), on its current stream."""
         involved = dst_kv_cache if _device_of(dst_kv_cache)[0] == "cuda" else src_kv_cache
-        backend_for(involved).swap_blocks(src_kv_cache, dst_kv_cache, src_to_dst)
+        backend_for(involved).swap_blocks(src_kv_cache, dst_kv_cache, _block_pairs(src_to_dst))
 
     @staticmethod
     def copy_blocks(kv_caches: Sequence[Any], src_to_dists: Any) -> None:
         """Copies block ``s`` to block ``d`` for each row ``(s, d)`` of ``src_to_dists``
-        (``[N, 2]``) in every layer's cache of ``kv_caches`` (copy-on-write of a forked
-        sequence). Nothing to do for no layer."""
+        (``[N, 2]``; or a dict ``{s: [d, ...]}``, as vLLM before 0.5 passed it) in every layer's
+        cache of ``kv_caches`` (copy-on-write of a forked sequence). Nothing to do for no
+        layer."""
         kv_caches = list(kv_caches)
         if not kv_caches:
             return
-        backend_for(kv_caches[0]).copy_blocks(kv_caches, src_to_dists)
+        backend_for(kv_caches[0]).copy_blocks(kv_caches, _block_pairs(src_to_dists))
 
 
 # --------------------------------------------------------------------------------------------
@@ -787,6 +810,52 @@ class PagedAttnMetadata:
 # --------------------------------------------------------------------------------------------
 # Metadata builder (vLLM 0.6's runners)
 # --------------------------------------------------------------------------------------------
+
+
+class PagedAttnState:
+    """vLLM 0.6's attention state (``CommonAttentionState``): what a model runner asks of the
+    backend around its steps. Eager steps need nothing (``begin_forward``). vLLM's CUDA-graph
+    capture is refused: the layer converts each step's metadata on the host, which a capture
+    cannot hold, and the capture's padded decodes (slot -1) need the private cache's launches,
+    which a graph plan refuses; run vLLM with ``enforce_eager=True``."""
+
+    _NO_GRAPHS = (
+        "pagedattn.vllm does not support vLLM's CUDA-graph capture (the layer converts each "
+        "step's metadata on the host): run vLLM with enforce_eager=True"
+    )
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def begin_forward(self, model_input: Any) -> None:
+        """Nothing to prepare: the first layer's forward plans the step."""
+        return None
+
+    def graph_capture(self, max_batch_size: int) -> Any:
+        """Refused: raises ``NotImplementedError`` (see the class)."""
+        raise NotImplementedError(self._NO_GRAPHS)
+
+    def graph_clone(self, batch_size: int) -> "PagedAttnState":
+        """Refused, as :meth:`graph_capture`."""
+        raise NotImplementedError(self._NO_GRAPHS)
+
+    def graph_capture_get_metadata_for_batch(
+        self, batch_size: int, is_encoder_decoder_model: bool = False
+    ) -> Any:
+        """Refused, as :meth:`graph_capture`."""
+        raise NotImplementedError(self._NO_GRAPHS)
+
+    def get_graph_input_buffers(
+        self, attn_metadata: Any, is_encoder_decoder_model: bool = False
+    ) -> Dict[str, Any]:
+        """Refused, as :meth:`graph_capture`."""
+        raise NotImplementedError(self._NO_GRAPHS)
+
+    def prepare_graph_input_buffers(
+        self, input_buffers: Any, attn_metadata: Any, is_encoder_decoder_model: bool = False
+    ) -> None:
+        """Refused, as :meth:`graph_capture`."""
+        raise NotImplementedError(self._NO_GRAPHS)
 
 
 class PagedAttnMetadataBuilder:
