@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The engine on the GPU: SmolLM2 (or any Llama GGUF) served by `pagedattn run --backend cuda`
+"""The engine on the GPU: SmolLM2 (or any Llama GGUF, or a synthetic model's shape such as
+`--synthetic llama3-8b`) served by `pagedattn run --backend cuda`
 (the bf16 GPU model) on bench/hf_generate.py's fixed shape: B requests of PP random prompt
 tokens, TG new tokens each (end of turn ignored), greedy, all arriving at once. Prints one row
 per B: wall seconds (process start excluded: the report's serving time), generated tokens
@@ -8,6 +9,7 @@ how many steps replayed CUDA graphs, and the attention's share of the other step
 
     python3 bench/engine_gpu.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf \
         [--batches 1,8,32,64,128,256] [--pp 128] [--tg 128] [--repeats 3]
+    python3 bench/engine_gpu.py --synthetic llama3-8b --batches 1,64 --repeats 1
 
 Run bench/hf_generate.py in the same device call for the peer's rows.
 """
@@ -19,7 +21,8 @@ from traces import fixed_shape_trace
 def serve(args, b):
     extra = ["--no-cuda-graphs"] if args.no_cuda_graphs else []
     trace = fixed_shape_trace(b, args.pp, args.tg)
-    out = subprocess.run([args.pagedattn, "run", "--model", args.model, "--trace", trace,
+    model = ["--model", args.model] if args.model else ["--synthetic", args.synthetic]
+    out = subprocess.run([args.pagedattn, "run", *model, "--trace", trace,
                           "--backend", "cuda", "--no-verify", "--json",
                           "--max-batched-tokens", str(args.max_batched_tokens),
                           "--max-seqs", str(max(b, 1))] + extra,
@@ -30,7 +33,9 @@ def serve(args, b):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="a GGUF file or Hugging Face folder")
+    which.add_argument("--synthetic", help="a synthetic model's shape (pagedattn run --synthetic)")
     p.add_argument("--pagedattn", default="target/release/pagedattn")
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--pp", type=int, default=128)

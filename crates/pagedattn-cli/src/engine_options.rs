@@ -26,6 +26,10 @@ pub struct EngineArgs {
     /// and chat template from the file). Default: the synthetic model.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// The synthetic decoder's shape when no `--model` is given: `small` (the tests' and
+    /// workloads' default) or `llama3-8b` (Llama-3-8B's shape, 16 GB of seeded bf16 weights).
+    #[arg(long, default_value = "small", conflicts_with = "model")]
+    pub synthetic: String,
     /// Tokens per KV-cache block (8: under 2% of the slots of a chat workload's blocks stay
     /// empty, half of what 16 leaves).
     #[arg(long, default_value_t = 8, value_parser = at_least_one)]
@@ -195,11 +199,22 @@ pub fn load(
     kind: ModelKind,
 ) -> pagedattn_engine::Result<Loaded> {
     let on_device = model_on_device(args, backend)?;
+    if args.model.is_none() && kind != ModelKind::Decoder && args.synthetic != "small" {
+        return Err(pagedattn_engine::Error::Model(format!(
+            "--synthetic {} names a decoder's shape: this workload runs the synthetic {} model",
+            args.synthetic,
+            if kind == ModelKind::EncoderOnly {
+                "encoder-only"
+            } else {
+                "encoder-decoder"
+            }
+        )));
+    }
     match &args.model {
         None => Ok(Loaded {
             model: match kind {
                 ModelKind::Decoder => place(
-                    SyntheticConfig::default().build()?,
+                    SyntheticConfig::preset(&args.synthetic)?.build()?,
                     on_device,
                     args,
                     backend,

@@ -4,6 +4,7 @@
 //! so that every feature of the backends runs inside the engine with no download.
 
 use pagedattn::{alibi_slopes_bloom, AttentionConfig, AttnType, DType, KvCacheDtype};
+use rayon::prelude::*;
 
 use crate::models::blocks::{InputEmbedding, LayerWeights, Placement};
 use crate::models::encdec::{CrossWeights, EncDec, Pooling};
@@ -73,7 +74,40 @@ impl Default for SyntheticConfig {
     }
 }
 
+/// The synthetic decoders `--synthetic` names: the default (small, for tests and workloads)
+/// and real models' shapes.
+pub const PRESETS: [&str; 2] = ["small", "llama3-8b"];
+
 impl SyntheticConfig {
+    /// The decoder preset `name` (one of [`PRESETS`]).
+    pub fn preset(name: &str) -> Result<Self> {
+        match name {
+            "small" => Ok(SyntheticConfig::default()),
+            "llama3-8b" => Ok(SyntheticConfig::llama3_8b()),
+            other => Err(Error::Model(format!(
+                "synthetic model {other:?}: expected one of {}",
+                PRESETS.join(", ")
+            ))),
+        }
+    }
+
+    /// A decoder shaped like Llama-3-8B: 32 layers, hidden 4096, MLP 14336, 32 query heads and
+    /// 8 kv heads of 128, a vocabulary of 128256, bf16; weights drawn from the seed (8.0 B
+    /// parameters: 16 GB in bf16).
+    pub fn llama3_8b() -> Self {
+        SyntheticConfig {
+            layers: 32,
+            hidden: 4096,
+            ffn: 14336,
+            heads: 32,
+            kv_heads: 8,
+            head_size: 128,
+            vocab: 128_256,
+            max_context: 8192,
+            ..SyntheticConfig::default()
+        }
+    }
+
     /// The default shape as an encoder-decoder model: 4 encoder and 4 decoder layers.
     pub fn encoder_decoder() -> Self {
         SyntheticConfig {
@@ -306,12 +340,29 @@ impl SyntheticConfig {
     /// The token embedding, uniform in ±1, from its own stream of the seed.
     pub(crate) fn embedding(&self) -> Result<Embedding> {
         let mut rng = SplitMix64::new(self.seed ^ 0xE3B3_D1D0);
-        let table: Vec<f32> = (0..self.vocab * self.hidden)
-            .map(|_| (2.0 * rng.next_f64() - 1.0) as f32)
-            .collect();
+        let table = uniform(&mut rng, self.vocab * self.hidden, 1.0);
         Embedding::from_f32(&table, self.vocab, self.hidden)
             .map_err(|e| Error::Model(e.to_string()))
     }
+}
+
+/// The next `n` draws of `stream`, each uniform in ±`bound`, drawn in parallel blocks (an
+/// 8B-parameter model's weights in seconds, not minutes): the same values as drawn one by one.
+fn uniform(stream: &mut SplitMix64, n: usize, bound: f64) -> Vec<f32> {
+    const BLOCK: usize = 1 << 16;
+    let mut values = vec![0.0f32; n];
+    values
+        .par_chunks_mut(BLOCK)
+        .enumerate()
+        .for_each(|(i, block)| {
+            let mut s = stream.clone();
+            s.skip((i * BLOCK) as u64);
+            for v in block {
+                *v = ((2.0 * s.next_f64() - 1.0) * bound) as f32;
+            }
+        });
+    stream.skip(n as u64);
+    values
 }
 
 /// The synthetic weights' draw: one stream of the seed, matrices in the order asked.
@@ -323,12 +374,12 @@ impl Draw {
         Draw(SplitMix64::new(seed))
     }
 
-    /// An `[out, inp]` projection, uniform in ±1/√inp.
+    /// An `[out, inp]` projection, uniform in ±1/√inp: the stream's next `out · inp` draws.
     pub(crate) fn matrix(&mut self, out: usize, inp: usize) -> Result<Linear> {
-        let bound = 1.0 / (inp as f64).sqrt();
-        let values: Vec<f32> = (0..out * inp)
-            .map(|_| ((2.0 * self.0.next_f64() - 1.0) * bound) as f32)
-            .collect();
+        let n = out
+            .checked_mul(inp)
+            .ok_or_else(|| Error::Model(format!("a {out} x {inp} projection")))?;
+        let values = uniform(&mut self.0, n, 1.0 / (inp as f64).sqrt());
         Linear::from_f32(&values, out, inp, Precision::Exact)
             .map_err(|e| Error::Model(e.to_string()))
     }
@@ -363,5 +414,38 @@ fn unit_norm(hidden: usize) -> Norm {
     Norm::Rms {
         weight: vec![1.0; hidden],
         eps: SYNTHETIC_EPS,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parallel_draws_are_the_streams_draws_in_order() {
+        let n = 3 * (1 << 16) + 17;
+        let mut one_by_one = SplitMix64::new(3);
+        let want: Vec<f32> = (0..n)
+            .map(|_| ((2.0 * one_by_one.next_f64() - 1.0) * 0.5) as f32)
+            .collect();
+        let mut stream = SplitMix64::new(3);
+        assert_eq!(uniform(&mut stream, n, 0.5), want);
+        // The stream continues after them.
+        assert_eq!(stream.next_u64(), one_by_one.next_u64());
+    }
+
+    #[test]
+    fn presets_are_named_and_others_refused() {
+        assert_eq!(
+            SyntheticConfig::preset("small").unwrap(),
+            SyntheticConfig::default()
+        );
+        let big = SyntheticConfig::preset("llama3-8b").unwrap();
+        assert_eq!(
+            (big.layers, big.hidden, big.ffn, big.vocab),
+            (32, 4096, 14336, 128_256)
+        );
+        let e = SyntheticConfig::preset("gpt5").unwrap_err().to_string();
+        assert!(e.contains("small, llama3-8b"), "{e}");
     }
 }

@@ -99,8 +99,8 @@ __device__ __forceinline__ void decode(const Params& p) {
 
     const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
     const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
-    const T* keys = (const T*)unit_keys(p, seq);
-    const T* values = (const T*)unit_values(p, seq);
+    const T* keys = (const T*)p.key;
+    const T* values = (const T*)p.value;
     const i64 kv_head = unit[UNIT_KV_HEAD];
     const int heads = (int)unit[UNIT_HEADS];  // <= ROWS
     const i64 token = seq[SEQ_QUERY_START] + unit[UNIT_TOKEN];

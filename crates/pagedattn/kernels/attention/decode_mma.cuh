@@ -121,8 +121,8 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
 
     const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
     const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
-    const u8* keys = (const u8*)unit_keys(p, seq);
-    const u8* values = (const u8*)unit_values(p, seq);
+    const u8* keys = (const u8*)p.key;
+    const u8* values = (const u8*)p.value;
     const i64 kv_head = unit[UNIT_KV_HEAD];
     const int heads = (int)unit[UNIT_HEADS];  // <= ROWS
     const i64 token = seq[SEQ_QUERY_START] + unit[UNIT_TOKEN];

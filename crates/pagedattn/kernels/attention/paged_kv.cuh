@@ -2,19 +2,10 @@
 // cache through the compacted block table, or a row of the call's own keys and values), and
 // which positions are no keys at all (past the unit), which no kernel ever reads. Each
 // mainloop gathers its tiles through these: prefill_mma.cuh's `request` / `publish` /
-// `fetch`, prefill_sm90.cuh's producer warpgroup. A sequence with a new token whose slot is -1
-// (not written, still a key) reads every key from the call's private cache instead of the
-// layer's, through its own table (src/detached.rs): `unit_keys` / `unit_values`.
-
-// The key buffer a unit's sequence reads: the layer's (the cache, or the call's keys), or the
-// call's private cache for a detached sequence. A value the whole thread block shares.
-__device__ __forceinline__ const void* unit_keys(const Params& p, const i64* seq) {
-    return seq[SEQ_PRIVATE] ? p.private_key : p.key;
-}
-// The value buffer likewise.
-__device__ __forceinline__ const void* unit_values(const Params& p, const i64* seq) {
-    return seq[SEQ_PRIVATE] ? p.private_value : p.value;
-}
+// `fetch`, prefill_sm90.cuh's producer warpgroup. (A sequence with a new token whose slot is -1,
+// not written but still a key, reads every key from the call's private cache, through its own
+// table: its units run in a launch of their own whose `p.key` / `p.value` are that cache;
+// src/detached.rs.)
 
 // The element offset of key position j's row in the key and value buffers: in block `block`
 // of the paged cache (at j % block size), or row `key_base + j` of the call's own keys.

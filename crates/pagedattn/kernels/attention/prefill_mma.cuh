@@ -60,8 +60,6 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
 
     const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
     const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
-    const void* const keys = unit_keys(p, seq);
-    const void* const values = unit_values(p, seq);
     const i64 kv_head = unit[UNIT_KV_HEAD];
     const int heads = (int)unit[UNIT_HEADS];
     const int rows = (int)(unit[UNIT_TOKENS] * heads);  // <= PREFILL_ROWS
@@ -173,8 +171,8 @@ __device__ __forceinline__ void prefill_mma(const Params& p) {
                     break;
                 }
                 const u32 at = TC::chunk_at(KT, t, R::chunk(u));
-                cp_async<R::UNIT>(k_dst + at, R::source(keys, offs[k], u), offs[k] < 0);
-                cp_async<R::UNIT>(v_dst + at, R::source(values, offs[k], u), offs[k] < 0);
+                cp_async<R::UNIT>(k_dst + at, R::source(p.key, offs[k], u), offs[k] < 0);
+                cp_async<R::UNIT>(v_dst + at, R::source(p.value, offs[k], u), offs[k] < 0);
             }
         }
         cp_async_commit();

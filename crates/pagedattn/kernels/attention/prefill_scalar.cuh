@@ -41,8 +41,8 @@ __device__ __forceinline__ void prefill_scalar(const Params& p) {
 
     const i64* unit = p.units + (i64)blockIdx.x * UNIT_FIELDS;
     const i64* seq = p.seqs + unit[UNIT_SEQ] * SEQ_FIELDS;
-    const typename C::Type* keys = (const typename C::Type*)unit_keys(p, seq);
-    const typename C::Type* values = (const typename C::Type*)unit_values(p, seq);
+    const typename C::Type* keys = (const typename C::Type*)p.key;
+    const typename C::Type* values = (const typename C::Type*)p.value;
     const i64 kv_head = unit[UNIT_KV_HEAD];
     const int heads = (int)unit[UNIT_HEADS];
     const int row_base = (int)blockIdx.y * ROWS;

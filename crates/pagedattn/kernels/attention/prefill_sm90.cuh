@@ -205,13 +205,13 @@ __device__ __forceinline__ void prefill_sm90(const Params& p) {
                     absent_s[stage][tid / 32] = absent;
                 }
                 bar_sync(BAR_PRODUCER, GROUP);
-                gather(unit_keys(p, seq), k_tile(stage), i);
+                gather(p.key, k_tile(stage), i);
                 publish(&k_full[stage]);
             }
             if (i > 0) {
                 const int stage = (i - 1) % STAGES;
                 mbar_wait(&v_empty[stage], (((i - 1) / STAGES) & 1) ^ 1);
-                gather(unit_values(p, seq), v_tile(stage), i - 1);
+                gather(p.value, v_tile(stage), i - 1);
                 publish(&v_full[stage]);
             }
             if constexpr (R::WIDEN) {

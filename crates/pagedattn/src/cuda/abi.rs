@@ -55,9 +55,6 @@ record!(
         FirstPos = "FIRST_POS",
         /// Paged: index of its first block in `tables`; dense: its first key row.
         KeyBase = "KEY_BASE",
-        /// 1: a detached sequence, which reads its keys from the call's private cache
-        /// (`src/detached.rs`); 0: from the layer's buffers.
-        Private = "PRIVATE",
     }
 );
 
@@ -268,7 +265,8 @@ kernel_params! {
     pub(crate) struct Params {
         /// `[T, H, D]` queries.
         query: u64 => "const void*",
-        /// The cache `[NB, Hkv, B, D]` (paged), or the call's keys `[Tk, Hkv, D]`.
+        /// The cache `[NB, Hkv, B, D]` (paged; for the detached sequences' units, the call's
+        /// private cache), or the call's keys `[Tk, Hkv, D]`.
         key: u64 => "const void*",
         /// Same layout as `key`.
         value: u64 => "const void*",
@@ -280,10 +278,6 @@ kernel_params! {
         seqs: u64 => "const i64*",
         /// The block-table entries the sequences' keys need, compacted.
         tables: u64 => "const i64*",
-        /// The private cache's keys `[NB', Hkv, B, D]` (detached sequences; else 0).
-        private_key: u64 => "const void*",
-        /// Its values.
-        private_value: u64 => "const void*",
         /// [`UnitField::COUNT`] per thread block.
         units: u64 => "const i64*",
         /// `[H]` ALiBi slopes (when ALiBi is on).
@@ -338,13 +332,13 @@ mod tests {
 
     #[test]
     fn records_and_params_are_declared_for_cuda_in_order() {
-        assert_eq!(SeqField::COUNT, 5);
+        assert_eq!(SeqField::COUNT, 4);
         assert_eq!(UnitField::COUNT, 11);
         assert_eq!(MergeField::COUNT, 4);
         let h = header();
         let at = |needle: &str| h.find(needle).unwrap_or_else(|| panic!("{needle} in {h}"));
-        assert!(at("    SEQ_QUERY_START,") < at("    SEQ_PRIVATE,"));
-        assert!(at("    SEQ_PRIVATE,") < at("    SEQ_FIELDS"));
+        assert!(at("    SEQ_QUERY_START,") < at("    SEQ_KEY_BASE,"));
+        assert!(at("    SEQ_KEY_BASE,") < at("    SEQ_FIELDS"));
         assert!(
             at("    UNIT_SEQ,") < at("    UNIT_PART,") && at("    UNIT_PART,") < at("UNIT_FIELDS")
         );
@@ -352,7 +346,7 @@ mod tests {
         assert!(h.contains("inline constexpr int THREADS = 128;"));
         assert!(merge_header().contains("    MERGE_COUNT,\n    MERGE_FIELDS\n};"));
         // Eight-byte fields first: no padding on either side.
-        assert_eq!(std::mem::size_of::<Params>(), 17 * 8 + 4 * 4);
+        assert_eq!(std::mem::size_of::<Params>(), 15 * 8 + 4 * 4);
         assert!(h.contains(Params::DECLARATION));
         let mut unit = [0i64; UnitField::COUNT];
         unit[UnitField::Part] = 3;

@@ -69,6 +69,9 @@ struct Prepared {
     private_slots: Range<usize>,
     /// Where the private cache lies in the workspace, and what fills it.
     private: Option<PrivateCache>,
+    /// How many units at the end of the decode and prefill sections read the private cache.
+    private_decode: usize,
+    private_prefill: usize,
     /// Whether the kernels read keys through block tables (a cache) or from the inputs.
     paged: bool,
     /// For a plan made for CUDA graphs, what stays fixed from step to step.
@@ -310,6 +313,8 @@ impl CudaAttention {
             merges,
             private_slots,
             private: planned.private,
+            private_decode: planned.work.private_decode,
+            private_prefill: planned.work.private_prefill,
             paged: cache.is_some(),
             graph,
         };
@@ -658,8 +663,6 @@ impl AttentionImpl for CudaAttention {
             partials,
             seqs: metadata.address(prepared.seqs.start),
             tables: metadata.address(prepared.tables.start),
-            private_key,
-            private_value,
             units: 0,
             slopes: match &self.slopes {
                 Some(s) => s.kernel_address("alibi slopes")?.unwrap_or(0),
@@ -680,23 +683,47 @@ impl AttentionImpl for CudaAttention {
             soft_cap: cfg.logits_soft_cap().unwrap_or(1.0),
             unused: 0.0,
         };
-        self.launch(
-            &kernels.prefill,
-            params,
-            prepared,
-            &prepared.prefill,
-            kernels.prefill_launch,
-            "attention prefill",
-        )?;
+        // The detached sequences' units last, in launches of their own over the private cache.
+        let private = Params {
+            key: private_key,
+            value: private_value,
+            ..params
+        };
         let (decode, decode_shared) = kernels.decode(cfg.num_queries_per_kv().min(DECODE_ROWS));
-        self.launch(
-            decode,
-            params,
-            prepared,
-            &prepared.decode,
-            (1, THREADS, decode_shared),
-            "attention decode",
-        )?;
+        for (kernel, section, private_units, shape, what) in [
+            (
+                &kernels.prefill,
+                &prepared.prefill,
+                prepared.private_prefill,
+                kernels.prefill_launch,
+                "attention prefill",
+            ),
+            (
+                decode,
+                &prepared.decode,
+                prepared.private_decode,
+                (1, THREADS, decode_shared),
+                "attention decode",
+            ),
+        ] {
+            let split = section.end - private_units * UnitField::COUNT;
+            self.launch(
+                kernel,
+                params,
+                prepared,
+                &(section.start..split),
+                shape,
+                what,
+            )?;
+            self.launch(
+                kernel,
+                private,
+                prepared,
+                &(split..section.end),
+                shape,
+                what,
+            )?;
+        }
         kernels::merge(
             &self.gpu,
             &Merge {

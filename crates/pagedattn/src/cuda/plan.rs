@@ -80,10 +80,15 @@ pub(crate) struct Work {
     /// For a paged call, the block-table entries of each sequence's key positions (exactly
     /// `ceil(n / B)` per sequence, the ones the metadata's validation checked).
     pub(crate) tables: Vec<i64>,
-    /// Decode units, [`UnitField::COUNT`] each.
+    /// Decode units, [`UnitField::COUNT`] each: those of detached sequences last.
     pub(crate) decode: Vec<i64>,
-    /// Prefill units.
+    /// Prefill units, likewise.
     pub(crate) prefill: Vec<i64>,
+    /// How many of the decode units, at the section's end, read the call's private cache
+    /// (detached sequences): a launch of their own, whose key and value buffers are it.
+    pub(crate) private_decode: usize,
+    /// How many of the prefill units, likewise.
+    pub(crate) private_prefill: usize,
     /// [`MergeField::COUNT`] per output row computed by split-K.
     pub(crate) merges: Vec<i64>,
     /// Partial records the split-K units write.
@@ -104,6 +109,8 @@ struct Unit {
     keys: Range<usize>,
     /// (first partial slot, partitions, this partition) of a split unit.
     split: Option<(usize, usize, usize)>,
+    /// Whether its sequence is detached (reads the private cache).
+    private: bool,
 }
 
 impl Unit {
@@ -178,7 +185,6 @@ pub(crate) fn build(
         record[SeqField::Keys] = n;
         record[SeqField::FirstPos] = first_pos;
         record[SeqField::KeyBase] = key_base;
-        record[SeqField::Private] = private.is_some() as usize;
         work.seqs.extend(record.map(|x| x as i64));
         if cross {
             encoder_start += n;
@@ -196,6 +202,7 @@ pub(crate) fn build(
                         heads: DECODE_ROWS.min(group - head),
                         keys: keys_of(0),
                         split: None,
+                        private: private.is_some(),
                     });
                 }
                 continue;
@@ -223,6 +230,7 @@ pub(crate) fn build(
                             heads: heads.min(group - head),
                             keys: a.start.min(b.start)..a.end.max(b.end),
                             split: None,
+                            private: private.is_some(),
                         },
                     ));
                 }
@@ -230,6 +238,8 @@ pub(crate) fn build(
         }
     }
     let blocks = decode.len() + prefill.len();
+    // The detached sequences' units last: they run in a launch of their own.
+    decode.sort_by_key(|u| u.private);
     for unit in decode {
         let len = unit.keys.len();
         let parts = match split {
@@ -246,6 +256,10 @@ pub(crate) fn build(
             }
             Split::Fixed(parts) => parts,
         };
+        let records = if parts <= 1 { 1 } else { parts };
+        if unit.private {
+            work.private_decode += records;
+        }
         if parts <= 1 {
             work.decode.extend(unit.record());
             continue;
@@ -277,8 +291,12 @@ pub(crate) fn build(
     // Within an L2 group, longest units first: thread blocks start in grid order, so the short
     // units fill the gaps the long ones leave at the end instead of the long ones running alone
     // in a last wave (a causal prompt's units grow from 1 key tile to its whole length).
-    prefill.sort_by_key(|(l2_group, unit)| (*l2_group, std::cmp::Reverse(unit.keys.len())));
+    // (The detached sequences' units after all the others: a launch of their own.)
+    prefill.sort_by_key(|(l2_group, unit)| {
+        (unit.private, *l2_group, std::cmp::Reverse(unit.keys.len()))
+    });
     for (_, unit) in prefill {
+        work.private_prefill += unit.private as usize;
         work.prefill.extend(unit.record());
     }
     work
@@ -500,15 +518,35 @@ mod tests {
             .build()
             .unwrap();
         let work = build(&cfg, &md, Some(4), true, None, Split::Auto { sm_count: 1 });
-        assert_eq!(work.seqs, [0, 9, 6, 0, 0, 3, 2, 1, 3, 0]);
+        assert_eq!(work.seqs, [0, 9, 6, 0, 3, 2, 1, 3]);
         assert_eq!(work.tables, [3, 1, 0, 2]);
-        // A new token with slot -1: the first sequence reads its private cache's blocks.
+        assert_eq!((work.private_decode, work.private_prefill), (0, 0));
+        // A new token with slot -1: the first sequence reads its private cache's blocks, in
+        // units of their own at the end of the prefill section.
         md.slot_mapping[1] = -1;
         let detached = Detached::plan(&cfg, &md, Some(4), true).unwrap().unwrap();
         let split = Split::Auto { sm_count: 1 };
         let work = build(&cfg, &md, Some(4), true, Some(&detached), split);
-        assert_eq!(work.seqs, [0, 9, 6, 0, 1, 3, 2, 1, 3, 0]);
+        assert_eq!(work.seqs, [0, 9, 6, 0, 3, 2, 1, 3]);
         assert_eq!(work.tables, [0, 1, 2, 2]);
+        // The prompt's units (all of the prefill section) are the private ones.
+        assert_eq!(work.private_decode, 0);
+        assert_eq!(work.private_prefill, units(&work.prefill).len());
+        // A decode with slot -1 among ordinary ones: its units last.
+        let mut md = MetadataBuilder::new(4)
+            .push(SequenceDesc::decode(5, &[3, 1]))
+            .push(SequenceDesc::decode(2, &[2]))
+            .push(SequenceDesc::decode(6, &[0, 4]))
+            .build()
+            .unwrap();
+        md.slot_mapping[0] = -1;
+        let detached = Detached::plan(&cfg, &md, Some(4), true).unwrap().unwrap();
+        let work = build(&cfg, &md, Some(4), true, Some(&detached), split);
+        let decode = units(&work.decode);
+        let first_private = decode.len() - work.private_decode;
+        assert!(work.private_decode > 0);
+        assert!(decode[..first_private].iter().all(|u| u[0] != 0));
+        assert!(decode[first_private..].iter().all(|u| u[0] == 0));
         // Without a cache, the keys are the inputs' rows of each sequence.
         let md = MetadataBuilder::new(4)
             .push(SequenceDesc::prompt(0, 3, &[]))
@@ -516,7 +554,7 @@ mod tests {
             .build()
             .unwrap();
         let work = build(&cfg, &md, None, true, None, Split::Auto { sm_count: 1 });
-        assert_eq!(work.seqs, [0, 3, 0, 0, 0, 3, 2, 0, 3, 0]);
+        assert_eq!(work.seqs, [0, 3, 0, 0, 3, 2, 0, 3]);
         assert!(work.tables.is_empty());
     }
 }
