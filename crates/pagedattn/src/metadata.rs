@@ -90,7 +90,8 @@ pub struct AttentionMetadata {
     pub num_prefill_tokens: usize,
     /// Query tokens of the decode sequences (= their number).
     pub num_decode_tokens: usize,
-    /// Cache slot of each new key/value token; -1 = do not write (and not a key).
+    /// Cache slot of each new key/value token; -1 = do not write (the token is still a key of
+    /// its own call: docs/semantics.md).
     pub slot_mapping: Vec<i64>,
     /// `[S+1]` cumulative query lengths.
     pub query_start_loc: Vec<i32>,

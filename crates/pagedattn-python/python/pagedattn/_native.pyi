@@ -93,7 +93,7 @@ class Metadata:
     ) -> None:
         """``seq_lens[S]``: keys of each sequence (cached + new). ``slot_mapping[T]``: the
         cache slot (``block * B + offset``) each new key/value token is written to, -1 = not
-        written. ``block_tables[S, M]``: each sequence's physical blocks (padding after its
+        written (still a key of its own call). ``block_tables[S, M]``: each sequence's physical blocks (padding after its
         last block is ignored). ``num_prefills``: how many of the sequences are prefills
         (default: all but the trailing ones whose query is 1 token; all of them without
         ``context_lens``/``query_start_loc``). Query lengths come from ``query_start_loc[S+1]``
