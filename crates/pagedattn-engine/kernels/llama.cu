@@ -66,8 +66,9 @@ extern "C" __global__ void rms_norm(const RmsNormParams args) {
 // Splits the fused projection qkv[t] = [q (heads × D) | k (kv_heads × D) | v (kv_heads × D)]
 // into q, k and v, adding the projections' biases (`bias`, f32; nullptr: none), rotating the first `rope_dim` elements of every q and k head by the
 // token's position (`inv_freq` has rope_dim / 2 entries; nullptr: no rotation). `adjacent`:
-// pairs (2i, 2i + 1) (GGUF's permuted rows); else (i, i + rope_dim / 2) (NeoX). One block
-// per token.
+// pairs (2i, 2i + 1) (GGUF's permuted rows); else (i, i + rope_dim / 2) (NeoX). A row of
+// blocks per token (blockIdx.y: its part of the token's elements), so that a step of few
+// tokens still spreads over the multiprocessors (one block did a token's 40 heads alone).
 extern "C" __global__ void split_rope(const SplitRopeParams args) {
     const u16* qkv = args.qkv;
     u16* q = args.q;
@@ -84,7 +85,8 @@ extern "C" __global__ void split_rope(const SplitRopeParams args) {
     const float pos = (float)positions[t];
     const int half = rope_dim / 2;
     // Rotated pairs of q and k: (heads + kv_heads) × half of them.
-    for (int p = threadIdx.x; p < (heads + kv_heads) * half; p += blockDim.x) {
+    const int first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
+    for (int p = first; p < (heads + kv_heads) * half; p += stride) {
         const int head = p / half, i = p % half;
         const u16* src = in + head * head_size;
         u16* dst = head < heads ? q + (size_t)t * qw + head * head_size
@@ -101,7 +103,7 @@ extern "C" __global__ void split_rope(const SplitRopeParams args) {
         dst[b] = f32_to_bf16(x1 * cf + x0 * sf);
     }
     // Everything not rotated: v, and each head's elements past rope_dim.
-    for (int e = threadIdx.x; e < qw + 2 * kw; e += blockDim.x) {
+    for (int e = first; e < qw + 2 * kw; e += stride) {
         const int head = e / head_size, d = e % head_size;
         if (head < heads + kv_heads && d < rope_dim) continue;
         u16* dst = e < qw        ? q + (size_t)t * qw + e
