@@ -7,6 +7,8 @@
 //! cache's own write (an fp8 cache's codes are the same). The private cache has the cache's
 //! geometry; this plan of it is made once per step, and each backend fills it per call.
 
+use std::ops::Range;
+
 use crate::config::{AttentionConfig, AttnType};
 use crate::error::{Error, Result};
 use crate::kv_cache::{swap_blocks, BlockId, KvCache, KvCacheSpec, KvScales};
@@ -17,9 +19,9 @@ use crate::step::KvPair;
 /// The detached sequences of one step and the private cache they read.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Detached {
-    /// Per sequence of the step: where its private block table starts in `tables` (`None`:
-    /// it reads the cache).
-    first: Vec<Option<usize>>,
+    /// Per sequence of the step: where its private block table lies in `tables` (`None`: it
+    /// reads the cache).
+    rows: Vec<Option<Range<usize>>>,
     /// The detached sequences' private block tables, `ceil(n / B)` entries each for `n` key
     /// positions (entries of blocks no query sees name any private block).
     tables: Vec<BlockId>,
@@ -49,7 +51,7 @@ impl Detached {
         let attn_type = config.attn_type();
         let key_map = KeyMap::new(md, attn_type, block_size, has_new_kv);
         let mut detached = Detached {
-            first: vec![None; md.num_seqs()],
+            rows: vec![None; md.num_seqs()],
             slots: vec![-1; key_map.slot_mapping().len()],
             ..Detached::default()
         };
@@ -73,10 +75,11 @@ impl Detached {
             let private = |block: usize| {
                 BlockId::try_from(base + block.saturating_sub(skipped)).map_err(|_| too_many())
             };
-            detached.first[s] = Some(detached.tables.len());
+            let row = detached.tables.len()..detached.tables.len() + blocks;
             for block in 0..blocks {
                 detached.tables.push(private(block)?);
             }
+            detached.rows[s] = Some(row);
             // Context exists for the decoder only (a cross-attention prefill's keys are all
             // new).
             if attn_type == AttnType::Decoder {
@@ -96,14 +99,8 @@ impl Detached {
 
     /// Sequence `s`'s private block table, if it is detached.
     pub(crate) fn table(&self, s: usize) -> Option<&[BlockId]> {
-        let first = self.first.get(s).copied().flatten()?;
-        let end = self.first[s + 1..]
-            .iter()
-            .flatten()
-            .next()
-            .copied()
-            .unwrap_or(self.tables.len());
-        Some(&self.tables[first..end])
+        let row = self.rows.get(s)?.clone()?;
+        Some(&self.tables[row])
     }
 
     /// The private cache's geometry: `cache`'s with this plan's blocks.

@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use crate::config::{AttentionConfig, AttnType, KvCacheDtype};
+use crate::config::{AttentionConfig, KvCacheDtype};
 use crate::dtype::{DType, Element};
 use rayon::prelude::*;
 
@@ -14,6 +14,7 @@ use crate::device::Device;
 use crate::error::{ensure, Error, Result};
 use crate::fp8::Fp8Format;
 use crate::metadata::AttentionMetadata;
+use crate::semantics::KeyMap;
 use crate::shared::SharedMut;
 use crate::step::{ForwardCheck, KvPair, Plan};
 use crate::tensor::{try_collect, HostSliceMut, HostStorage, Storage, Tensor};
@@ -748,10 +749,8 @@ pub(crate) fn write_slots<'m>(
     config: &AttentionConfig,
     metadata: &'m AttentionMetadata,
 ) -> &'m [i64] {
-    match (config.attn_type(), &metadata.encoder) {
-        (AttnType::EncoderDecoder, Some(enc)) => &enc.cross_slot_mapping,
-        _ => &metadata.slot_mapping,
-    }
+    // The contract's rule (`KeyMap`), which does not depend on the cache's geometry.
+    KeyMap::new(metadata, config.attn_type(), None, true).slot_mapping()
 }
 
 /// `AttentionImpl::write_kv` of the host backends: the gate, then the host cache write.

@@ -644,6 +644,11 @@ impl GpuLlama {
             k.cuda_address_mut()?,
             v.cuda_address_mut()?,
         );
+        // split_rope's launch: a row of blocks per token over its q/k/v elements.
+        let token_blocks = grid(t)?;
+        let rope_blocks = ((s.heads + 2 * s.kv_heads) * s.head_size).div_ceil(THREADS as usize);
+        let rope_blocks = u32::try_from(rope_blocks)
+            .map_err(|_| Error::Model(format!("a launch of {rope_blocks} blocks per token")))?;
         for (l, layer) in self.layers.iter().enumerate() {
             self.norm(&acts.x, 0, &layer.attn_norm, &acts.h, t, hidden, eps)?;
             self.linear(
@@ -676,13 +681,8 @@ impl GpuLlama {
                     .arg(&split_rope)
                     .launch(LaunchConfig {
                         // A token's elements over blocks of THREADS.
-                        grid_dim: (
-                            grid(t)?.grid_dim.0,
-                            ((s.heads + 2 * s.kv_heads) * s.head_size).div_ceil(THREADS as usize)
-                                as u32,
-                            1,
-                        ),
-                        ..grid(t)?
+                        grid_dim: (token_blocks.grid_dim.0, rope_blocks, 1),
+                        ..token_blocks
                     })
             }
             .map_err(|e| gpu_error("split_rope", e))?;
