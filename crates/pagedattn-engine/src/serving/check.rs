@@ -7,8 +7,9 @@ use pagedattn::{AttentionConfig, Backend, BlockId, KvCache, Tensor};
 
 use crate::serving::report::VerifyCounts;
 
-/// A check of the engine's attention calls on sampled steps.
-pub trait CallCheck {
+/// A check of the engine's attention calls on sampled steps (`Send`: a tensor-parallel
+/// engine checks each rank's calls from that rank's thread, one call at a time).
+pub trait CallCheck: Send {
     /// The attentions (indices into the model's layers) to check in a step of a model of
     /// `num_layers` attentions; drawn once per step (a step calls an encoder's attentions
     /// only when it runs the encoder). A step with some is not replayed from a CUDA graph.

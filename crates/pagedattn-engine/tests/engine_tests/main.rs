@@ -18,6 +18,7 @@ mod hostile;
 mod layout;
 mod memory;
 mod ops;
+mod ranks;
 mod scheduler;
 mod tokenizer;
 mod verify;

@@ -16,6 +16,12 @@ pub struct Graph {
     gpu: Arc<Gpu>,
 }
 
+// SAFETY: a graph's handles (CUgraph, CUgraphExec) are driver objects any thread may use, one
+// thread at a time (the driver does not synchronize concurrent use of one, which `&mut`-free
+// `replay` cannot cause across threads without `Sync`); cudarc binds the graph's context to
+// the calling thread before each launch and at the drop.
+unsafe impl Send for Graph {}
+
 impl std::fmt::Debug for Graph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Graph")

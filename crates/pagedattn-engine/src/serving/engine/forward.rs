@@ -2,12 +2,14 @@
 //! run with each of its attention calls routed to that type's plan and the layer's cache,
 //! timed, and checked where the step's check says.
 
+use std::sync::Mutex;
+
 use pagedattn::{
     AttentionConfig, AttentionImpl, AttnType, Backend, KvCache, KvCacheSpec, MetadataBuilder, Plan,
     SequenceDesc, Tensor, Workspace,
 };
 
-use super::{Engine, StepBuffers};
+use super::rank::Rank;
 use crate::serving::attention::{run_attention, write_kv, DecoderPlans};
 use crate::serving::batch::StepBatch;
 use crate::serving::check::{CallCheck, CheckedCall, CheckedCross, CheckedSeq};
@@ -30,9 +32,12 @@ struct StepPlans {
     cross_write: Option<Plan>,
 }
 
+/// The engine's check, shared by its ranks (each rank's calls are checked, one at a time).
+pub(super) type SharedCheck<'a> = Mutex<Box<dyn CallCheck + 'a>>;
+
 /// The checks of one step: which layers, and where each call's keys and values are.
-struct StepCheck<'s> {
-    check: &'s mut dyn CallCheck,
+struct StepCheck<'s, 'c> {
+    check: &'s SharedCheck<'c>,
     step: usize,
     layers: &'s [usize],
     seqs: &'s [CheckedSeq<'s>],
@@ -42,7 +47,7 @@ struct StepCheck<'s> {
 
 /// Everything an attention call of one step needs: the layer's attention and cache, the
 /// step's plans and workspace, the clock, and the step's checks.
-struct LayerCalls<'s> {
+struct LayerCalls<'s, 'c> {
     backend: &'s dyn Backend,
     attention: &'s [Box<dyn AttentionImpl>],
     layers: &'s [AttentionConfig],
@@ -52,10 +57,10 @@ struct LayerCalls<'s> {
     clock: &'s mut AttentionClock,
     plans: &'s StepPlans,
     calls: &'s mut usize,
-    check: Option<StepCheck<'s>>,
+    check: Option<StepCheck<'s, 'c>>,
 }
 
-impl LayerCalls<'_> {
+impl LayerCalls<'_, '_> {
     /// Attention `layer` of the step: `query`, `key`, `value` and `output` as
     /// [`Attend`](crate::serving::model::Attend) passes them.
     fn call(
@@ -140,25 +145,38 @@ impl LayerCalls<'_> {
             },
         };
         let at = (check.step, layer);
-        check
-            .check
-            .check_call(at, backend, config, call, (query, key, value), output)??;
+        let mut shared = check.check.lock().unwrap_or_else(|p| p.into_inner());
+        shared.check_call(at, backend, config, call, (query, key, value), output)??;
         Ok(())
     }
 }
 
-impl Engine<'_> {
-    /// The step's forward pass with the attention of every layer planned and (where
-    /// `check_layers` says) checked, the greedy tokens (`greedy`) or the logits left in `buf`.
-    pub(super) fn forward(
-        &mut self,
-        batch: &StepBatch,
-        buf: &mut StepBuffers,
-        (descs, dense_lens): (&[SequenceDesc<'_>], &[usize]),
-        check_layers: &[usize],
-        greedy: bool,
-    ) -> Result<()> {
-        let plans = self.plan(batch, descs, dense_lens)?;
+/// What a rank's forward of one step is given besides its own state.
+pub(super) struct StepForward<'s, 'c> {
+    /// The step's scheduled work.
+    pub(super) batch: &'s StepBatch,
+    /// Its tokens, positions and logit rows.
+    pub(super) tokens: StepTokens<'s>,
+    /// Each sequence's self-attention description, and the step's encoder runs' lengths.
+    pub(super) descs: &'s [SequenceDesc<'s>],
+    pub(super) dense_lens: &'s [usize],
+    /// Tokens per cache block.
+    pub(super) block_size: usize,
+    /// The step's index (for the check's reports).
+    pub(super) step: usize,
+    /// The layers to check this step, and the check.
+    pub(super) check: Option<(&'s [usize], &'s SharedCheck<'c>)>,
+    /// Leave each logit row's greedy token, not its logits.
+    pub(super) greedy: bool,
+}
+
+impl Rank<'_> {
+    /// The step's forward pass on this rank, with the attention of every layer planned and
+    /// (where the check's layers say) checked; the greedy tokens or the logits left in the
+    /// rank's output.
+    pub(super) fn forward(&mut self, f: &StepForward<'_, '_>) -> Result<()> {
+        let (batch, descs, dense_lens) = (f.batch, f.descs, f.dense_lens);
+        let plans = self.plan(batch, descs, dense_lens, f.block_size)?;
         let seqs: Vec<CheckedSeq<'_>> = batch
             .seqs
             .iter()
@@ -181,7 +199,6 @@ impl Engine<'_> {
                 })
             })
             .collect();
-        let step = self.steps;
         let mut calls = LayerCalls {
             backend: self.backend,
             attention: &self.attention,
@@ -192,10 +209,10 @@ impl Engine<'_> {
             clock: &mut self.clock,
             plans: &plans,
             calls: &mut self.attention_calls,
-            check: self.check.as_deref_mut().map(|check| StepCheck {
+            check: f.check.map(|(layers, check)| StepCheck {
                 check,
-                step,
-                layers: check_layers,
+                step: f.step,
+                layers,
                 seqs: &seqs,
                 cross: &cross,
                 dense_lens,
@@ -204,18 +221,12 @@ impl Engine<'_> {
         let mut attend = |layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, out: &mut Tensor| {
             calls.call(layer, q, k, v, out)
         };
-        let tokens = StepTokens {
-            tokens: &buf.tokens,
-            positions: &buf.positions,
-            logit_rows: &buf.logit_rows,
-            encoder_tokens: &buf.encoder_tokens,
-            encoder_positions: &buf.encoder_positions,
-        };
-        if greedy {
+        let out = &mut self.output;
+        if f.greedy {
             self.model
-                .forward_greedy(&tokens, &mut attend, &mut buf.logits, &mut buf.greedy)
+                .forward_greedy(&f.tokens, &mut attend, &mut out.logits, &mut out.greedy)
         } else {
-            self.model.forward(&tokens, &mut attend, &mut buf.logits)
+            self.model.forward(&f.tokens, &mut attend, &mut out.logits)
         }
     }
 
@@ -226,6 +237,7 @@ impl Engine<'_> {
         batch: &StepBatch,
         descs: &[SequenceDesc<'_>],
         dense_lens: &[usize],
+        block_size: usize,
     ) -> Result<StepPlans> {
         let mut plans = StepPlans::default();
         let first_of = |t: AttnType| self.layers.iter().position(|c| c.attn_type() == t);
@@ -237,7 +249,7 @@ impl Engine<'_> {
         };
         let only_encoder = batch.seqs.iter().all(|s| s.encoder_only);
         if !only_encoder {
-            let mut builder = MetadataBuilder::new(self.block_size);
+            let mut builder = MetadataBuilder::new(block_size);
             for d in descs {
                 builder.push(*d);
             }
@@ -245,7 +257,7 @@ impl Engine<'_> {
         }
         let dense = first_of(AttnType::Encoder).or(first_of(AttnType::EncoderOnly));
         if let Some(layer) = dense.filter(|_| !dense_lens.is_empty()) {
-            let mut builder = MetadataBuilder::new(self.block_size);
+            let mut builder = MetadataBuilder::new(block_size);
             for &len in dense_lens {
                 builder.push(SequenceDesc::prompt(0, len, &[]));
             }
@@ -253,7 +265,7 @@ impl Engine<'_> {
         }
         if let Some(layer) = first_of(AttnType::EncoderDecoder).filter(|_| !only_encoder) {
             let with_encoder = |written_only: bool| -> Result<MetadataBuilder<'_>> {
-                let mut builder = MetadataBuilder::new(self.block_size);
+                let mut builder = MetadataBuilder::new(block_size);
                 builder.write_cross_kv(written_only);
                 for (s, d) in batch.seqs.iter().zip(descs) {
                     let c = s.cross.as_ref().ok_or_else(|| {

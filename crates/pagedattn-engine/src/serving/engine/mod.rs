@@ -13,16 +13,13 @@
 //! first steps and later ones.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Instant;
 
-use pagedattn::{
-    AttentionConfig, AttentionImpl, AttnType, Backend, KvCache, SequenceDesc, Workspace,
-};
+use pagedattn::{AttentionConfig, AttnType, Backend, SequenceDesc};
 
 use crate::serving::batch::{RequestId, StepBatch};
 use crate::serving::check::CallCheck;
-use crate::serving::clock::AttentionClock;
-use crate::serving::graphs::DecodeGraphs;
 use crate::serving::model::{first_non_finite, Model, ModelKind, StepTokens, NON_FINITE_TOKEN};
 use crate::serving::report::{StepRecord, VerifyCounts};
 use crate::serving::sample::{Sampler, SamplingParams};
@@ -31,9 +28,14 @@ use crate::serving::scheduler::{
 };
 use crate::{Error, Result};
 
+pub use rank::{AbortRanks, RankParts};
 pub use run::MAX_ARRIVAL_SECONDS;
 
+use forward::{SharedCheck, StepForward};
+use rank::{check_ranks_agree, on_ranks, Rank};
+
 mod forward;
+mod rank;
 mod run;
 
 /// How the engine is set up.
@@ -132,26 +134,20 @@ pub struct StepOutput {
     pub events: Vec<StepEvent>,
 }
 
-/// The engine: a model, its backend, the caches, the scheduler.
+/// The engine: the scheduler and its block manager, and one [`Rank`] per device (a backend,
+/// the model or its shard, the caches): one rank, or one a GPU with tensor parallelism.
 pub struct Engine<'a> {
-    backend: &'a dyn Backend,
-    model: Box<dyn Model + 'a>,
-    attention: Vec<Box<dyn AttentionImpl>>,
-    /// Each attention's config.
-    layers: Vec<AttentionConfig>,
-    /// Each attention's cache's index in `caches` (`None`: it runs without one).
-    cache_of: Vec<Option<usize>>,
-    /// The caches (every `decoder` and `encoder_decoder` attention's, in layer order).
-    caches: Vec<KvCache>,
-    swaps: Vec<KvCache>,
+    /// Rank 0's model answers for all (kind, vocabulary, stop tokens: checked equal); its
+    /// outputs are the step's.
+    ranks: Vec<Rank<'a>>,
+    /// Makes the ranks that wait for a failed one return (several ranks only).
+    abort: Option<AbortRanks>,
     block_size: usize,
     num_blocks: usize,
-    workspace: Workspace,
     scheduler: Scheduler,
-    /// Checks the attention calls of the steps it picks (the harness's verifier).
-    check: Option<Box<dyn CallCheck + 'a>>,
-    /// Attention calls made.
-    attention_calls: usize,
+    /// Checks the attention calls of the steps it picks (the harness's verifier), every
+    /// rank's.
+    check: Option<SharedCheck<'a>>,
     sampler: Sampler,
     /// Each unfinished request's sampling and stop conditions.
     active: HashMap<RequestId, ActiveRequest>,
@@ -162,11 +158,9 @@ pub struct Engine<'a> {
     steps: usize,
     /// When the step records' clock started.
     epoch: Instant,
-    clock: AttentionClock,
-    graphs: Option<DecodeGraphs>,
 }
 
-/// Buffers a step reuses.
+/// A step's inputs, buffers reused from step to step.
 #[derive(Default)]
 struct StepBuffers {
     tokens: Vec<u32>,
@@ -174,9 +168,19 @@ struct StepBuffers {
     logit_rows: Vec<usize>,
     encoder_tokens: Vec<u32>,
     encoder_positions: Vec<usize>,
-    logits: Vec<f32>,
-    /// Each logit row's greedy token, in steps whose every sample is greedy.
-    greedy: Vec<u32>,
+}
+
+impl StepBuffers {
+    /// The step's tokens as a model takes them.
+    fn step_tokens(&self) -> StepTokens<'_> {
+        StepTokens {
+            tokens: &self.tokens,
+            positions: &self.positions,
+            logit_rows: &self.logit_rows,
+            encoder_tokens: &self.encoder_tokens,
+            encoder_positions: &self.encoder_positions,
+        }
+    }
 }
 
 impl<'a> Engine<'a> {
@@ -187,10 +191,27 @@ impl<'a> Engine<'a> {
         model: Box<dyn Model + 'a>,
         config: &EngineConfig,
     ) -> Result<Self> {
-        let layers = model.layers().to_vec();
+        Self::with_ranks(vec![RankParts { backend, model }], None, config)
+    }
+
+    /// An engine over several devices (tensor parallelism): `ranks[i]` is GPU i's backend
+    /// and model shard, whose collectives (NCCL) join the other ranks'; `abort` makes the
+    /// ranks that wait for a failed one return. Each step runs on every rank at once, one
+    /// thread a rank; one scheduler and block manager serve all (a block id names the same
+    /// block on every rank). The shards' layers may differ in head counts only.
+    pub fn with_ranks(
+        ranks: Vec<RankParts<'a>>,
+        abort: Option<AbortRanks>,
+        config: &EngineConfig,
+    ) -> Result<Self> {
+        let Some(first) = ranks.first() else {
+            return Err(Error::Model("an engine of no rank".into()));
+        };
+        let layers = first.model.layers().to_vec();
         if layers.is_empty() {
             return Err(Error::Model("the model has no layer".into()));
         }
+        let kind = first.model.kind();
         let pools = &config.scheduler.blocks;
         // The pools' sizes checked before any cache is allocated; the caches (far larger than
         // the scheduler's bookkeeping of their blocks, and zeroed lazily on the host) before
@@ -208,81 +229,41 @@ impl<'a> Engine<'a> {
             window.filter(|_| decoders.iter().all(|c| c.sliding_window() == window));
         // An encoder-decoder model's decoder keys depend on the encoder's output, which the
         // prefix hash does not cover (vLLM turns prefix caching off for these models too).
-        if model.kind() == ModelKind::EncoderDecoder {
+        if kind == ModelKind::EncoderDecoder {
             scheduler_config.blocks.prefix_caching = false;
         }
         scheduler_config.validate()?;
-        let attention = layers
-            .iter()
-            .map(|c| backend.attention(c))
-            .collect::<pagedattn::Result<Vec<_>>>()?;
-        let mut cache_of = Vec::with_capacity(layers.len());
-        let mut model = model;
-        let graphs = if config.cuda_graphs {
-            DecodeGraphs::new(
-                backend,
-                model.as_mut(),
-                pools.block_size,
-                pools.num_device_blocks,
-                config.scheduler.max_seqs,
-            )?
-        } else {
-            None
-        };
-        // The padding sequences of graph steps write past the scheduler's pool.
-        let cache_blocks = pools
-            .num_device_blocks
-            .checked_add(graphs.as_ref().map_or(0, |g| g.pad_blocks()))
-            .ok_or_else(|| {
-                Error::Model(format!(
-                    "num_device_blocks = {}: too many blocks to add the CUDA graphs' padding",
-                    pools.num_device_blocks
-                ))
-            })?;
-        let mut caches = Vec::new();
-        for c in &layers {
-            cache_of.push(if c.attn_type().uses_cache() {
-                let spec = c.kv_cache_spec(model.dtype(), cache_blocks, pools.block_size);
-                caches.push(backend.allocate_kv_cache(&spec)?);
-                Some(caches.len() - 1)
-            } else {
-                None
-            });
-        }
-        let swaps = caches
-            .iter()
-            .map(|c| backend.allocate_swap_space(c.spec(), pools.num_host_blocks))
-            .collect::<pagedattn::Result<Vec<_>>>()?;
+        let ranks = ranks
+            .into_iter()
+            .map(|parts| Rank::new(parts, config))
+            .collect::<Result<Vec<_>>>()?;
+        check_ranks_agree(&ranks)?;
         let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {
-            backend,
-            model,
-            attention,
-            layers,
-            cache_of,
-            caches,
-            swaps,
+            ranks,
+            abort,
             block_size: pools.block_size,
             num_blocks: pools.num_device_blocks,
-            workspace: Workspace::empty(backend.device()),
             scheduler,
             check: None,
-            attention_calls: 0,
             sampler: Sampler::new(),
             active: HashMap::new(),
             masked: Vec::new(),
             buffers: StepBuffers::default(),
             steps: 0,
             epoch: Instant::now(),
-            clock: AttentionClock::new(backend)?,
-            graphs,
         })
+    }
+
+    /// Rank 0's model, which answers for every rank's.
+    fn model(&self) -> &dyn Model {
+        self.ranks[0].model.as_ref()
     }
 
     /// The engine with `check` called on every attention call of the steps it picks (the
     /// harness's verifier recomputing them with `reference`); its counts go into the report.
     pub fn with_check(mut self, check: Box<dyn CallCheck + 'a>) -> Self {
-        self.check = Some(check);
+        self.check = Some(Mutex::new(check));
         self
     }
 
@@ -302,7 +283,7 @@ impl<'a> Engine<'a> {
         r: EngineRequest,
     ) -> std::result::Result<(), SchedulerError> {
         self.check_request(id, &r)?;
-        let kind = self.model.kind();
+        let kind = self.model().kind();
         let spec = match (kind, r.encoder_prompt) {
             (ModelKind::EncoderOnly, None) => RequestSpec::encode(id, r.prompt),
             (ModelKind::EncoderDecoder, Some(encoder)) => {
@@ -326,7 +307,7 @@ impl<'a> Engine<'a> {
         let mut stop_tokens = if r.ignore_eos {
             Vec::new()
         } else {
-            self.model.stop_tokens()
+            self.model().stop_tokens()
         };
         for &t in &r.stop_token_ids {
             if !stop_tokens.contains(&t) {
@@ -372,18 +353,24 @@ impl<'a> Engine<'a> {
         self.num_blocks
     }
 
-    /// Bytes of the device caches of every layer (keys and values, the CUDA graphs' padding
-    /// blocks included).
+    /// Bytes of the device caches of every layer on every rank (keys and values, the CUDA
+    /// graphs' padding blocks included).
     pub fn kv_cache_bytes(&self) -> u64 {
-        self.caches
+        self.ranks
             .iter()
+            .flat_map(|r| &r.caches)
             .map(|c| 2 * c.spec().block_bytes() as u64 * c.spec().num_blocks as u64)
             .sum()
     }
 
+    /// Devices the engine runs on (its tensor-parallel ranks).
+    pub fn num_ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
     /// The model's name.
     pub fn model_name(&self) -> String {
-        self.model.name()
+        self.model().name()
     }
 
     /// The attention calls made so far, and the check's counts where there is a check.
@@ -391,9 +378,9 @@ impl<'a> Engine<'a> {
         let mut counts = self
             .check
             .as_ref()
-            .map(|c| c.counts().clone())
+            .map(|c| c.lock().unwrap_or_else(|p| p.into_inner()).counts().clone())
             .unwrap_or_default();
-        counts.calls_total = self.attention_calls;
+        counts.calls_total = self.ranks.iter().map(|r| r.attention_calls).sum();
         counts
     }
 
@@ -452,7 +439,7 @@ impl<'a> Engine<'a> {
         let reject = |field: &str, value: String, expected: String| {
             SchedulerError::rejected(id, field, value, expected)
         };
-        let vocab = self.model.vocab_size();
+        let vocab = self.model().vocab_size();
         let prompts = [
             ("prompt", Some(&r.prompt)),
             ("encoder_prompt", r.encoder_prompt.as_ref()),
@@ -471,8 +458,8 @@ impl<'a> Engine<'a> {
                 ));
             }
         }
-        let context = self.model.max_context();
-        let new_tokens = match self.model.kind() {
+        let context = self.model().max_context();
+        let new_tokens = match self.model().kind() {
             ModelKind::EncoderOnly => 0,
             _ => r.max_new_tokens,
         };
@@ -502,16 +489,8 @@ impl<'a> Engine<'a> {
     /// Runs one scheduled step.
     fn run_step(&mut self, batch: &StepBatch, buf: &mut StepBuffers) -> Result<StepOutput> {
         let step_start = Instant::now();
-        if !batch.swap_out.is_empty() {
-            self.backend
-                .swap_out(&self.caches, &mut self.swaps, &batch.swap_out)?;
-        }
-        if !batch.swap_in.is_empty() {
-            self.backend
-                .swap_in(&self.swaps, &mut self.caches, &batch.swap_in)?;
-        }
-        if !batch.copies.is_empty() {
-            self.backend.copy_blocks(&mut self.caches, &batch.copies)?;
+        for rank in &mut self.ranks {
+            rank.move_blocks(batch)?;
         }
         if batch.seqs.is_empty() {
             // A step that only swapped out: the scheduler still closes it.
@@ -556,7 +535,10 @@ impl<'a> Engine<'a> {
             });
         }
         let check_layers = match self.check.as_mut() {
-            Some(check) => check.layers_for_step(self.layers.len()),
+            Some(check) => check
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .layers_for_step(self.ranks[0].layers.len()),
             None => Vec::new(),
         };
         // Every sample of the step greedy, none with stop tokens to mask: the model may keep
@@ -576,13 +558,36 @@ impl<'a> Engine<'a> {
                 .iter()
                 .all(|s| s.is_decode && s.cross.is_none() && !s.encoder_only);
         let forward_start = Instant::now();
-        let replayed = graph_step && self.replay_decode(&descs, buf)?;
-        if !replayed {
-            self.forward(batch, buf, (&descs, &dense_lens), &check_layers, greedy)?;
-        }
+        let step = StepForward {
+            batch,
+            tokens: buf.step_tokens(),
+            descs: &descs,
+            dense_lens: &dense_lens,
+            block_size: self.block_size,
+            step: self.steps,
+            check: self
+                .check
+                .as_ref()
+                .filter(|_| !check_layers.is_empty())
+                .map(|c| (check_layers.as_slice(), c)),
+            greedy,
+        };
+        // Every rank runs the step (a graph replay where one fits: each rank decides alike).
+        let replayed = on_ranks(&mut self.ranks, self.abort.as_ref(), |_, rank| {
+            let replayed = graph_step && rank.replay_decode(step.descs, step.tokens)?;
+            if !replayed {
+                rank.forward(&step)?;
+            }
+            Ok(replayed)
+        })?;
+        let replayed = replayed[0];
         let forward_seconds = forward_start.elapsed().as_secs_f64();
-        let attention_seconds = self.clock.take_seconds()?;
-        let width = self.model.output_width();
+        let attention_seconds = self.ranks[0].clock.take_seconds()?;
+        for rank in &mut self.ranks[1..] {
+            rank.clock.take_seconds()?;
+        }
+        let out = &self.ranks[0].output;
+        let width = self.model().output_width();
         let mut results: Vec<Sampled> = Vec::with_capacity(batch.seqs.len());
         let mut pooled_states = Vec::new();
         let mut row = 0;
@@ -590,14 +595,14 @@ impl<'a> Engine<'a> {
             let mut tokens = Vec::with_capacity(s.num_samples);
             // An encoder-only sequence's pooled state, or a sampling one's logits.
             if greedy && s.num_samples > 0 {
-                let token = *buf.greedy.get(row).ok_or_else(|| {
+                let token = *out.greedy.get(row).ok_or_else(|| {
                     Error::Model(format!(
                         "{} greedy tokens for {} sequences",
-                        buf.greedy.len(),
+                        out.greedy.len(),
                         batch.seqs.len()
                     ))
                 })?;
-                if token as usize >= self.model.vocab_size() {
+                if token as usize >= self.model().vocab_size() {
                     return Err(if token == NON_FINITE_TOKEN {
                         Error::NonFinite {
                             at: format!("step {}'s logits (row {row})", self.steps),
@@ -606,7 +611,7 @@ impl<'a> Engine<'a> {
                         Error::Model(format!(
                             "greedy token {token} of row {row}: expected one below the \
                              vocabulary's {}",
-                            self.model.vocab_size()
+                            self.model().vocab_size()
                         ))
                     });
                 }
@@ -618,12 +623,12 @@ impl<'a> Engine<'a> {
             let output = if s.encoder_only || s.num_samples > 0 {
                 row += 1;
                 Some(
-                    buf.logits
+                    out.logits
                         .get((row - 1) * width..row * width)
                         .ok_or_else(|| {
                             Error::Model(format!(
                                 "{} output rows for {} sequences",
-                                buf.logits.len() / width.max(1),
+                                out.logits.len() / width.max(1),
                                 batch.seqs.len()
                             ))
                         })?,
@@ -709,29 +714,5 @@ impl<'a> Engine<'a> {
             pooled: pooled_states,
             events,
         })
-    }
-
-    /// Runs a decode step through a CUDA graph where there are graphs and the step fits one
-    /// (the greedy tokens left in `buf`); `false` where it ran nothing.
-    fn replay_decode(&mut self, descs: &[SequenceDesc<'_>], buf: &mut StepBuffers) -> Result<bool> {
-        let Some(graphs) = self.graphs.as_mut() else {
-            return Ok(false);
-        };
-        let step = StepTokens {
-            tokens: &buf.tokens,
-            positions: &buf.positions,
-            logit_rows: &buf.logit_rows,
-            encoder_tokens: &[],
-            encoder_positions: &[],
-        };
-        graphs.replay(
-            self.backend,
-            &self.attention,
-            &mut self.caches,
-            &self.cache_of,
-            self.model.as_mut(),
-            (descs, step),
-            &mut buf.greedy,
-        )
     }
 }

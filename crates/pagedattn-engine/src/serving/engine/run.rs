@@ -26,7 +26,7 @@ impl Engine<'_> {
     ) -> Result<Report> {
         let mut report = Report {
             model: self.model_name(),
-            backend: self.backend.name().into(),
+            backend: self.ranks[0].backend.name().into(),
             workload: workload.into(),
             kv_cache_blocks: self.num_blocks(),
             kv_cache_bytes: self.kv_cache_bytes(),

@@ -1,0 +1,289 @@
+//! [`Rank`]: one device's share of the engine — a backend, the model (or its shard) on it,
+//! its attentions, caches, swap space, workspace, clock and CUDA graphs. An engine on one
+//! device has one rank; with tensor parallelism each GPU is a rank, and every step runs the
+//! same forward on every rank at once, one thread a rank ([`on_ranks`]). The scheduler and
+//! the block manager are the engine's, one for all ranks: a block id names the same block in
+//! every rank's caches, and swaps and copies are applied on every rank.
+
+use std::sync::{Arc, Mutex};
+
+use pagedattn::{AttentionConfig, AttentionImpl, Backend, KvCache, SequenceDesc, Workspace};
+
+use super::EngineConfig;
+use crate::serving::batch::StepBatch;
+use crate::serving::clock::AttentionClock;
+use crate::serving::graphs::DecodeGraphs;
+use crate::serving::model::{Model, StepTokens};
+use crate::{Error, Result};
+
+/// A device's backend and the model (a tensor-parallel model's shard) that runs on it.
+pub struct RankParts<'a> {
+    /// The backend its attention runs on (its GPU).
+    pub backend: &'a dyn Backend,
+    /// The model, or this rank's shard of it: its [`layers`](Model::layers) have this rank's
+    /// heads, so that its caches hold this rank's share of the keys and values.
+    pub model: Box<dyn Model + 'a>,
+}
+
+/// Called from a rank's thread when that rank fails, while the other ranks may be waiting
+/// for it inside a collective (an NCCL all-reduce): it must make them return (abort the
+/// communicators). Called at most once per failed step, possibly concurrently with the
+/// other ranks' work.
+pub type AbortRanks = Arc<dyn Fn() + Send + Sync>;
+
+/// What a forward leaves on a rank's host: each logit row's logits, or its greedy token.
+#[derive(Default)]
+pub(crate) struct RankOutput {
+    pub(crate) logits: Vec<f32>,
+    pub(crate) greedy: Vec<u32>,
+}
+
+/// One device's share of the engine (see the module doc).
+pub(crate) struct Rank<'a> {
+    pub(crate) backend: &'a dyn Backend,
+    pub(crate) model: Box<dyn Model + 'a>,
+    pub(crate) attention: Vec<Box<dyn AttentionImpl>>,
+    /// Each attention's config (this rank's heads).
+    pub(crate) layers: Vec<AttentionConfig>,
+    /// Each attention's cache's index in `caches` (`None`: it runs without one).
+    pub(crate) cache_of: Vec<Option<usize>>,
+    /// The caches (every `decoder` and `encoder_decoder` attention's, in layer order).
+    pub(crate) caches: Vec<KvCache>,
+    pub(crate) swaps: Vec<KvCache>,
+    pub(crate) workspace: Workspace,
+    pub(crate) clock: AttentionClock,
+    pub(crate) graphs: Option<DecodeGraphs>,
+    /// Attention calls made.
+    pub(crate) attention_calls: usize,
+    pub(crate) output: RankOutput,
+}
+
+impl<'a> Rank<'a> {
+    /// `parts` with one attention per layer and each layer's cache and swap space allocated
+    /// for the pools of `config` (plus the CUDA graphs' padding blocks).
+    pub(crate) fn new(parts: RankParts<'a>, config: &EngineConfig) -> Result<Self> {
+        let RankParts { backend, mut model } = parts;
+        let pools = &config.scheduler.blocks;
+        let layers = model.layers().to_vec();
+        let attention = layers
+            .iter()
+            .map(|c| backend.attention(c))
+            .collect::<pagedattn::Result<Vec<_>>>()?;
+        let graphs = if config.cuda_graphs {
+            DecodeGraphs::new(
+                backend,
+                model.as_mut(),
+                pools.block_size,
+                pools.num_device_blocks,
+                config.scheduler.max_seqs,
+            )?
+        } else {
+            None
+        };
+        // The padding sequences of graph steps write past the scheduler's pool.
+        let cache_blocks = pools
+            .num_device_blocks
+            .checked_add(graphs.as_ref().map_or(0, |g| g.pad_blocks()))
+            .ok_or_else(|| {
+                Error::Model(format!(
+                    "num_device_blocks = {}: too many blocks to add the CUDA graphs' padding",
+                    pools.num_device_blocks
+                ))
+            })?;
+        let mut cache_of = Vec::with_capacity(layers.len());
+        let mut caches = Vec::new();
+        for c in &layers {
+            cache_of.push(if c.attn_type().uses_cache() {
+                let spec = c.kv_cache_spec(model.dtype(), cache_blocks, pools.block_size);
+                caches.push(backend.allocate_kv_cache(&spec)?);
+                Some(caches.len() - 1)
+            } else {
+                None
+            });
+        }
+        let swaps = caches
+            .iter()
+            .map(|c| backend.allocate_swap_space(c.spec(), pools.num_host_blocks))
+            .collect::<pagedattn::Result<Vec<_>>>()?;
+        Ok(Rank {
+            backend,
+            workspace: Workspace::empty(backend.device()),
+            clock: AttentionClock::new(backend)?,
+            model,
+            attention,
+            layers,
+            cache_of,
+            caches,
+            swaps,
+            graphs,
+            attention_calls: 0,
+            output: RankOutput::default(),
+        })
+    }
+
+    /// The step's block moves on this rank's caches: swaps out, swaps in, then copies.
+    pub(crate) fn move_blocks(&mut self, batch: &StepBatch) -> Result<()> {
+        if !batch.swap_out.is_empty() {
+            self.backend
+                .swap_out(&self.caches, &mut self.swaps, &batch.swap_out)?;
+        }
+        if !batch.swap_in.is_empty() {
+            self.backend
+                .swap_in(&self.swaps, &mut self.caches, &batch.swap_in)?;
+        }
+        if !batch.copies.is_empty() {
+            self.backend.copy_blocks(&mut self.caches, &batch.copies)?;
+        }
+        Ok(())
+    }
+
+    /// Runs a decode step through a CUDA graph where there are graphs and the step fits one
+    /// (the greedy tokens left in the rank's output); `false` where it ran nothing.
+    pub(crate) fn replay_decode(
+        &mut self,
+        descs: &[SequenceDesc<'_>],
+        step: StepTokens<'_>,
+    ) -> Result<bool> {
+        let Some(graphs) = self.graphs.as_mut() else {
+            return Ok(false);
+        };
+        graphs.replay(
+            self.backend,
+            &self.attention,
+            &mut self.caches,
+            &self.cache_of,
+            self.model.as_mut(),
+            (descs, step),
+            &mut self.output.greedy,
+        )
+    }
+}
+
+/// Whether the ranks' models agree on everything the engine reads of rank 0's alone: kind,
+/// dtype, vocabulary, context, stop tokens, output width, and each attention's type, head
+/// size and window (their head counts are each rank's own).
+pub(crate) fn check_ranks_agree(ranks: &[Rank<'_>]) -> Result<()> {
+    let Some((first, rest)) = ranks.split_first() else {
+        return Err(Error::Model("an engine of no rank".into()));
+    };
+    let summary = |r: &Rank<'_>| {
+        let m = &r.model;
+        let layers: Vec<_> = r
+            .layers
+            .iter()
+            .map(|c| (c.attn_type(), c.head_size(), c.sliding_window()))
+            .collect();
+        format!(
+            "{:?} {:?} vocab {} context {} stops {:?} width {} layers {layers:?}",
+            m.kind(),
+            m.dtype(),
+            m.vocab_size(),
+            m.max_context(),
+            m.stop_tokens(),
+            m.output_width()
+        )
+    };
+    let want = summary(first);
+    for (i, r) in rest.iter().enumerate() {
+        let got = summary(r);
+        if got != want {
+            return Err(Error::Model(format!(
+                "rank {} serves another model than rank 0: {got}, expected {want}",
+                i + 1
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Runs `work` on every rank at once, rank 0 on this thread and each other rank on a thread
+/// of its own, and returns each rank's result (one rank: on this thread, nothing spawned).
+/// A rank that fails calls `abort` at once, so that ranks waiting for it in a collective
+/// return; the error returned is the first rank's to fail (the others' are its
+/// consequences). A rank that panics aborts the others too, and the panic is resumed here.
+pub(crate) fn on_ranks<T: Send>(
+    ranks: &mut [Rank<'_>],
+    abort: Option<&AbortRanks>,
+    work: impl Fn(usize, &mut Rank<'_>) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    if let [rank] = ranks {
+        return Ok(vec![work(0, rank)?]);
+    }
+    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let run = |i: usize, rank: &mut Rank<'_>| -> Option<T> {
+        // Aborts the others if this rank's work fails or unwinds.
+        let guard = AbortOnDrop(abort);
+        let result = work(i, rank);
+        match result {
+            Ok(value) => {
+                std::mem::forget(guard);
+                Some(value)
+            }
+            Err(e) => {
+                let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                first.get_or_insert(e);
+                drop(first);
+                drop(guard);
+                None
+            }
+        }
+    };
+    let results: Vec<Option<T>> = std::thread::scope(|scope| {
+        let (head, tail) = ranks.split_at_mut(1);
+        let others = tail.len();
+        let mut handles = Vec::with_capacity(others);
+        for (i, rank) in tail.iter_mut().enumerate() {
+            let run = &run;
+            let spawned = std::thread::Builder::new()
+                .name(format!("rank-{}", i + 1))
+                .spawn_scoped(scope, move || run(i + 1, rank));
+            match spawned {
+                Ok(handle) => handles.push(handle),
+                Err(e) => {
+                    // The ranks that started may wait for this one: they are aborted, and
+                    // rank 0 does not start.
+                    if let Some(abort) = abort {
+                        abort();
+                    }
+                    let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                    first.get_or_insert(Error::Model(format!(
+                        "starting rank {}'s thread: {e}",
+                        i + 1
+                    )));
+                    break;
+                }
+            }
+        }
+        let started = handles.len() == others;
+        let mut results = vec![if started { run(0, &mut head[0]) } else { None }];
+        let mut panic = None;
+        for handle in handles {
+            match handle.join() {
+                Ok(r) => results.push(r),
+                Err(p) => {
+                    panic.get_or_insert(p);
+                    results.push(None);
+                }
+            }
+        }
+        if let Some(p) = panic {
+            std::panic::resume_unwind(p);
+        }
+        results
+    });
+    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(results.into_iter().flatten().collect())
+}
+
+/// Calls the abort hook when dropped (a rank's work failed or unwound).
+struct AbortOnDrop<'h>(Option<&'h AbortRanks>);
+
+impl Drop for AbortOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(abort) = self.0 {
+            abort();
+        }
+    }
+}

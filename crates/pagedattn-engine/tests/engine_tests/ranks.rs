@@ -1,0 +1,208 @@
+//! An engine of several ranks, without a GPU: every rank a full copy of the synthetic model
+//! on `cpu` (no collective joins them, so each computes the whole step). What this checks is
+//! the tensor-parallel engine's part that needs no NCCL: one scheduler and block manager for
+//! all ranks, every rank's caches moved alike (swaps, copies), every rank's calls verified,
+//! rank 0's tokens the step's, and a rank's failure stopping every rank with its error.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pagedattn::registry;
+use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
+use pagedattn_engine::harness::workload::Builtin;
+use pagedattn_engine::models::synthetic::SyntheticConfig;
+use pagedattn_engine::serving::engine::{
+    AbortRanks, Engine, EngineConfig, EngineRequest, RankParts,
+};
+use pagedattn_engine::serving::model::{Attend, Model, ModelKind, StepTokens};
+use pagedattn_engine::serving::report::Report;
+use pagedattn_engine::serving::scheduler::PreemptionPolicy;
+
+use crate::common::{self, generated, requests, small};
+
+/// Serves `reqs` on `ranks` copies of `model` on `cpu`, every call verified.
+fn serve_on_ranks(
+    model: &SyntheticConfig,
+    ranks: usize,
+    reqs: Vec<EngineRequest>,
+    blocks: usize,
+    policy: PreemptionPolicy,
+) -> Report {
+    let backends: Vec<_> = (0..ranks)
+        .map(|_| registry::backend("cpu").unwrap())
+        .collect();
+    let parts = backends
+        .iter()
+        .map(|b| RankParts {
+            backend: b.as_ref(),
+            model: model.build_model().unwrap(),
+        })
+        .collect();
+    let mut config = common::config(blocks, 256);
+    config.scheduler.preemption = policy;
+    let engine = Engine::with_ranks(parts, None, &config)
+        .unwrap()
+        .with_check(Box::new(Verifier::new(VerifyMode::Every, 1).unwrap()));
+    assert_eq!(engine.num_ranks(), ranks);
+    engine
+        .run("ranks", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
+        .unwrap()
+}
+
+#[test]
+fn two_ranks_move_every_block_alike_and_give_one_ranks_tokens() {
+    let model = SyntheticConfig {
+        max_context: 200,
+        ..small(ModelKind::Decoder)
+    };
+    let reqs = requests(&model.build().unwrap(), Builtin::Chat, 10, 48, 3);
+    let one = serve_on_ranks(&model, 1, reqs.clone(), 512, PreemptionPolicy::Auto);
+    for policy in [PreemptionPolicy::Swap, PreemptionPolicy::Recompute] {
+        // A pool of 16 blocks preempts: swaps (or recomputes) and copy-on-write of the
+        // parallel samples run on both ranks, and every call of both is verified against
+        // the rank's own cache.
+        let two = serve_on_ranks(&model, 2, reqs.clone(), 16, policy);
+        let preempted = two.cache.preempted_by_swap + two.cache.preempted_by_recompute;
+        assert!(preempted > 0, "{policy:?}: nothing preempted");
+        assert_eq!(generated(&two), generated(&one), "{policy:?}");
+        assert_eq!(two.verify.calls_checked, two.verify.calls_total);
+        assert!(two.verify.calls_total > one.verify.calls_total);
+    }
+}
+
+/// A rank's model: the synthetic decoder, whose `forward` at call `at` (counting from 0)
+/// fails, or (with `waits_for`) waits until the engine aborts the ranks, as an NCCL
+/// collective waits for a rank that never comes.
+struct Scripted {
+    inner: Box<dyn Model>,
+    at: usize,
+    fails: bool,
+    waits_for: Option<Arc<AtomicBool>>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Model for Scripted {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn layers(&self) -> &[pagedattn::AttentionConfig] {
+        self.inner.layers()
+    }
+    fn dtype(&self) -> pagedattn::DType {
+        self.inner.dtype()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.inner.max_context()
+    }
+    fn stop_tokens(&self) -> Vec<u32> {
+        self.inner.stop_tokens()
+    }
+    fn first_plain_token(&self) -> u32 {
+        self.inner.first_plain_token()
+    }
+    fn forward(
+        &mut self,
+        step: &StepTokens<'_>,
+        attend: &mut Attend<'_>,
+        logits: &mut Vec<f32>,
+    ) -> pagedattn_engine::Result<()> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        if self.fails && call == self.at {
+            return Err(pagedattn_engine::Error::Model(
+                "rank 1's device failed".into(),
+            ));
+        }
+        if let Some(aborted) = self.waits_for.as_ref().filter(|_| call == self.at) {
+            let start = Instant::now();
+            while !aborted.load(Ordering::SeqCst) {
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "rank 0 was never released"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            return Err(pagedattn_engine::Error::Model(
+                "rank 0's collective was aborted".into(),
+            ));
+        }
+        self.inner.forward(step, attend, logits)
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_every_rank_with_its_error() {
+    let model = small(ModelKind::Decoder);
+    let reqs = requests(&model.build().unwrap(), Builtin::Chat, 4, 8, 5);
+    let backends: Vec<_> = (0..2).map(|_| registry::backend("cpu").unwrap()).collect();
+    let aborted = Arc::new(AtomicBool::new(false));
+    let aborts = Arc::new(AtomicUsize::new(0));
+    let abort: AbortRanks = {
+        let (aborted, aborts) = (aborted.clone(), aborts.clone());
+        Arc::new(move || {
+            aborts.fetch_add(1, Ordering::SeqCst);
+            aborted.store(true, Ordering::SeqCst);
+        })
+    };
+    let calls: Vec<_> = (0..2).map(|_| Arc::new(AtomicUsize::new(0))).collect();
+    let parts = backends
+        .iter()
+        .enumerate()
+        .map(|(rank, b)| RankParts {
+            backend: b.as_ref(),
+            model: Box::new(Scripted {
+                inner: model.build_model().unwrap(),
+                // At the third step rank 1 fails while rank 0 waits in its collective.
+                at: 2,
+                fails: rank == 1,
+                waits_for: (rank == 0).then(|| aborted.clone()),
+                calls: calls[rank].clone(),
+            }) as Box<dyn Model>,
+        })
+        .collect();
+    let config = EngineConfig {
+        cuda_graphs: false,
+        ..common::config(64, 256)
+    };
+    let engine = Engine::with_ranks(parts, Some(abort), &config).unwrap();
+    let err = engine
+        .run("failing", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    // Rank 1's failure must abort rank 0 (else this test would time out inside rank 0), and
+    // the error is rank 1's.
+    assert!(err.contains("rank 1's device failed"), "{err}");
+    assert!(aborts.load(Ordering::SeqCst) >= 1);
+    assert!(calls[1].load(Ordering::SeqCst) == 3);
+}
+
+#[test]
+fn ranks_that_serve_different_models_are_refused() {
+    let backends: Vec<_> = (0..2).map(|_| registry::backend("cpu").unwrap()).collect();
+    let models = [
+        small(ModelKind::Decoder),
+        SyntheticConfig {
+            vocab: 300,
+            ..small(ModelKind::Decoder)
+        },
+    ];
+    let parts = backends
+        .iter()
+        .zip(&models)
+        .map(|(b, m)| RankParts {
+            backend: b.as_ref(),
+            model: m.build_model().unwrap(),
+        })
+        .collect();
+    let err = Engine::with_ranks(parts, None, &common::config(64, 256))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("rank 1 serves another model than rank 0"),
+        "{err}"
+    );
+}
