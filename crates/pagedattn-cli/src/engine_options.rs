@@ -14,7 +14,7 @@ use pagedattn_engine::models::ops::Precision;
 use pagedattn_engine::models::synthetic::SyntheticConfig;
 use pagedattn_engine::models::tokenizer::Tokenizer;
 use pagedattn_engine::serving::blocks::BlockConfig;
-use pagedattn_engine::serving::engine::EngineConfig;
+use pagedattn_engine::serving::engine::{AbortRanks, EngineConfig, Placed};
 use pagedattn_engine::serving::memory::{kv_bytes_per_block, kv_pool_size, KvCacheMemory};
 use pagedattn_engine::serving::model::{Model, ModelKind};
 use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
@@ -80,6 +80,11 @@ pub struct EngineArgs {
     /// default the GPU model's decode steps are, except those `--verify` checks).
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Shard the model over this many GPUs (0 to N-1; tensor parallelism over NCCL, one
+    /// thread a GPU): each computes its share of the heads and of the feed-forward and holds
+    /// its share of the KV cache (`--backend cuda`, the GPU model: Llama's blocks).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    pub tensor_parallel: usize,
 }
 
 /// A byte count: a number, or a number with a unit (`B`, `KiB`, `MiB`, `GiB`, `TiB`; or
@@ -142,15 +147,95 @@ pub(crate) fn at_least_one(text: &str) -> Result<usize, String> {
     checked(text, |&n| n >= 1, "expected a whole number of at least 1")
 }
 
-/// A model and, for a GGUF file, its tokenizer and chat template.
+/// A model on its backends and, for a GGUF file, its tokenizer and chat template.
 pub struct Loaded {
-    /// The model.
-    pub model: Box<dyn Model>,
+    /// The model (its shards) on the backends.
+    pub placed: Placed,
     /// Its tokenizer and chat template (a GGUF file's; the synthetic model has none).
     pub text: Option<(Tokenizer, ChatTemplate)>,
     /// The token an encoder-decoder model's generation starts from (`config.json`'s
     /// `decoder_start_token_id`), the decoder prompt of a request that gives none.
     pub decoder_start: Option<u32>,
+}
+
+/// The ranks' backends: `backend_name`'s, or with `--tensor-parallel N` (N > 1) the `cuda`
+/// backend of each of GPUs 0 to N-1 (`--backend` `cuda` or `auto`).
+pub fn backends(
+    args: &EngineArgs,
+    backend_name: &str,
+) -> pagedattn_engine::Result<Vec<Box<dyn Backend>>> {
+    let n = args.tensor_parallel;
+    if n == 1 {
+        return Ok(vec![pagedattn::registry::backend(backend_name)?]);
+    }
+    if !matches!(backend_name, "cuda" | "auto") {
+        return Err(pagedattn_engine::Error::Model(format!(
+            "--tensor-parallel {n}: expected --backend cuda (it shards the GPU model), not \
+             {backend_name}"
+        )));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        (0..n)
+            .map(|gpu| {
+                let cuda = pagedattn::cuda::Cuda::new(gpu).map_err(|e| {
+                    pagedattn_engine::Error::Model(format!("--tensor-parallel {n}: GPU {gpu}: {e}"))
+                })?;
+                Ok(Box::new(cuda) as Box<dyn Backend>)
+            })
+            .collect()
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(pagedattn_engine::Error::Model(format!(
+        "--tensor-parallel {n}: this build has no CUDA"
+    )))
+}
+
+/// Set in the environment of the restart [`find_nccl`] makes, so that it happens once.
+#[cfg(feature = "cuda")]
+const NCCL_RESTARTED: &str = "PAGEDATTN_NCCL_RESTARTED";
+
+/// With `--tensor-parallel` past 1, makes NCCL loadable: where cudarc does not find
+/// `libnccl.so` but a CUDA toolkit or NCCL's pip wheel has `libnccl.so.2`, restarts this
+/// program with a directory linking it on `LD_LIBRARY_PATH` (the dynamic loader reads that
+/// variable once, at start). Returns where NCCL was not found (the communicators' creation
+/// then says what to install), and never where it restarted.
+pub fn find_nccl(args: &EngineArgs) -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    {
+        use pagedattn_engine::models::nccl;
+        if args.tensor_parallel < 2
+            || nccl::library_loadable()
+            || std::env::var_os(NCCL_RESTARTED).is_some()
+        {
+            return Ok(());
+        }
+        let Some(cache) = pagedattn::cuda::DiskCache::from_env() else {
+            return Ok(());
+        };
+        let Some(dir) = nccl::library_link_dir(cache.dir()).map_err(|e| e.to_string())? else {
+            return Ok(());
+        };
+        let mut path = std::ffi::OsString::from(dir.as_os_str());
+        if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|p| !p.is_empty()) {
+            path.push(":");
+            path.push(old);
+        }
+        let exe = std::env::current_exe().map_err(|e| format!("restarting for NCCL: {e}"))?;
+        use std::os::unix::process::CommandExt;
+        // (Returns only where the restart failed.)
+        let e = std::process::Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .env("LD_LIBRARY_PATH", path)
+            .env(NCCL_RESTARTED, "1")
+            .exec();
+        Err(format!("restarting with {} for NCCL: {e}", dir.display()))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = args;
+        Ok(())
+    }
 }
 
 /// Whether the model's layers run on the backend's device (`--model-on`).
@@ -170,35 +255,82 @@ fn model_on_device(args: &EngineArgs, backend: &dyn Backend) -> pagedattn_engine
     }
 }
 
+/// The ranks' models and, with several, what aborts their collectives.
+type Ranks = (Vec<Box<dyn Model>>, Option<AbortRanks>);
+
+/// `model` alone, where no tensor parallelism was asked for (only the GPU model is sharded).
+fn unsharded(args: &EngineArgs, model: Box<dyn Model>) -> pagedattn_engine::Result<Ranks> {
+    if args.tensor_parallel > 1 {
+        return Err(pagedattn_engine::Error::Model(format!(
+            "--tensor-parallel {}: {} is computed on the host; only the GPU model (Llama's \
+             blocks, --model-on device) is sharded",
+            args.tensor_parallel,
+            model.name()
+        )));
+    }
+    Ok((vec![model], None))
+}
+
 /// `llama` as the engine serves it: on the backend's GPU where `on_device` (by default only a
 /// model of Llama's blocks, which the GPU model computes; asked for explicitly, others are
-/// refused), else as it is.
+/// refused), sharded over every backend's GPU with `--tensor-parallel`; else as it is.
 fn place(
     llama: Llama,
     on_device: bool,
     args: &EngineArgs,
-    backend: &dyn Backend,
-) -> pagedattn_engine::Result<Box<dyn Model>> {
+    backends: &[Box<dyn Backend>],
+) -> pagedattn_engine::Result<Ranks> {
     let on_device = on_device && (llama.runs_on_gpu_model() || args.model_on.is_some());
     #[cfg(feature = "cuda")]
-    if let (true, pagedattn::Device::Cuda(gpu)) = (on_device, backend.device()) {
-        let cuda = pagedattn::cuda::Cuda::new(gpu)?;
-        return Ok(Box::new(
-            pagedattn_engine::models::gpu_llama::GpuLlama::new(&llama, &cuda)?,
-        ));
+    if let (true, pagedattn::Device::Cuda(_)) = (on_device, backends[0].device()) {
+        use pagedattn_engine::models::gpu_llama::GpuLlama;
+        let gpus = backends
+            .iter()
+            .map(|b| match b.device() {
+                pagedattn::Device::Cuda(gpu) => Ok(gpu),
+                other => Err(pagedattn_engine::Error::Model(format!(
+                    "a rank on {other}: expected a GPU"
+                ))),
+            })
+            .collect::<pagedattn_engine::Result<Vec<_>>>()?;
+        if let [gpu] = gpus[..] {
+            let cuda = pagedattn::cuda::Cuda::new(gpu)?;
+            return Ok((vec![Box::new(GpuLlama::new(&llama, &cuda)?)], None));
+        }
+        let comms = std::sync::Arc::new(pagedattn_engine::models::nccl::Communicators::new(&gpus)?);
+        let models = gpus
+            .iter()
+            .enumerate()
+            .map(|(rank, &gpu)| {
+                let cuda = pagedattn::cuda::Cuda::new(gpu)?;
+                let tp = pagedattn_engine::models::tensor_parallel::TensorParallel {
+                    rank,
+                    size: gpus.len(),
+                };
+                let shard = GpuLlama::new_shard(&llama, &cuda, tp, comms.clone())?;
+                Ok(Box::new(shard) as Box<dyn Model>)
+            })
+            .collect::<pagedattn_engine::Result<Vec<_>>>()?;
+        let abort: AbortRanks = std::sync::Arc::new(move || comms.abort());
+        return Ok((models, Some(abort)));
     }
-    let _ = (on_device, backend);
-    Ok(Box::new(llama))
+    let _ = (on_device, backends);
+    unsharded(args, Box::new(llama))
 }
 
 /// Loads the model the options name: a GGUF file, a Hugging Face folder, or the synthetic
 /// model of `kind` (a file's or folder's kind is its own: the caller checks it).
 pub fn load(
     args: &EngineArgs,
-    backend: &dyn Backend,
+    backends: Vec<Box<dyn Backend>>,
     kind: ModelKind,
 ) -> pagedattn_engine::Result<Loaded> {
-    let on_device = model_on_device(args, backend)?;
+    let on_device = model_on_device(args, backends[0].as_ref())?;
+    let placed = |(models, abort): Ranks, backends| Placed {
+        backends,
+        models,
+        abort,
+    };
     if args.model.is_none() && kind != ModelKind::Decoder && args.synthetic != "small" {
         return Err(pagedattn_engine::Error::Model(format!(
             "--synthetic {} names a decoder's shape: this workload runs the synthetic {} model",
@@ -212,16 +344,23 @@ pub fn load(
     }
     match &args.model {
         None => Ok(Loaded {
-            model: match kind {
-                ModelKind::Decoder => place(
-                    SyntheticConfig::preset(&args.synthetic)?.build()?,
-                    on_device,
-                    args,
-                    backend,
-                )?,
-                ModelKind::EncoderOnly => SyntheticConfig::encoder_only().build_model()?,
-                ModelKind::EncoderDecoder => SyntheticConfig::encoder_decoder().build_model()?,
-            },
+            placed: placed(
+                match kind {
+                    ModelKind::Decoder => place(
+                        SyntheticConfig::preset(&args.synthetic)?.build()?,
+                        on_device,
+                        args,
+                        &backends,
+                    )?,
+                    ModelKind::EncoderOnly => {
+                        unsharded(args, SyntheticConfig::encoder_only().build_model()?)?
+                    }
+                    ModelKind::EncoderDecoder => {
+                        unsharded(args, SyntheticConfig::encoder_decoder().build_model()?)?
+                    }
+                },
+                backends,
+            ),
             text: None,
             decoder_start: None,
         }),
@@ -244,8 +383,8 @@ pub fn load(
                 let folder = HfFolder::open(path)?;
                 let tokenizer = Tokenizer::from_hf_folder(path)?;
                 let template = ChatTemplate::from_hf_folder(path, &tokenizer)?;
-                let model = match families::from_hf(&folder, precision)? {
-                    HfModel::Decoder(llama) => place(llama, on_device, args, backend)?,
+                let ranks = match families::from_hf(&folder, precision)? {
+                    HfModel::Decoder(llama) => place(llama, on_device, args, &backends)?,
                     HfModel::Encoder(_) if args.model_on.as_deref() == Some("device") => {
                         return Err(pagedattn_engine::Error::Model(format!(
                             "--model-on device: {} is an encoder model, computed on the host \
@@ -253,25 +392,26 @@ pub fn load(
                             path.display()
                         )))
                     }
-                    encoder => encoder.into_model(),
+                    encoder => unsharded(args, encoder.into_model())?,
                 };
                 let decoder_start = folder
                     .config_usize_opt("decoder_start_token_id")?
                     .and_then(|t| u32::try_from(t).ok());
                 return Ok(Loaded {
-                    model,
+                    placed: placed(ranks, backends),
                     text: Some((tokenizer, template)),
                     decoder_start,
                 });
             }
             let file = Gguf::open(path)?;
+            let ranks = place(
+                Llama::from_gguf(&file, precision)?,
+                on_device,
+                args,
+                &backends,
+            )?;
             Ok(Loaded {
-                model: place(
-                    Llama::from_gguf(&file, precision)?,
-                    on_device,
-                    args,
-                    backend,
-                )?,
+                placed: placed(ranks, backends),
                 text: Some((
                     Tokenizer::from_gguf(&file)?,
                     ChatTemplate::from_gguf(&file)?,

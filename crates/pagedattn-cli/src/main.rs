@@ -488,6 +488,15 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
+    let engine_args = match &cli.command {
+        Command::Run { args, .. } => Some(&args.engine),
+        Command::Serve { args, .. } => Some(&args.engine),
+        _ => None,
+    };
+    if let Some(Err(e)) = engine_args.map(engine_options::find_nccl) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let result: std::result::Result<(), String> = match cli.command {
         Command::Run { backend, args } => match run::run(&args, &backend) {
             // The shell's code for a process ended by SIGINT, after the report so far.

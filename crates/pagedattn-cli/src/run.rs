@@ -7,14 +7,12 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use pagedattn::{registry, Backend};
-
-use crate::engine_options::{checked, engine_config, load, EngineArgs, Loaded};
+use crate::engine_options::{backends, checked, engine_config, load, EngineArgs, Loaded};
 use pagedattn_engine::harness::report::peak_resident_bytes;
 use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
 use pagedattn_engine::harness::workload::{self, Builtin, BuiltinParams, Prompt, RequestInput};
 use pagedattn_engine::models::chat::ChatMessage;
-use pagedattn_engine::serving::engine::{Engine, EngineRequest};
+use pagedattn_engine::serving::engine::{Engine, EngineRequest, Placed};
 use pagedattn_engine::serving::model::ModelKind;
 use pagedattn_engine::serving::sample::SamplingParams;
 
@@ -162,7 +160,7 @@ fn requests(
         .collect();
     if !given.is_empty() {
         // An encoder-decoder model encodes the prompt and generates from its decoder start.
-        let encoder_decoder = loaded.model.kind() == ModelKind::EncoderDecoder;
+        let encoder_decoder = loaded.placed.model().kind() == ModelKind::EncoderDecoder;
         let requests = given
             .into_iter()
             .enumerate()
@@ -203,7 +201,7 @@ fn requests(
         }
         return Ok((format!("trace {}", path.display()), requests));
     }
-    let model = &loaded.model;
+    let model = loaded.placed.model();
     let builtin = builtin(args, model.kind())?.unwrap_or(Builtin::Chat);
     let params = BuiltinParams {
         requests: args.requests,
@@ -237,16 +235,15 @@ pub fn run(args: &RunArgs, backend_name: &str) -> pagedattn_engine::Result<Serve
     let _ = rayon::ThreadPoolBuilder::new()
         .use_current_thread()
         .build_global();
-    let backend: Box<dyn Backend> = registry::backend(backend_name)?;
     // The synthetic model's kind is the workload's; a file's or folder's is its own.
     let kind = builtin(args, ModelKind::Decoder)?.map_or(ModelKind::Decoder, Builtin::model_kind);
-    let loaded = load(&args.engine, backend.as_ref(), kind)?;
-    let model_kind = loaded.model.kind();
+    let loaded = load(&args.engine, backends(&args.engine, backend_name)?, kind)?;
+    let model_kind = loaded.placed.model().kind();
     if let Some(w) = builtin(args, model_kind)?.filter(|w| w.model_kind() != model_kind) {
         return Err(pagedattn_engine::Error::Model(format!(
             "--workload {w} needs {} model; {} is {} model",
             kind_name(w.model_kind()),
-            loaded.model.name(),
+            loaded.placed.model().name(),
             kind_name(model_kind)
         )));
     }
@@ -260,7 +257,7 @@ pub fn run(args: &RunArgs, backend_name: &str) -> pagedattn_engine::Result<Serve
                 vec![loaded.decoder_start.ok_or_else(|| {
                     pagedattn_engine::Error::Model(format!(
                         "{}: no decoder prompt, and the model names no decoder start token",
-                        loaded.model.name()
+                        loaded.placed.model().name()
                     ))
                 })?]
             }
@@ -294,7 +291,7 @@ pub fn run(args: &RunArgs, backend_name: &str) -> pagedattn_engine::Result<Serve
     // Each request's blocks: every sample's, and its encoder's cross blocks. At most the
     // model's context per sample and as many samples as a step holds (the engine rejects a
     // larger request alone: it must not size the pool for the others), saturating.
-    let context = loaded.model.max_context();
+    let context = loaded.placed.model().max_context();
     let blocks = |r: &EngineRequest| {
         r.prompt
             .len()
@@ -312,8 +309,8 @@ pub fn run(args: &RunArgs, backend_name: &str) -> pagedattn_engine::Result<Serve
     let all = requests.iter().map(blocks).fold(0, usize::saturating_add);
     let config = engine_config(
         &args.engine,
-        backend.as_ref(),
-        loaded.model.as_ref(),
+        loaded.placed.backend(),
+        loaded.placed.model(),
         Some(all.max(longest)),
     )?;
     let verify = if args.no_verify {
@@ -323,7 +320,12 @@ pub fn run(args: &RunArgs, backend_name: &str) -> pagedattn_engine::Result<Serve
     } else {
         VerifyMode::Sampled(0.05)
     };
-    let engine = Engine::new(backend.as_ref(), loaded.model, &config)?
+    let Placed {
+        backends,
+        models,
+        abort,
+    } = loaded.placed;
+    let engine = Engine::placed(&backends, models, abort, &config)?
         .with_check(Box::new(Verifier::new(verify, args.seed)?));
     let stop = Arc::new(AtomicBool::new(false));
     {

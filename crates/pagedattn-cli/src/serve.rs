@@ -4,11 +4,12 @@ use std::io::Write;
 use std::path::Path;
 use std::time::Duration;
 
-use pagedattn::registry;
 use pagedattn_engine::serving::model::ModelKind;
 use pagedattn_server::{EngineParts, Server, ServerConfig};
 
-use crate::engine_options::{at_least_one, byte_size, checked, engine_config, load, EngineArgs};
+use crate::engine_options::{
+    at_least_one, backends, byte_size, checked, engine_config, load, EngineArgs,
+};
 
 /// The options of `pagedattn serve`: where it listens, its limits, and the engine's.
 #[derive(clap::Args, Debug)]
@@ -71,12 +72,16 @@ pub fn serve(args: &ServeArgs, backend_name: &str) -> Result<(), String> {
     let engine_args = args.engine.clone();
     let backend_name = backend_name.to_string();
     let server = Server::start(listener, config, move || {
-        let backend = registry::backend(&backend_name)?;
-        let loaded = load(&engine_args, backend.as_ref(), ModelKind::Decoder)?;
-        let config = engine_config(&engine_args, backend.as_ref(), loaded.model.as_ref(), None)?;
+        let backends = backends(&engine_args, &backend_name)?;
+        let loaded = load(&engine_args, backends, ModelKind::Decoder)?;
+        let config = engine_config(
+            &engine_args,
+            loaded.placed.backend(),
+            loaded.placed.model(),
+            None,
+        )?;
         Ok(EngineParts {
-            backend,
-            model: loaded.model,
+            placed: loaded.placed,
             config,
             text: loaded.text,
             decoder_start: loaded.decoder_start,

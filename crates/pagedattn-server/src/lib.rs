@@ -23,11 +23,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use pagedattn::Backend;
 use pagedattn_engine::models::chat::ChatTemplate;
 use pagedattn_engine::models::tokenizer::Tokenizer;
-use pagedattn_engine::serving::engine::{Engine, EngineConfig};
-use pagedattn_engine::serving::model::{Model, ModelKind};
+use pagedattn_engine::serving::engine::{Engine, EngineConfig, Placed};
+use pagedattn_engine::serving::model::ModelKind;
 
 pub use crate::core::Summary;
 pub use crate::error::ApiError;
@@ -72,10 +71,8 @@ impl ServerConfig {
 /// What the engine loop's thread builds before serving: the backend, the model on it, the
 /// engine's configuration, and the model's tokenizer and chat template where it has them.
 pub struct EngineParts {
-    /// The backend attention runs on.
-    pub backend: Box<dyn Backend>,
-    /// The model.
-    pub model: Box<dyn Model>,
+    /// The model on its backend (or its shards on theirs, with tensor parallelism).
+    pub placed: Placed,
     /// The engine's pools, budgets and policies.
     pub config: EngineConfig,
     /// The tokenizer and chat template (text prompts, chat, stop strings); without them the
@@ -163,14 +160,20 @@ impl Server {
                     .use_current_thread()
                     .build_global();
                 let parts = build()?;
+                let model = parts.placed.model();
                 let ready = Ready {
-                    kind: parts.model.kind(),
-                    max_context: parts.model.max_context(),
-                    vocab: parts.model.vocab_size(),
+                    kind: model.kind(),
+                    max_context: model.max_context(),
+                    vocab: model.vocab_size(),
                     text: parts.text,
                     decoder_start: parts.decoder_start,
                 };
-                let engine = Engine::new(parts.backend.as_ref(), parts.model, &parts.config)?;
+                let Placed {
+                    backends,
+                    models,
+                    abort,
+                } = parts.placed;
+                let engine = Engine::placed(&backends, models, abort, &parts.config)?;
                 if ready_tx.send(ready).is_err() {
                     return Ok(Summary::default());
                 }

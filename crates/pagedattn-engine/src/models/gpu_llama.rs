@@ -7,6 +7,14 @@
 //!
 //! Precision: bf16 weights, bf16 inputs to every product and to the attention (and a bf16
 //! cache), f32 accumulation, an f32 residual stream and f32 logits.
+//!
+//! Tensor parallelism ([`GpuLlama::new_shard`]): a rank keeps its shard of each product
+//! ([`tensor_parallel`](crate::models::tensor_parallel)): its heads' q/k/v rows and output
+//! columns, its rows of gate/up and columns of down. After the output and down products the
+//! ranks' partial sums are all-reduced over NCCL into the f32 residual stream, which every
+//! rank holds whole: rank 0's product adds to the residual, the others' overwrite it with
+//! their partial sum, so that the sum is the residual plus every rank's part. The embedding
+//! and norms are replicated; the LM head runs on rank 0 alone (its logits are the step's).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -22,7 +30,9 @@ use pagedattn::{AttentionConfig, Backend, DType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::models::llama::{llama_model_info, Llama, LlamaShape};
+use crate::models::nccl::Communicators;
 use crate::models::ops::RopeStyle;
+use crate::models::tensor_parallel::{columns_of, head_elements, rows_of, TensorParallel};
 use crate::serving::model::{Attend, GraphStages, Model, StepTokens};
 use crate::{Error, Result};
 
@@ -200,9 +210,18 @@ struct Activations {
     greedy: Buffer<u32>,
 }
 
+/// A rank of a tensor-parallel group: which, and the group's communicators.
+struct Parallel {
+    tp: TensorParallel,
+    comms: Arc<Communicators>,
+}
+
 /// A Llama model on a CUDA GPU (see the module doc).
 pub struct GpuLlama {
+    /// The shard's shape: its heads, kv heads and intermediate (the whole model's on one GPU).
     shape: LlamaShape,
+    /// `None` on one GPU.
+    parallel: Option<Parallel>,
     attention: Vec<AttentionConfig>,
     device: Device,
     stream: Arc<CudaStream>,
@@ -215,7 +234,8 @@ pub struct GpuLlama {
     out_norm: Buffer<f32>,
     /// Every RMSNorm's epsilon.
     eps: f32,
-    /// The LM head; `None` where it is the embedding (tied).
+    /// The LM head; `None` where it is the embedding (tied), or on a rank other than 0 (which
+    /// computes no logits).
     head: Option<Buffer<u16>>,
     rope: Option<GpuRope>,
     acts: Option<Activations>,
@@ -240,18 +260,21 @@ fn to_bf16(values: &[f32]) -> Vec<u16> {
         .collect()
 }
 
-/// A layer's q, k and v biases as one `[q | k | v]` vector (zeros for a projection without
-/// one), or `None` where none has one.
-fn qkv_bias(layer: &crate::models::blocks::LayerWeights) -> Option<Vec<f32>> {
+/// A layer's q, k and v biases, the elements `rows` of each, as one `[q | k | v]` vector
+/// (zeros for a projection without one), or `None` where none has one.
+fn qkv_bias(
+    layer: &crate::models::blocks::LayerWeights,
+    rows: [std::ops::Range<usize>; 3],
+) -> Option<Vec<f32>> {
     let parts = [&layer.wq, &layer.wk, &layer.wv];
     if parts.iter().all(|w| w.bias().is_none()) {
         return None;
     }
     let mut all = Vec::new();
-    for w in parts {
+    for (w, rows) in parts.into_iter().zip(rows) {
         match w.bias() {
-            Some(b) => all.extend_from_slice(b),
-            None => all.resize(all.len() + w.out_features(), 0.0),
+            Some(b) => all.extend_from_slice(&b[rows]),
+            None => all.resize(all.len() + rows.len(), 0.0),
         }
     }
     Some(all)
@@ -282,6 +305,32 @@ impl GpuLlama {
     /// compiled (or found in the kernel cache). The kernels index by the model's shape:
     /// [`Llama::new`] checked every weight, attention config and RoPE width against it.
     pub fn new(model: &Llama, cuda: &Cuda) -> Result<Self> {
+        Self::build(model, cuda, None)
+    }
+
+    /// Rank `tp.rank`'s shard of `model` on `cuda`'s GPU, whose all-reduces join the other
+    /// ranks' through `comms` (rank i's communicator on the group's GPU i). Refused where the
+    /// model's heads or intermediate do not divide as vLLM requires
+    /// ([`TensorParallel::shard`]).
+    pub fn new_shard(
+        model: &Llama,
+        cuda: &Cuda,
+        tp: TensorParallel,
+        comms: Arc<Communicators>,
+    ) -> Result<Self> {
+        if comms.size() != tp.size {
+            return Err(Error::Model(format!(
+                "rank {} of {}: the communicators are a group of {}",
+                tp.rank,
+                tp.size,
+                comms.size()
+            )));
+        }
+        Self::build(model, cuda, Some(Parallel { tp, comms }))
+    }
+
+    /// [`new`](Self::new) or [`new_shard`](Self::new_shard).
+    fn build(model: &Llama, cuda: &Cuda, parallel: Option<Parallel>) -> Result<Self> {
         if !model.runs_on_gpu_model() {
             return Err(Error::Model(format!(
                 "{}: the GPU model computes Llama's blocks (RMSNorm, no biases but q/k/v's, \
@@ -321,27 +370,45 @@ impl GpuLlama {
         let bf16 = |parts: &[&[f32]]| -> Result<Buffer<u16>> {
             Buffer::upload(&stream, &to_bf16(&parts.concat()))
         };
+        let full = &model.shape;
+        let tp = parallel.as_ref().map_or(TensorParallel::SINGLE, |p| p.tp);
+        let shard = tp.shard(full.heads, full.kv_heads, full.ffn)?;
+        let d = full.head_size;
+        let (q_rows, kv_rows) = (
+            head_elements(&shard.q_heads, d),
+            head_elements(&shard.kv_heads, d),
+        );
         let layers = model
             .layers
             .iter()
             .map(|l| {
+                let gate = weights(l.mlp.gate.as_ref().expect("a Llama layer"), "gate")?;
+                let h = full.hidden;
                 Ok(Layer {
                     attn_norm: Buffer::upload(&stream, rms_weight(&l.attn_norm, eps)?)?,
                     qkv: bf16(&[
-                        weights(&l.wq, "wq")?,
-                        weights(&l.wk, "wk")?,
-                        weights(&l.wv, "wv")?,
+                        rows_of(weights(&l.wq, "wq")?, h, q_rows.clone()),
+                        rows_of(weights(&l.wk, "wk")?, h, kv_rows.clone()),
+                        rows_of(weights(&l.wv, "wv")?, h, kv_rows.clone()),
                     ])?,
-                    qkv_bias: qkv_bias(l)
+                    qkv_bias: qkv_bias(l, [q_rows.clone(), kv_rows.clone(), kv_rows.clone()])
                         .map(|b| Buffer::upload(&stream, &b))
                         .transpose()?,
-                    wo: bf16(&[weights(&l.wo, "wo")?])?,
+                    wo: bf16(&[&columns_of(
+                        weights(&l.wo, "wo")?,
+                        full.heads * d,
+                        q_rows.clone(),
+                    )])?,
                     ffn_norm: Buffer::upload(&stream, rms_weight(&l.ffn_norm, eps)?)?,
                     gate_up: bf16(&[
-                        weights(l.mlp.gate.as_ref().expect("a Llama layer"), "gate")?,
-                        weights(&l.mlp.up, "up")?,
+                        rows_of(gate, h, shard.ffn.clone()),
+                        rows_of(weights(&l.mlp.up, "up")?, h, shard.ffn.clone()),
                     ])?,
-                    down: bf16(&[weights(&l.mlp.down, "down")?])?,
+                    down: bf16(&[&columns_of(
+                        weights(&l.mlp.down, "down")?,
+                        full.ffn,
+                        shard.ffn.clone(),
+                    )])?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -351,7 +418,7 @@ impl GpuLlama {
             .to_linear(crate::models::ops::Precision::Exact)?;
         let table = weights(&table, "token_embd")?;
         let head = weights(&model.head, "output")?;
-        let head = if head == table {
+        let head = if head == table || tp.rank != 0 {
             None
         } else {
             Some(bf16(&[head])?)
@@ -364,9 +431,20 @@ impl GpuLlama {
             }),
             None => None,
         };
+        let attention = model
+            .attention
+            .iter()
+            .map(|c| shard.attention(c))
+            .collect::<Result<Vec<_>>>()?;
         Ok(GpuLlama {
-            shape: model.shape.clone(),
-            attention: model.attention.clone(),
+            shape: LlamaShape {
+                heads: shard.q_heads.len(),
+                kv_heads: shard.kv_heads.len(),
+                ffn: shard.ffn.len(),
+                ..model.shape.clone()
+            },
+            parallel,
+            attention,
             device: cuda.device(),
             embedding: bf16(&[table])?,
             out_norm: Buffer::upload(&stream, rms_weight(&model.out_norm, eps)?)?,
@@ -693,8 +771,9 @@ impl GpuLlama {
                 acts.x.addr,
                 f32t,
                 (t, s.hidden, qw),
-                true,
+                self.adds_residual(),
             )?;
+            self.all_reduce(&acts.x, t * s.hidden)?;
             self.norm(&acts.x, 0, &layer.ffn_norm, &acts.h, t, hidden, eps)?;
             self.linear(
                 acts.h.addr,
@@ -724,10 +803,11 @@ impl GpuLlama {
                 acts.x.addr,
                 f32t,
                 (t, s.hidden, s.ffn),
-                true,
+                self.adds_residual(),
             )?;
+            self.all_reduce(&acts.x, t * s.hidden)?;
         }
-        if rows == 0 {
+        if rows == 0 || !self.computes_logits() {
             return Ok(());
         }
         self.norm(
@@ -788,6 +868,17 @@ impl GpuLlama {
         self.load_step(step, t)?;
         self.compute(t, rows, attend, matches!(out, Output::Greedy(_)))?;
         let acts = self.acts.as_ref().expect("loaded");
+        if !self.computes_logits() {
+            // A rank other than 0: its part of the step is done once its stream is.
+            match out {
+                Output::Logits(l) => l.clear(),
+                Output::Greedy(g) => g.clear(),
+            }
+            return self
+                .stream
+                .synchronize()
+                .map_err(|e| gpu_error("finishing a step", e));
+        }
         match out {
             Output::Logits(l) => {
                 l.resize(rows * self.shape.vocab, 0.0);
@@ -797,6 +888,32 @@ impl GpuLlama {
                 g.resize(rows, 0);
                 acts.greedy.read(&self.stream, g)
             }
+        }
+    }
+
+    /// Whether the row-parallel products add to the residual stream (one GPU, or rank 0)
+    /// rather than overwrite it with the rank's partial sum.
+    fn adds_residual(&self) -> bool {
+        self.parallel.as_ref().is_none_or(|p| p.tp.rank == 0)
+    }
+
+    /// Whether this rank computes the step's logits (one GPU, or rank 0).
+    fn computes_logits(&self) -> bool {
+        self.adds_residual()
+    }
+
+    /// Queues the sum over the group's ranks of the first `count` values of `x` (nothing on
+    /// one GPU).
+    fn all_reduce(&self, x: &Buffer<f32>, count: usize) -> Result<()> {
+        let Some(p) = &self.parallel else {
+            return Ok(());
+        };
+        // SAFETY: `x` holds at least `count` values (the caller's `t` tokens of a buffer
+        // sized for them) on this rank's GPU, alive as long as the model; the stream is this
+        // GPU's; this rank's forward, which alone calls this, runs on one thread at a time.
+        unsafe {
+            p.comms
+                .all_reduce_sum_f32(p.tp.rank, x.addr, count, self.stream.cu_stream())
         }
     }
 

@@ -3,7 +3,8 @@
 //! ([`synthetic`]: decoder, and through [`encdec`] encoder-only and encoder-decoder), the
 //! shared ops they are built of ([`ops`]), and the readers of what models come in:
 //! [`gguf`] files with their [`weights`] types, Hugging Face folders ([`hf`]), the
-//! [`tokenizer`] and [`chat`] templates.
+//! [`tokenizer`] and [`chat`] templates. [`tensor_parallel`] shards a model over GPUs, whose
+//! collectives run through [`nccl`].
 
 pub mod blocks;
 pub mod chat;
@@ -15,8 +16,11 @@ pub mod gguf_writer;
 pub mod gpu_llama;
 pub mod hf;
 pub mod llama;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod ops;
 pub mod synthetic;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod weights;
 

@@ -223,7 +223,9 @@ mod gpu {
                     // (The capture ends either way; a failed compute's partial graph is
                     // dropped and its error returned.)
                     let mut computed = Ok(());
-                    let graph = self.cuda.capture(|| {
+                    // Thread-local: a tensor-parallel engine's other ranks allocate and
+                    // synchronize on their threads meanwhile.
+                    let graph = self.cuda.capture_on_this_thread(|| {
                         computed = stages.compute(bucket, bucket, &mut attend);
                         Ok(())
                     });

@@ -20,5 +20,6 @@ mod memory;
 mod ops;
 mod ranks;
 mod scheduler;
+mod tensor_parallel;
 mod tokenizer;
 mod verify;

@@ -21,7 +21,7 @@ use pagedattn_engine::models::ops::Precision;
 use pagedattn_engine::models::synthetic::SyntheticConfig;
 use pagedattn_engine::models::tokenizer::Tokenizer;
 use pagedattn_engine::serving::blocks::BlockConfig;
-use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest};
+use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest, Placed};
 use pagedattn_engine::serving::model::{Attend, Model, StepTokens};
 use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
 use pagedattn_server::{EngineParts, Server, ServerConfig, Summary};
@@ -200,8 +200,7 @@ pub fn start(config: ServerConfig, engine: EngineConfig, model: TestModel) -> Te
         };
         Ok(EngineParts {
             decoder_start,
-            backend,
-            model,
+            placed: Placed::one(backend, model),
             config: engine,
             text,
         })

@@ -32,16 +32,21 @@ impl std::fmt::Debug for Graph {
 
 /// Runs `work` with `gpu`'s stream in capture mode and returns what it queued as a graph.
 ///
-/// Global capture mode: while it lasts, a call that could not be part of a graph
-/// (an allocation, a synchronization, a module load) fails instead of running, on every
-/// thread, so that nothing such slips into the captured step unnoticed. The capture ends
-/// whatever `work` returns; its error comes first.
-pub(crate) fn capture(gpu: &Arc<Gpu>, work: impl FnOnce() -> Result<()>) -> Result<Graph> {
+/// In `mode` `CU_STREAM_CAPTURE_MODE_GLOBAL`, while the capture lasts a call that could not be
+/// part of a graph (an allocation, a synchronization, a module load) fails instead of
+/// running, on every thread, so that nothing such slips into the captured step unnoticed;
+/// in `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`, on this thread only (other threads drive other
+/// GPUs). The capture ends whatever `work` returns; its error comes first.
+pub(crate) fn capture(
+    gpu: &Arc<Gpu>,
+    mode: sys::CUstreamCaptureMode,
+    work: impl FnOnce() -> Result<()>,
+) -> Result<Graph> {
     // Outside the capture: a captured stream cannot wait for work that is not.
     gpu.wait_for_callers()
         .map_err(|e| driver_error("ordering the stream after callers' streams", e))?;
     gpu.stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+        .begin_capture(mode)
         .map_err(|e| driver_error("cuStreamBeginCapture", e))?;
     let worked = work();
     let ended = gpu

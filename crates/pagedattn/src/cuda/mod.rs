@@ -48,7 +48,7 @@ pub use compile::{
 pub use cudarc::driver::DeviceRepr;
 pub use device::{gpu_present, info, DeviceInfo};
 pub use graph::Graph;
-pub use nvrtc_path::add_nvrtc_search_dirs;
+pub use nvrtc_path::{add_nvrtc_search_dirs, find_cuda_library};
 #[cfg(feature = "probes")]
 pub use probes::{CopyProbe, PeakProbe};
 pub use storage::CudaStorage;
@@ -102,7 +102,17 @@ impl Cuda {
     /// Plans for captured calls come from `plan_for_graph`, so that `replan` can refresh
     /// them for the steps the graph is replayed for.
     pub fn capture(&self, work: impl FnOnce() -> Result<()>) -> Result<Graph> {
-        graph::capture(&self.gpu, work)
+        let global = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+        graph::capture(&self.gpu, global, work)
+    }
+
+    /// [`capture`](Self::capture) where only this thread's calls that a graph cannot hold
+    /// (allocations, synchronizations, module loads) are refused while it lasts, not every
+    /// thread's: for a program whose other threads drive other GPUs at the same time (the
+    /// ranks of a tensor-parallel engine, capturing and allocating each on its own thread).
+    pub fn capture_on_this_thread(&self, work: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        let local = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        graph::capture(&self.gpu, local, work)
     }
 }
 

@@ -31,19 +31,33 @@ pub(crate) fn preload() {
     if open(SONAME) {
         return;
     }
+    // The first that loads; the rest are not tried.
+    let _loaded = candidates(&WHEEL_DIRS, SONAME)
+        .any(|path| path.is_file() && path.to_str().is_some_and(open));
+}
+
+/// Where a CUDA library `soname` is found outside the dynamic loader's search path: the
+/// first file of that name in a CUDA toolkit's `lib64` (`CUDA_HOME`, `CUDA_PATH`,
+/// `/usr/local/cuda`) or in one of `wheel_dirs` under a site-packages directory (NCCL's wheel:
+/// `nvidia/nccl/lib`).
+pub fn find_cuda_library(wheel_dirs: &[&str], soname: &str) -> Option<PathBuf> {
+    candidates(wheel_dirs, soname).find(|path| path.is_file())
+}
+
+/// The places [`find_cuda_library`] looks, in order.
+fn candidates<'d>(wheel_dirs: &'d [&str], soname: &'d str) -> impl Iterator<Item = PathBuf> + 'd {
     let toolkits = [std::env::var_os("CUDA_HOME"), std::env::var_os("CUDA_PATH")]
         .into_iter()
         .flatten()
         .map(PathBuf::from)
         .chain([PathBuf::from("/usr/local/cuda")])
-        .map(|home| home.join("lib64").join(SONAME));
-    let wheels = site_packages()
-        .into_iter()
-        .flat_map(|site| WHEEL_DIRS.map(|dir| site.join(dir).join(SONAME)));
-    // The first that loads; the rest are not tried.
-    let _loaded = toolkits
-        .chain(wheels)
-        .any(|path| path.is_file() && path.to_str().is_some_and(open));
+        .map(move |home| home.join("lib64").join(soname));
+    let wheels = site_packages().into_iter().flat_map(move |site| {
+        wheel_dirs
+            .iter()
+            .map(move |dir| site.join(dir).join(soname))
+    });
+    toolkits.chain(wheels)
 }
 
 /// Whether `dlopen` loads `name` (a name to search for, or a path). The handle is kept: the

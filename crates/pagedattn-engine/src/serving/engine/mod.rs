@@ -28,7 +28,7 @@ use crate::serving::scheduler::{
 };
 use crate::{Error, Result};
 
-pub use rank::{AbortRanks, RankParts};
+pub use rank::{AbortRanks, Placed, RankParts};
 pub use run::MAX_ARRIVAL_SECONDS;
 
 use forward::{SharedCheck, StepForward};
@@ -192,6 +192,32 @@ impl<'a> Engine<'a> {
         config: &EngineConfig,
     ) -> Result<Self> {
         Self::with_ranks(vec![RankParts { backend, model }], None, config)
+    }
+
+    /// An engine over `backends` (rank i's backend, borrowed) and `models` (rank i's model,
+    /// taken): [`with_ranks`](Self::with_ranks) of a [`Placed`] model's parts.
+    pub fn placed(
+        backends: &'a [Box<dyn Backend>],
+        models: Vec<Box<dyn Model + 'a>>,
+        abort: Option<AbortRanks>,
+        config: &EngineConfig,
+    ) -> Result<Self> {
+        if backends.len() != models.len() {
+            return Err(Error::Model(format!(
+                "{} backends for {} model ranks",
+                backends.len(),
+                models.len()
+            )));
+        }
+        let ranks = backends
+            .iter()
+            .zip(models)
+            .map(|(backend, model)| RankParts {
+                backend: backend.as_ref(),
+                model,
+            })
+            .collect();
+        Self::with_ranks(ranks, abort, config)
     }
 
     /// An engine over several devices (tensor parallelism): `ranks[i]` is GPU i's backend

@@ -25,6 +25,40 @@ pub struct RankParts<'a> {
     pub model: Box<dyn Model + 'a>,
 }
 
+/// A model placed on its devices, owned: each rank's backend and model (its shard: rank 0's
+/// model answers for all), and what aborts the ranks' collectives where there are several.
+/// What [`Engine::placed`](super::Engine::placed) borrows the backends of and takes the
+/// models of.
+pub struct Placed {
+    /// Rank i's backend.
+    pub backends: Vec<Box<dyn Backend>>,
+    /// Rank i's model (shard).
+    pub models: Vec<Box<dyn Model>>,
+    /// See [`AbortRanks`] (`None` for one rank).
+    pub abort: Option<AbortRanks>,
+}
+
+impl Placed {
+    /// `model` alone on `backend`.
+    pub fn one(backend: Box<dyn Backend>, model: Box<dyn Model>) -> Self {
+        Placed {
+            backends: vec![backend],
+            models: vec![model],
+            abort: None,
+        }
+    }
+
+    /// Rank 0's model, which answers for all (name, kind, vocabulary, context).
+    pub fn model(&self) -> &dyn Model {
+        self.models[0].as_ref()
+    }
+
+    /// Rank 0's backend (each rank's is of the same kind).
+    pub fn backend(&self) -> &dyn Backend {
+        self.backends[0].as_ref()
+    }
+}
+
 /// Called from a rank's thread when that rank fails, while the other ranks may be waiting
 /// for it inside a collective (an NCCL all-reduce): it must make them return (abort the
 /// communicators). Called at most once per failed step, possibly concurrently with the
