@@ -19,8 +19,10 @@
 #                                  through `pagedattn forward --backend cuda --check`, the engine's built-in
 #                                  workloads on cuda (verified), SmolLM2's golden tokens
 #                                  and the bf16 GPU model against f32, the Hugging Face
-#                                  families against transformers (the `golden`, `gpu_model`
-#                                  and `hf` modules of test-engine_tests; the GGUF at
+#                                  families against transformers, tensor parallelism (the
+#                                  `golden`, `gpu_model`, `hf` and `tensor_parallel` modules of
+#                                  test-engine_tests: the last's tests of 2 or 4 GPUs pass over
+#                                  a machine with fewer, saying "skipped"; the GGUF at
 #                                  PAGEDATTN_SMOLLM2, default models/, must be there), the Python
 #                                  package (the wheel pip-installed into a fresh venv that also
 #                                  sees the machine's torch; pytest and transformers from the
@@ -33,7 +35,8 @@
 #   tools/gpu-suite.sh tests [all] the same without the sanitizers; `sanitizers`: only them
 #                                  (the two halves fit separate device calls of 10 minutes);
 #                                  `python`: only the Python package's tests; `engine`: only
-#                                  the engine's part (its workloads, golden, gpu_model, hf;
+#                                  the engine's part (its workloads, golden, gpu_model, hf,
+#                                  tensor_parallel;
 #                                  needs gpu-bin/pagedattn and gpu-bin/test-engine_tests).
 #
 # The tests that need a GPU are `#[ignore]`d (`cargo test` without one lists them as ignored,
@@ -171,7 +174,7 @@ engine_tests() {
     else
         record "engine workloads" FAIL "$served served, $refused failed"
     fi
-    for part in golden gpu_model hf; do
+    for part in golden gpu_model hf tensor_parallel; do
         part_log=$(mktemp)
         PAGEDATTN_REQUIRE_MODEL=1 PAGEDATTN_SMOLLM2=${PAGEDATTN_SMOLLM2:-models/SmolLM2-135M-Instruct.Q4_1.gguf} \
             timeout "$TIMEOUT" "$BIN/test-engine_tests" "$part::" --include-ignored --nocapture --test-threads=1 >"$part_log" 2>&1
