@@ -1,7 +1,8 @@
 // The Llama model's kernels on the GPU, other than its matrix products (cuBLAS) and its
-// attention (pagedattn's): embedding, RMSNorm, the q/k/v split with RoPE, SwiGLU and greedy
-// argmax. Compiled at run time by NVRTC through pagedattn's kernel cache; no CUDA header is
-// included (bf16 conversions are bit operations and PTX).
+// attention (pagedattn's): embedding, RMSNorm, the q/k/v split with RoPE, SwiGLU, greedy
+// argmax, and pick (which joins tensor-parallel ranks' argmaxes). Compiled at run time by
+// NVRTC through pagedattn's kernel cache; no CUDA header is included (bf16 conversions are
+// bit operations and PTX).
 //
 // Activations: the residual stream is f32; what feeds a matrix product or the attention is
 // bf16. Every kernel computes in f32 and rounds once to nearest even.
@@ -148,16 +149,31 @@ __device__ __forceinline__ void warp_best(float& v, u32& at) {
     }
 }
 
-// best[r] = the greedy token of logits[r, :] (0 for an empty row; 0xffffffff, the host's
-// NON_FINITE_TOKEN, where the winner is a NaN or an infinity: a NaN ranks first and +inf
-// above every finite logit, so the row is not finite). One block per row; each
-// thread loads 8 elements before comparing them (the order is total: any order of visits
-// gives the same winner), so that a row costs a few memory round trips, not one an element.
+// The greedy token of a row: 0 for an empty row; 0xffffffff, the host's NON_FINITE_TOKEN,
+// where the winner is a NaN or an infinity (a NaN ranks first and +inf above every finite
+// logit, so the row is not finite).
+__device__ __forceinline__ u32 greedy_token(float v, u32 at) {
+    // (A NaN fails the comparison too.)
+    const bool finite = fabsf(v) <= 3.40282347e38f;
+    return at == NONE ? 0 : finite ? at : 0xffffffffu;
+}
+
+// A row's winner packed for the ranks' all-gather: its index above, its value's bits below.
+__device__ __forceinline__ unsigned long long pack(float v, u32 at) {
+    return ((unsigned long long)at << 32) | __float_as_uint(v);
+}
+
+// best[r] = the greedy token of logits[r, :width] (rows `stride` apart), or, where
+// `candidates` is given, candidates[r] = the row's winner (value, offset + index) packed, for
+// `pick` to compare with the other ranks' (a tensor-parallel rank's slice of the
+// vocabulary). One block per row; each thread loads 8 elements before comparing them (the
+// order is total: any order of visits gives the same winner), so that a row costs a few
+// memory round trips, not one an element.
 extern "C" __global__ void argmax(const ArgmaxParams args) {
     const float* logits = args.logits;
     u32* best = args.best;
     const int width = args.width;
-    const float* row = logits + (size_t)blockIdx.x * width;
+    const float* row = logits + (size_t)blockIdx.x * args.stride;
     float v = 0.0f;
     u32 at = NONE;
     for (u32 base = threadIdx.x; base < (u32)width; base += 8 * blockDim.x) {
@@ -184,8 +200,28 @@ extern "C" __global__ void argmax(const ArgmaxParams args) {
         v = mine ? vs[lane] : 0.0f;
         at = mine ? ats[lane] : NONE;
         warp_best(v, at);
-        // (A NaN fails the comparison too.)
-        const bool finite = fabsf(v) <= 3.40282347e38f;
-        if (lane == 0) best[blockIdx.x] = at == NONE ? 0 : finite ? at : 0xffffffffu;
+        if (lane == 0) {
+            if (args.candidates)
+                args.candidates[blockIdx.x] = pack(v, at == NONE ? NONE : at + (u32)args.offset);
+            else
+                best[blockIdx.x] = greedy_token(v, at);
+        }
     }
+}
+
+// best[r] = the greedy token of the winners candidates[k * rows + r] of the `ranks` slices
+// of row r (what `argmax` packed on each rank, gathered): the order is total, so the winner
+// of the winners is the row's. One thread per row.
+extern "C" __global__ void pick(const PickParams args) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= args.rows) return;
+    float v = 0.0f;
+    u32 at = NONE;
+    for (int k = 0; k < args.ranks; ++k) {
+        const unsigned long long c = args.candidates[(size_t)k * args.rows + r];
+        const float cv = __uint_as_float((u32)c);
+        const u32 ca = (u32)(c >> 32);
+        if (ranks_before(cv, ca, v, at)) { v = cv; at = ca; }
+    }
+    args.best[r] = greedy_token(v, at);
 }

@@ -14,7 +14,10 @@
 //! ranks' partial sums are all-reduced over NCCL into the f32 residual stream, which every
 //! rank holds whole: rank 0's product adds to the residual, the others' overwrite it with
 //! their partial sum, so that the sum is the residual plus every rank's part. The embedding
-//! and norms are replicated; the LM head runs on rank 0 alone (its logits are the step's).
+//! and norms are replicated. The LM head is vocabulary-parallel: a rank computes the logits
+//! of its slice of the vocabulary, and its greedy winner there; an all-gather of the winners
+//! (`pick` chooses among them) or of the logits gives every rank the step's output, which
+//! rank 0 brings back.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -100,13 +103,36 @@ pagedattn::kernel_params! {
         logits: u64 => "const float*",
         /// One token id per row.
         best: u64 => "unsigned int*",
+        /// One packed (index, value) winner per row instead of `best` (0: none).
+        candidates: u64 => "unsigned long long*",
+        /// Columns of a row to compare, and the distance between rows.
         width: i32 => "int",
+        stride: i32 => "int",
+        /// The vocabulary index of column 0 (a rank's slice's first).
+        offset: i32 => "int",
         unused: i32 => "int",
+    }
+
+    /// `pick`'s arguments.
+    struct PickParams {
+        /// `[ranks, rows]` packed winners.
+        candidates: u64 => "const unsigned long long*",
+        /// One token id per row.
+        best: u64 => "unsigned int*",
+        rows: i32 => "int",
+        ranks: i32 => "int",
     }
 }
 
 /// The kernels of [`KERNEL_SOURCE`].
-pub const KERNEL_NAMES: [&str; 5] = ["embed", "rms_norm", "split_rope", "swiglu", "argmax"];
+pub const KERNEL_NAMES: [&str; 6] = [
+    "embed",
+    "rms_norm",
+    "split_rope",
+    "swiglu",
+    "argmax",
+    "pick",
+];
 
 /// Bytes of cuBLAS's workspace (what it asks for on Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
@@ -127,6 +153,7 @@ struct Kernels {
     split_rope: CudaFunction,
     swiglu: CudaFunction,
     argmax: CudaFunction,
+    pick: CudaFunction,
 }
 
 /// Device memory and its address (which never changes while the memory lives).
@@ -193,7 +220,8 @@ struct GpuRope {
 }
 
 /// A step's activations, sized for up to `tokens` tokens and `rows` logit rows (grown as
-/// steps need, never shrunk).
+/// steps need, never shrunk); the logits `[ranks, rows, width]` where `width` is a rank's
+/// slice of the vocabulary (one rank: the vocabulary), the winners `[ranks, rows]`.
 struct Activations {
     tokens: usize,
     rows: usize,
@@ -207,13 +235,26 @@ struct Activations {
     row_ids: Buffer<u32>,
     normed: Buffer<u16>,
     logits: Buffer<f32>,
+    candidates: Buffer<u64>,
     greedy: Buffer<u32>,
 }
 
-/// A rank of a tensor-parallel group: which, and the group's communicators.
+/// A rank of a tensor-parallel group: which, the group's communicators, and the rank's slice
+/// of the vocabulary (of the LM head's rows).
 struct Parallel {
     tp: TensorParallel,
     comms: Arc<Communicators>,
+    /// Every rank's slice is `slice` rows (the last padded with zero rows past the
+    /// vocabulary); this rank's first is `rank · slice`.
+    slice: usize,
+}
+
+impl Parallel {
+    /// The vocabulary's columns of rank `rank`'s slice.
+    fn vocab_of(&self, rank: usize, vocab: usize) -> std::ops::Range<usize> {
+        let start = (rank * self.slice).min(vocab);
+        start..((rank + 1) * self.slice).min(vocab)
+    }
 }
 
 /// A Llama model on a CUDA GPU (see the module doc).
@@ -234,8 +275,8 @@ pub struct GpuLlama {
     out_norm: Buffer<f32>,
     /// Every RMSNorm's epsilon.
     eps: f32,
-    /// The LM head; `None` where it is the embedding (tied), or on a rank other than 0 (which
-    /// computes no logits).
+    /// The LM head (a rank's slice of its rows); `None` on one GPU where it is the embedding
+    /// (tied).
     head: Option<Buffer<u16>>,
     rope: Option<GpuRope>,
     acts: Option<Activations>,
@@ -326,7 +367,15 @@ impl GpuLlama {
                 comms.size()
             )));
         }
-        Self::build(model, cuda, Some(Parallel { tp, comms }))
+        Self::build(
+            model,
+            cuda,
+            Some(Parallel {
+                tp,
+                comms,
+                slice: 0,
+            }),
+        )
     }
 
     /// [`new`](Self::new) or [`new_shard`](Self::new_shard).
@@ -350,7 +399,7 @@ impl GpuLlama {
         }
         let stream = cuda.stream().clone();
         let functions = cuda.load_kernels("llama", KERNEL_SOURCE, &KERNEL_NAMES)?;
-        let [embed, rms_norm, split_rope, swiglu, argmax]: [CudaFunction; 5] = functions
+        let [embed, rms_norm, split_rope, swiglu, argmax, pick]: [CudaFunction; 6] = functions
             .try_into()
             .map_err(|_| Error::Model("llama.cu: a kernel is missing".into()))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| gpu_error("loading cuBLAS", e))?;
@@ -418,10 +467,19 @@ impl GpuLlama {
             .to_linear(crate::models::ops::Precision::Exact)?;
         let table = weights(&table, "token_embd")?;
         let head = weights(&model.head, "output")?;
-        let head = if head == table || tp.rank != 0 {
-            None
-        } else {
-            Some(bf16(&[head])?)
+        let slice = full.vocab.div_ceil(tp.size);
+        let parallel = parallel.map(|p| Parallel { slice, ..p });
+        let head = match &parallel {
+            // A rank's slice of rows, padded to `slice` rows with zeros (logits that `argmax`
+            // never compares and the host never reads).
+            Some(p) => {
+                let rows = p.vocab_of(tp.rank, full.vocab);
+                let mut part = to_bf16(rows_of(head, full.hidden, rows));
+                part.resize(slice * full.hidden, 0);
+                Some(Buffer::upload(&stream, &part)?)
+            }
+            None if head == table => None,
+            None => Some(bf16(&[head])?),
         };
         let rope = match &model.rope {
             Some(r) => Some(GpuRope {
@@ -458,6 +516,7 @@ impl GpuLlama {
                 split_rope,
                 swiglu,
                 argmax,
+                pick,
             },
             blas,
             _blas_workspace: blas_workspace,
@@ -488,7 +547,12 @@ fn int(n: usize, what: &str) -> Result<i32> {
 
 impl Activations {
     /// Buffers for `tokens` tokens and `rows` logit rows of `shape`.
-    fn new(stream: &Arc<CudaStream>, s: &LlamaShape, tokens: usize, rows: usize) -> Result<Self> {
+    fn new(
+        stream: &Arc<CudaStream>,
+        s: &LlamaShape,
+        (tokens, rows): (usize, usize),
+        (ranks, width): (usize, usize),
+    ) -> Result<Self> {
         let qkv = (s.heads + 2 * s.kv_heads) * s.head_size;
         Ok(Activations {
             tokens,
@@ -502,7 +566,8 @@ impl Activations {
             act: Buffer::zeros(stream, tokens * s.ffn)?,
             row_ids: Buffer::zeros(stream, rows)?,
             normed: Buffer::zeros(stream, rows * s.hidden)?,
-            logits: Buffer::zeros(stream, rows * s.vocab)?,
+            logits: Buffer::zeros(stream, ranks * rows * width)?,
+            candidates: Buffer::zeros(stream, ranks * rows)?,
             greedy: Buffer::zeros(stream, rows)?,
         })
     }
@@ -574,7 +639,16 @@ impl GpuLlama {
             let tokens = t.max(old_t).next_power_of_two();
             let rows = rows.max(old_rows).max(1).next_power_of_two();
             self.acts = None;
-            self.acts = Some(Activations::new(&self.stream, &self.shape, tokens, rows)?);
+            let slices = match &self.parallel {
+                Some(p) => (p.tp.size, p.slice),
+                None => (1, self.shape.vocab),
+            };
+            self.acts = Some(Activations::new(
+                &self.stream,
+                &self.shape,
+                (tokens, rows),
+                slices,
+            )?);
             self.generation += 1;
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.attn.entry(t) {
@@ -807,7 +881,7 @@ impl GpuLlama {
             )?;
             self.all_reduce(&acts.x, t * s.hidden)?;
         }
-        if rows == 0 || !self.computes_logits() {
+        if rows == 0 {
             return Ok(());
         }
         self.norm(
@@ -820,34 +894,67 @@ impl GpuLlama {
             eps,
         )?;
         let head = self.head.as_ref().unwrap_or(&self.embedding).addr;
+        // This rank's logits `[rows, width]`: the whole vocabulary's, or its slice's at its
+        // place among the ranks' (the all-gather is in place).
+        let (rank, width, columns) = match &self.parallel {
+            Some(p) => (p.tp.rank, p.slice, p.vocab_of(p.tp.rank, s.vocab)),
+            None => (0, s.vocab, 0..s.vocab),
+        };
+        // (4 bytes an f32.)
+        let logits = acts.logits.addr + (4 * rank * rows * width) as u64;
         self.linear(
             acts.normed.addr,
             head,
-            acts.logits.addr,
+            logits,
             f32t,
-            (rows, s.vocab, s.hidden),
+            (rows, width, s.hidden),
             false,
         )?;
-        if greedy {
-            let argmax = ArgmaxParams {
-                logits: acts.logits.addr,
-                best: acts.greedy.addr,
-                width: int(s.vocab, "vocabulary")?,
-                unused: 0,
-            };
-            // SAFETY: as above; `greedy` holds `rows` ids.
-            unsafe {
-                stream
-                    .launch_builder(&self.kernels.argmax)
-                    .arg(&argmax)
-                    .launch(LaunchConfig {
-                        block_dim: (ARGMAX_THREADS, 1, 1),
-                        ..grid(rows)?
-                    })
-            }
-            .map_err(|e| gpu_error("argmax", e))?;
+        if !greedy {
+            return self.all_gather::<f32>(&acts.logits.memory, rows * width);
         }
-        Ok(())
+        let parallel = self.parallel.as_ref();
+        let argmax = ArgmaxParams {
+            logits,
+            best: acts.greedy.addr,
+            // (8 bytes a candidate.)
+            candidates: parallel.map_or(0, |_| acts.candidates.addr + (8 * rank * rows) as u64),
+            width: int(columns.len(), "vocabulary slice")?,
+            stride: int(width, "vocabulary slice")?,
+            offset: int(columns.start, "vocabulary")?,
+            unused: 0,
+        };
+        // SAFETY: as above; `greedy` holds `rows` ids, `candidates` `ranks · rows`, `logits`
+        // `ranks · rows · width` values.
+        unsafe {
+            stream
+                .launch_builder(&self.kernels.argmax)
+                .arg(&argmax)
+                .launch(LaunchConfig {
+                    block_dim: (ARGMAX_THREADS, 1, 1),
+                    ..grid(rows)?
+                })
+        }
+        .map_err(|e| gpu_error("argmax", e))?;
+        let Some(p) = parallel else {
+            return Ok(());
+        };
+        self.all_gather::<u64>(&acts.candidates.memory, rows)?;
+        let pick = PickParams {
+            candidates: acts.candidates.addr,
+            best: acts.greedy.addr,
+            rows: int(rows, "rows")?,
+            ranks: int(p.tp.size, "ranks")?,
+        };
+        // SAFETY: as above; `candidates` holds `ranks · rows` winners, `greedy` `rows` ids.
+        unsafe {
+            stream
+                .launch_builder(&self.kernels.pick)
+                .arg(&pick)
+                .launch(grid(rows.div_ceil(THREADS as usize))?)
+        }
+        .map(drop)
+        .map_err(|e| gpu_error("pick", e))
     }
 
     /// Runs the model over `step` and leaves `out` on the host.
@@ -868,7 +975,7 @@ impl GpuLlama {
         self.load_step(step, t)?;
         self.compute(t, rows, attend, matches!(out, Output::Greedy(_)))?;
         let acts = self.acts.as_ref().expect("loaded");
-        if !self.computes_logits() {
+        if !self.reads_outputs() {
             // A rank other than 0: its part of the step is done once its stream is.
             match out {
                 Output::Logits(l) => l.clear(),
@@ -881,8 +988,23 @@ impl GpuLlama {
         }
         match out {
             Output::Logits(l) => {
-                l.resize(rows * self.shape.vocab, 0.0);
-                acts.logits.read(&self.stream, l)
+                let vocab = self.shape.vocab;
+                l.resize(rows * vocab, 0.0);
+                let Some(p) = &self.parallel else {
+                    return acts.logits.read(&self.stream, l);
+                };
+                // `[ranks, rows, slice]` gathered: each row's slices side by side.
+                let mut gathered = vec![0f32; p.tp.size * rows * p.slice];
+                acts.logits.read(&self.stream, &mut gathered)?;
+                for rank in 0..p.tp.size {
+                    let columns = p.vocab_of(rank, vocab);
+                    for row in 0..rows {
+                        let from = (rank * rows + row) * p.slice;
+                        l[row * vocab + columns.start..row * vocab + columns.end]
+                            .copy_from_slice(&gathered[from..from + columns.len()]);
+                    }
+                }
+                Ok(())
             }
             Output::Greedy(g) => {
                 g.resize(rows, 0);
@@ -897,9 +1019,37 @@ impl GpuLlama {
         self.parallel.as_ref().is_none_or(|p| p.tp.rank == 0)
     }
 
-    /// Whether this rank computes the step's logits (one GPU, or rank 0).
-    fn computes_logits(&self) -> bool {
+    /// Whether this rank's outputs are read back (one GPU, or rank 0: every rank computes
+    /// them, the same).
+    fn reads_outputs(&self) -> bool {
         self.adds_residual()
+    }
+
+    /// Queues the in-place all-gather of `count` values a rank in `buffer` (`[ranks, count]`,
+    /// this rank's part at its place); nothing on one GPU.
+    fn all_gather<T: cudarc::nccl::NcclType>(
+        &self,
+        buffer: &CudaSlice<T>,
+        count: usize,
+    ) -> Result<()> {
+        let Some(p) = &self.parallel else {
+            return Ok(());
+        };
+        if buffer.len() < p.tp.size * count {
+            return Err(Error::Model(format!(
+                "gpu: an all-gather of {} x {count} values into {}",
+                p.tp.size,
+                buffer.len()
+            )));
+        }
+        let addr = buffer.device_ptr(&self.stream).0;
+        // SAFETY: `buffer` holds `ranks · count` values on this rank's GPU (checked), alive as
+        // long as the model; the stream is this GPU's; this rank's forward, which alone calls
+        // this, runs on one thread at a time.
+        unsafe {
+            p.comms
+                .all_gather_in_place::<T>(p.tp.rank, addr, count, self.stream.cu_stream())
+        }
     }
 
     /// Queues the sum over the group's ranks of the first `count` values of `x` (nothing on
@@ -1046,10 +1196,11 @@ mod tests {
             ),
             (SwigluParams::DECLARATION, "swiglu(const SwigluParams args)"),
             (ArgmaxParams::DECLARATION, "argmax(const ArgmaxParams args)"),
+            (PickParams::DECLARATION, "pick(const PickParams args)"),
         ] {
             assert!(prelude.contains(declaration), "{kernel}");
             assert!(body.contains(kernel), "{kernel}");
         }
-        assert_eq!(KERNEL_NAMES.len(), 5);
+        assert_eq!(KERNEL_NAMES.len(), 6);
     }
 }

@@ -11,7 +11,7 @@
 
 use std::ffi::{c_void, CStr};
 use std::path::PathBuf;
-use std::sync::RwLock;
+use std::sync::{RwLock, RwLockReadGuard};
 
 use cudarc::nccl::{result, sys};
 
@@ -106,6 +106,22 @@ impl Communicators {
         self.comms.len()
     }
 
+    /// Rank `rank`'s communicator, with the read lock that keeps it from being aborted while
+    /// a call queues on it; an error once the group was aborted.
+    fn communicator(&self, rank: usize) -> Result<(RwLockReadGuard<'_, bool>, sys::ncclComm_t)> {
+        let aborted = self.aborted.read().unwrap_or_else(|p| p.into_inner());
+        if *aborted {
+            return Err(Error::Model(
+                "nccl: the group was aborted (another rank failed)".into(),
+            ));
+        }
+        let comm = *self
+            .comms
+            .get(rank)
+            .ok_or_else(|| Error::Model(format!("nccl: rank {rank} of {}", self.size())))?;
+        Ok((aborted, comm))
+    }
+
     /// Queues on `stream` the in-place sum over every rank of `count` f32 values at device
     /// address `buffer` (rank `rank`'s copy). Returns once queued; every rank must queue its
     /// part, in the same order of collectives.
@@ -121,16 +137,7 @@ impl Communicators {
         count: usize,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
-        let aborted = self.aborted.read().unwrap_or_else(|p| p.into_inner());
-        if *aborted {
-            return Err(Error::Model(
-                "nccl: the group was aborted (another rank failed)".into(),
-            ));
-        }
-        let comm = *self
-            .comms
-            .get(rank)
-            .ok_or_else(|| Error::Model(format!("nccl: rank {rank} of {}", self.size())))?;
+        let (_alive, comm) = self.communicator(rank)?;
         // SAFETY: the caller's contract; the communicator is alive (not aborted, and the
         // read lock keeps it so while this call queues).
         unsafe {
@@ -146,6 +153,40 @@ impl Communicators {
         }
         .map(drop)
         .map_err(|e| nccl_error("ncclAllReduce", e))
+    }
+
+    /// Queues on `stream` the in-place all-gather of `count` values a rank: `buffer` holds
+    /// `[ranks, count]` values of type `T`, rank `rank`'s part at its place, and every rank's
+    /// ends up in every rank's copy. Returns once queued, as
+    /// [`all_reduce_sum_f32`](Self::all_reduce_sum_f32).
+    ///
+    /// # Safety
+    /// As [`all_reduce_sum_f32`](Self::all_reduce_sum_f32), `buffer` holding `ranks · count`
+    /// values.
+    pub unsafe fn all_gather_in_place<T: cudarc::nccl::NcclType>(
+        &self,
+        rank: usize,
+        buffer: u64,
+        count: usize,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        let (_alive, comm) = self.communicator(rank)?;
+        let part = buffer + (rank * count * std::mem::size_of::<T>()) as u64;
+        // SAFETY: the caller's contract; this rank's part lies inside `buffer` (NCCL's in-place
+        // form: the send buffer is the receive buffer's part `rank`); the communicator is
+        // alive (`_alive`).
+        unsafe {
+            result::all_gather(
+                part as *const c_void,
+                buffer as *mut c_void,
+                count,
+                T::as_nccl_type(),
+                comm,
+                stream as sys::cudaStream_t,
+            )
+        }
+        .map(drop)
+        .map_err(|e| nccl_error("ncclAllGather", e))
     }
 
     /// Aborts every communicator (once): collectives queued or running on any rank return

@@ -141,8 +141,9 @@ fn same_tokens(a: &Report, b: &Report) -> (usize, usize) {
     (pairs.filter(|(x, y)| x == y).count(), total)
 }
 
-/// A one-GPU group runs every all-reduce (of one rank: the identity) and captures it in its
-/// CUDA graphs: the tokens are the unsharded model's, exactly.
+/// A one-GPU group runs every collective (of one rank: the all-reduces, the all-gathers of
+/// the winners and of the logits, `pick`) and captures them in its CUDA graphs: its logits
+/// and tokens are the unsharded model's, exactly.
 #[test]
 #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
 fn a_one_gpu_group_gives_the_unsharded_models_tokens() {
@@ -150,10 +151,11 @@ fn a_one_gpu_group_gives_the_unsharded_models_tokens() {
     let host = config.build().unwrap();
     let reqs = requests(&host, Builtin::Chat, 12, 24, 5);
     let cuda = Cuda::new(0).unwrap();
-    let one = Placed::one(
-        Box::new(Cuda::new(0).unwrap()),
-        Box::new(GpuLlama::new(&host, &cuda).unwrap()),
-    );
+    let mut unsharded = GpuLlama::new(&host, &cuda).unwrap();
+    let tokens: Vec<u32> = (0..64u32).map(|i| (i * 131 + 7) % 4096).collect();
+    let want = prompt_logits(&mut unsharded, &cuda as &dyn Backend, &tokens).unwrap();
+    assert_eq!(sharded_logits(&mut shards(&host, 1), &tokens), want);
+    let one = Placed::one(Box::new(Cuda::new(0).unwrap()), Box::new(unsharded));
     let want = serve(one, reqs.clone(), true);
     let got = serve(shards(&host, 1), reqs, true);
     assert_eq!(generated(&got), generated(&want));

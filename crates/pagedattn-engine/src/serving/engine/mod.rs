@@ -134,7 +134,7 @@ pub struct StepOutput {
     pub events: Vec<StepEvent>,
 }
 
-/// The engine: the scheduler and its block manager, and one [`Rank`] per device (a backend,
+/// The engine: the scheduler and its block manager, and one rank per device (a backend,
 /// the model or its shard, the caches): one rank, or one a GPU with tensor parallelism.
 pub struct Engine<'a> {
     /// Rank 0's model answers for all (kind, vocabulary, stop tokens: checked equal); its
