@@ -10,6 +10,10 @@ how many steps replayed CUDA graphs, and the attention's share of the other step
     python3 bench/engine_gpu.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf \
         [--batches 1,8,32,64,128,256] [--pp 128] [--tg 128] [--repeats 3]
     python3 bench/engine_gpu.py --synthetic llama3-8b --batches 1,64 --repeats 1
+    python3 bench/engine_gpu.py --synthetic llama3-8b --batches 1,64 --tensor-parallel 1,2,4
+
+With `--tensor-parallel N,...` each B runs on each GPU count (`pagedattn run --tensor-parallel
+N`), and a column gives the tokens/s against the first count's.
 
 Run bench/hf_generate.py in the same device call for the peer's rows.
 """
@@ -18,8 +22,9 @@ import argparse, json, os, statistics, subprocess
 from traces import fixed_shape_trace
 
 
-def serve(args, b):
+def serve(args, b, gpus):
     extra = ["--no-cuda-graphs"] if args.no_cuda_graphs else []
+    extra += ["--tensor-parallel", str(gpus)]
     trace = fixed_shape_trace(b, args.pp, args.tg)
     model = ["--model", args.model] if args.model else ["--synthetic", args.synthetic]
     out = subprocess.run([args.pagedattn, "run", *model, "--trace", trace,
@@ -43,21 +48,26 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--tensor-parallel", default="1", help="GPU counts to run, e.g. 1,2,4")
     args = p.parse_args()
-    print("| B | seconds (median) | generated tokens/s | decode step ms (median) | of which forward ms | graph steps | attention share (untimed graph steps aside) |")
-    print("|---|---|---|---|---|---|---|")
+    counts = list(map(int, args.tensor_parallel.split(",")))
+    print("| B | GPUs | seconds (median) | generated tokens/s | vs first count | decode step ms (median) | of which forward ms | decode tokens/s vs first count | graph steps | attention share (untimed graph steps aside) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for b in map(int, args.batches.split(",")):
-        runs = [serve(args, b) for _ in range(args.repeats)]
-        secs = statistics.median(r["seconds"] for r in runs)
-        r = runs[0]
-        gen = r["summary"]["generated_tokens"]
-        share = r["summary"].get("attention_share")
-        share = "—" if share is None else f"{100 * share:.1f}%"
-        decodes = [s for s in r["steps"] if s["prefill_tokens"] == 0]
-        step_ms = 1e3 * statistics.median(s["seconds"] for s in decodes)
-        fwd_ms = 1e3 * statistics.median(s["forward_seconds"] for s in decodes)
-        graphs = sum(s["graph"] for s in r["steps"])
-        print(f"| {b} | {secs:.3f} | {gen / secs:,.0f} | {step_ms:.3f} | {fwd_ms:.3f} | {graphs} of {len(r['steps'])} | {share} |", flush=True)
+        first = None
+        for gpus in counts:
+            runs = [serve(args, b, gpus) for _ in range(args.repeats)]
+            secs = statistics.median(r["seconds"] for r in runs)
+            r = runs[0]
+            gen = r["summary"]["generated_tokens"]
+            share = r["summary"].get("attention_share")
+            share = "—" if share is None else f"{100 * share:.1f}%"
+            decodes = [s for s in r["steps"] if s["prefill_tokens"] == 0]
+            step_ms = 1e3 * statistics.median(s["seconds"] for s in decodes)
+            fwd_ms = 1e3 * statistics.median(s["forward_seconds"] for s in decodes)
+            graphs = sum(s["graph"] for s in r["steps"])
+            first = first or (gen / secs, step_ms)
+            print(f"| {b} | {gpus} | {secs:.3f} | {gen / secs:,.0f} | {gen / secs / first[0]:.2f}x | {step_ms:.3f} | {fwd_ms:.3f} | {first[1] / step_ms:.2f}x | {graphs} of {len(r['steps'])} | {share} |", flush=True)
 
 
 if __name__ == "__main__":

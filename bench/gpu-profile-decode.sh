@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # Per-kernel GPU time of the engine's decode steps on the GPU model, through Nsight Compute:
 # one request (B = 1) and 256 requests of 128 prompt tokens (B = 256), without CUDA graphs (ncu
-# profiles launches), a window of 660 kernel launches (two decode steps of SmolLM2) after the
-# prefill. Prints, per kernel name, total and mean time and its share.
+# profiles launches), a window of $LAUNCHES kernel launches (default 660: two decode steps of
+# SmolLM2; 720 for two of the 8B shape's) after the prefill. Prints, per kernel name, total
+# and mean time and its share. MODEL is a GGUF file or folder, or a `--synthetic` shape's
+# name (`llama3-8b`); BATCHES (default "1 256") picks the runs; TP (default 1) the GPUs.
 #
-#   bench/gpu-profile-decode.sh MODEL.gguf [PAGEDATTN_BINARY]     (on the GPU machine)
+#   bench/gpu-profile-decode.sh MODEL [PAGEDATTN_BINARY]     (on the GPU machine)
 #
 # Needs ncu (`--clock-control none`: the GPU's clocks stay as they are) and python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=$1
 bin=${2:-gpu-bin/pagedattn}
+launches=${LAUNCHES:-660}
+if [ -e "$model" ]; then which=(--model "$model"); else which=(--synthetic "$model"); fi
+tp=(--tensor-parallel "${TP:-1}")
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 work=$(mktemp -d)
-"$bin" run --backend cuda --model "$model" --prompt warm --max-new-tokens 2 --no-verify >/dev/null
+"$bin" run --backend cuda "${which[@]}" --trace "$(python3 -c "
+import sys; sys.path.insert(0, 'bench'); import traces; print(traces.fixed_shape_trace(1, 8, 2))")" --no-verify >/dev/null
 python3 -c "
 import sys, shutil; sys.path.insert(0, 'bench'); import traces
-shutil.move(traces.fixed_shape_trace(256, 128, 24), '$work/b256.jsonl')"
+shutil.move(traces.fixed_shape_trace(256, 128, 24), '$work/b256.jsonl')
+shutil.move(traces.fixed_shape_trace(1, 128, 40), '$work/b1.jsonl')"
 
 summarize() {
     python3 - "$1" <<'PY'
@@ -47,12 +54,17 @@ PY
 profile() {
     local name=$1 skip=$2
     shift 2
-    "$ncu" --clock-control none --launch-skip "$skip" --launch-count 660 --csv --page raw \
-        --metrics gpu__time_duration.sum "$bin" run --backend cuda --model "$model" \
+    "$ncu" --clock-control none --launch-skip "$skip" --launch-count "$launches" --csv --page raw \
+        --metrics gpu__time_duration.sum "$bin" run --backend cuda "${which[@]}" "${tp[@]}" \
         --no-verify --no-cuda-graphs "$@" >"$work/$name.csv" 2>"$work/$name.err"
     echo "=== $name"
     summarize "$work/$name.csv"
 }
-profile B=1 3000 --prompt "Once upon a time" --max-new-tokens 40
-profile B=256 6000 --trace "$work/b256.jsonl" --max-seqs 256 --max-batched-tokens 8192
+for b in ${BATCHES:-1 256}; do
+    case $b in
+        1) profile B=1 3000 --trace "$work/b1.jsonl" ;;
+        256) profile B=256 6000 --trace "$work/b256.jsonl" --max-seqs 256 --max-batched-tokens 8192 ;;
+        *) echo "BATCHES: 1 or 256" >&2; exit 2 ;;
+    esac
+done
 rm -rf "$work"

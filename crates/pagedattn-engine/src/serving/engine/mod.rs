@@ -32,7 +32,7 @@ pub use rank::{AbortRanks, Placed, RankParts};
 pub use run::MAX_ARRIVAL_SECONDS;
 
 use forward::{SharedCheck, StepForward};
-use rank::{check_ranks_agree, on_ranks, Rank};
+use rank::{check_ranks_agree, on_ranks, Rank, RankThreads};
 
 mod forward;
 mod rank;
@@ -142,6 +142,8 @@ pub struct Engine<'a> {
     ranks: Vec<Rank<'a>>,
     /// Makes the ranks that wait for a failed one return (several ranks only).
     abort: Option<AbortRanks>,
+    /// A thread per rank (several ranks only).
+    threads: Option<RankThreads>,
     block_size: usize,
     num_blocks: usize,
     scheduler: Scheduler,
@@ -264,10 +266,15 @@ impl<'a> Engine<'a> {
             .map(|parts| Rank::new(parts, config))
             .collect::<Result<Vec<_>>>()?;
         check_ranks_agree(&ranks)?;
+        let threads = match ranks.len() {
+            1 => None,
+            n => Some(RankThreads::new(n)?),
+        };
         let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {
             ranks,
             abort,
+            threads,
             block_size: pools.block_size,
             num_blocks: pools.num_device_blocks,
             scheduler,
@@ -599,13 +606,18 @@ impl<'a> Engine<'a> {
             greedy,
         };
         // Every rank runs the step (a graph replay where one fits: each rank decides alike).
-        let replayed = on_ranks(&mut self.ranks, self.abort.as_ref(), |_, rank| {
-            let replayed = graph_step && rank.replay_decode(step.descs, step.tokens)?;
-            if !replayed {
-                rank.forward(&step)?;
-            }
-            Ok(replayed)
-        })?;
+        let replayed = on_ranks(
+            &mut self.ranks,
+            self.threads.as_ref(),
+            self.abort.as_ref(),
+            |_, rank| {
+                let replayed = graph_step && rank.replay_decode(step.descs, step.tokens)?;
+                if !replayed {
+                    rank.forward(&step)?;
+                }
+                Ok(replayed)
+            },
+        )?;
         let replayed = replayed[0];
         let forward_seconds = forward_start.elapsed().as_secs_f64();
         let attention_seconds = self.ranks[0].clock.take_seconds()?;

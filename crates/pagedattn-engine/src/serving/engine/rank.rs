@@ -230,25 +230,57 @@ pub(crate) fn check_ranks_agree(ranks: &[Rank<'_>]) -> Result<()> {
     Ok(())
 }
 
-/// Runs `work` on every rank at once, rank 0 on this thread and each other rank on a thread
-/// of its own, and returns each rank's result (one rank: on this thread, nothing spawned).
-/// A rank that fails calls `abort` at once, so that ranks waiting for it in a collective
-/// return; the error returned is the first rank's to fail (the others' are its
-/// consequences). A rank that panics aborts the others too, and the panic is resumed here.
+/// The threads that run a step's ranks, one a rank, made once per engine (of several ranks):
+/// a step hands each thread its rank instead of spawning threads. One thread a rank, each
+/// running only its own: a rank's work waits for its GPU, whose collectives wait for every
+/// other rank, so no rank may queue behind another.
+pub(crate) struct RankThreads(rayon::ThreadPool);
+
+impl RankThreads {
+    /// Threads for `ranks` ranks.
+    pub(crate) fn new(ranks: usize) -> Result<Self> {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(ranks)
+            .thread_name(|i| format!("rank-{i}"))
+            .build()
+            .map(RankThreads)
+            .map_err(|e| Error::Model(format!("starting {ranks} rank threads: {e}")))
+    }
+}
+
+/// Runs `work` on every rank at once and returns each rank's result: one rank on this thread,
+/// several on `threads`, rank i on thread i (rayon's `broadcast` runs its closure once on
+/// every thread of the pool). A rank that fails calls `abort` at once, so that ranks waiting
+/// for it in a collective return; the error returned is the first rank's to fail (the
+/// others' are its consequences). A rank that panics aborts the others too, and the panic is
+/// resumed here.
 pub(crate) fn on_ranks<T: Send>(
     ranks: &mut [Rank<'_>],
+    threads: Option<&RankThreads>,
     abort: Option<&AbortRanks>,
     work: impl Fn(usize, &mut Rank<'_>) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
     if let [rank] = ranks {
         return Ok(vec![work(0, rank)?]);
     }
+    let threads = match threads {
+        Some(t) if t.0.current_num_threads() == ranks.len() => t,
+        _ => {
+            return Err(Error::Model(format!(
+                "{} ranks without a thread each",
+                ranks.len()
+            )))
+        }
+    };
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
-    let run = |i: usize, rank: &mut Rank<'_>| -> Option<T> {
+    // (Each thread locks only its own rank's: the locks hand out `&mut`, never contend.)
+    let slots: Vec<Mutex<&mut Rank<'_>>> = ranks.iter_mut().map(Mutex::new).collect();
+    let results: Vec<Option<T>> = threads.0.broadcast(|ctx| {
+        let i = ctx.index();
+        let mut rank = slots[i].lock().unwrap_or_else(|p| p.into_inner());
         // Aborts the others if this rank's work fails or unwinds.
         let guard = AbortOnDrop(abort);
-        let result = work(i, rank);
-        match result {
+        match work(i, &mut rank) {
             Ok(value) => {
                 std::mem::forget(guard);
                 Some(value)
@@ -261,49 +293,6 @@ pub(crate) fn on_ranks<T: Send>(
                 None
             }
         }
-    };
-    let results: Vec<Option<T>> = std::thread::scope(|scope| {
-        let (head, tail) = ranks.split_at_mut(1);
-        let others = tail.len();
-        let mut handles = Vec::with_capacity(others);
-        for (i, rank) in tail.iter_mut().enumerate() {
-            let run = &run;
-            let spawned = std::thread::Builder::new()
-                .name(format!("rank-{}", i + 1))
-                .spawn_scoped(scope, move || run(i + 1, rank));
-            match spawned {
-                Ok(handle) => handles.push(handle),
-                Err(e) => {
-                    // The ranks that started may wait for this one: they are aborted, and
-                    // rank 0 does not start.
-                    if let Some(abort) = abort {
-                        abort();
-                    }
-                    let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                    first.get_or_insert(Error::Model(format!(
-                        "starting rank {}'s thread: {e}",
-                        i + 1
-                    )));
-                    break;
-                }
-            }
-        }
-        let started = handles.len() == others;
-        let mut results = vec![if started { run(0, &mut head[0]) } else { None }];
-        let mut panic = None;
-        for handle in handles {
-            match handle.join() {
-                Ok(r) => results.push(r),
-                Err(p) => {
-                    panic.get_or_insert(p);
-                    results.push(None);
-                }
-            }
-        }
-        if let Some(p) = panic {
-            std::panic::resume_unwind(p);
-        }
-        results
     });
     if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
