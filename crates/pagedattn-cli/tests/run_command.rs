@@ -274,6 +274,12 @@ fn bad_input_is_one_line_and_exit_code_2() {
         (&["run", "--max-seqs", "0"][..], "--max-seqs"),
         (&["run", "--max-batched-tokens", "0"][..], "--max-batched-tokens"),
         (&["run", "--num-blocks", "0"][..], "--num-blocks"),
+        // Tensor parallelism shards the GPU model only.
+        (&["run", "--tensor-parallel", "0"][..], "--tensor-parallel"),
+        (
+            &["run", "--tensor-parallel", "2", "--backend", "cpu"][..],
+            "--tensor-parallel 2: expected --backend cuda",
+        ),
     ] {
         let out = pagedattn(args, None);
         let stderr = String::from_utf8_lossy(&out.stderr);
