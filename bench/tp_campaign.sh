@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 46's checks and measurements on a machine of 2 (or 4) GPUs, in two device calls of at
+# most 10 minutes, full logs under $OUT (default /tmp/tp-campaign):
+#
+#   bash bench/tp_campaign.sh check   the tensor-parallel tests (N = 2 and 4 against one GPU,
+#                                      a failing rank), the README's `--tensor-parallel 2`
+#                                      command (verified), NCCL's all-reduce latency (PyTorch)
+#   bash bench/tp_campaign.sh speed   the 8B shape's decode step at B = 1 and 64 on 1, 2 (4)
+#                                      GPUs, and the `chat` workload's tokens/s on 1 and 2
+#
+# Needs gpu-bin/pagedattn and gpu-bin/engine_tests (built here, as NOTES.md's "The GPU machine"
+# says) and the kernel cache's directory in PAGEDATTN_CACHE_DIR (kernels compile at first use
+# otherwise). NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0, the machine's setting).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?check or speed}
+out=${OUT:-/tmp/tp-campaign}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0
+bin=gpu-bin/pagedattn
+gpus=$(nvidia-smi -L | wc -l)
+counts=1,2
+[ "$gpus" -ge 4 ] && counts=1,2,4
+echo "$gpus GPUs; counts $counts"
+case $part in
+check)
+    nvidia-smi topo -m >"$out/topo.txt" 2>&1
+    (cd crates/pagedattn-engine && timeout 300 ../../gpu-bin/engine_tests --include-ignored \
+        --nocapture --test-threads 1 tensor_parallel::) >"$out/tests.log" 2>&1
+    echo "tests: exit $?"; grep -E "^test |test result|GPUs:|served:" "$out/tests.log"
+    timeout 120 python3 -m torch.distributed.run --nproc-per-node 2 bench/allreduce_latency.py \
+        >"$out/allreduce.md" 2>"$out/allreduce.err"
+    echo "allreduce: exit $?"; cat "$out/allreduce.md"
+    timeout 200 "$bin" run --backend cuda --tensor-parallel 2 --synthetic llama3-8b \
+        >"$out/readme.log" 2>&1
+    echo "README command: exit $?"; tail -8 "$out/readme.log"
+    ;;
+speed)
+    timeout 420 python3 bench/engine_gpu.py --pagedattn "$bin" --synthetic llama3-8b \
+        --batches 1,64 --repeats 1 --pp 128 --tg 64 --tensor-parallel "$counts" \
+        >"$out/decode.md" 2>"$out/decode.err"
+    echo "decode: exit $?"; cat "$out/decode.md"
+    for n in 1 2; do
+        timeout 150 "$bin" run --backend cuda --synthetic llama3-8b --tensor-parallel "$n" \
+            --no-verify --json >"$out/chat-$n.json" 2>"$out/chat-$n.err"
+        echo "chat on $n GPU(s): exit $?"
+        python3 -c "
+import json, sys
+r = json.load(open(sys.argv[1]))
+g = r['summary']['generated_tokens']
+print(f'  {g} tokens in {r[\"seconds\"]:.2f} s: {g / r[\"seconds\"]:,.0f} tokens/s')" "$out/chat-$n.json"
+    done
+    ;;
+*) echo "check or speed" >&2; exit 2 ;;
+esac
