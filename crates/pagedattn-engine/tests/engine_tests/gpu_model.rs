@@ -125,7 +125,7 @@ fn llama_new_refuses_parts_that_disagree_with_its_shape() {
 }
 
 #[cfg(feature = "cuda")]
-mod gpu {
+pub(crate) mod gpu {
     use super::*;
 
     use crate::golden_file::{golden, ids};
@@ -179,20 +179,20 @@ mod gpu {
 
     /// How bf16 logits compare with f32 ones over the same rows.
     #[derive(Debug)]
-    struct Agreement {
-        rows: usize,
+    pub(crate) struct Agreement {
+        pub(crate) rows: usize,
         /// Rows whose greedy token is the same.
-        same_top1: usize,
+        pub(crate) same_top1: usize,
         /// The largest |bf16 − f32| over every logit.
-        max_abs: f32,
+        pub(crate) max_abs: f32,
         /// The largest |bf16 − f32| relative to the f32 logits' standard deviation in its row.
-        max_rel_to_std: f32,
+        pub(crate) max_rel_to_std: f32,
         /// The smallest margin (top-1 minus top-2, f32) among rows whose top-1 differs.
-        worst_flip_margin: f32,
+        pub(crate) worst_flip_margin: f32,
     }
 
     /// Compares `rows` (indices) of `got` (bf16) with `want` (f32).
-    fn agreement(
+    pub(crate) fn agreement(
         want: &[f32],
         got: &[f32],
         width: usize,

@@ -15,11 +15,11 @@ use pagedattn_engine::models::synthetic::SyntheticConfig;
 use pagedattn_engine::serving::engine::{
     AbortRanks, Engine, EngineConfig, EngineRequest, RankParts,
 };
-use pagedattn_engine::serving::model::{Attend, Model, ModelKind, StepTokens};
+use pagedattn_engine::serving::model::{Model, ModelKind};
 use pagedattn_engine::serving::report::Report;
 use pagedattn_engine::serving::scheduler::PreemptionPolicy;
 
-use crate::common::{self, generated, requests, small};
+use crate::common::{self, generated, requests, small, ForwardHook, Hooked};
 
 /// Serves `reqs` on `ranks` copies of `model` on `cpu`, every call verified.
 fn serve_on_ranks(
@@ -71,68 +71,6 @@ fn two_ranks_move_every_block_alike_and_give_one_ranks_tokens() {
     }
 }
 
-/// A rank's model: the synthetic decoder, whose `forward` at call `at` (counting from 0)
-/// fails, or (with `waits_for`) waits until the engine aborts the ranks, as an NCCL
-/// collective waits for a rank that never comes.
-struct Scripted {
-    inner: Box<dyn Model>,
-    at: usize,
-    fails: bool,
-    waits_for: Option<Arc<AtomicBool>>,
-    calls: Arc<AtomicUsize>,
-}
-
-impl Model for Scripted {
-    fn name(&self) -> String {
-        self.inner.name()
-    }
-    fn layers(&self) -> &[pagedattn::AttentionConfig] {
-        self.inner.layers()
-    }
-    fn dtype(&self) -> pagedattn::DType {
-        self.inner.dtype()
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn max_context(&self) -> usize {
-        self.inner.max_context()
-    }
-    fn stop_tokens(&self) -> Vec<u32> {
-        self.inner.stop_tokens()
-    }
-    fn first_plain_token(&self) -> u32 {
-        self.inner.first_plain_token()
-    }
-    fn forward(
-        &mut self,
-        step: &StepTokens<'_>,
-        attend: &mut Attend<'_>,
-        logits: &mut Vec<f32>,
-    ) -> pagedattn_engine::Result<()> {
-        let call = self.calls.fetch_add(1, Ordering::SeqCst);
-        if self.fails && call == self.at {
-            return Err(pagedattn_engine::Error::Model(
-                "rank 1's device failed".into(),
-            ));
-        }
-        if let Some(aborted) = self.waits_for.as_ref().filter(|_| call == self.at) {
-            let start = Instant::now();
-            while !aborted.load(Ordering::SeqCst) {
-                assert!(
-                    start.elapsed() < Duration::from_secs(30),
-                    "rank 0 was never released"
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            return Err(pagedattn_engine::Error::Model(
-                "rank 0's collective was aborted".into(),
-            ));
-        }
-        self.inner.forward(step, attend, logits)
-    }
-}
-
 #[test]
 fn a_failing_rank_stops_every_rank_with_its_error() {
     let model = small(ModelKind::Decoder);
@@ -148,18 +86,42 @@ fn a_failing_rank_stops_every_rank_with_its_error() {
         })
     };
     let calls: Vec<_> = (0..2).map(|_| Arc::new(AtomicUsize::new(0))).collect();
+    // At the third step rank 1 fails while rank 0 waits in its collective until the engine
+    // aborts the ranks, as an NCCL collective waits for a rank that never comes.
+    let hook = |rank: usize| -> ForwardHook {
+        let (calls, aborted) = (calls[rank].clone(), aborted.clone());
+        Box::new(move |call| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            if call != 2 {
+                return Ok(());
+            }
+            if rank == 1 {
+                return Err(pagedattn_engine::Error::Model(
+                    "rank 1's device failed".into(),
+                ));
+            }
+            let start = Instant::now();
+            while !aborted.load(Ordering::SeqCst) {
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "rank 0 was never released"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(pagedattn_engine::Error::Model(
+                "rank 0's collective was aborted".into(),
+            ))
+        })
+    };
     let parts = backends
         .iter()
         .enumerate()
         .map(|(rank, b)| RankParts {
             backend: b.as_ref(),
-            model: Box::new(Scripted {
+            model: Box::new(Hooked {
                 inner: model.build_model().unwrap(),
-                // At the third step rank 1 fails while rank 0 waits in its collective.
-                at: 2,
-                fails: rank == 1,
-                waits_for: (rank == 0).then(|| aborted.clone()),
-                calls: calls[rank].clone(),
+                hook: hook(rank),
+                calls: 0,
             }) as Box<dyn Model>,
         })
         .collect();

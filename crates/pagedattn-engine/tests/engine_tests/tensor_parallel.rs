@@ -20,11 +20,10 @@ use pagedattn_engine::models::nccl::Communicators;
 use pagedattn_engine::models::synthetic::SyntheticConfig;
 use pagedattn_engine::models::tensor_parallel::TensorParallel;
 use pagedattn_engine::serving::engine::{AbortRanks, Engine, EngineRequest, Placed};
-use pagedattn_engine::serving::model::{Attend, Model, StepTokens};
 use pagedattn_engine::serving::report::Report;
-use pagedattn_engine::serving::sample::argmax;
 
-use crate::common::{self, generated, requests};
+use crate::common::{self, generated, requests, Hooked};
+use crate::gpu_model::gpu::agreement;
 
 /// A synthetic Llama of 32 query heads and `kv_heads` kv heads (4 layers, hidden 1024).
 fn model(kv_heads: usize) -> SyntheticConfig {
@@ -84,33 +83,14 @@ fn sharded_logits(placed: &mut Placed, tokens: &[u32]) -> Vec<f32> {
     })
 }
 
-/// Rows of `[rows, width]` logits whose greedy token is the same in `a` and `b`, the rows,
-/// and the largest difference relative to the row's spread in `a`.
-fn agreement(a: &[f32], b: &[f32], width: usize) -> (usize, usize, f32) {
-    let mut same = 0;
-    let mut worst = 0f32;
-    let rows = a.len() / width;
-    for r in 0..rows {
-        let (x, y) = (
-            &a[r * width..(r + 1) * width],
-            &b[r * width..(r + 1) * width],
-        );
-        let mean = x.iter().sum::<f32>() / width as f32;
-        let std = (x.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / width as f32).sqrt();
-        let diff = x
-            .iter()
-            .zip(y)
-            .map(|(p, q)| (p - q).abs())
-            .fold(0f32, f32::max);
-        worst = worst.max(diff / std);
-        same += usize::from(argmax(x) == argmax(y));
-    }
-    (same, rows, worst)
-}
-
-/// Serves `reqs` on `placed` (graphs as `cuda_graphs` says), every step's calls verified on a
-/// sampled fifth of the steps, the block manager checked at the end.
-fn serve(placed: Placed, reqs: Vec<EngineRequest>, cuda_graphs: bool) -> Report {
+/// Serves `reqs` on `placed` (graphs as `cuda_graphs` says, calls checked as `verify` says),
+/// the block manager checked at the end.
+fn run(
+    placed: Placed,
+    reqs: Vec<EngineRequest>,
+    cuda_graphs: bool,
+    verify: VerifyMode,
+) -> pagedattn_engine::Result<Report> {
     let Placed {
         backends,
         models,
@@ -119,14 +99,14 @@ fn serve(placed: Placed, reqs: Vec<EngineRequest>, cuda_graphs: bool) -> Report 
     let mut config = common::config(1024, 256);
     config.cuda_graphs = cuda_graphs;
     config.scheduler.max_seqs = 16;
-    let engine = Engine::placed(&backends, models, abort, &config)
-        .unwrap()
-        .with_check(Box::new(
-            Verifier::new(VerifyMode::Sampled(0.2), 1).unwrap(),
-        ));
-    engine
-        .run("tp", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
-        .unwrap()
+    let engine = Engine::placed(&backends, models, abort, &config)?
+        .with_check(Box::new(Verifier::new(verify, 1)?));
+    engine.run("tp", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
+}
+
+/// [`run`] with a fifth of the steps' calls verified, which must succeed.
+fn serve(placed: Placed, reqs: Vec<EngineRequest>, cuda_graphs: bool) -> Report {
+    run(placed, reqs, cuda_graphs, VerifyMode::Sampled(0.2)).unwrap()
 }
 
 /// Greedy tokens of `a` that `b` repeats, of all.
@@ -191,13 +171,10 @@ fn sharded_models_match_one_gpu() {
         let want_served = serve(unsharded, reqs.clone(), true);
         for n in [2, 4].into_iter().filter(|&n| n <= available) {
             let got = sharded_logits(&mut shards(&host, n), &tokens);
-            let (same, rows, worst) = agreement(&want, &got, config.vocab);
-            eprintln!(
-                "32/{kv_heads} heads on {n} GPUs: {same}/{rows} rows with one GPU's greedy \
-                 token, largest logit difference {worst:.4} of a row's spread"
-            );
-            assert!(worst <= 0.05, "{worst}");
-            assert!(same * 100 >= rows * 99, "{same}/{rows}");
+            let a = agreement(&want, &got, config.vocab, 0..tokens.len());
+            eprintln!("32/{kv_heads} heads on {n} GPUs against one: {a:?}");
+            assert!(a.max_rel_to_std <= 0.05, "{a:?}");
+            assert!(a.same_top1 * 100 >= a.rows * 99, "{a:?}");
             let served = serve(shards(&host, n), reqs.clone(), true);
             let (same, total) = same_tokens(&served, &want_served);
             eprintln!("  served: {same}/{total} greedy tokens as on one GPU");
@@ -205,49 +182,6 @@ fn sharded_models_match_one_gpu() {
             assert!(served.steps.iter().any(|s| s.graph));
             assert!(served.verify.calls_checked > 0);
         }
-    }
-}
-
-/// A rank's model whose forward fails at its `at`-th call (from 0), before any collective of
-/// that step: its peers then wait in their first all-reduce until the engine aborts them.
-struct FailingRank {
-    inner: Box<dyn Model>,
-    at: usize,
-    calls: Arc<AtomicUsize>,
-}
-
-impl Model for FailingRank {
-    fn name(&self) -> String {
-        self.inner.name()
-    }
-    fn layers(&self) -> &[pagedattn::AttentionConfig] {
-        self.inner.layers()
-    }
-    fn dtype(&self) -> pagedattn::DType {
-        self.inner.dtype()
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn max_context(&self) -> usize {
-        self.inner.max_context()
-    }
-    fn stop_tokens(&self) -> Vec<u32> {
-        self.inner.stop_tokens()
-    }
-    fn first_plain_token(&self) -> u32 {
-        self.inner.first_plain_token()
-    }
-    fn forward(
-        &mut self,
-        step: &StepTokens<'_>,
-        attend: &mut Attend<'_>,
-        logits: &mut Vec<f32>,
-    ) -> pagedattn_engine::Result<()> {
-        if self.calls.fetch_add(1, Ordering::SeqCst) == self.at {
-            return Err(pagedattn_engine::Error::Model("rank 1 failed".into()));
-        }
-        self.inner.forward(step, attend, logits)
     }
 }
 
@@ -265,21 +199,20 @@ fn a_failing_gpu_rank_stops_every_rank_with_its_error() {
     let mut placed = shards(&host, 2);
     let calls = Arc::new(AtomicUsize::new(0));
     let rank1 = placed.models.remove(1);
-    placed.models.push(Box::new(FailingRank {
+    let counted = calls.clone();
+    // Rank 1 fails before any collective of its fourth step.
+    placed.models.push(Box::new(Hooked {
         inner: rank1,
-        at: 3,
-        calls: calls.clone(),
+        hook: Box::new(move |call| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            match call {
+                3 => Err(pagedattn_engine::Error::Model("rank 1 failed".into())),
+                _ => Ok(()),
+            }
+        }),
+        calls: 0,
     }));
-    let Placed {
-        backends,
-        models,
-        abort,
-    } = placed;
-    let mut config = common::config(1024, 256);
-    config.cuda_graphs = false;
-    let engine = Engine::placed(&backends, models, abort, &config).unwrap();
-    let err = engine
-        .run("failing", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
+    let err = run(placed, reqs, false, VerifyMode::Off)
         .unwrap_err()
         .to_string();
     assert!(err.contains("rank 1 failed"), "{err}");

@@ -9,7 +9,7 @@ use pagedattn_engine::harness::workload::{Builtin, BuiltinParams, Prompt};
 use pagedattn_engine::models::synthetic::SyntheticConfig;
 use pagedattn_engine::serving::blocks::BlockConfig;
 use pagedattn_engine::serving::engine::{Engine, EngineConfig, EngineRequest};
-use pagedattn_engine::serving::model::{Model, ModelKind};
+use pagedattn_engine::serving::model::{Attend, Model, ModelKind, StepTokens};
 use pagedattn_engine::serving::report::Report;
 use pagedattn_engine::serving::sample::SamplingParams;
 use pagedattn_engine::serving::scheduler::{PreemptionPolicy, SchedulerConfig};
@@ -216,5 +216,50 @@ pub fn greedy_past_eos(prompt: Vec<u32>, max_new_tokens: usize) -> EngineRequest
     EngineRequest {
         ignore_eos: true,
         ..EngineRequest::greedy(prompt, max_new_tokens)
+    }
+}
+
+/// A hook [`Hooked`] runs before each forward, given the call's index (from 0).
+pub type ForwardHook = Box<dyn FnMut(usize) -> pagedattn_engine::Result<()> + Send>;
+
+/// `inner` with `hook` run before each of its forwards: the hook's error is the forward's (a
+/// device that fails), and a hook may wait (a rank in a collective that waits for its peers).
+pub struct Hooked {
+    pub inner: Box<dyn Model>,
+    pub hook: ForwardHook,
+    pub calls: usize,
+}
+
+impl Model for Hooked {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn layers(&self) -> &[pagedattn::AttentionConfig] {
+        self.inner.layers()
+    }
+    fn dtype(&self) -> pagedattn::DType {
+        self.inner.dtype()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.inner.max_context()
+    }
+    fn stop_tokens(&self) -> Vec<u32> {
+        self.inner.stop_tokens()
+    }
+    fn first_plain_token(&self) -> u32 {
+        self.inner.first_plain_token()
+    }
+    fn forward(
+        &mut self,
+        step: &StepTokens<'_>,
+        attend: &mut Attend<'_>,
+        logits: &mut Vec<f32>,
+    ) -> pagedattn_engine::Result<()> {
+        self.calls += 1;
+        (self.hook)(self.calls - 1)?;
+        self.inner.forward(step, attend, logits)
     }
 }
