@@ -340,11 +340,7 @@ pub fn load(
     kind: ModelKind,
 ) -> pagedattn_engine::Result<Loaded> {
     let on_device = model_on_device(args, backends[0].as_ref())?;
-    let placed = |(models, abort): Ranks, backends| Placed {
-        backends,
-        models,
-        abort,
-    };
+    let placed = |(models, abort): Ranks, backends| Placed::new(backends, models, abort);
     if args.model.is_none() && kind != ModelKind::Decoder && args.synthetic != "small" {
         return Err(pagedattn_engine::Error::Model(format!(
             "--synthetic {} names a decoder's shape: this workload runs the synthetic {} model",
@@ -374,7 +370,7 @@ pub fn load(
                     }
                 },
                 backends,
-            ),
+            )?,
             text: None,
             decoder_start: None,
         }),
@@ -412,7 +408,7 @@ pub fn load(
                     .config_usize_opt("decoder_start_token_id")?
                     .and_then(|t| u32::try_from(t).ok());
                 return Ok(Loaded {
-                    placed: placed(ranks, backends),
+                    placed: placed(ranks, backends)?,
                     text: Some((tokenizer, template)),
                     decoder_start,
                 });
@@ -425,7 +421,7 @@ pub fn load(
                 &backends,
             )?;
             Ok(Loaded {
-                placed: placed(ranks, backends),
+                placed: placed(ranks, backends)?,
                 text: Some((
                     Tokenizer::from_gguf(&file)?,
                     ChatTemplate::from_gguf(&file)?,

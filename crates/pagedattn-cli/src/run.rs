@@ -12,7 +12,7 @@ use pagedattn_engine::harness::report::peak_resident_bytes;
 use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
 use pagedattn_engine::harness::workload::{self, Builtin, BuiltinParams, Prompt, RequestInput};
 use pagedattn_engine::models::chat::ChatMessage;
-use pagedattn_engine::serving::engine::{Engine, EngineRequest, Placed};
+use pagedattn_engine::serving::engine::{Engine, EngineRequest};
 use pagedattn_engine::serving::model::ModelKind;
 use pagedattn_engine::serving::sample::SamplingParams;
 
@@ -320,11 +320,7 @@ pub fn run(args: &RunArgs, backend_name: &str) -> pagedattn_engine::Result<Serve
     } else {
         VerifyMode::Sampled(0.05)
     };
-    let Placed {
-        backends,
-        models,
-        abort,
-    } = loaded.placed;
+    let (backends, models, abort) = loaded.placed.into_parts();
     let engine = Engine::placed(&backends, models, abort, &config)?
         .with_check(Box::new(Verifier::new(verify, args.seed)?));
     let stop = Arc::new(AtomicBool::new(false));

@@ -168,11 +168,7 @@ impl Server {
                     text: parts.text,
                     decoder_start: parts.decoder_start,
                 };
-                let Placed {
-                    backends,
-                    models,
-                    abort,
-                } = parts.placed;
+                let (backends, models, abort) = parts.placed.into_parts();
                 let engine = Engine::placed(&backends, models, abort, &parts.config)?;
                 if ready_tx.send(ready).is_err() {
                     return Ok(Summary::default());

@@ -20,6 +20,7 @@ use pagedattn_engine::models::nccl::Communicators;
 use pagedattn_engine::models::synthetic::SyntheticConfig;
 use pagedattn_engine::models::tensor_parallel::TensorParallel;
 use pagedattn_engine::serving::engine::{AbortRanks, Engine, EngineRequest, Placed};
+use pagedattn_engine::serving::model::Model;
 use pagedattn_engine::serving::report::Report;
 
 use crate::common::{self, generated, requests, Hooked};
@@ -51,31 +52,26 @@ fn gpus() -> usize {
 fn shards(host: &Llama, n: usize) -> Placed {
     let ordinals: Vec<usize> = (0..n).collect();
     let comms = Arc::new(Communicators::new(&ordinals).unwrap());
-    let mut placed = Placed {
-        backends: Vec::new(),
-        models: Vec::new(),
-        abort: None,
-    };
+    let (mut backends, mut models) = (Vec::new(), Vec::new());
     for rank in 0..n {
         let cuda = Cuda::new(rank).unwrap();
         let tp = TensorParallel { rank, size: n };
         let shard = GpuLlama::new_shard(host, &cuda, tp, comms.clone()).unwrap();
-        placed.models.push(Box::new(shard));
-        placed.backends.push(Box::new(cuda));
+        models.push(Box::new(shard) as Box<dyn Model>);
+        backends.push(Box::new(cuda) as Box<dyn Backend>);
     }
-    placed.abort = Some(Arc::new(move || comms.abort()) as AbortRanks);
-    placed
+    let abort: AbortRanks = Arc::new(move || comms.abort());
+    Placed::new(backends, models, Some(abort)).unwrap()
 }
 
 /// The teacher-forced logits of `tokens` on the ranks of `placed`, each rank scoring on its
 /// thread (their all-reduces join): rank 0's.
-fn sharded_logits(placed: &mut Placed, tokens: &[u32]) -> Vec<f32> {
-    let backends = &placed.backends;
+fn sharded_logits(placed: Placed, tokens: &[u32]) -> Vec<f32> {
+    let (backends, mut models, _abort) = placed.into_parts();
     std::thread::scope(|s| {
-        let handles: Vec<_> = placed
-            .models
+        let handles: Vec<_> = models
             .iter_mut()
-            .zip(backends)
+            .zip(&backends)
             .map(|(m, b)| s.spawn(move || prompt_logits(m.as_mut(), b.as_ref(), tokens).unwrap()))
             .collect();
         let mut all: Vec<Vec<f32>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -91,11 +87,7 @@ fn run(
     cuda_graphs: bool,
     verify: VerifyMode,
 ) -> pagedattn_engine::Result<Report> {
-    let Placed {
-        backends,
-        models,
-        abort,
-    } = placed;
+    let (backends, models, abort) = placed.into_parts();
     let mut config = common::config(1024, 256);
     config.cuda_graphs = cuda_graphs;
     config.scheduler.max_seqs = 16;
@@ -134,7 +126,7 @@ fn a_one_gpu_group_gives_the_unsharded_models_tokens() {
     let mut unsharded = GpuLlama::new(&host, &cuda).unwrap();
     let tokens: Vec<u32> = (0..64u32).map(|i| (i * 131 + 7) % 4096).collect();
     let want = prompt_logits(&mut unsharded, &cuda as &dyn Backend, &tokens).unwrap();
-    assert_eq!(sharded_logits(&mut shards(&host, 1), &tokens), want);
+    assert_eq!(sharded_logits(shards(&host, 1), &tokens), want);
     let one = Placed::one(Box::new(Cuda::new(0).unwrap()), Box::new(unsharded));
     let want = serve(one, reqs.clone(), true);
     let got = serve(shards(&host, 1), reqs, true);
@@ -170,7 +162,7 @@ fn sharded_models_match_one_gpu() {
         let unsharded = Placed::one(Box::new(Cuda::new(0).unwrap()), Box::new(one));
         let want_served = serve(unsharded, reqs.clone(), true);
         for n in [2, 4].into_iter().filter(|&n| n <= available) {
-            let got = sharded_logits(&mut shards(&host, n), &tokens);
+            let got = sharded_logits(shards(&host, n), &tokens);
             let a = agreement(&want, &got, config.vocab, 0..tokens.len());
             eprintln!("32/{kv_heads} heads on {n} GPUs against one: {a:?}");
             assert!(a.max_rel_to_std <= 0.05, "{a:?}");
@@ -196,12 +188,12 @@ fn a_failing_gpu_rank_stops_every_rank_with_its_error() {
     }
     let host = model(8).build().unwrap();
     let reqs = requests(&host, Builtin::Chat, 4, 16, 5);
-    let mut placed = shards(&host, 2);
+    let (backends, mut models, abort) = shards(&host, 2).into_parts();
     let calls = Arc::new(AtomicUsize::new(0));
-    let rank1 = placed.models.remove(1);
+    let rank1 = models.remove(1);
     let counted = calls.clone();
     // Rank 1 fails before any collective of its fourth step.
-    placed.models.push(Box::new(Hooked {
+    models.push(Box::new(Hooked {
         inner: rank1,
         hook: Box::new(move |call| {
             counted.fetch_add(1, Ordering::SeqCst);
@@ -212,6 +204,7 @@ fn a_failing_gpu_rank_stops_every_rank_with_its_error() {
         }),
         calls: 0,
     }));
+    let placed = Placed::new(backends, models, abort).unwrap();
     let err = run(placed, reqs, false, VerifyMode::Off)
         .unwrap_err()
         .to_string();

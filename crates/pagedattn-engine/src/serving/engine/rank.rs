@@ -28,17 +28,35 @@ pub struct RankParts<'a> {
 /// A model placed on its devices, owned: each rank's backend and model (its shard: rank 0's
 /// model answers for all), and what aborts the ranks' collectives where there are several.
 /// What [`Engine::placed`](super::Engine::placed) borrows the backends of and takes the
-/// models of.
+/// models of ([`into_parts`](Self::into_parts)).
 pub struct Placed {
-    /// Rank i's backend.
-    pub backends: Vec<Box<dyn Backend>>,
-    /// Rank i's model (shard).
-    pub models: Vec<Box<dyn Model>>,
-    /// See [`AbortRanks`] (`None` for one rank).
-    pub abort: Option<AbortRanks>,
+    backends: Vec<Box<dyn Backend>>,
+    models: Vec<Box<dyn Model>>,
+    abort: Option<AbortRanks>,
 }
 
 impl Placed {
+    /// Rank i's model `models[i]` on `backends[i]`, and `abort` (see [`AbortRanks`]; `None`
+    /// for one rank). At least one rank, and as many backends as models.
+    pub fn new(
+        backends: Vec<Box<dyn Backend>>,
+        models: Vec<Box<dyn Model>>,
+        abort: Option<AbortRanks>,
+    ) -> Result<Self> {
+        if models.is_empty() || backends.len() != models.len() {
+            return Err(Error::Model(format!(
+                "{} backends for {} models: expected one backend a model, at least one",
+                backends.len(),
+                models.len()
+            )));
+        }
+        Ok(Placed {
+            backends,
+            models,
+            abort,
+        })
+    }
+
     /// `model` alone on `backend`.
     pub fn one(backend: Box<dyn Backend>, model: Box<dyn Model>) -> Self {
         Placed {
@@ -56,6 +74,18 @@ impl Placed {
     /// Rank 0's backend (each rank's is of the same kind).
     pub fn backend(&self) -> &dyn Backend {
         self.backends[0].as_ref()
+    }
+
+    /// The backends, models and abort, for [`Engine::placed`](super::Engine::placed).
+    #[allow(clippy::type_complexity)]
+    pub fn into_parts(
+        self,
+    ) -> (
+        Vec<Box<dyn Backend>>,
+        Vec<Box<dyn Model>>,
+        Option<AbortRanks>,
+    ) {
+        (self.backends, self.models, self.abort)
     }
 }
 
