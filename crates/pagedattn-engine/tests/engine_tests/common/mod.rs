@@ -222,8 +222,11 @@ pub fn greedy_past_eos(prompt: Vec<u32>, max_new_tokens: usize) -> EngineRequest
 /// A hook [`Hooked`] runs before each forward, given the call's index (from 0).
 pub type ForwardHook = Box<dyn FnMut(usize) -> pagedattn_engine::Result<()> + Send>;
 
-/// `inner` with `hook` run before each of its forwards: the hook's error is the forward's (a
-/// device that fails), and a hook may wait (a rank in a collective that waits for its peers).
+/// `inner` with `hook` run before each of its forwards (greedy or not): the hook's error is
+/// the forward's (a device that fails), and a hook may wait (a rank in a collective that waits
+/// for its peers). Both forwards are passed on as they are: a tensor-parallel rank's greedy
+/// forward runs other collectives than its logits forward (a wrapper that answered the greedy
+/// one with `forward` left its peers waiting in another collective: a hang on 2 GPUs).
 pub struct Hooked {
     pub inner: Box<dyn Model>,
     pub hook: ForwardHook,
@@ -261,5 +264,16 @@ impl Model for Hooked {
         self.calls += 1;
         (self.hook)(self.calls - 1)?;
         self.inner.forward(step, attend, logits)
+    }
+    fn forward_greedy(
+        &mut self,
+        step: &StepTokens<'_>,
+        attend: &mut Attend<'_>,
+        logits: &mut Vec<f32>,
+        tokens: &mut Vec<u32>,
+    ) -> pagedattn_engine::Result<()> {
+        self.calls += 1;
+        (self.hook)(self.calls - 1)?;
+        self.inner.forward_greedy(step, attend, logits, tokens)
     }
 }
