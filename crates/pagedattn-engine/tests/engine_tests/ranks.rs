@@ -168,3 +168,59 @@ fn ranks_that_serve_different_models_are_refused() {
         "{err}"
     );
 }
+
+/// Ranks that all wait in a "collective" that never completes (no rank fails of itself) are
+/// aborted by the engine's watchdog once the step runs past the rank timeout, and the run
+/// fails saying so instead of hanging.
+#[test]
+fn a_step_whose_ranks_all_wait_is_aborted_at_the_rank_timeout() {
+    let model = small(ModelKind::Decoder);
+    let reqs = requests(&model.build().unwrap(), Builtin::Chat, 2, 4, 5);
+    let backends: Vec<_> = (0..2).map(|_| registry::backend("cpu").unwrap()).collect();
+    let aborted = Arc::new(AtomicBool::new(false));
+    let abort: AbortRanks = {
+        let aborted = aborted.clone();
+        Arc::new(move || aborted.store(true, Ordering::SeqCst))
+    };
+    let parts = backends
+        .iter()
+        .map(|b| {
+            let aborted = aborted.clone();
+            let hook: ForwardHook = Box::new(move |call| {
+                if call < 1 {
+                    return Ok(());
+                }
+                let start = Instant::now();
+                while !aborted.load(Ordering::SeqCst) {
+                    assert!(start.elapsed() < Duration::from_secs(30), "never aborted");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(pagedattn_engine::Error::Model("collective aborted".into()))
+            });
+            RankParts {
+                backend: b.as_ref(),
+                model: Box::new(Hooked {
+                    inner: model.build_model().unwrap(),
+                    hook,
+                    calls: 0,
+                }) as Box<dyn Model>,
+            }
+        })
+        .collect();
+    let config = EngineConfig {
+        cuda_graphs: false,
+        ..common::config(64, 256)
+    };
+    let start = Instant::now();
+    let err = Engine::with_ranks(parts, Some(abort), &config)
+        .unwrap()
+        .with_rank_timeout(Duration::from_millis(300))
+        .run("stuck", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("ran past the ranks' timeout of 300ms"),
+        "{err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(20));
+}

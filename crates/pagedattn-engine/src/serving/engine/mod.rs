@@ -30,13 +30,16 @@ use crate::{Error, Result};
 
 pub use rank::{AbortRanks, Placed, RankParts};
 pub use run::MAX_ARRIVAL_SECONDS;
+pub use watchdog::DEFAULT_RANK_TIMEOUT;
 
 use forward::{SharedCheck, StepForward};
 use rank::{check_ranks_agree, on_ranks, Rank, RankThreads};
+use watchdog::StepWatchdog;
 
 mod forward;
 mod rank;
 mod run;
+mod watchdog;
 
 /// How the engine is set up.
 #[derive(Clone, Debug)]
@@ -144,6 +147,8 @@ pub struct Engine<'a> {
     abort: Option<AbortRanks>,
     /// A thread per rank (several ranks only).
     threads: Option<RankThreads>,
+    /// Aborts a step of several ranks that runs past its timeout.
+    watchdog: Option<StepWatchdog>,
     block_size: usize,
     num_blocks: usize,
     scheduler: Scheduler,
@@ -270,11 +275,16 @@ impl<'a> Engine<'a> {
             1 => None,
             n => Some(RankThreads::new(n)?),
         };
+        let watchdog = match (&abort, ranks.len()) {
+            (Some(abort), 2..) => Some(StepWatchdog::new(abort.clone())?),
+            _ => None,
+        };
         let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {
             ranks,
             abort,
             threads,
+            watchdog,
             block_size: pools.block_size,
             num_blocks: pools.num_device_blocks,
             scheduler,
@@ -297,6 +307,16 @@ impl<'a> Engine<'a> {
     /// harness's verifier recomputing them with `reference`); its counts go into the report.
     pub fn with_check(mut self, check: Box<dyn CallCheck + 'a>) -> Self {
         self.check = Some(Mutex::new(check));
+        self
+    }
+
+    /// The engine with a step of several ranks aborted (its collectives, through the abort
+    /// hook) once it has run `timeout` ([`DEFAULT_RANK_TIMEOUT`] unless set): the step then
+    /// fails saying so, instead of a rank waiting forever for peers that never come.
+    pub fn with_rank_timeout(self, timeout: std::time::Duration) -> Self {
+        if let Some(w) = &self.watchdog {
+            w.set_timeout(timeout);
+        }
         self
     }
 
@@ -606,18 +626,20 @@ impl<'a> Engine<'a> {
             greedy,
         };
         // Every rank runs the step (a graph replay where one fits: each rank decides alike).
-        let replayed = on_ranks(
-            &mut self.ranks,
-            self.threads.as_ref(),
-            self.abort.as_ref(),
-            |_, rank| {
+        let (ranks, threads, abort) = (&mut self.ranks, self.threads.as_ref(), self.abort.as_ref());
+        let mut run_ranks = || {
+            on_ranks(ranks, threads, abort, |_, rank| {
                 let replayed = graph_step && rank.replay_decode(step.descs, step.tokens)?;
                 if !replayed {
                     rank.forward(&step)?;
                 }
                 Ok(replayed)
-            },
-        )?;
+            })
+        };
+        let replayed = match self.watchdog.as_mut() {
+            Some(w) => w.watch(run_ranks)?,
+            None => run_ranks()?,
+        };
         let replayed = replayed[0];
         let forward_seconds = forward_start.elapsed().as_secs_f64();
         let attention_seconds = self.ranks[0].clock.take_seconds()?;
