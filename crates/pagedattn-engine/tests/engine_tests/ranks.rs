@@ -71,6 +71,33 @@ fn two_ranks_move_every_block_alike_and_give_one_ranks_tokens() {
     }
 }
 
+/// An engine of `hooks.len()` CPU ranks of `model`, rank i's forwards preceded by `hooks[i]`,
+/// without graphs, `abort` its abort hook.
+fn hooked_engine<'a>(
+    backends: &'a [Box<dyn pagedattn::Backend>],
+    model: &SyntheticConfig,
+    hooks: Vec<ForwardHook>,
+    abort: AbortRanks,
+) -> Engine<'a> {
+    let parts = backends
+        .iter()
+        .zip(hooks)
+        .map(|(b, hook)| RankParts {
+            backend: b.as_ref(),
+            model: Box::new(Hooked {
+                inner: model.build_model().unwrap(),
+                hook,
+                calls: 0,
+            }) as Box<dyn Model>,
+        })
+        .collect();
+    let config = EngineConfig {
+        cuda_graphs: false,
+        ..common::config(64, 256)
+    };
+    Engine::with_ranks(parts, Some(abort), &config).unwrap()
+}
+
 #[test]
 fn a_failing_rank_stops_every_rank_with_its_error() {
     let model = small(ModelKind::Decoder);
@@ -113,23 +140,7 @@ fn a_failing_rank_stops_every_rank_with_its_error() {
             ))
         })
     };
-    let parts = backends
-        .iter()
-        .enumerate()
-        .map(|(rank, b)| RankParts {
-            backend: b.as_ref(),
-            model: Box::new(Hooked {
-                inner: model.build_model().unwrap(),
-                hook: hook(rank),
-                calls: 0,
-            }) as Box<dyn Model>,
-        })
-        .collect();
-    let config = EngineConfig {
-        cuda_graphs: false,
-        ..common::config(64, 256)
-    };
-    let engine = Engine::with_ranks(parts, Some(abort), &config).unwrap();
+    let engine = hooked_engine(&backends, &model, vec![hook(0), hook(1)], abort);
     let err = engine
         .run("failing", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
         .unwrap_err()
@@ -182,11 +193,10 @@ fn a_step_whose_ranks_all_wait_is_aborted_at_the_rank_timeout() {
         let aborted = aborted.clone();
         Arc::new(move || aborted.store(true, Ordering::SeqCst))
     };
-    let parts = backends
-        .iter()
-        .map(|b| {
+    let hooks = (0..2)
+        .map(|_| {
             let aborted = aborted.clone();
-            let hook: ForwardHook = Box::new(move |call| {
+            Box::new(move |call: usize| {
                 if call < 1 {
                     return Ok(());
                 }
@@ -196,24 +206,11 @@ fn a_step_whose_ranks_all_wait_is_aborted_at_the_rank_timeout() {
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 Err(pagedattn_engine::Error::Model("collective aborted".into()))
-            });
-            RankParts {
-                backend: b.as_ref(),
-                model: Box::new(Hooked {
-                    inner: model.build_model().unwrap(),
-                    hook,
-                    calls: 0,
-                }) as Box<dyn Model>,
-            }
+            }) as ForwardHook
         })
         .collect();
-    let config = EngineConfig {
-        cuda_graphs: false,
-        ..common::config(64, 256)
-    };
     let start = Instant::now();
-    let err = Engine::with_ranks(parts, Some(abort), &config)
-        .unwrap()
+    let err = hooked_engine(&backends, &model, hooks, abort)
         .with_rank_timeout(Duration::from_millis(300))
         .run("stuck", reqs, &AtomicBool::new(false), &mut |_, _, _| {})
         .unwrap_err()
