@@ -367,19 +367,15 @@ impl GpuLlama {
                 comms.size()
             )));
         }
-        Self::build(
-            model,
-            cuda,
-            Some(Parallel {
-                tp,
-                comms,
-                slice: 0,
-            }),
-        )
+        Self::build(model, cuda, Some((tp, comms)))
     }
 
     /// [`new`](Self::new) or [`new_shard`](Self::new_shard).
-    fn build(model: &Llama, cuda: &Cuda, parallel: Option<Parallel>) -> Result<Self> {
+    fn build(
+        model: &Llama,
+        cuda: &Cuda,
+        parallel: Option<(TensorParallel, Arc<Communicators>)>,
+    ) -> Result<Self> {
         if !model.runs_on_gpu_model() {
             return Err(Error::Model(format!(
                 "{}: the GPU model computes Llama's blocks (RMSNorm, no biases but q/k/v's, \
@@ -420,7 +416,7 @@ impl GpuLlama {
             Buffer::upload(&stream, &to_bf16(&parts.concat()))
         };
         let full = &model.shape;
-        let tp = parallel.as_ref().map_or(TensorParallel::SINGLE, |p| p.tp);
+        let tp = parallel.as_ref().map_or(TensorParallel::SINGLE, |p| p.0);
         let shard = tp.shard(full.heads, full.kv_heads, full.ffn)?;
         let d = full.head_size;
         let (q_rows, kv_rows) = (
@@ -468,7 +464,7 @@ impl GpuLlama {
         let table = weights(&table, "token_embd")?;
         let head = weights(&model.head, "output")?;
         let slice = full.vocab.div_ceil(tp.size);
-        let parallel = parallel.map(|p| Parallel { slice, ..p });
+        let parallel = parallel.map(|(tp, comms)| Parallel { tp, comms, slice });
         let head = match &parallel {
             // A rank's slice of rows, padded to `slice` rows with zeros (logits that `argmax`
             // never compares and the host never reads).
@@ -911,7 +907,7 @@ impl GpuLlama {
             false,
         )?;
         if !greedy {
-            return self.all_gather::<f32>(&acts.logits.memory, rows * width);
+            return self.all_gather(&acts.logits, rows * width);
         }
         let parallel = self.parallel.as_ref();
         let argmax = ArgmaxParams {
@@ -939,7 +935,7 @@ impl GpuLlama {
         let Some(p) = parallel else {
             return Ok(());
         };
-        self.all_gather::<u64>(&acts.candidates.memory, rows)?;
+        self.all_gather(&acts.candidates, rows)?;
         let pick = PickParams {
             candidates: acts.candidates.addr,
             best: acts.greedy.addr,
@@ -1029,42 +1025,50 @@ impl GpuLlama {
     /// this rank's part at its place); nothing on one GPU.
     fn all_gather<T: cudarc::nccl::NcclType>(
         &self,
-        buffer: &CudaSlice<T>,
+        buffer: &Buffer<T>,
         count: usize,
     ) -> Result<()> {
-        let Some(p) = &self.parallel else {
+        let ranks = self.parallel.as_ref().map_or(1, |p| p.tp.size);
+        let Some(p) = self.collective(buffer, ranks * count)? else {
             return Ok(());
         };
-        if buffer.len() < p.tp.size * count {
-            return Err(Error::Model(format!(
-                "gpu: an all-gather of {} x {count} values into {}",
-                p.tp.size,
-                buffer.len()
-            )));
-        }
-        let addr = buffer.device_ptr(&self.stream).0;
-        // SAFETY: `buffer` holds `ranks · count` values on this rank's GPU (checked), alive as
-        // long as the model; the stream is this GPU's; this rank's forward, which alone calls
-        // this, runs on one thread at a time.
+        // SAFETY: `buffer` holds `ranks · count` values on this rank's GPU (checked by
+        // `collective`), alive as long as the model; the stream is this GPU's; this rank's
+        // forward, which alone calls this, runs on one thread at a time.
         unsafe {
             p.comms
-                .all_gather_in_place::<T>(p.tp.rank, addr, count, self.stream.cu_stream())
+                .all_gather_in_place::<T>(p.tp.rank, buffer.addr, count, self.stream.cu_stream())
         }
     }
 
     /// Queues the sum over the group's ranks of the first `count` values of `x` (nothing on
     /// one GPU).
     fn all_reduce(&self, x: &Buffer<f32>, count: usize) -> Result<()> {
-        let Some(p) = &self.parallel else {
+        let Some(p) = self.collective(x, count)? else {
             return Ok(());
         };
-        // SAFETY: `x` holds at least `count` values (the caller's `t` tokens of a buffer
-        // sized for them) on this rank's GPU, alive as long as the model; the stream is this
-        // GPU's; this rank's forward, which alone calls this, runs on one thread at a time.
+        // SAFETY: `x` holds at least `count` values on this rank's GPU (checked by
+        // `collective`), alive as long as the model; the stream is this GPU's; this rank's
+        // forward, which alone calls this, runs on one thread at a time.
         unsafe {
             p.comms
                 .all_reduce_sum_f32(p.tp.rank, x.addr, count, self.stream.cu_stream())
         }
+    }
+
+    /// The group a collective over the first `len` values of `buffer` runs in (`None` on one
+    /// GPU), once `buffer` is checked to hold them: NCCL reads and writes what it is told.
+    fn collective<T>(&self, buffer: &Buffer<T>, len: usize) -> Result<Option<&Parallel>> {
+        let Some(p) = &self.parallel else {
+            return Ok(None);
+        };
+        if buffer.memory.len() < len {
+            return Err(Error::Model(format!(
+                "gpu: a collective over {len} values of a buffer of {}",
+                buffer.memory.len()
+            )));
+        }
+        Ok(Some(p))
     }
 
     /// Queues `out[r] = rms_norm(x[rows[r]]) · weight` for `n` rows (`rows` 0: row r).

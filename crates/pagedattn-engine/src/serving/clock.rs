@@ -11,6 +11,8 @@ use crate::Result;
 /// `synchronize` after each call; on a CUDA GPU, events recorded on the backend's stream
 /// around each call, read once per step (so the GPU never waits for the host in between).
 pub(crate) enum AttentionClock {
+    /// Not timed (a tensor-parallel rank other than 0: the report states rank 0's time).
+    Off,
     /// Seconds so far this step.
     Host(f64),
     /// Each call's start and end events (the first `used` pairs recorded this step; events
@@ -44,6 +46,7 @@ impl AttentionClock {
         call: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
         match self {
+            AttentionClock::Off => call()?,
             AttentionClock::Host(seconds) => {
                 let start = Instant::now();
                 call()?;
@@ -69,6 +72,7 @@ impl AttentionClock {
     /// start for the next step.
     pub(crate) fn take_seconds(&mut self) -> Result<f64> {
         match self {
+            AttentionClock::Off => Ok(0.0),
             AttentionClock::Host(seconds) => Ok(std::mem::take(seconds)),
             #[cfg(feature = "cuda")]
             AttentionClock::Gpu { spans, used, .. } => {

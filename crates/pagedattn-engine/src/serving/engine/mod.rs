@@ -268,7 +268,8 @@ impl<'a> Engine<'a> {
         scheduler_config.validate()?;
         let ranks = ranks
             .into_iter()
-            .map(|parts| Rank::new(parts, config))
+            .enumerate()
+            .map(|(i, parts)| Rank::new(parts, config, i == 0))
             .collect::<Result<Vec<_>>>()?;
         check_ranks_agree(&ranks)?;
         let threads = match ranks.len() {
@@ -643,9 +644,6 @@ impl<'a> Engine<'a> {
         let replayed = replayed[0];
         let forward_seconds = forward_start.elapsed().as_secs_f64();
         let attention_seconds = self.ranks[0].clock.take_seconds()?;
-        for rank in &mut self.ranks[1..] {
-            rank.clock.take_seconds()?;
-        }
         let out = &self.ranks[0].output;
         let width = self.model().output_width();
         let mut results: Vec<Sampled> = Vec::with_capacity(batch.seqs.len());

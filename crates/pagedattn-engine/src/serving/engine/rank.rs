@@ -124,8 +124,9 @@ pub(crate) struct Rank<'a> {
 
 impl<'a> Rank<'a> {
     /// `parts` with one attention per layer and each layer's cache and swap space allocated
-    /// for the pools of `config` (plus the CUDA graphs' padding blocks).
-    pub(crate) fn new(parts: RankParts<'a>, config: &EngineConfig) -> Result<Self> {
+    /// for the pools of `config` (plus the CUDA graphs' padding blocks); its attention timed
+    /// where `timed` (rank 0: the report's figure is its).
+    pub(crate) fn new(parts: RankParts<'a>, config: &EngineConfig, timed: bool) -> Result<Self> {
         let RankParts { backend, mut model } = parts;
         let pools = &config.scheduler.blocks;
         let layers = model.layers().to_vec();
@@ -172,7 +173,11 @@ impl<'a> Rank<'a> {
         Ok(Rank {
             backend,
             workspace: Workspace::empty(backend.device()),
-            clock: AttentionClock::new(backend)?,
+            clock: if timed {
+                AttentionClock::new(backend)?
+            } else {
+                AttentionClock::Off
+            },
             model,
             attention,
             layers,
