@@ -7,13 +7,15 @@
 #                                      command (verified), NCCL's all-reduce latency (PyTorch)
 #   bash bench/tp_campaign.sh speed   the 8B shape's decode step at B = 1 and 64 on 1, 2 (4)
 #                                      GPUs, and the `chat` workload's tokens/s on 1 and 2
+#   bash bench/tp_campaign.sh trace   a kernel timeline of the 8B shape's B = 1 decode steps on
+#                                      GPUS (default: every count), tools/kernel-trace
 #
 # Needs gpu-bin/pagedattn and gpu-bin/engine_tests (built here, as NOTES.md's "The GPU machine"
 # says) and the kernel cache's directory in PAGEDATTN_CACHE_DIR (kernels compile at first use
 # otherwise). NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0, the machine's setting).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?check or speed}
+part=${1:?check, speed or trace}
 out=${OUT:-/tmp/tp-campaign}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0
@@ -51,5 +53,16 @@ g = r['summary']['generated_tokens']
 print(f'  {g} tokens in {r[\"seconds\"]:.2f} s: {g / r[\"seconds\"]:,.0f} tokens/s')" "$out/chat-$n.json"
     done
     ;;
-*) echo "check or speed" >&2; exit 2 ;;
+trace)
+    steps=$(python3 -c "
+import sys; sys.path.insert(0, 'bench'); import traces; print(traces.fixed_shape_trace(1, 128, 64))")
+    for n in ${GPUS:-${counts//,/ }}; do
+        timeout 200 tools/kernel-trace/run.sh "$out/trace-$n.csv" "$bin" run --backend cuda \
+            --synthetic llama3-8b --tensor-parallel "$n" --trace "$steps" --no-verify \
+            >"$out/trace-$n.md" 2>"$out/trace-$n.err"
+        echo "trace on $n GPU(s): exit $?"; cat "$out/trace-$n.md"; tail -3 "$out/trace-$n.err"
+        gzip -f "$out/trace-$n.csv"
+    done
+    ;;
+*) echo "check, speed or trace" >&2; exit 2 ;;
 esac
