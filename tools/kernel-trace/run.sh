@@ -12,10 +12,10 @@ out=$1
 shift
 header=$(find /usr/local/cuda/ /usr/local/cuda/extras/CUPTI/include /usr/include \
     "$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || echo /nonexistent)" \
-    -name cupti_activity.h 2>/dev/null | head -1)
+    -name cupti_activity.h 2>/dev/null | head -1 || true)
 [ -n "$header" ] || { echo "kernel-trace: no cupti_activity.h on this machine" >&2; exit 1; }
 include=$(dirname "$header")
-library=$(find "$include/.." "$include/../.." /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1)
+library=$(find "$include/.." "$include/../.." /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1 || true)
 [ -n "$library" ] || { echo "kernel-trace: no libcupti.so near $include" >&2; exit 1; }
 # The newest kernel record the header declares (its layout is the library's).
 record=$(grep -ho 'CUpti_ActivityKernel[0-9]*;' "$include"/cupti_activity*.h | tr -d ';' | sort -V | tail -1)

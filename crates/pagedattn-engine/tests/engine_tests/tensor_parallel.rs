@@ -101,16 +101,35 @@ fn serve(placed: Placed, reqs: Vec<EngineRequest>, cuda_graphs: bool) -> Report 
     run(placed, reqs, cuda_graphs, VerifyMode::Sampled(0.2)).unwrap()
 }
 
-/// Greedy tokens of `a` that `b` repeats, of all.
-fn same_tokens(a: &Report, b: &Report) -> (usize, usize) {
+/// Where a served run's greedy tokens first leave another's: (request, sample, position).
+/// Past that point a sample continues a different text, so its later tokens are not compared.
+fn first_differences(a: &Report, b: &Report) -> Vec<(usize, usize, usize)> {
     let (a, b) = (generated(a), generated(b));
-    let pairs = a
-        .iter()
-        .flatten()
-        .flatten()
-        .zip(b.iter().flatten().flatten());
-    let total = a.iter().flatten().map(Vec::len).sum();
-    (pairs.filter(|(x, y)| x == y).count(), total)
+    let mut found = Vec::new();
+    for (r, (a, b)) in a.iter().zip(&b).enumerate() {
+        for (s, (a, b)) in a.iter().zip(b).enumerate() {
+            let same = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+            if same < a.len().max(b.len()) {
+                found.push((r, s, same));
+            }
+        }
+    }
+    found
+}
+
+/// How near a tie a served divergence was: the one-GPU model's logits for the token after
+/// `prompt` + `tokens[..at]`, teacher-forced, and the gap between that row's two best tokens
+/// relative to the row's standard deviation. Two runs in bf16 may choose differently only
+/// where this gap is within their two errors.
+fn tie_margin(one: &mut GpuLlama, cuda: &Cuda, prompt: &[u32], tokens: &[u32], at: usize) -> f32 {
+    let context: Vec<u32> = prompt.iter().chain(&tokens[..at]).copied().collect();
+    let logits = prompt_logits(one, cuda as &dyn Backend, &context).unwrap();
+    let last = &logits[logits.len() - one.vocab_size()..];
+    let mean = last.iter().sum::<f32>() / last.len() as f32;
+    let std = (last.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / last.len() as f32).sqrt();
+    let mut sorted = last.to_vec();
+    sorted.sort_by(|x, y| y.total_cmp(x));
+    (sorted[0] - sorted[1]) / std
 }
 
 /// A one-GPU group runs every collective (of one rank: the all-reduces, the all-gathers of
@@ -138,9 +157,12 @@ fn a_one_gpu_group_gives_the_unsharded_models_tokens() {
 }
 
 /// N = 2 and 4 ranks (as many as the machine has) score random tokens as one GPU does, within
-/// bf16 tolerance, on 32/8 heads and 32/2 (4 ranks replicate its kv heads); and serve the
-/// chat workload with the same greedy tokens (99%: a changed sum order can flip a near tie),
-/// CUDA graphs on, sampled calls verified, no block leaked.
+/// bf16 tolerance and with the same greedy token in 99% of the rows (a changed sum order can
+/// flip a near tie), on 32/8 heads and 32/2 (4 ranks replicate its kv heads); and serve the
+/// chat workload, CUDA graphs on, sampled calls verified, no block leaked, each sample's
+/// tokens the one GPU's until, if ever, a near tie: where a sample first differs, the one-GPU
+/// model's two best tokens were within a tenth of the row's spread (the logits' tolerance,
+/// twice: each run errs), and the count of such samples is stated.
 #[test]
 #[ignore = "needs 2 or more CUDA GPUs (tools/gpu-suite.sh runs it)"]
 fn sharded_models_match_one_gpu() {
@@ -160,6 +182,8 @@ fn sharded_models_match_one_gpu() {
         let want = prompt_logits(&mut one, &cuda as &dyn Backend, &tokens).unwrap();
         let reqs = requests(&host, Builtin::Chat, 16, 32, 9);
         let unsharded = Placed::one(Box::new(Cuda::new(0).unwrap()), Box::new(one));
+        // Scores the served runs' divergences.
+        let mut scorer = GpuLlama::new(&host, &cuda).unwrap();
         let want_served = serve(unsharded, reqs.clone(), true);
         for n in [2, 4].into_iter().filter(|&n| n <= available) {
             let got = sharded_logits(shards(&host, n), &tokens);
@@ -168,9 +192,23 @@ fn sharded_models_match_one_gpu() {
             assert!(a.max_rel_to_std <= 0.05, "{a:?}");
             assert!(a.same_top1 * 100 >= a.rows * 99, "{a:?}");
             let served = serve(shards(&host, n), reqs.clone(), true);
-            let (same, total) = same_tokens(&served, &want_served);
-            eprintln!("  served: {same}/{total} greedy tokens as on one GPU");
-            assert!(same * 100 >= total * 99, "{same}/{total}");
+            let differences = first_differences(&want_served, &served);
+            let samples: usize = generated(&served).iter().map(Vec::len).sum();
+            eprintln!(
+                "  served: {} of {samples} samples as on one GPU",
+                samples - differences.len()
+            );
+            let wanted = generated(&want_served);
+            for (r, s, at) in differences {
+                let margin = tie_margin(&mut scorer, &cuda, &reqs[r].prompt, &wanted[r][s], at);
+                eprintln!(
+                    "  request {r} sample {s} differs at token {at}: top-2 gap {margin:.4} std"
+                );
+                assert!(
+                    margin <= 0.1,
+                    "request {r} sample {s}: a gap of {margin} std is no tie"
+                );
+            }
             assert!(served.steps.iter().any(|s| s.graph));
             assert!(served.verify.calls_checked > 0);
         }
