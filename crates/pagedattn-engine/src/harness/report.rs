@@ -161,8 +161,9 @@ impl fmt::Display for Report {
         let replayed = self.steps.iter().filter(|s| s.graph).count();
         let graphs = if replayed > 0 {
             format!(
-                " ({replayed} of {} steps replayed from CUDA graphs, untimed)",
-                self.steps.len()
+                " ({replayed} of {} steps replayed from CUDA graphs, untimed; graphs captured {} time(s))",
+                self.steps.len(),
+                self.cuda_graph_captures
             )
         } else {
             String::new()

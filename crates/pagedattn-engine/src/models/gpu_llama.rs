@@ -623,9 +623,25 @@ impl GpuLlama {
     }
 
     /// Makes room for `t` tokens and `rows` logit rows, and the attention tensors of `t`
-    /// tokens. Growing the activations frees the old ones: [`generation`](Self::generation)
-    /// counts it, so that graphs captured on them are dropped.
+    /// tokens.
     fn reserve(&mut self, t: usize, rows: usize) -> Result<()> {
+        self.reserve_activations(t, rows)?;
+        if let std::collections::hash_map::Entry::Vacant(e) = self.attn.entry(t) {
+            let c = &self.attention[0];
+            e.insert([
+                c.zeros_query(self.device, DType::BF16, t)?,
+                c.zeros_kv(self.device, DType::BF16, t)?,
+                c.zeros_kv(self.device, DType::BF16, t)?,
+                c.zeros_query(self.device, DType::BF16, t)?,
+            ]);
+        }
+        Ok(())
+    }
+
+    /// Makes room for `t` tokens and `rows` logit rows in the activations. Growing them frees
+    /// the old ones: [`generation`](Self::generation) counts it, so that graphs captured on
+    /// them are dropped.
+    fn reserve_activations(&mut self, t: usize, rows: usize) -> Result<()> {
         let fits = self
             .acts
             .as_ref()
@@ -646,15 +662,6 @@ impl GpuLlama {
                 slices,
             )?);
             self.generation += 1;
-        }
-        if let std::collections::hash_map::Entry::Vacant(e) = self.attn.entry(t) {
-            let c = &self.attention[0];
-            e.insert([
-                c.zeros_query(self.device, DType::BF16, t)?,
-                c.zeros_kv(self.device, DType::BF16, t)?,
-                c.zeros_kv(self.device, DType::BF16, t)?,
-                c.zeros_query(self.device, DType::BF16, t)?,
-            ]);
         }
         Ok(())
     }
@@ -1148,6 +1155,10 @@ impl Model for GpuLlama {
 // `generation`; the weights, the cuBLAS workspace and each token count's attention tensors
 // live as long as the model; `load_step` writes into the current activations.
 unsafe impl GraphStages for GpuLlama {
+    fn reserve(&mut self, tokens: usize, rows: usize) -> Result<()> {
+        self.reserve_activations(tokens, rows)
+    }
+
     fn load(&mut self, step: &StepTokens<'_>, padded: usize) -> Result<()> {
         self.load_step(step, padded)
     }

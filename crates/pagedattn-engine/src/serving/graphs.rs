@@ -1,9 +1,14 @@
 //! Decode steps replayed from CUDA graphs: for a model whose whole forward is device work
-//! ([`GraphStages`](crate::serving::model::GraphStages)), a decode step of `n` sequences is padded to
-//! a bucket (vLLM's: 1, 2, 4, 8, then multiples of 8) and its forward, attention included,
-//! is captured once per
-//! bucket and replayed for every later step of that bucket after `replan` refreshes the
-//! attention's plan in place. A replay costs one launch where the forward costs hundreds.
+//! ([`GraphStages`](crate::serving::model::GraphStages)), a decode step of `n` sequences is
+//! padded to a bucket (vLLM's: 1, 2, 4, 8, then multiples of 8) and replayed from that
+//! bucket's graph after `replan` refreshes the attention's plan in place. A replay costs one
+//! launch where the forward costs hundreds.
+//!
+//! Every bucket up to the most sequences of a step is captured when the engine starts (as
+//! vLLM does: no request pays for a capture), after the model has reserved its activations
+//! for the largest step, so that no later step moves them; should the model move them all
+//! the same, every bucket is captured again before the next replay. The graphs share one
+//! attention workspace (they replay one at a time on one stream).
 //!
 //! Padding sequences decode one token each into blocks past the scheduler's pool (the engine
 //! allocates them for this), at distinct slots; their rows are computed and never read.
@@ -23,9 +28,26 @@ impl DecodeGraphs {
         _: &mut dyn crate::serving::model::Model,
         _: usize,
         _: usize,
-        _: usize,
+        _: (usize, usize),
     ) -> crate::Result<Option<Self>> {
         Ok(None)
+    }
+
+    /// Never called: there is no value.
+    pub(crate) fn captures(&self) -> usize {
+        match *self {}
+    }
+
+    /// Never called: there is no value.
+    pub(crate) fn capture(
+        &mut self,
+        _: &dyn pagedattn::Backend,
+        _: &[Box<dyn pagedattn::AttentionImpl>],
+        _: &mut [pagedattn::KvCache],
+        _: &[Option<usize>],
+        _: &mut dyn crate::serving::model::Model,
+    ) -> crate::Result<()> {
+        match *self {}
     }
 
     /// Extra cache blocks (none).
@@ -63,17 +85,13 @@ mod gpu {
     };
 
     use crate::serving::attention::{run_attention, same_plan};
-    use crate::serving::model::{Model, StepTokens};
+    use crate::serving::model::{GraphStages, Model, StepTokens};
     use crate::{Error, Result};
 
-    /// One bucket's graph, with the plan and workspace its attention calls captured.
+    /// One bucket's graph, with the plan its attention calls captured.
     struct DecodeGraph {
         graph: Graph,
         plan: Plan,
-        /// Kept alive: the graph holds its address.
-        _workspace: Workspace,
-        /// The model's [`generation`](crate::serving::model::GraphStages::generation) at capture.
-        generation: u64,
     }
 
     /// The bucket of a decode step of `n` (> 0) sequences: the next power of two up to 8,
@@ -86,6 +104,14 @@ mod gpu {
         }
     }
 
+    /// Every bucket up to (and including) `largest`'s, largest first.
+    fn buckets(largest: usize) -> Vec<usize> {
+        let mut all: Vec<usize> = (1..=largest).map(bucket).collect();
+        all.dedup();
+        all.reverse();
+        all
+    }
+
     /// The graphs of an engine (see the module doc).
     pub(crate) struct DecodeGraphs {
         cuda: Cuda,
@@ -96,19 +122,33 @@ mod gpu {
         max_seqs: usize,
         /// The longest sequence a plan must hold.
         max_seq_len: usize,
+        /// The most tokens of any step, reserved in the model before capturing.
+        max_step_tokens: usize,
+        /// Every bucket's graph, captured together.
         graphs: HashMap<usize, DecodeGraph>,
+        /// The model's [`generation`](crate::serving::model::GraphStages::generation) at
+        /// capture (`None`: nothing captured yet).
+        generation: Option<u64>,
+        /// The attention workspace of every graph: replays never overlap (one stream), so
+        /// one suffices, sized for every bucket's plan before the first capture takes its
+        /// address. Declared after `graphs`, which hold that address: dropped after them.
+        workspace: Workspace,
+        /// Times every bucket was captured.
+        captures: usize,
     }
 
     impl DecodeGraphs {
         /// Graphs for `model` on `backend`, where both allow them: a CUDA backend, a model
         /// with [`graph_stages`](Model::graph_stages) whose attentions are all `decoder`.
-        /// `pool_blocks` is the scheduler's pool, `max_seqs` the most sequences of a step.
+        /// `pool_blocks` is the scheduler's pool, `max_seqs` the most sequences of a step and
+        /// `max_step_tokens` the most tokens. Nothing is captured before
+        /// [`capture`](Self::capture).
         pub(crate) fn new(
             backend: &dyn Backend,
             model: &mut dyn Model,
             block_size: usize,
             pool_blocks: usize,
-            max_seqs: usize,
+            (max_seqs, max_step_tokens): (usize, usize),
         ) -> Result<Option<Self>> {
             let Device::Cuda(ordinal) = backend.device() else {
                 return Ok(None);
@@ -127,28 +167,148 @@ mod gpu {
             }
             let pad_base = BlockId::try_from(pool_blocks)
                 .map_err(|_| Error::Model(format!("{pool_blocks} blocks for block ids")))?;
+            let max_seqs = max_seqs.max(1);
             Ok(Some(DecodeGraphs {
                 cuda: Cuda::new(ordinal)?,
                 block_size,
                 pad_base,
-                max_seqs: max_seqs.max(1),
+                max_seqs,
                 max_seq_len,
+                max_step_tokens: max_step_tokens.max(bucket(max_seqs)),
                 graphs: HashMap::new(),
+                generation: None,
+                workspace: Workspace::empty(backend.device()),
+                captures: 0,
             }))
         }
 
-        /// Cache blocks the padding sequences need past the pool.
+        /// Cache blocks the padding sequences need past the pool: a capture's step is
+        /// padding only, as many sequences as the largest bucket.
         pub(crate) fn pad_blocks(&self) -> usize {
-            let most = (1..=self.max_seqs)
-                .map(|n| bucket(n) - n)
-                .max()
-                .unwrap_or(0);
-            most.div_ceil(self.block_size)
+            bucket(self.max_seqs).div_ceil(self.block_size)
+        }
+
+        /// The metadata of a step of `descs` padded to `bucket` sequences: each padding
+        /// sequence decodes one token into the blocks past the pool, at a slot of its own.
+        fn metadata(
+            &self,
+            descs: &[SequenceDesc<'_>],
+            bucket: usize,
+        ) -> Result<pagedattn::AttentionMetadata> {
+            let bs = self.block_size;
+            let pad_tables: Vec<[BlockId; 1]> = (0..bucket - descs.len())
+                .map(|i| [self.pad_base + (i / bs) as BlockId])
+                .collect();
+            let mut builder = MetadataBuilder::new(bs);
+            for d in descs {
+                builder.push(*d);
+            }
+            for (i, table) in pad_tables.iter().enumerate() {
+                builder.push(SequenceDesc::decode(i % bs, table));
+            }
+            Ok(builder.build()?)
+        }
+
+        /// Captures every bucket's graph (replacing any captured before), after reserving
+        /// the model's activations for the largest step, so that no later step moves them
+        /// (vLLM captures at start-up too: no request pays for a capture). Each bucket's
+        /// step is padding only, computed once for real (loading every kernel, which a
+        /// capture cannot do), then captured.
+        pub(crate) fn capture(
+            &mut self,
+            backend: &dyn Backend,
+            attention: &[Box<dyn AttentionImpl>],
+            caches: &mut [KvCache],
+            cache_of: &[Option<usize>],
+            model: &mut dyn Model,
+        ) -> Result<()> {
+            // Every layer is a decoder: the first one's attention plans for all.
+            let layer = 0;
+            let spec = *cache_of[layer]
+                .map(|i| caches[i].spec())
+                .ok_or_else(|| Error::Model("a decoder layer without a cache".into()))?;
+            let stages = model
+                .graph_stages()
+                .ok_or_else(|| Error::Model("the model lost its graph stages".into()))?;
+            let largest = bucket(self.max_seqs);
+            stages.reserve(self.max_step_tokens, largest)?;
+            // The old graphs hold the old workspace's address: gone before it is.
+            self.graphs.clear();
+            self.generation = None;
+            let capacity = GraphCapacity {
+                max_seq_len: self.max_seq_len,
+            };
+            // Every plan first: the shared workspace must fit them all before a capture.
+            let mut workspace = Workspace::empty(backend.device());
+            let mut plans = Vec::new();
+            for b in buckets(largest) {
+                let plan = attention[layer].plan_for_graph(
+                    &self.metadata(&[], b)?,
+                    Some(&spec),
+                    capacity,
+                )?;
+                workspace.reserve(&plan)?;
+                plans.push((b, plan));
+            }
+            self.workspace = workspace;
+            let padding = StepTokens {
+                tokens: &[],
+                positions: &[],
+                logit_rows: &[],
+                encoder_tokens: &[],
+                encoder_positions: &[],
+            };
+            let mut scratch = Vec::new();
+            for (b, plan) in plans {
+                stages.load(&padding, b)?;
+                let workspace = &mut self.workspace;
+                let mut attend = |l: usize, q: &_, k: &_, v: &_, out: &mut _| {
+                    let cache = cache_of[l].map(|i| &mut caches[i]);
+                    run_attention(
+                        backend,
+                        attention[l].as_ref(),
+                        &plan,
+                        workspace,
+                        q,
+                        Some((k, v)),
+                        cache,
+                        out,
+                    )
+                };
+                stages.compute(b, b, &mut attend)?;
+                // Waited for (through its tokens) before the capture: NCCL takes whether a
+                // collective is captured as a property of all its ranks, so no rank starts
+                // capturing while its uncaptured collectives are still queued (a 2-GPU test
+                // hung once without this wait, cause not established: design/engine.md,
+                // "Tensor parallelism").
+                stages.greedy(b, &mut scratch)?;
+                // (The capture ends either way; a failed compute's partial graph is
+                // dropped and its error returned.)
+                let mut computed = Ok(());
+                // Thread-local: a tensor-parallel engine's other ranks allocate and
+                // synchronize on their threads meanwhile.
+                let graph = self.cuda.capture_on_this_thread(|| {
+                    computed = stages.compute(b, b, &mut attend);
+                    Ok(())
+                });
+                computed?;
+                let graph = graph?;
+                self.graphs.insert(b, DecodeGraph { graph, plan });
+            }
+            self.generation = Some(stages.generation());
+            self.captures += 1;
+            Ok(())
+        }
+
+        /// Times every bucket was captured.
+        pub(crate) fn captures(&self) -> usize {
+            self.captures
         }
 
         /// Runs a decode step (`descs`, one new token each, every sample greedy) through its
-        /// bucket's graph, capturing it at the bucket's first step; leaves the greedy tokens
-        /// in `greedy`. `false` (nothing done) for a step larger than every bucket.
+        /// bucket's graph, capturing every bucket again first if the model moved its memory
+        /// since; leaves the greedy tokens in `greedy`. `false` (nothing done) for a step
+        /// larger than every bucket.
         #[allow(clippy::too_many_arguments)]
         pub(crate) fn replay(
             &mut self,
@@ -165,85 +325,38 @@ mod gpu {
                 return Ok(false);
             }
             let bucket = bucket(n);
-            let bs = self.block_size;
-            let pad_tables: Vec<[BlockId; 1]> = (0..bucket - n)
-                .map(|i| [self.pad_base + (i / bs) as BlockId])
-                .collect();
-            let mut builder = MetadataBuilder::new(bs);
-            for d in descs {
-                builder.push(*d);
-            }
-            for (i, table) in pad_tables.iter().enumerate() {
-                builder.push(SequenceDesc::decode(i % bs, table));
-            }
-            let metadata = builder.build()?;
-            // Every layer is a decoder: the first one's attention plans for all.
+            let metadata = self.metadata(descs, bucket)?;
             let layer = 0;
             let spec = *cache_of[layer]
                 .map(|i| caches[i].spec())
                 .ok_or_else(|| Error::Model("a decoder layer without a cache".into()))?;
-            let stages = model
-                .graph_stages()
-                .ok_or_else(|| Error::Model("the model lost its graph stages".into()))?;
-            stages.load(&step, bucket)?;
-            let generation = stages.generation();
-            match self.graphs.get_mut(&bucket) {
-                Some(g) if g.generation == generation => {
-                    attention[layer].replan(&mut g.plan, &metadata, Some(&spec))?;
-                    // SAFETY: the graph's tensors (the model's, unchanged since its
-                    // generation matches: `GraphStages`' contract), caches (the engine's,
-                    // never reallocated), workspace and plan (this entry's, refreshed by
-                    // `replan` only) are alive, and the metadata was validated for these
-                    // caches by `replan`.
-                    unsafe { g.graph.replay()? };
-                }
-                _ => {
-                    let capacity = GraphCapacity {
-                        max_seq_len: self.max_seq_len,
-                    };
-                    let plan = attention[layer].plan_for_graph(&metadata, Some(&spec), capacity)?;
-                    let mut workspace = Workspace::empty(backend.device());
-                    workspace.reserve(&plan)?;
-                    let mut attend = |l: usize, q: &_, k: &_, v: &_, out: &mut _| {
-                        let cache = cache_of[l].map(|i| &mut caches[i]);
-                        run_attention(
-                            backend,
-                            attention[l].as_ref(),
-                            &plan,
-                            &mut workspace,
-                            q,
-                            Some((k, v)),
-                            cache,
-                            out,
-                        )
-                    };
-                    // Once for real (loading every kernel a capture cannot load, and giving
-                    // this step's tokens), then captured.
-                    stages.compute(bucket, bucket, &mut attend)?;
-                    // (The capture ends either way; a failed compute's partial graph is
-                    // dropped and its error returned.)
-                    let mut computed = Ok(());
-                    // Thread-local: a tensor-parallel engine's other ranks allocate and
-                    // synchronize on their threads meanwhile.
-                    let graph = self.cuda.capture_on_this_thread(|| {
-                        computed = stages.compute(bucket, bucket, &mut attend);
-                        Ok(())
-                    });
-                    computed?;
-                    let graph = graph?;
-                    self.graphs.insert(
-                        bucket,
-                        DecodeGraph {
-                            graph,
-                            plan,
-                            _workspace: workspace,
-                            generation,
-                        },
-                    );
-                }
+            stages_of(model)?.load(&step, bucket)?;
+            if self.generation != Some(stages_of(model)?.generation()) {
+                // (A capture's padding steps overwrite the inputs: loaded again.)
+                self.capture(backend, attention, caches, cache_of, model)?;
+                stages_of(model)?.load(&step, bucket)?;
             }
+            let stages = stages_of(model)?;
+            let g = self
+                .graphs
+                .get_mut(&bucket)
+                .ok_or_else(|| Error::Model(format!("no graph of bucket {bucket}")))?;
+            attention[layer].replan(&mut g.plan, &metadata, Some(&spec))?;
+            // SAFETY: the graph's tensors (the model's, unchanged since its generation
+            // matches after the `load`: `GraphStages`' contract), caches (the engine's, never reallocated), workspace (this
+            // value's, replaced only by `capture` after the graphs) and plan (this entry's,
+            // refreshed by `replan` only) are alive, and the metadata was validated for these
+            // caches by `replan`.
+            unsafe { g.graph.replay()? };
             stages.greedy(n, greedy)?;
             Ok(true)
         }
+    }
+
+    /// `model`'s graph stages.
+    fn stages_of(model: &mut dyn Model) -> Result<&mut dyn GraphStages> {
+        model
+            .graph_stages()
+            .ok_or_else(|| Error::Model("the model lost its graph stages".into()))
     }
 }

@@ -137,6 +137,11 @@ pub trait Model: Send {
 /// `attend`, weights, workspaces) stays allocated at the same address, and a later
 /// [`load`](Self::load) of that `padded` writes its inputs there.
 pub unsafe trait GraphStages {
+    /// Makes room for steps of up to `tokens` tokens and `rows` logit rows, so that no such
+    /// step changes the [`generation`](Self::generation) afterwards (the engine calls it
+    /// before capturing).
+    fn reserve(&mut self, tokens: usize, rows: usize) -> crate::Result<()>;
+
     /// Copies a step's tokens, positions and logit rows into the model's device buffers, the
     /// tokens padded to `padded` (rows that no logit row names).
     fn load(&mut self, step: &StepTokens<'_>, padded: usize) -> crate::Result<()>;

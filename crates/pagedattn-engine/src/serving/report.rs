@@ -141,6 +141,9 @@ pub struct Report {
     pub kv_cache_bytes: u64,
     /// The process's peak resident memory in bytes, where whoever ran it measured it.
     pub peak_resident_bytes: Option<u64>,
+    /// Times the engine captured its CUDA graphs (every bucket each time), since it was made:
+    /// 1 where they were captured at its start and never again, 0 without graphs.
+    pub cuda_graph_captures: usize,
 }
 
 /// The median and 99th percentile of some values (nearest rank), or `None` for none.

@@ -358,7 +358,8 @@ pub(crate) mod gpu {
         }
     }
 
-    /// With CUDA graphs (decode steps padded to a bucket and replayed) and without,
+    /// With CUDA graphs (decode steps padded to a bucket and replayed; every bucket captured
+    /// once, at the engine's start) and without,
     /// every token the engine generates with the GPU model is a greedy choice of that model:
     /// scored afterwards by `prompt_logits` (one plain prefill), its logit is within 2% of
     /// the row's standard deviation of the row's largest (products over a padded batch may
@@ -378,6 +379,9 @@ pub(crate) mod gpu {
             let report = serve_on_gpu(gpu, reqs.clone(), 512, VerifyMode::Off, cuda_graphs);
             let replayed = report.steps.iter().filter(|s| s.graph).count();
             assert_eq!(replayed > 0, cuda_graphs, "{replayed} steps replayed");
+            // Captured once, at the engine's start: the prefills of up to 512 tokens between
+            // decodes moved no activation under the graphs.
+            assert_eq!(report.cuda_graph_captures, usize::from(cuda_graphs));
             let mut scorer = GpuLlama::new(&host, &cuda).unwrap();
             for (req, record) in reqs.iter().zip(&report.requests) {
                 let generated = &record.generated[0];

@@ -266,7 +266,7 @@ impl<'a> Engine<'a> {
             scheduler_config.blocks.prefix_caching = false;
         }
         scheduler_config.validate()?;
-        let ranks = ranks
+        let mut ranks = ranks
             .into_iter()
             .enumerate()
             .map(|(i, parts)| Rank::new(parts, config, i == 0))
@@ -276,6 +276,9 @@ impl<'a> Engine<'a> {
             1 => None,
             n => Some(RankThreads::new(n)?),
         };
+        on_ranks(&mut ranks, threads.as_ref(), abort.as_ref(), |_, rank| {
+            rank.capture_graphs()
+        })?;
         let watchdog = match (&abort, ranks.len()) {
             (Some(abort), 2..) => Some(StepWatchdog::new(abort.clone())?),
             _ => None,

@@ -140,7 +140,10 @@ impl<'a> Rank<'a> {
                 model.as_mut(),
                 pools.block_size,
                 pools.num_device_blocks,
-                config.scheduler.max_seqs,
+                (
+                    config.scheduler.max_seqs,
+                    config.scheduler.max_batched_tokens,
+                ),
             )?
         } else {
             None
@@ -204,6 +207,21 @@ impl<'a> Rank<'a> {
             self.backend.copy_blocks(&mut self.caches, &batch.copies)?;
         }
         Ok(())
+    }
+
+    /// Captures the rank's CUDA graphs, where it has them (every rank at once: the graphs of
+    /// a tensor-parallel model hold its collectives).
+    pub(crate) fn capture_graphs(&mut self) -> Result<()> {
+        match self.graphs.as_mut() {
+            Some(graphs) => graphs.capture(
+                self.backend,
+                &self.attention,
+                &mut self.caches,
+                &self.cache_of,
+                self.model.as_mut(),
+            ),
+            None => Ok(()),
+        }
     }
 
     /// Runs a decode step through a CUDA graph where there are graphs and the step fits one

@@ -120,6 +120,7 @@ impl Engine<'_> {
             copy_on_write_blocks: stats.blocks.cow_copies as usize,
         };
         report.verify = self.verify_counts();
+        report.cuda_graph_captures = self.ranks[0].graphs.as_ref().map_or(0, |g| g.captures());
         Ok(report)
     }
 }
