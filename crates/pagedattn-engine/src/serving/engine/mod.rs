@@ -276,12 +276,19 @@ impl<'a> Engine<'a> {
             1 => None,
             n => Some(RankThreads::new(n)?),
         };
-        on_ranks(&mut ranks, threads.as_ref(), abort.as_ref(), |_, rank| {
-            rank.capture_graphs()
-        })?;
-        let watchdog = match (&abort, ranks.len()) {
+        let mut watchdog = match (&abort, ranks.len()) {
             (Some(abort), 2..) => Some(StepWatchdog::new(abort.clone())?),
             _ => None,
+        };
+        // The CUDA graphs, captured now (the ranks' collectives inside: watched as a step is).
+        let mut capture = || {
+            on_ranks(&mut ranks, threads.as_ref(), abort.as_ref(), |_, rank| {
+                rank.capture_graphs()
+            })
+        };
+        match watchdog.as_mut() {
+            Some(w) => w.watch(capture)?,
+            None => capture()?,
         };
         let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {

@@ -80,8 +80,8 @@ impl StepWatchdog {
         self.shared.1.notify_all();
         if w.fired == Some(id) {
             return Err(Error::Model(format!(
-                "a step ran past the ranks' timeout of {:?}: its collectives were aborted (a \
-                 rank waited for peers that never came)",
+                "a step (or the start's CUDA-graph capture) ran past the ranks' timeout of \
+                 {:?}: its collectives were aborted (a rank waited for peers that never came)",
                 w.timeout
             )));
         }
