@@ -16,6 +16,18 @@
 #[cfg(feature = "cuda")]
 pub(crate) use gpu::DecodeGraphs;
 
+/// What a capture and a replay use of a rank: its backend, attentions, caches (and which layer
+/// has which) and model.
+// (Without CUDA no graph exists to read them.)
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct GraphParts<'a> {
+    pub(crate) backend: &'a dyn pagedattn::Backend,
+    pub(crate) attention: &'a [Box<dyn pagedattn::AttentionImpl>],
+    pub(crate) caches: &'a mut [pagedattn::KvCache],
+    pub(crate) cache_of: &'a [Option<usize>],
+    pub(crate) model: &'a mut dyn crate::serving::model::Model,
+}
+
 /// Without the `cuda` feature there are no graphs.
 #[cfg(not(feature = "cuda"))]
 pub(crate) enum DecodeGraphs {}
@@ -39,14 +51,7 @@ impl DecodeGraphs {
     }
 
     /// Never called: there is no value.
-    pub(crate) fn capture(
-        &mut self,
-        _: &dyn pagedattn::Backend,
-        _: &[Box<dyn pagedattn::AttentionImpl>],
-        _: &mut [pagedattn::KvCache],
-        _: &[Option<usize>],
-        _: &mut dyn crate::serving::model::Model,
-    ) -> crate::Result<()> {
+    pub(crate) fn capture(&mut self, _: &mut GraphParts<'_>) -> crate::Result<()> {
         match *self {}
     }
 
@@ -56,14 +61,9 @@ impl DecodeGraphs {
     }
 
     /// Never called: there is no value.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn replay(
         &mut self,
-        _: &dyn pagedattn::Backend,
-        _: &[Box<dyn pagedattn::AttentionImpl>],
-        _: &mut [pagedattn::KvCache],
-        _: &[Option<usize>],
-        _: &mut dyn crate::serving::model::Model,
+        _: &mut GraphParts<'_>,
         _: (
             &[pagedattn::SequenceDesc<'_>],
             crate::serving::model::StepTokens<'_>,
@@ -80,10 +80,11 @@ mod gpu {
 
     use pagedattn::cuda::{Cuda, Graph};
     use pagedattn::{
-        AttentionConfig, AttentionImpl, AttnType, Backend, BlockId, Device, GraphCapacity, KvCache,
-        MetadataBuilder, Plan, SequenceDesc, Workspace,
+        AttentionConfig, AttnType, Backend, BlockId, Device, GraphCapacity, MetadataBuilder, Plan,
+        SequenceDesc, Workspace,
     };
 
+    use super::GraphParts;
     use crate::serving::attention::{run_attention, same_plan};
     use crate::serving::model::{GraphStages, Model, StepTokens};
     use crate::{Error, Result};
@@ -214,22 +215,10 @@ mod gpu {
         /// (vLLM captures at start-up too: no request pays for a capture). Each bucket's
         /// step is padding only, computed once for real (loading every kernel, which a
         /// capture cannot do), then captured.
-        pub(crate) fn capture(
-            &mut self,
-            backend: &dyn Backend,
-            attention: &[Box<dyn AttentionImpl>],
-            caches: &mut [KvCache],
-            cache_of: &[Option<usize>],
-            model: &mut dyn Model,
-        ) -> Result<()> {
-            // Every layer is a decoder: the first one's attention plans for all.
-            let layer = 0;
-            let spec = *cache_of[layer]
-                .map(|i| caches[i].spec())
-                .ok_or_else(|| Error::Model("a decoder layer without a cache".into()))?;
-            let stages = model
-                .graph_stages()
-                .ok_or_else(|| Error::Model("the model lost its graph stages".into()))?;
+        pub(crate) fn capture(&mut self, parts: &mut GraphParts<'_>) -> Result<()> {
+            let (backend, attention, cache_of) = (parts.backend, parts.attention, parts.cache_of);
+            let spec = decoder_spec(parts)?;
+            let (caches, stages) = (&mut *parts.caches, stages_of(parts.model)?);
             let largest = bucket(self.max_seqs);
             stages.reserve(self.max_step_tokens, largest)?;
             // The old graphs hold the old workspace's address: gone before it is.
@@ -242,11 +231,9 @@ mod gpu {
             let mut workspace = Workspace::empty(backend.device());
             let mut plans = Vec::new();
             for b in buckets(largest) {
-                let plan = attention[layer].plan_for_graph(
-                    &self.metadata(&[], b)?,
-                    Some(&spec),
-                    capacity,
-                )?;
+                // Every layer is a decoder: the first one's attention plans for all.
+                let plan =
+                    attention[0].plan_for_graph(&self.metadata(&[], b)?, Some(&spec), capacity)?;
                 workspace.reserve(&plan)?;
                 plans.push((b, plan));
             }
@@ -309,14 +296,9 @@ mod gpu {
         /// bucket's graph, capturing every bucket again first if the model moved its memory
         /// since; leaves the greedy tokens in `greedy`. `false` (nothing done) for a step
         /// larger than every bucket.
-        #[allow(clippy::too_many_arguments)]
         pub(crate) fn replay(
             &mut self,
-            backend: &dyn Backend,
-            attention: &[Box<dyn AttentionImpl>],
-            caches: &mut [KvCache],
-            cache_of: &[Option<usize>],
-            model: &mut dyn Model,
+            parts: &mut GraphParts<'_>,
             (descs, step): (&[SequenceDesc<'_>], StepTokens<'_>),
             greedy: &mut Vec<u32>,
         ) -> Result<bool> {
@@ -326,31 +308,35 @@ mod gpu {
             }
             let bucket = bucket(n);
             let metadata = self.metadata(descs, bucket)?;
-            let layer = 0;
-            let spec = *cache_of[layer]
-                .map(|i| caches[i].spec())
-                .ok_or_else(|| Error::Model("a decoder layer without a cache".into()))?;
-            stages_of(model)?.load(&step, bucket)?;
-            if self.generation != Some(stages_of(model)?.generation()) {
+            let spec = decoder_spec(parts)?;
+            stages_of(parts.model)?.load(&step, bucket)?;
+            if self.generation != Some(stages_of(parts.model)?.generation()) {
                 // (A capture's padding steps overwrite the inputs: loaded again.)
-                self.capture(backend, attention, caches, cache_of, model)?;
-                stages_of(model)?.load(&step, bucket)?;
+                self.capture(parts)?;
+                stages_of(parts.model)?.load(&step, bucket)?;
             }
-            let stages = stages_of(model)?;
             let g = self
                 .graphs
                 .get_mut(&bucket)
                 .ok_or_else(|| Error::Model(format!("no graph of bucket {bucket}")))?;
-            attention[layer].replan(&mut g.plan, &metadata, Some(&spec))?;
+            // Every layer is a decoder: the first one's attention plans for all.
+            parts.attention[0].replan(&mut g.plan, &metadata, Some(&spec))?;
             // SAFETY: the graph's tensors (the model's, unchanged since its generation
-            // matches after the `load`: `GraphStages`' contract), caches (the engine's, never reallocated), workspace (this
-            // value's, replaced only by `capture` after the graphs) and plan (this entry's,
-            // refreshed by `replan` only) are alive, and the metadata was validated for these
-            // caches by `replan`.
+            // matches after the `load`: `GraphStages`' contract), caches (the engine's, never
+            // reallocated), workspace (this value's, replaced only by `capture` after the
+            // graphs) and plan (this entry's, refreshed by `replan` only) are alive, and the
+            // metadata was validated for these caches by `replan`.
             unsafe { g.graph.replay()? };
-            stages.greedy(n, greedy)?;
+            stages_of(parts.model)?.greedy(n, greedy)?;
             Ok(true)
         }
+    }
+
+    /// The cache spec of the first layer, a decoder's (every layer's plan is its).
+    fn decoder_spec(parts: &GraphParts<'_>) -> Result<pagedattn::KvCacheSpec> {
+        parts.cache_of[0]
+            .map(|i| *parts.caches[i].spec())
+            .ok_or_else(|| Error::Model("a decoder layer without a cache".into()))
     }
 
     /// `model`'s graph stages.

@@ -12,7 +12,7 @@ use pagedattn::{AttentionConfig, AttentionImpl, Backend, KvCache, SequenceDesc, 
 use super::EngineConfig;
 use crate::serving::batch::StepBatch;
 use crate::serving::clock::AttentionClock;
-use crate::serving::graphs::DecodeGraphs;
+use crate::serving::graphs::{DecodeGraphs, GraphParts};
 use crate::serving::model::{Model, StepTokens};
 use crate::{Error, Result};
 
@@ -212,16 +212,16 @@ impl<'a> Rank<'a> {
     /// Captures the rank's CUDA graphs, where it has them (every rank at once: the graphs of
     /// a tensor-parallel model hold its collectives).
     pub(crate) fn capture_graphs(&mut self) -> Result<()> {
-        match self.graphs.as_mut() {
-            Some(graphs) => graphs.capture(
-                self.backend,
-                &self.attention,
-                &mut self.caches,
-                &self.cache_of,
-                self.model.as_mut(),
-            ),
-            None => Ok(()),
-        }
+        let Some(graphs) = self.graphs.as_mut() else {
+            return Ok(());
+        };
+        graphs.capture(&mut GraphParts {
+            backend: self.backend,
+            attention: &self.attention,
+            caches: &mut self.caches,
+            cache_of: &self.cache_of,
+            model: self.model.as_mut(),
+        })
     }
 
     /// Runs a decode step through a CUDA graph where there are graphs and the step fits one
@@ -234,15 +234,14 @@ impl<'a> Rank<'a> {
         let Some(graphs) = self.graphs.as_mut() else {
             return Ok(false);
         };
-        graphs.replay(
-            self.backend,
-            &self.attention,
-            &mut self.caches,
-            &self.cache_of,
-            self.model.as_mut(),
-            (descs, step),
-            &mut self.output.greedy,
-        )
+        let mut parts = GraphParts {
+            backend: self.backend,
+            attention: &self.attention,
+            caches: &mut self.caches,
+            cache_of: &self.cache_of,
+            model: self.model.as_mut(),
+        };
+        graphs.replay(&mut parts, (descs, step), &mut self.output.greedy)
     }
 }
 
