@@ -9,13 +9,17 @@
 #                                      GPUs, and the `chat` workload's tokens/s on 1 and 2
 #   bash bench/tp_campaign.sh trace   a kernel timeline of the 8B shape's B = 1 decode steps on
 #                                      GPUS (default: every count), tools/kernel-trace
+#   bash bench/tp_campaign.sh soak    the tensor-parallel tests RUNS times (default 10), 60 s
+#                                      each; a run past that has every thread's stack taken
+#                                      by cuda-gdb (carry engine_tests built with
+#                                      `strip --strip-debug`: symbols kept) before it is killed
 #
 # Needs gpu-bin/pagedattn and gpu-bin/engine_tests (built here, as NOTES.md's "The GPU machine"
 # says) and the kernel cache's directory in PAGEDATTN_CACHE_DIR (kernels compile at first use
 # otherwise). NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0, the machine's setting).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?check, speed or trace}
+part=${1:?check, speed, trace or soak}
 out=${OUT:-/tmp/tp-campaign}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0
@@ -64,5 +68,21 @@ import sys; sys.path.insert(0, 'bench'); import traces; print(traces.fixed_shape
         gzip -f "$out/trace-$n.csv"
     done
     ;;
-*) echo "check, speed or trace" >&2; exit 2 ;;
+soak)
+    for i in $(seq 1 "${RUNS:-10}"); do
+        (cd crates/pagedattn-engine && exec ../../gpu-bin/engine_tests --include-ignored \
+            --nocapture --test-threads 1 tensor_parallel::) >"$out/soak-$i.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+        if kill -0 "$pid" 2>/dev/null; then
+            echo "run $i: still running after 60 s; stacks in soak-$i.stacks"
+            timeout 90 cuda-gdb -p "$pid" -batch -ex "info threads" -ex "thread apply all bt 30" \
+                >"$out/soak-$i.stacks" 2>&1
+            kill -9 "$pid"
+        fi
+        wait "$pid"
+        echo "run $i: exit $? $(grep -o 'test result.*' "$out/soak-$i.log")"
+    done
+    ;;
+*) echo "check, speed, trace or soak" >&2; exit 2 ;;
 esac
