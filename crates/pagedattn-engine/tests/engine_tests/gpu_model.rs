@@ -191,6 +191,12 @@ pub(crate) mod gpu {
         pub(crate) worst_flip_margin: f32,
     }
 
+    /// The standard deviation of a row of logits: the scale the tests measure differences in.
+    pub(crate) fn spread(row: &[f32]) -> f32 {
+        let mean = row.iter().sum::<f32>() / row.len() as f32;
+        (row.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / row.len() as f32).sqrt()
+    }
+
     /// Compares `rows` (indices) of `got` (bf16) with `want` (f32).
     pub(crate) fn agreement(
         want: &[f32],
@@ -207,8 +213,7 @@ pub(crate) mod gpu {
         };
         for r in rows {
             let (w, g) = (row(want, width, r), row(got, width, r));
-            let mean = w.iter().sum::<f32>() / width as f32;
-            let std = (w.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / width as f32).sqrt();
+            let std = spread(w);
             let diff = w
                 .iter()
                 .zip(g)
@@ -391,9 +396,7 @@ pub(crate) mod gpu {
                 for (i, &token) in generated.iter().enumerate() {
                     let r = row(&logits, config.vocab, req.prompt.len() - 1 + i);
                     let max = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mean = r.iter().sum::<f32>() / r.len() as f32;
-                    let std =
-                        (r.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / r.len() as f32).sqrt();
+                    let std = spread(r);
                     assert!(
                         r[token as usize] >= max - 0.02 * std,
                         "graphs {cuda_graphs}: token {i} ({token}) has logit {}, the row's largest is {max} (std {std})",

@@ -24,7 +24,7 @@ use pagedattn_engine::serving::model::Model;
 use pagedattn_engine::serving::report::Report;
 
 use crate::common::{self, generated, requests, Hooked};
-use crate::gpu_model::gpu::agreement;
+use crate::gpu_model::gpu::{agreement, spread};
 
 /// A synthetic Llama of 32 query heads and `kv_heads` kv heads (4 layers, hidden 1024).
 fn model(kv_heads: usize) -> SyntheticConfig {
@@ -125,8 +125,7 @@ fn tie_margin(one: &mut GpuLlama, cuda: &Cuda, prompt: &[u32], tokens: &[u32], a
     let context: Vec<u32> = prompt.iter().chain(&tokens[..at]).copied().collect();
     let logits = prompt_logits(one, cuda as &dyn Backend, &context).unwrap();
     let last = &logits[logits.len() - one.vocab_size()..];
-    let mean = last.iter().sum::<f32>() / last.len() as f32;
-    let std = (last.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / last.len() as f32).sqrt();
+    let std = spread(last);
     let mut sorted = last.to_vec();
     sorted.sort_by(|x, y| y.total_cmp(x));
     (sorted[0] - sorted[1]) / std

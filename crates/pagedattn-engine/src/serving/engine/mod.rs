@@ -33,8 +33,7 @@ pub use run::MAX_ARRIVAL_SECONDS;
 pub use watchdog::DEFAULT_RANK_TIMEOUT;
 
 use forward::{SharedCheck, StepForward};
-use rank::{check_ranks_agree, on_ranks, Rank, RankThreads};
-use watchdog::StepWatchdog;
+use rank::{check_ranks_agree, Rank, RankRunner};
 
 mod forward;
 mod rank;
@@ -143,12 +142,8 @@ pub struct Engine<'a> {
     /// Rank 0's model answers for all (kind, vocabulary, stop tokens: checked equal); its
     /// outputs are the step's.
     ranks: Vec<Rank<'a>>,
-    /// Makes the ranks that wait for a failed one return (several ranks only).
-    abort: Option<AbortRanks>,
-    /// A thread per rank (several ranks only).
-    threads: Option<RankThreads>,
-    /// Aborts a step of several ranks that runs past its timeout.
-    watchdog: Option<StepWatchdog>,
+    /// Runs a step's work on every rank.
+    runner: RankRunner,
     block_size: usize,
     num_blocks: usize,
     scheduler: Scheduler,
@@ -272,30 +267,13 @@ impl<'a> Engine<'a> {
             .map(|(i, parts)| Rank::new(parts, config, i == 0))
             .collect::<Result<Vec<_>>>()?;
         check_ranks_agree(&ranks)?;
-        let threads = match ranks.len() {
-            1 => None,
-            n => Some(RankThreads::new(n)?),
-        };
-        let mut watchdog = match (&abort, ranks.len()) {
-            (Some(abort), 2..) => Some(StepWatchdog::new(abort.clone())?),
-            _ => None,
-        };
+        let mut runner = RankRunner::new(ranks.len(), abort)?;
         // The CUDA graphs, captured now (the ranks' collectives inside: watched as a step is).
-        let mut capture = || {
-            on_ranks(&mut ranks, threads.as_ref(), abort.as_ref(), |_, rank| {
-                rank.capture_graphs()
-            })
-        };
-        match watchdog.as_mut() {
-            Some(w) => w.watch(capture)?,
-            None => capture()?,
-        };
+        runner.run(&mut ranks, |_, rank| rank.capture_graphs())?;
         let scheduler = Scheduler::new(scheduler_config)?;
         Ok(Engine {
             ranks,
-            abort,
-            threads,
-            watchdog,
+            runner,
             block_size: pools.block_size,
             num_blocks: pools.num_device_blocks,
             scheduler,
@@ -325,9 +303,7 @@ impl<'a> Engine<'a> {
     /// hook) once it has run `timeout` ([`DEFAULT_RANK_TIMEOUT`] unless set): the step then
     /// fails saying so, instead of a rank waiting forever for peers that never come.
     pub fn with_rank_timeout(self, timeout: std::time::Duration) -> Self {
-        if let Some(w) = &self.watchdog {
-            w.set_timeout(timeout);
-        }
+        self.runner.set_timeout(timeout);
         self
     }
 
@@ -637,21 +613,13 @@ impl<'a> Engine<'a> {
             greedy,
         };
         // Every rank runs the step (a graph replay where one fits: each rank decides alike).
-        let (ranks, threads, abort) = (&mut self.ranks, self.threads.as_ref(), self.abort.as_ref());
-        let mut run_ranks = || {
-            on_ranks(ranks, threads, abort, |_, rank| {
-                let replayed = graph_step && rank.replay_decode(step.descs, step.tokens)?;
-                if !replayed {
-                    rank.forward(&step)?;
-                }
-                Ok(replayed)
-            })
-        };
-        let replayed = match self.watchdog.as_mut() {
-            Some(w) => w.watch(run_ranks)?,
-            None => run_ranks()?,
-        };
-        let replayed = replayed[0];
+        let replayed = self.runner.run(&mut self.ranks, |_, rank| {
+            let replayed = graph_step && rank.replay_decode(step.descs, step.tokens)?;
+            if !replayed {
+                rank.forward(&step)?;
+            }
+            Ok(replayed)
+        })?[0];
         let forward_seconds = forward_start.elapsed().as_secs_f64();
         let attention_seconds = self.ranks[0].clock.take_seconds()?;
         let out = &self.ranks[0].output;

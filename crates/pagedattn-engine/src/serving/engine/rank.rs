@@ -1,14 +1,16 @@
 //! [`Rank`]: one device's share of the engine — a backend, the model (or its shard) on it,
 //! its attentions, caches, swap space, workspace, clock and CUDA graphs. An engine on one
 //! device has one rank; with tensor parallelism each GPU is a rank, and every step runs the
-//! same forward on every rank at once, one thread a rank ([`on_ranks`]). The scheduler and
+//! same forward on every rank at once, one thread a rank ([`RankRunner`]). The scheduler and
 //! the block manager are the engine's, one for all ranks: a block id names the same block in
 //! every rank's caches, and swaps and copies are applied on every rank.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use pagedattn::{AttentionConfig, AttentionImpl, Backend, KvCache, SequenceDesc, Workspace};
 
+use super::watchdog::StepWatchdog;
 use super::EngineConfig;
 use crate::serving::batch::StepBatch;
 use crate::serving::clock::AttentionClock;
@@ -286,11 +288,11 @@ pub(crate) fn check_ranks_agree(ranks: &[Rank<'_>]) -> Result<()> {
 /// a step hands each thread its rank instead of spawning threads. One thread a rank, each
 /// running only its own: a rank's work waits for its GPU, whose collectives wait for every
 /// other rank, so no rank may queue behind another.
-pub(crate) struct RankThreads(rayon::ThreadPool);
+struct RankThreads(rayon::ThreadPool);
 
 impl RankThreads {
     /// Threads for `ranks` ranks.
-    pub(crate) fn new(ranks: usize) -> Result<Self> {
+    fn new(ranks: usize) -> Result<Self> {
         rayon::ThreadPoolBuilder::new()
             .num_threads(ranks)
             .thread_name(|i| format!("rank-{i}"))
@@ -300,13 +302,61 @@ impl RankThreads {
     }
 }
 
+/// How the engine runs work on its ranks: with several, a thread a rank, what aborts their
+/// collectives when one fails, and the watchdog that aborts them when all wait.
+pub(crate) struct RankRunner {
+    threads: Option<RankThreads>,
+    abort: Option<AbortRanks>,
+    watchdog: Option<StepWatchdog>,
+}
+
+impl RankRunner {
+    /// The runner of `ranks` ranks (one: nothing to start) whose collectives `abort` aborts.
+    pub(crate) fn new(ranks: usize, abort: Option<AbortRanks>) -> Result<Self> {
+        let threads = match ranks {
+            1 => None,
+            n => Some(RankThreads::new(n)?),
+        };
+        let watchdog = match (&abort, ranks) {
+            (Some(abort), 2..) => Some(StepWatchdog::new(abort.clone())?),
+            _ => None,
+        };
+        Ok(RankRunner {
+            threads,
+            abort,
+            watchdog,
+        })
+    }
+
+    /// Work on several ranks may run this long from now on (see [`StepWatchdog`]).
+    pub(crate) fn set_timeout(&self, timeout: Duration) {
+        if let Some(w) = &self.watchdog {
+            w.set_timeout(timeout);
+        }
+    }
+
+    /// [`on_ranks`] under the watchdog, where there is one.
+    pub(crate) fn run<T: Send>(
+        &mut self,
+        ranks: &mut [Rank<'_>],
+        work: impl Fn(usize, &mut Rank<'_>) -> Result<T> + Sync,
+    ) -> Result<Vec<T>> {
+        let (threads, abort) = (self.threads.as_ref(), self.abort.as_ref());
+        let run = || on_ranks(ranks, threads, abort, work);
+        match self.watchdog.as_mut() {
+            Some(w) => w.watch(run),
+            None => run(),
+        }
+    }
+}
+
 /// Runs `work` on every rank at once and returns each rank's result: one rank on this thread,
 /// several on `threads`, rank i on thread i (rayon's `broadcast` runs its closure once on
 /// every thread of the pool). A rank that fails calls `abort` at once, so that ranks waiting
 /// for it in a collective return; the error returned is the first rank's to fail (the
 /// others' are its consequences). A rank that panics aborts the others too, and the panic is
 /// resumed here.
-pub(crate) fn on_ranks<T: Send>(
+fn on_ranks<T: Send>(
     ranks: &mut [Rank<'_>],
     threads: Option<&RankThreads>,
     abort: Option<&AbortRanks>,
