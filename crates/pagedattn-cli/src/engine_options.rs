@@ -297,35 +297,7 @@ fn place(
             let cuda = pagedattn::cuda::Cuda::new(gpu)?;
             return Ok((vec![Box::new(GpuLlama::new(&llama, &cuda)?)], None));
         }
-        let comms = std::sync::Arc::new(pagedattn_engine::models::nccl::Communicators::new(&gpus)?);
-        // Each GPU's shard converted and uploaded on a thread of its own (the 8B shape's
-        // 16 GB of bf16 take a while per GPU).
-        let models = std::thread::scope(|scope| {
-            let shards: Vec<_> = gpus
-                .iter()
-                .enumerate()
-                .map(|(rank, &gpu)| {
-                    let (llama, comms, size) = (&llama, comms.clone(), gpus.len());
-                    scope.spawn(move || -> pagedattn_engine::Result<Box<dyn Model>> {
-                        let cuda = pagedattn::cuda::Cuda::new(gpu)?;
-                        let tp = pagedattn_engine::models::tensor_parallel::TensorParallel {
-                            rank,
-                            size,
-                        };
-                        Ok(Box::new(GpuLlama::new_shard(llama, &cuda, tp, comms)?))
-                    })
-                })
-                .collect();
-            shards
-                .into_iter()
-                .map(|s| {
-                    s.join().map_err(|_| {
-                        pagedattn_engine::Error::Model("a GPU's shard panicked loading".into())
-                    })?
-                })
-                .collect::<pagedattn_engine::Result<Vec<_>>>()
-        })?;
-        let abort: AbortRanks = std::sync::Arc::new(move || comms.abort());
+        let (models, abort) = GpuLlama::shards(&llama, &gpus)?;
         return Ok((models, Some(abort)));
     }
     let _ = (on_device, backends);

@@ -36,6 +36,7 @@ use crate::models::llama::{llama_model_info, Llama, LlamaShape};
 use crate::models::nccl::Communicators;
 use crate::models::ops::RopeStyle;
 use crate::models::tensor_parallel::{columns_of, head_elements, rows_of, TensorParallel};
+use crate::serving::engine::AbortRanks;
 use crate::serving::model::{Attend, GraphStages, Model, StepTokens};
 use crate::{Error, Result};
 
@@ -368,6 +369,37 @@ impl GpuLlama {
             )));
         }
         Self::build(model, cuda, Some((tp, comms)))
+    }
+
+    /// `model` sharded over `gpus` (rank i on GPU `gpus[i]`, one communicator a GPU): each
+    /// rank's shard, converted and uploaded on a thread of its own (the 8B shape's 16 GB of
+    /// bf16 take a while per GPU), and what aborts the ranks' communicators.
+    pub fn shards(model: &Llama, gpus: &[usize]) -> Result<(Vec<Box<dyn Model>>, AbortRanks)> {
+        let comms = Arc::new(Communicators::new(gpus)?);
+        let size = gpus.len();
+        let models = std::thread::scope(|scope| {
+            let loading: Vec<_> = gpus
+                .iter()
+                .enumerate()
+                .map(|(rank, &gpu)| {
+                    let comms = comms.clone();
+                    scope.spawn(move || -> Result<Box<dyn Model>> {
+                        let cuda = Cuda::new(gpu)?;
+                        let tp = TensorParallel { rank, size };
+                        Ok(Box::new(GpuLlama::new_shard(model, &cuda, tp, comms)?))
+                    })
+                })
+                .collect();
+            loading
+                .into_iter()
+                .map(|s| {
+                    s.join()
+                        .map_err(|_| Error::Model("a GPU's shard panicked loading".into()))?
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        let abort: AbortRanks = Arc::new(move || comms.abort());
+        Ok((models, abort))
     }
 
     /// [`new`](Self::new) or [`new_shard`](Self::new_shard).

@@ -16,10 +16,8 @@ use pagedattn_engine::harness::verify::{Verifier, VerifyMode};
 use pagedattn_engine::harness::workload::Builtin;
 use pagedattn_engine::models::gpu_llama::GpuLlama;
 use pagedattn_engine::models::llama::Llama;
-use pagedattn_engine::models::nccl::Communicators;
 use pagedattn_engine::models::synthetic::SyntheticConfig;
-use pagedattn_engine::models::tensor_parallel::TensorParallel;
-use pagedattn_engine::serving::engine::{AbortRanks, Engine, EngineRequest, Placed};
+use pagedattn_engine::serving::engine::{Engine, EngineRequest, Placed};
 use pagedattn_engine::serving::model::Model;
 use pagedattn_engine::serving::report::Report;
 
@@ -51,16 +49,11 @@ fn gpus() -> usize {
 /// communicators.
 fn shards(host: &Llama, n: usize) -> Placed {
     let ordinals: Vec<usize> = (0..n).collect();
-    let comms = Arc::new(Communicators::new(&ordinals).unwrap());
-    let (mut backends, mut models) = (Vec::new(), Vec::new());
-    for rank in 0..n {
-        let cuda = Cuda::new(rank).unwrap();
-        let tp = TensorParallel { rank, size: n };
-        let shard = GpuLlama::new_shard(host, &cuda, tp, comms.clone()).unwrap();
-        models.push(Box::new(shard) as Box<dyn Model>);
-        backends.push(Box::new(cuda) as Box<dyn Backend>);
-    }
-    let abort: AbortRanks = Arc::new(move || comms.abort());
+    let (models, abort) = GpuLlama::shards(host, &ordinals).unwrap();
+    let backends = ordinals
+        .iter()
+        .map(|&gpu| Box::new(Cuda::new(gpu).unwrap()) as Box<dyn Backend>)
+        .collect();
     Placed::new(backends, models, Some(abort)).unwrap()
 }
 
