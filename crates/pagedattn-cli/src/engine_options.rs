@@ -27,7 +27,8 @@ pub struct EngineArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// The synthetic decoder's shape when no `--model` is given: `small` (the tests' and
-    /// workloads' default) or `llama3-8b` (Llama-3-8B's shape, 16 GB of seeded bf16 weights).
+    /// workloads' default), `smollm2` (SmolLM2-135M's shape) or `llama3-8b` (Llama-3-8B's
+    /// shape, 16 GB of seeded bf16 weights).
     #[arg(long, default_value = "small", conflicts_with = "model")]
     pub synthetic: String,
     /// Tokens per KV-cache block (8: under 2% of the slots of a chat workload's blocks stay

@@ -76,18 +76,37 @@ impl Default for SyntheticConfig {
 
 /// The synthetic decoders `--synthetic` names: the default (small, for tests and workloads)
 /// and real models' shapes.
-pub const PRESETS: [&str; 2] = ["small", "llama3-8b"];
+pub const PRESETS: [&str; 3] = ["small", "smollm2", "llama3-8b"];
 
 impl SyntheticConfig {
     /// The decoder preset `name` (one of [`PRESETS`]).
     pub fn preset(name: &str) -> Result<Self> {
         match name {
             "small" => Ok(SyntheticConfig::default()),
+            "smollm2" => Ok(SyntheticConfig::smollm2()),
             "llama3-8b" => Ok(SyntheticConfig::llama3_8b()),
             other => Err(Error::Model(format!(
                 "synthetic model {other:?}: expected one of {}",
                 PRESETS.join(", ")
             ))),
+        }
+    }
+
+    /// A decoder shaped like SmolLM2-135M: 30 layers, hidden 576, MLP 1536, 9 query heads and
+    /// 3 kv heads of 64, a vocabulary of 49152, bf16, its own LM head (the real model ties it
+    /// to the embedding: the same bytes a step reads). On the GPU its step costs what the real
+    /// model's does (the GPU model holds every weight in bf16), without carrying the file.
+    pub fn smollm2() -> Self {
+        SyntheticConfig {
+            layers: 30,
+            hidden: 576,
+            ffn: 1536,
+            heads: 9,
+            kv_heads: 3,
+            head_size: 64,
+            vocab: 49_152,
+            max_context: 8192,
+            ..SyntheticConfig::default()
         }
     }
 
@@ -446,6 +465,11 @@ mod tests {
             (32, 4096, 14336, 128_256)
         );
         let e = SyntheticConfig::preset("gpt5").unwrap_err().to_string();
-        assert!(e.contains("small, llama3-8b"), "{e}");
+        assert!(e.contains("small, smollm2, llama3-8b"), "{e}");
+        let smol = SyntheticConfig::preset("smollm2").unwrap();
+        assert_eq!(
+            (smol.layers, smol.heads, smol.kv_heads, smol.head_size),
+            (30, 9, 3, 64)
+        );
     }
 }
