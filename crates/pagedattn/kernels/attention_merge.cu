@@ -10,8 +10,8 @@
 // did.
 
 // The fields of one merge record (MERGE_TOKEN, MERGE_HEAD, MERGE_FIRST, MERGE_COUNT: the
-// output row and its partitions' partial slots [first, first + count)) are generated before
-// this file from src/cuda/abi.rs.
+// output row and its partitions' partial slots [first, first + count); a count of 0 leaves
+// the row alone) are generated before this file from src/cuda/abi.rs.
 
 // Partitions whose weights one pass computes, one per thread (the launch's 128 threads).
 constexpr int MERGE_BATCH = 128;
@@ -27,9 +27,14 @@ __device__ __forceinline__ void merge(const float* partials, const i64* merges, 
                                      i64 num_heads, i64 head_size, float out_scale) {
     __shared__ double weights[MERGE_BATCH];
     const i64* m = merges + (i64)blockIdx.x * MERGE_FIELDS;
+    const i64 count = m[MERGE_COUNT];
+    if (count == 0) {
+        // A graph plan's idle merge: this step left the row's unit unsplit, and the unit
+        // wrote the row itself (plan.rs, Split::Fixed).
+        return;
+    }
     const i64 record = head_size + 4;
     const float* first = partials + m[MERGE_FIRST] * record;
-    const i64 count = m[MERGE_COUNT];
     float max = -f32_inf();
     bool attended = false;
     for (i64 k = 0; k < count; ++k) {

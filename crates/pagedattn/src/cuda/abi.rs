@@ -95,7 +95,8 @@ record!(
         Head = "HEAD",
         /// Its partitions' partial slots: [first, first + count).
         First = "FIRST",
-        /// How many.
+        /// How many (0: none; the row's unit was not split and wrote it, a graph plan's
+        /// idle merge).
         Count = "COUNT",
     }
 );

@@ -185,7 +185,10 @@ impl CudaAttention {
             Split::Auto {
                 sm_count: self.gpu.sm_count,
             },
-            |g| Split::Fixed(g.parts),
+            |g| Split::Fixed {
+                parts: g.parts,
+                sm_count: self.gpu.sm_count,
+            },
         );
         let block_size = cache.map(|c| c.block_size);
         let detached = Detached::plan(&self.config, md, block_size, has_new_kv)?;
@@ -493,7 +496,10 @@ impl AttentionImpl for CudaAttention {
             let block_size = cache.map(|c| c.block_size);
             // The units before any split size the fixed split, as the automatic split
             // would for sequences of the capacity's length.
-            let split = Split::Fixed(1);
+            let split = Split::Fixed {
+                parts: 1,
+                sm_count: self.gpu.sm_count,
+            };
             let unsplit = plan::build(&self.config, md, block_size, has_new_kv, None, split);
             let units = (unsplit.decode.len() + unsplit.prefill.len()) / UnitField::COUNT;
             let max_keys = capacity.max_seq_len;

@@ -14,10 +14,13 @@
 //! multiprocessor), a decode unit with more than [`MIN_PARTITION_KEYS`] keys is split into
 //! partitions of at least that many keys (multiples of [`PARTITION_ALIGN`]), as many as the
 //! grid holds without passing that size; each partition leaves a partial result per row in
-//! the workspace, and a merge per row combines them. A plan for CUDA graphs splits every
-//! decode unit into the same number of partitions whatever its length ([`Split::Fixed`], some
-//! of them empty when the unit is short), so that the records keep their count from step to
-//! step.
+//! the workspace, and a merge per row combines them. A plan for CUDA graphs gives every decode
+//! unit the same number of partition records whatever its length ([`Split::Fixed`]), so that
+//! the records keep their count from step to step: the keys are divided as the automatic split
+//! divides them, the records past those are empty, and their merges read only the partitions
+//! that hold keys (none, when the unit is not split: it writes its rows itself and the merge
+//! record is idle). A short context thus costs a graph step what it costs an eager one, not a
+//! merge over the capacity's partitions.
 
 use std::ops::Range;
 
@@ -51,8 +54,9 @@ pub(crate) enum Split {
     /// multiprocessor of a GPU with this many, in partitions of at least
     /// [`MIN_PARTITION_KEYS`] keys.
     Auto { sm_count: usize },
-    /// Exactly this many per decode unit (1: none).
-    Fixed(usize),
+    /// Exactly `parts` records per decode unit (1: no split), the keys divided as
+    /// `Auto { sm_count }` divides them (into at most `parts`), the other records empty.
+    Fixed { parts: usize, sm_count: usize },
 }
 
 /// The partitions a graph plan gives each decode unit: what [`Split::Auto`] would choose for
@@ -242,37 +246,42 @@ pub(crate) fn build(
     decode.sort_by_key(|u| u.private);
     for unit in decode {
         let len = unit.keys.len();
-        let parts = match split {
-            Split::Auto { sm_count } => {
-                let parts = len
-                    .div_ceil(MIN_PARTITION_KEYS)
-                    .min(max_parts(blocks, sm_count));
-                if parts > 1 {
-                    // Rounding the partitions up to the alignment may leave fewer.
-                    len.div_ceil(len.div_ceil(parts).next_multiple_of(PARTITION_ALIGN))
-                } else {
-                    parts
-                }
+        let auto = |sm_count| {
+            let parts = len
+                .div_ceil(MIN_PARTITION_KEYS)
+                .min(max_parts(blocks, sm_count));
+            if parts > 1 {
+                // Rounding the partitions up to the alignment may leave fewer.
+                len.div_ceil(len.div_ceil(parts).next_multiple_of(PARTITION_ALIGN))
+            } else {
+                1
             }
-            Split::Fixed(parts) => parts,
         };
-        let records = if parts <= 1 { 1 } else { parts };
+        // Records, and the partitions among them that hold keys.
+        let (records, used) = match split {
+            Split::Auto { sm_count } => {
+                let parts = auto(sm_count);
+                (parts, parts)
+            }
+            Split::Fixed { parts, sm_count } => (parts.max(1), auto(sm_count).min(parts.max(1))),
+        };
         if unit.private {
             work.private_decode += records;
         }
-        if parts <= 1 {
+        if records == 1 {
             work.decode.extend(unit.record());
             continue;
         }
-        let step = len.div_ceil(parts).next_multiple_of(PARTITION_ALIGN);
+        let step = len.div_ceil(used).next_multiple_of(PARTITION_ALIGN);
         let base = work.num_partials;
-        work.num_partials += unit.heads * parts;
-        for part in 0..parts {
-            // (A fixed split of a short unit leaves its last partitions empty.)
+        work.num_partials += unit.heads * records;
+        for part in 0..records {
+            // The records past `used` are empty; with one partition used, the first writes the
+            // rows itself.
             let start = (unit.keys.start + part * step).min(unit.keys.end);
             let split = Unit {
                 keys: start..(start + step).min(unit.keys.end),
-                split: Some((base, parts, part)),
+                split: (used > 1 || part > 0).then_some((base, records, part)),
                 ..unit.clone()
             };
             work.decode.extend(split.record());
@@ -283,8 +292,9 @@ pub(crate) fn build(
             let mut merge = [0; MergeField::COUNT];
             merge[MergeField::Token] = token;
             merge[MergeField::Head] = head;
-            merge[MergeField::First] = base + r * parts;
-            merge[MergeField::Count] = parts;
+            merge[MergeField::First] = base + r * records;
+            // 0: the row is the first partition's, written whole (the merge is idle).
+            merge[MergeField::Count] = if used > 1 { used } else { 0 };
             work.merges.extend(merge.map(|x| x as i64));
         }
     }
@@ -342,6 +352,9 @@ mod tests {
             }
         }
         for m in work.merges.chunks(MergeField::COUNT) {
+            if m[3] == 0 {
+                continue;
+            }
             written[(m[0] * h as i64 + m[1]) as usize] += 1;
             let mut ranges: Vec<Range<i64>> = (m[2]..m[2] + m[3])
                 .flat_map(|slot| parts.remove(&(slot as usize)).unwrap())
@@ -352,7 +365,10 @@ mod tests {
                 "{ranges:?}"
             );
         }
-        assert!(parts.is_empty(), "partials nobody merges: {parts:?}");
+        assert!(
+            parts.values().flatten().all(|keys| keys.is_empty()),
+            "partials with keys nobody merges: {parts:?}"
+        );
         assert!(written.iter().all(|&w| w == 1), "{written:?}");
     }
 
@@ -413,7 +429,7 @@ mod tests {
     }
 
     #[test]
-    fn fixed_splits_keep_the_record_counts() {
+    fn fixed_splits_keep_the_record_counts_and_split_as_auto_does() {
         // A graph plan's steps: the same batch, sequences of other lengths (one empty of
         // keys but its new token, one shorter than a partition per part).
         let cfg = config(8, 2, None);
@@ -431,22 +447,43 @@ mod tests {
             }
             b.build().unwrap()
         };
+        // The partitions that hold keys, or write their rows: (seq, kv head, head, keys,
+        // whether the unit writes its rows itself).
+        let used = |work: &Work| -> Vec<(i64, i64, i64, Range<i64>, bool)> {
+            (units(&work.decode).into_iter())
+                .filter(|u| u[6] < u[7] || u[8] < 0)
+                .map(|u| (u[0], u[1], u[4], u[6]..u[7], u[8] < 0))
+                .collect()
+        };
+        // 6 units of up to 2000 keys: 8 partitions each.
+        let parts = graph_parts(6, 2000, 132);
+        assert_eq!(parts, 8);
+        let fixed = Split::Fixed {
+            parts,
+            sm_count: 132,
+        };
         let mut shapes = Vec::new();
         for lens in [[1, 40, 1000], [2000, 3, 700], [1, 1, 1]] {
             let md = step(lens);
-            let work = build(&cfg, &md, Some(16), true, None, Split::Fixed(4));
+            let work = build(&cfg, &md, Some(16), true, None, fixed);
             check_cover(&work, &md, &cfg);
             shapes.push((work.decode.len(), work.merges.len(), work.num_partials));
+            let auto = build(&cfg, &md, Some(16), true, None, Split::Auto { sm_count: 132 });
+            assert_eq!(used(&work), used(&auto), "{lens:?}");
         }
         assert!(shapes.iter().all(|&s| s == shapes[0]), "{shapes:?}");
         assert_eq!(
             shapes[0],
             (
-                3 * 2 * 4 * UnitField::COUNT,
+                3 * 2 * 8 * UnitField::COUNT,
                 3 * 8 * MergeField::COUNT,
-                3 * 8 * 4
+                3 * 8 * 8
             )
         );
+        // Contexts within one partition: every unit writes its rows, every merge is idle.
+        let short = build(&cfg, &step([200, 1, 256]), Some(16), true, None, fixed);
+        assert!(short.merges.chunks(MergeField::COUNT).all(|m| m[3] == 0));
+        assert_eq!(units(&short.decode).iter().filter(|u| u[8] < 0).count(), 6);
         assert_eq!(graph_parts(6, 4096, 132), 16);
         assert_eq!(graph_parts(6, 100, 132), 1);
         assert_eq!(graph_parts(1000, 4096, 132), 1);
