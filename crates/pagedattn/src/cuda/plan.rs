@@ -468,7 +468,14 @@ mod tests {
             let work = build(&cfg, &md, Some(16), true, None, fixed);
             check_cover(&work, &md, &cfg);
             shapes.push((work.decode.len(), work.merges.len(), work.num_partials));
-            let auto = build(&cfg, &md, Some(16), true, None, Split::Auto { sm_count: 132 });
+            let auto = build(
+                &cfg,
+                &md,
+                Some(16),
+                true,
+                None,
+                Split::Auto { sm_count: 132 },
+            );
             assert_eq!(used(&work), used(&auto), "{lens:?}");
         }
         assert!(shapes.iter().all(|&s| s == shapes[0]), "{shapes:?}");
