@@ -4,15 +4,19 @@
 # GPU's state and clocks weigh on both alike: the median decode step per batch size.
 #
 #   SYNTHETIC=smollm2 BATCHES=1,64 bash bench/step_ab.sh OLD_BINARY NEW_BINARY
+#   OLD_ENV=PAGEDATTN_LAYER_KERNEL=0 bash bench/step_ab.sh BINARY BINARY   (one build, a switch)
 #
 # SYNTHETIC names the shape (`pagedattn run --synthetic`; or MODEL a file), REPEATS (default
-# 3) the runs per build and batch, PP and TG (128, 128) the trace. On the GPU machine.
+# 3) the runs per build and batch, PP and TG (128, 128) the trace, OLD_ENV and NEW_ENV
+# variables (NAME=VALUE, space-separated) each side runs with. On the GPU machine.
 set -uo pipefail
 old=$1 new=$2
 if [ -n "${MODEL:-}" ]; then model=(--model "$MODEL"); else model=(--synthetic "${SYNTHETIC:-smollm2}"); fi
-for bin in "$old" "$new" "$new" "$old"; do
-    echo "== $(basename "$bin")"
-    python3 bench/engine_gpu.py --pagedattn "$bin" "${model[@]}" --batches "${BATCHES:-1,64}" \
+for side in old new new old; do
+    if [ $side = old ]; then bin=$old vars=${OLD_ENV:-}; else bin=$new vars=${NEW_ENV:-}; fi
+    echo "== $side: $(basename "$bin") ${vars}"
+    # shellcheck disable=SC2086 # the variables split into NAME=VALUE words
+    env $vars python3 bench/engine_gpu.py --pagedattn "$bin" "${model[@]}" --batches "${BATCHES:-1,64}" \
         --repeats "${REPEATS:-3}" --pp "${PP:-128}" --tg "${TG:-128}" | tail -n +3 |
         awk -F'|' '{printf "  B %s: decode step %s ms, forward %s ms, %s tokens/s, graph steps %s\n", $2, $7, $8, $5, $10}'
 done
