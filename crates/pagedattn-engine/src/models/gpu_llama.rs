@@ -321,8 +321,10 @@ pub struct GpuLlama {
     /// cuBLAS's workspace (`BLAS_WORKSPACE` bytes).
     _blas_workspace: Buffer<u8>,
     kernels: Kernels,
-    /// `between_layers`' launch where this model runs it (`None`: the separate kernels).
+    /// `between_layers`' launch where this model can run it.
     between: Option<LayerKernel>,
+    /// Whether steps of at most [`LAYER_TOKENS`] tokens run it.
+    between_on: bool,
     embedding: Buffer<u16>,
     layers: Vec<Layer>,
     out_norm: Buffer<f32>,
@@ -576,6 +578,7 @@ impl GpuLlama {
             .map(|c| shard.attention(c))
             .collect::<Result<Vec<_>>>()?;
         let between = LayerKernel::new(&model.shape, parallel.is_none(), &stream)?;
+        let between_on = between.is_some() && layer_kernel_setting()?;
         Ok(GpuLlama {
             shape: LlamaShape {
                 heads: shard.q_heads.len(),
@@ -602,6 +605,7 @@ impl GpuLlama {
                 between_layers,
             },
             between,
+            between_on,
             blas,
             _blas_workspace: blas_workspace,
             stream,
@@ -622,21 +626,10 @@ struct LayerKernel {
 }
 
 impl LayerKernel {
-    /// The launch for a model of `shape` on one GPU, or `None` where the kernel does not run
+    /// The launch for a model of `shape` on one GPU, or `None` where the kernel cannot run
     /// it: several GPUs (an all-reduce follows each residual product), rows that are no
-    /// multiple of 8 elements (its 16-byte loads), inputs wider than its staging, or
-    /// [`LAYER_KERNEL_ENV`] set to `0`.
+    /// multiple of 8 elements (its 16-byte loads), or inputs wider than its staging.
     fn new(shape: &LlamaShape, one_gpu: bool, stream: &Arc<CudaStream>) -> Result<Option<Self>> {
-        let setting = std::env::var(LAYER_KERNEL_ENV).ok();
-        match setting.as_deref() {
-            None | Some("1") => {}
-            Some("0") => return Ok(None),
-            Some(other) => {
-                return Err(Error::Model(format!(
-                    "{LAYER_KERNEL_ENV}={other}: expected 0 (separate kernels) or 1"
-                )))
-            }
-        }
         let (qw, kvw) = (
             shape.heads * shape.head_size,
             shape.kv_heads * shape.head_size,
@@ -658,6 +651,18 @@ impl LayerKernel {
             staging: staging as u32,
             barrier: Buffer::zeros(stream, 1)?,
         }))
+    }
+}
+
+/// Whether [`LAYER_KERNEL_ENV`] leaves `between_layers` on (unset or `1`) or turns it off
+/// (`0`).
+fn layer_kernel_setting() -> Result<bool> {
+    match std::env::var(LAYER_KERNEL_ENV).ok().as_deref() {
+        None | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(other) => Err(Error::Model(format!(
+            "{LAYER_KERNEL_ENV}={other}: expected 0 (separate kernels) or 1"
+        ))),
     }
 }
 
@@ -756,6 +761,17 @@ impl GpuLlama {
             )
         }
         .map_err(|e| gpu_error("cublasGemmEx", e))
+    }
+
+    /// Whether steps of at most 8 tokens run the work between two attention calls as one
+    /// persistent kernel (`between_layers`) instead of eight; `false` runs the separate
+    /// kernels, as larger steps always do. It is on by default where the model can run it
+    /// (one GPU, rows of multiples of 8 elements, inputs of at most 3,072) unless
+    /// `PAGEDATTN_LAYER_KERNEL=0`; set it before the engine captures CUDA graphs (they keep
+    /// the kernels they captured). Returns whether it is on.
+    pub fn use_layer_kernel(&mut self, on: bool) -> bool {
+        self.between_on = on && self.between.is_some();
+        self.between_on
     }
 
     /// RoPE's inverse frequencies, rotated dimensions and pairing (1: adjacent) as the
@@ -1040,7 +1056,7 @@ impl GpuLlama {
             .map_err(|_| Error::Model(format!("a launch of {rope_blocks} blocks per token")))?;
         // Steps of few tokens run the work between attention calls as one kernel; layer 0's
         // norm and q/k/v come first as separate kernels.
-        let between = self.between.as_ref().filter(|_| t <= LAYER_TOKENS);
+        let between = (self.between.as_ref()).filter(|_| self.between_on && t <= LAYER_TOKENS);
         for (l, layer) in self.layers.iter().enumerate() {
             if let (Some(_), 1..) = (between, l) {
                 attend(l, q, k, v, o)?;

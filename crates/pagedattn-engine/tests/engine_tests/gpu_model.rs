@@ -260,6 +260,44 @@ pub(crate) mod gpu {
         assert!(a.same_top1 * 100 >= a.rows * 95, "{a:?}");
     }
 
+    /// `between_layers`, the persistent kernel of steps of at most 8 tokens, scores as the
+    /// separate kernels do: prompts of 1 to 8 tokens of the synthetic model, SmolLM2's
+    /// shape (9/3 heads of 64) and Qwen2's folder (q/k/v biases), every logit within 1% of
+    /// its row's spread (the two differ in the order of their f32 sums only, and where that
+    /// moves a bf16 rounding of q/k/v or gate/up).
+    #[test]
+    #[ignore = "needs a CUDA GPU (tools/gpu-suite.sh runs it)"]
+    fn the_layer_kernel_scores_as_the_separate_kernels() {
+        use pagedattn_engine::models::families::HfModel;
+        use pagedattn_engine::models::synthetic::SyntheticConfig;
+
+        let cuda = Cuda::new(0).unwrap();
+        let backend = registry::backend("cuda").unwrap();
+        let qwen2 = match crate::hf::load("qwen2") {
+            HfModel::Decoder(m) => m,
+            HfModel::Encoder(_) => unreachable!("qwen2 is a decoder"),
+        };
+        let models = [
+            ("synthetic", SyntheticConfig::default().build().unwrap()),
+            ("smollm2", SyntheticConfig::smollm2().build().unwrap()),
+            ("qwen2", qwen2),
+        ];
+        for (name, host) in models {
+            let vocab = host.vocab_size();
+            let mut gpu = GpuLlama::new(&host, &cuda).unwrap();
+            assert!(gpu.use_layer_kernel(true), "{name}: the model can run it");
+            for n in 1..=8u32 {
+                let tokens: Vec<u32> = (0..n).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+                gpu.use_layer_kernel(false);
+                let want = prompt_logits(&mut gpu, backend.as_ref(), &tokens).unwrap();
+                gpu.use_layer_kernel(true);
+                let got = prompt_logits(&mut gpu, backend.as_ref(), &tokens).unwrap();
+                let a = agreement(&want, &got, vocab, 0..tokens.len());
+                assert!(a.max_rel_to_std <= 0.01, "{name}, {n} tokens: {a:?}");
+            }
+        }
+    }
+
     /// The Hugging Face folders the GPU model computes — Llama, Mistral, and Qwen2 with its
     /// q/k/v biases — score the golden prompt as their f32 host models do: every logit within
     /// 10% of its row's spread (the tiny random models' bf16 error: 7.6% for Llama on an
