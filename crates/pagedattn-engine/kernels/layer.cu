@@ -48,39 +48,82 @@ __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned& target) {
     __syncthreads();
 }
 
-// sum over e < k of in[t][e] * w[e] for each t < tokens, in every lane: in is bf16 rows of
-// `k` in shared memory (k a multiple of 8), w a bf16 weight row in global memory.
-__device__ __forceinline__ void dot_rows(const u16* in, int k, int tokens, const u16* w,
-                                         float (&acc)[LAYER_TOKENS]) {
+// The most 16-byte pieces of a weight row a lane holds: rows of up to 3,072 elements (the
+// widest input the staging takes, gpu_llama.rs's LAYER_STAGING_BYTES).
+#define LAYER_PIECES 12
+
+// A weight row's 16 bytes through the read-only path (weights never change in a kernel).
+__device__ __forceinline__ uint4 load_weights(const u16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// acc[r][t] = sum over e < k of in[t][e] * w[r][e] for each of the R weight rows and each
+// t < tokens, in every lane: `in` is bf16 rows of `k` in shared memory (k a multiple of 8, at
+// most 8 LAYER_PIECES x 32), w[r] bf16 weight rows in global memory. Every lane issues all
+// its pieces of the R rows before it uses any, so that their memory round trips overlap
+// (one at a time, a row of 1,536 would cost six in a row).
+template <int R>
+__device__ __forceinline__ void dot_rows(const u16* in, int k, int tokens, const u16* const (&w)[R],
+                                         float (&acc)[R][LAYER_TOKENS]) {
     const int lane = threadIdx.x % 32;
+    const int pieces = k / 8;
+    uint4 held[R][LAYER_PIECES];
 #pragma unroll
-    for (int t = 0; t < LAYER_TOKENS; ++t) acc[t] = 0.0f;
-    for (int c = lane; c < k / 8; c += 32) {
-        const uint4 piece = *(const uint4*)(w + 8 * c);
-        const u32 words[4] = {piece.x, piece.y, piece.z, piece.w};
-        float wf[8];
+    for (int r = 0; r < R; ++r) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            wf[2 * e] = __uint_as_float(words[e] << 16);
-            wf[2 * e + 1] = __uint_as_float(words[e] & 0xffff0000u);
+        for (int i = 0; i < LAYER_PIECES; ++i) {
+            const int c = lane + 32 * i;
+            held[r][i] = c < pieces ? load_weights(w[r] + 8 * c) : make_uint4(0, 0, 0, 0);
         }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int t = 0; t < LAYER_TOKENS; ++t) acc[r][t] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < LAYER_PIECES; ++i) {
+        const int c = lane + 32 * i;
+        if (c >= pieces) break;
 #pragma unroll
         for (int t = 0; t < LAYER_TOKENS; ++t) {
             if (t < tokens) {
                 const uint4 xp = *(const uint4*)(in + (size_t)t * k + 8 * c);
                 const u32 xs[4] = {xp.x, xp.y, xp.z, xp.w};
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    acc[t] = fmaf(__uint_as_float(xs[e] << 16), wf[2 * e], acc[t]);
-                    acc[t] = fmaf(__uint_as_float(xs[e] & 0xffff0000u), wf[2 * e + 1], acc[t]);
+                for (int r = 0; r < R; ++r) {
+                    const u32 ws[4] = {held[r][i].x, held[r][i].y, held[r][i].z, held[r][i].w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        acc[r][t] = fmaf(__uint_as_float(xs[e] << 16),
+                                         __uint_as_float(ws[e] << 16), acc[r][t]);
+                        acc[r][t] = fmaf(__uint_as_float(xs[e] & 0xffff0000u),
+                                         __uint_as_float(ws[e] & 0xffff0000u), acc[r][t]);
+                    }
                 }
             }
         }
     }
 #pragma unroll
-    for (int t = 0; t < LAYER_TOKENS; ++t) {
-        for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int t = 0; t < LAYER_TOKENS; ++t) {
+            for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], o);
+        }
     }
+}
+
+// acc[t] of lane t (t < LAYER_TOKENS), with constant register indices.
+__device__ __forceinline__ float token_value(const float (&acc)[LAYER_TOKENS]) {
+    const int lane = threadIdx.x % 32;
+    float v = acc[0];
+#pragma unroll
+    for (int t = 1; t < LAYER_TOKENS; ++t) v = lane == t ? acc[t] : v;
+    return v;
 }
 
 // Stages RMSNorm(x[t]) * weight, rounded to bf16, for t < tokens into `out` ([tokens][hidden]
@@ -121,54 +164,40 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
     const int warps = gridDim.x * LAYER_WARPS;
     float* x = args.x;
     unsigned target = 0;
-    float acc[LAYER_TOKENS];
+    float acc[1][LAYER_TOKENS];
 
     // 1. x += o wo^T (o: the attention's output, written before this kernel).
     for (int i = threadIdx.x; i < tokens * qw; i += blockDim.x) staged[i] = args.o[i];
     __syncthreads();
     for (int r = warp_id; r < hidden; r += warps) {
-        dot_rows(staged, qw, tokens, args.wo + (size_t)r * qw, acc);
-        if (lane < tokens) {
-            float* at = x + (size_t)lane * hidden + r;
-            float sum = acc[0];
-#pragma unroll
-            for (int t = 1; t < LAYER_TOKENS; ++t) sum = lane == t ? acc[t] : sum;
-            *at += sum;
-        }
+        const u16* const row[1] = {args.wo + (size_t)r * qw};
+        dot_rows<1>(staged, qw, tokens, row, acc);
+        const float sum = token_value(acc[0]);
+        if (lane < tokens) x[(size_t)lane * hidden + r] += sum;
     }
     grid_sync(args.barrier, target);
 
     // 2. act = SwiGLU(RMSNorm(x) gate_up^T): a warp computes gate row j and up row ffn + j.
     stage_norm(x, args.ffn_norm, hidden, args.eps, tokens, staged);
     for (int j = warp_id; j < ffn; j += warps) {
-        float up[LAYER_TOKENS];
-        dot_rows(staged, hidden, tokens, args.gate_up + (size_t)j * hidden, acc);
-        dot_rows(staged, hidden, tokens, args.gate_up + (size_t)(ffn + j) * hidden, up);
-        if (lane < tokens) {
-            float g = acc[0], u = up[0];
-#pragma unroll
-            for (int t = 1; t < LAYER_TOKENS; ++t) {
-                g = lane == t ? acc[t] : g;
-                u = lane == t ? up[t] : u;
-            }
-            // As cuBLAS's bf16 output, then `swiglu`.
-            g = bf16_to_f32(f32_to_bf16(g));
-            u = bf16_to_f32(f32_to_bf16(u));
-            args.act[(size_t)lane * ffn + j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
-        }
+        float both[2][LAYER_TOKENS];
+        const u16* const rows[2] = {args.gate_up + (size_t)j * hidden,
+                                    args.gate_up + (size_t)(ffn + j) * hidden};
+        dot_rows<2>(staged, hidden, tokens, rows, both);
+        // As cuBLAS's bf16 output, then `swiglu`.
+        const float g = bf16_to_f32(f32_to_bf16(token_value(both[0])));
+        const float u = bf16_to_f32(f32_to_bf16(token_value(both[1])));
+        if (lane < tokens) args.act[(size_t)lane * ffn + j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
     }
     grid_sync(args.barrier, target);
 
     // 3. x += act down^T.
     stage_copy(args.act, tokens * ffn, staged);
     for (int r = warp_id; r < hidden; r += warps) {
-        dot_rows(staged, ffn, tokens, args.down + (size_t)r * ffn, acc);
-        if (lane < tokens) {
-            float sum = acc[0];
-#pragma unroll
-            for (int t = 1; t < LAYER_TOKENS; ++t) sum = lane == t ? acc[t] : sum;
-            x[(size_t)lane * hidden + r] += sum;
-        }
+        const u16* const row[1] = {args.down + (size_t)r * ffn};
+        dot_rows<1>(staged, ffn, tokens, row, acc);
+        const float sum = token_value(acc[0]);
+        if (lane < tokens) x[(size_t)lane * hidden + r] += sum;
     }
     if (!args.qkv) return;  // the last layer: the host's final norm follows
     grid_sync(args.barrier, target);
@@ -191,16 +220,19 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
             if (head < heads + kv_heads && a % head_size < args.rope_dim) continue;  // rotated
             b = -1;
         }
-        float second[LAYER_TOKENS];
-        dot_rows(staged, hidden, tokens, args.qkv + (size_t)a * hidden, acc);
-        if (b >= 0) dot_rows(staged, hidden, tokens, args.qkv + (size_t)b * hidden, second);
-        if (lane >= tokens) continue;
-        float va = acc[0], vb = b >= 0 ? second[0] : 0.0f;
-#pragma unroll
-        for (int t = 1; t < LAYER_TOKENS; ++t) {
-            va = lane == t ? acc[t] : va;
-            if (b >= 0) vb = lane == t ? second[t] : vb;
+        float va, vb = 0.0f;
+        if (b >= 0) {
+            float both[2][LAYER_TOKENS];
+            const u16* const rows[2] = {args.qkv + (size_t)a * hidden, args.qkv + (size_t)b * hidden};
+            dot_rows<2>(staged, hidden, tokens, rows, both);
+            va = token_value(both[0]);
+            vb = token_value(both[1]);
+        } else {
+            const u16* const row[1] = {args.qkv + (size_t)a * hidden};
+            dot_rows<1>(staged, hidden, tokens, row, acc);
+            va = token_value(acc[0]);
         }
+        if (lane >= tokens) continue;
         // As cuBLAS's bf16 output, then `split_rope`.
         const float* bias = args.bias;
         float xa = bf16_to_f32(f32_to_bf16(va)) + (bias ? bias[a] : 0.0f);
