@@ -204,7 +204,8 @@ const LAYER_TOKENS: usize = 8;
 const LAYER_THREADS: u32 = 256;
 /// Dynamic shared memory a CTA of it may take without opting in.
 const LAYER_STAGING_BYTES: usize = 48 << 10;
-/// Turns `between_layers` off (`0`) for comparisons.
+/// Turns `between_layers` on (`1`) for steps of at most [`LAYER_TOKENS`] tokens; off (`0`,
+/// the default) until it has been verified and measured on a GPU.
 pub const LAYER_KERNEL_ENV: &str = "PAGEDATTN_LAYER_KERNEL";
 
 /// Device memory and its address (which never changes while the memory lives).
@@ -654,12 +655,12 @@ impl LayerKernel {
     }
 }
 
-/// Whether [`LAYER_KERNEL_ENV`] leaves `between_layers` on (unset or `1`) or turns it off
-/// (`0`).
+/// Whether [`LAYER_KERNEL_ENV`] turns `between_layers` on (`1`) or leaves it off (unset or
+/// `0`).
 fn layer_kernel_setting() -> Result<bool> {
     match std::env::var(LAYER_KERNEL_ENV).ok().as_deref() {
-        None | Some("1") => Ok(true),
-        Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        None | Some("0") => Ok(false),
         Some(other) => Err(Error::Model(format!(
             "{LAYER_KERNEL_ENV}={other}: expected 0 (separate kernels) or 1"
         ))),
@@ -765,10 +766,10 @@ impl GpuLlama {
 
     /// Whether steps of at most 8 tokens run the work between two attention calls as one
     /// persistent kernel (`between_layers`) instead of eight; `false` runs the separate
-    /// kernels, as larger steps always do. It is on by default where the model can run it
-    /// (one GPU, rows of multiples of 8 elements, inputs of at most 3,072) unless
-    /// `PAGEDATTN_LAYER_KERNEL=0`; set it before the engine captures CUDA graphs (they keep
-    /// the kernels they captured). Returns whether it is on.
+    /// kernels, as larger steps always do. The model can run it on one GPU with rows of
+    /// multiples of 8 elements and inputs of at most 3,072; it is off unless
+    /// `PAGEDATTN_LAYER_KERNEL=1` (not yet verified on a GPU). Set it before the engine
+    /// captures CUDA graphs (they keep the kernels they captured). Returns whether it is on.
     pub fn use_layer_kernel(&mut self, on: bool) -> bool {
         self.between_on = on && self.between.is_some();
         self.between_on
