@@ -204,7 +204,7 @@ const LAYER_TOKENS: usize = 8;
 const LAYER_THREADS: u32 = 256;
 /// Dynamic shared memory a CTA of it may take without opting in.
 const LAYER_STAGING_BYTES: usize = 48 << 10;
-/// Turns `between_layers` on (`1`) for steps of at most [`LAYER_TOKENS`] tokens; off (`0`,
+/// Turns `between_layers` on (`1`) for steps of at most 8 tokens; off (`0`,
 /// the default) until it has been verified and measured on a GPU.
 pub const LAYER_KERNEL_ENV: &str = "PAGEDATTN_LAYER_KERNEL";
 
