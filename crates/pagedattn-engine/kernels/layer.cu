@@ -19,7 +19,8 @@
 #define LAYER_THREADS 256
 #define LAYER_WARPS (LAYER_THREADS / 32)
 
-// A load that bypasses L1: the rows other CTAs of this kernel wrote before a barrier.
+// A load that bypasses L1: the rows other CTAs of this kernel wrote before a barrier. Every
+// read of the residual stream goes this way, so that no SM's L1 holds a stale line of it.
 __device__ __forceinline__ float load_shared_f32(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -173,7 +174,10 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
         const u16* const row[1] = {args.wo + (size_t)r * qw};
         dot_rows<1>(staged, qw, tokens, row, acc);
         const float sum = token_value(acc[0]);
-        if (lane < tokens) x[(size_t)lane * hidden + r] += sum;
+        if (lane < tokens) {
+            float* at = x + (size_t)lane * hidden + r;
+            *at = load_shared_f32(at) + sum;
+        }
     }
     grid_sync(args.barrier, target);
 
@@ -197,7 +201,10 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
         const u16* const row[1] = {args.down + (size_t)r * ffn};
         dot_rows<1>(staged, ffn, tokens, row, acc);
         const float sum = token_value(acc[0]);
-        if (lane < tokens) x[(size_t)lane * hidden + r] += sum;
+        if (lane < tokens) {
+            float* at = x + (size_t)lane * hidden + r;
+            *at = load_shared_f32(at) + sum;
+        }
     }
     if (!args.qkv) return;  // the last layer: the host's final norm follows
     grid_sync(args.barrier, target);
