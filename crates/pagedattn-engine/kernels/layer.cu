@@ -155,6 +155,24 @@ __device__ __forceinline__ void stage_copy(const u16* from, int n, u16* to) {
     __syncthreads();
 }
 
+// x[t] += in[t] w^T for t < tokens: the residual stream's `hidden` rows of w (each `k` wide)
+// over the grid's warps, `in` staged in shared memory (o or SwiGLU's output).
+__device__ __forceinline__ void add_product(float* x, int hidden, const u16* w, int k,
+                                            int tokens, const u16* in) {
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * LAYER_WARPS;
+    for (int r = blockIdx.x * LAYER_WARPS + threadIdx.x / 32; r < hidden; r += warps) {
+        float acc[1][LAYER_TOKENS];
+        const u16* const row[1] = {w + (size_t)r * k};
+        dot_rows<1>(in, k, tokens, row, acc);
+        const float sum = token_value(acc[0]);
+        if (lane < tokens) {
+            float* at = x + (size_t)lane * hidden + r;
+            *at = load_shared_f32(at) + sum;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const LayerParams args) {
     extern __shared__ __align__(16) u16 staged[];  // [tokens][widest input] bf16
     const int tokens = args.tokens, hidden = args.hidden, ffn = args.ffn;
@@ -165,20 +183,11 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
     const int warps = gridDim.x * LAYER_WARPS;
     float* x = args.x;
     unsigned target = 0;
-    float acc[1][LAYER_TOKENS];
 
     // 1. x += o wo^T (o: the attention's output, written before this kernel).
     for (int i = threadIdx.x; i < tokens * qw; i += blockDim.x) staged[i] = args.o[i];
     __syncthreads();
-    for (int r = warp_id; r < hidden; r += warps) {
-        const u16* const row[1] = {args.wo + (size_t)r * qw};
-        dot_rows<1>(staged, qw, tokens, row, acc);
-        const float sum = token_value(acc[0]);
-        if (lane < tokens) {
-            float* at = x + (size_t)lane * hidden + r;
-            *at = load_shared_f32(at) + sum;
-        }
-    }
+    add_product(x, hidden, args.wo, qw, tokens, staged);
     grid_sync(args.barrier, target);
 
     // 2. act = SwiGLU(RMSNorm(x) gate_up^T): a warp computes gate row j and up row ffn + j.
@@ -197,15 +206,7 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
 
     // 3. x += act down^T.
     stage_copy(args.act, tokens * ffn, staged);
-    for (int r = warp_id; r < hidden; r += warps) {
-        const u16* const row[1] = {args.down + (size_t)r * ffn};
-        dot_rows<1>(staged, ffn, tokens, row, acc);
-        const float sum = token_value(acc[0]);
-        if (lane < tokens) {
-            float* at = x + (size_t)lane * hidden + r;
-            *at = load_shared_f32(at) + sum;
-        }
-    }
+    add_product(x, hidden, args.down, ffn, tokens, staged);
     if (!args.qkv) return;  // the last layer: the host's final norm follows
     grid_sync(args.barrier, target);
 
@@ -235,9 +236,10 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
             va = token_value(both[0]);
             vb = token_value(both[1]);
         } else {
+            float one[1][LAYER_TOKENS];
             const u16* const row[1] = {args.qkv + (size_t)a * hidden};
-            dot_rows<1>(staged, hidden, tokens, row, acc);
-            va = token_value(acc[0]);
+            dot_rows<1>(staged, hidden, tokens, row, one);
+            va = token_value(one[0]);
         }
         if (lane >= tokens) continue;
         // As cuBLAS's bf16 output, then `split_rope`.
