@@ -627,22 +627,12 @@ struct LayerKernel {
 }
 
 impl LayerKernel {
-    /// The launch for a model of `shape` on one GPU, or `None` where the kernel cannot run
-    /// it: several GPUs (an all-reduce follows each residual product), rows that are no
-    /// multiple of 8 elements (its 16-byte loads), or inputs wider than its staging.
+    /// The launch for a model of `shape`, or `None` where the kernel cannot run it
+    /// ([`layer_staging`]).
     fn new(shape: &LlamaShape, one_gpu: bool, stream: &Arc<CudaStream>) -> Result<Option<Self>> {
-        let (qw, kvw) = (
-            shape.heads * shape.head_size,
-            shape.kv_heads * shape.head_size,
-        );
-        let widest = shape.hidden.max(qw).max(shape.ffn);
-        let staging = LAYER_TOKENS * widest * 2;
-        let rows_fit = [shape.hidden, qw, kvw, shape.ffn]
-            .iter()
-            .all(|&n| n % 8 == 0);
-        if !one_gpu || !rows_fit || staging > LAYER_STAGING_BYTES {
+        let Some(staging) = layer_staging(shape, one_gpu) else {
             return Ok(None);
-        }
+        };
         let sms = stream
             .context()
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -653,6 +643,22 @@ impl LayerKernel {
             barrier: Buffer::zeros(stream, 1)?,
         }))
     }
+}
+
+/// The shared memory `between_layers` stages a step's inputs in, for a model of `shape`, or
+/// `None` where it cannot run the model: several GPUs (an all-reduce follows each residual
+/// product), rows that are no multiple of 8 elements (its 16-byte loads), or inputs wider
+/// than its staging holds for [`LAYER_TOKENS`] tokens.
+fn layer_staging(shape: &LlamaShape, one_gpu: bool) -> Option<usize> {
+    let (qw, kvw) = (
+        shape.heads * shape.head_size,
+        shape.kv_heads * shape.head_size,
+    );
+    let staging = LAYER_TOKENS * shape.hidden.max(qw).max(shape.ffn) * 2;
+    let rows_fit = [shape.hidden, qw, kvw, shape.ffn]
+        .iter()
+        .all(|&n| n % 8 == 0);
+    (one_gpu && rows_fit && staging <= LAYER_STAGING_BYTES).then_some(staging)
 }
 
 /// Whether [`LAYER_KERNEL_ENV`] turns `between_layers` on (`1`) or leaves it off (unset or
@@ -1458,6 +1464,34 @@ mod tests {
     /// Each kernel of llama.cu takes its struct, declared (by `kernel_params!`, which also
     /// checks the layouts) ahead of the file. Whether the CUDA side compiles is the NVRTC
     /// check's (`pagedattn compile-kernels --only llama`).
+    #[test]
+    fn the_layer_kernel_takes_small_models_on_one_gpu() {
+        use crate::models::synthetic::SyntheticConfig;
+        // SmolLM2's shape (one layer, a small vocabulary: quick to draw): 8 tokens of its
+        // widest input, the MLP's 1,536, in 24 KiB.
+        let small = SyntheticConfig {
+            layers: 1,
+            vocab: 64,
+            ..SyntheticConfig::smollm2()
+        }
+        .build()
+        .unwrap()
+        .shape;
+        assert_eq!(layer_staging(&small, true), Some(8 * 1536 * 2));
+        assert_eq!(layer_staging(&small, false), None);
+        // Llama-3-8B's MLP (14,336) does not fit; nor rows that are no multiple of 8.
+        let wide = LlamaShape {
+            ffn: 14_336,
+            ..small.clone()
+        };
+        assert_eq!(layer_staging(&wide, true), None);
+        let odd = LlamaShape {
+            ffn: 1_540 - 2,
+            ..small
+        };
+        assert_eq!(layer_staging(&odd, true), None);
+    }
+
     #[test]
     fn kernels_take_one_struct_declared_before_llama_cu() {
         let body = concat!(
