@@ -1065,48 +1065,45 @@ impl GpuLlama {
         // norm and q/k/v come first as separate kernels.
         let between = (self.between.as_ref()).filter(|_| self.between_on && t <= LAYER_TOKENS);
         for (l, layer) in self.layers.iter().enumerate() {
-            if let (Some(_), 1..) = (between, l) {
-                attend(l, q, k, v, o)?;
-                let kernel = between.expect("matched");
-                self.between_layers(kernel, l, t, o.cuda_address()?, [qa, ka, va])?;
-                continue;
+            // Past layer 0, `between_layers` made this layer's q, k and v.
+            if between.is_none() || l == 0 {
+                self.norm(&acts.x, 0, &layer.attn_norm, &acts.h, t, hidden, eps)?;
+                self.linear(
+                    acts.h.addr,
+                    layer.qkv.addr,
+                    acts.qkv.addr,
+                    bf16,
+                    (t, qw + 2 * kvw, s.hidden),
+                    false,
+                )?;
+                let split_rope = SplitRopeParams {
+                    qkv: acts.qkv.addr,
+                    q: qa,
+                    k: ka,
+                    v: va,
+                    positions: acts.positions.addr,
+                    inv_freq: rope_freq,
+                    bias: layer.qkv_bias.as_ref().map_or(0, |b| b.addr),
+                    heads: heads.0,
+                    kv_heads: heads.1,
+                    head_size,
+                    rope_dim,
+                    adjacent,
+                    unused: 0,
+                };
+                // SAFETY: as above; q, k and v are `[t, heads or kv_heads, D]` tensors.
+                unsafe {
+                    stream
+                        .launch_builder(&self.kernels.split_rope)
+                        .arg(&split_rope)
+                        .launch(LaunchConfig {
+                            // A token's elements over blocks of THREADS.
+                            grid_dim: (token_blocks.grid_dim.0, rope_blocks, 1),
+                            ..token_blocks
+                        })
+                }
+                .map_err(|e| gpu_error("split_rope", e))?;
             }
-            self.norm(&acts.x, 0, &layer.attn_norm, &acts.h, t, hidden, eps)?;
-            self.linear(
-                acts.h.addr,
-                layer.qkv.addr,
-                acts.qkv.addr,
-                bf16,
-                (t, qw + 2 * kvw, s.hidden),
-                false,
-            )?;
-            let split_rope = SplitRopeParams {
-                qkv: acts.qkv.addr,
-                q: qa,
-                k: ka,
-                v: va,
-                positions: acts.positions.addr,
-                inv_freq: rope_freq,
-                bias: layer.qkv_bias.as_ref().map_or(0, |b| b.addr),
-                heads: heads.0,
-                kv_heads: heads.1,
-                head_size,
-                rope_dim,
-                adjacent,
-                unused: 0,
-            };
-            // SAFETY: as above; q, k and v are `[t, heads or kv_heads, D]` tensors.
-            unsafe {
-                stream
-                    .launch_builder(&self.kernels.split_rope)
-                    .arg(&split_rope)
-                    .launch(LaunchConfig {
-                        // A token's elements over blocks of THREADS.
-                        grid_dim: (token_blocks.grid_dim.0, rope_blocks, 1),
-                        ..token_blocks
-                    })
-            }
-            .map_err(|e| gpu_error("split_rope", e))?;
             attend(l, q, k, v, o)?;
             if let Some(kernel) = between {
                 self.between_layers(kernel, l, t, o.cuda_address()?, [qa, ka, va])?;
@@ -1461,9 +1458,7 @@ unsafe impl GraphStages for GpuLlama {
 mod tests {
     use super::*;
 
-    /// Each kernel of llama.cu takes its struct, declared (by `kernel_params!`, which also
-    /// checks the layouts) ahead of the file. Whether the CUDA side compiles is the NVRTC
-    /// check's (`pagedattn compile-kernels --only llama`).
+    /// `between_layers` runs the models whose step inputs its staging holds, on one GPU.
     #[test]
     fn the_layer_kernel_takes_small_models_on_one_gpu() {
         use crate::models::synthetic::SyntheticConfig;
@@ -1492,6 +1487,9 @@ mod tests {
         assert_eq!(layer_staging(&odd, true), None);
     }
 
+    /// Each kernel of llama.cu and layer.cu takes its struct, declared (by
+    /// `kernel_params!`, which also checks the layouts) ahead of the files. Whether the CUDA
+    /// side compiles is the NVRTC check's (`pagedattn compile-kernels --only llama`).
     #[test]
     fn kernels_take_one_struct_declared_before_llama_cu() {
         let body = concat!(

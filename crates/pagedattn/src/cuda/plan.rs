@@ -263,7 +263,10 @@ pub(crate) fn build(
                 let parts = auto(sm_count);
                 (parts, parts)
             }
-            Split::Fixed { parts, sm_count } => (parts.max(1), auto(sm_count).min(parts.max(1))),
+            Split::Fixed { parts, sm_count } => {
+                let records = parts.max(1);
+                (records, auto(sm_count).min(records))
+            }
         };
         if unit.private {
             work.private_decode += records;
