@@ -200,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
         // As cuBLAS's bf16 output, then `swiglu`.
         const float g = bf16_to_f32(f32_to_bf16(token_value(both[0])));
         const float u = bf16_to_f32(f32_to_bf16(token_value(both[1])));
-        if (lane < tokens) args.act[(size_t)lane * ffn + j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+        if (lane < tokens) args.act[(size_t)lane * ffn + j] = f32_to_bf16(swiglu_of(g, u));
     }
     grid_sync(args.barrier, target);
 
@@ -244,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
         if (lane >= tokens) continue;
         // As cuBLAS's bf16 output, then `split_rope`.
         const float* bias = args.bias;
-        float xa = bf16_to_f32(f32_to_bf16(va)) + (bias ? bias[a] : 0.0f);
+        const float xa = bf16_to_f32(f32_to_bf16(va)) + (bias ? bias[a] : 0.0f);
         u16* out;
         int at;
         if (a < qw) {
@@ -263,10 +263,7 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) between_layers(const
         }
         const float xb = bf16_to_f32(f32_to_bf16(vb)) + (bias ? bias[b] : 0.0f);
         const int i = adjacent ? (a % head_size) / 2 : a % head_size;
-        double s, c;
-        sincos((double)((float)args.positions[lane] * args.inv_freq[i]), &s, &c);
-        const float cf = (float)c, sf = (float)s;
-        out[a - at] = f32_to_bf16(xa * cf - xb * sf);
-        out[b - at] = f32_to_bf16(xb * cf + xa * sf);
+        rotate_pair(xa, xb, (float)args.positions[lane], args.inv_freq[i], &out[a - at],
+                    &out[b - at]);
     }
 }
