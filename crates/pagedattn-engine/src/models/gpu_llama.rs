@@ -132,6 +132,8 @@ pagedattn::kernel_params! {
         act: u64 => "unsigned short*",
         /// Layer l + 1's norm, q/k/v product and biases (`qkv` 0: l is the last layer).
         attn_norm: u64 => "const float*",
+        /// Layer l + 1's o product, asked of L2 for the next launch (0: none).
+        wo_next: u64 => "const unsigned short*",
         qkv: u64 => "const unsigned short*",
         bias: u64 => "const float*",
         q: u64 => "unsigned short*",
@@ -139,7 +141,7 @@ pagedattn::kernel_params! {
         v: u64 => "unsigned short*",
         positions: u64 => "const unsigned int*",
         inv_freq: u64 => "const float*",
-        /// The grid barrier's counter, zeroed before each launch.
+        /// The grid barrier's counter: 0 at each launch (the kernel leaves it so).
         barrier: u64 => "unsigned int*",
         tokens: i32 => "int",
         hidden: i32 => "int",
@@ -202,6 +204,8 @@ struct Kernels {
 const LAYER_TOKENS: usize = 8;
 /// Its threads per CTA (`LAYER_THREADS`).
 const LAYER_THREADS: u32 = 256;
+/// The widest hidden size it takes (`HIDDEN_PIECES` 16-byte pieces a lane).
+const LAYER_HIDDEN: usize = 8 * 8 * 32;
 /// Dynamic shared memory a CTA of it may take without opting in.
 const LAYER_STAGING_BYTES: usize = 48 << 10;
 /// Turns `between_layers` on (`1`) for steps of at most 8 tokens; off (`0`,
@@ -647,8 +651,9 @@ impl LayerKernel {
 
 /// The shared memory `between_layers` stages a step's inputs in, for a model of `shape`, or
 /// `None` where it cannot run the model: several GPUs (an all-reduce follows each residual
-/// product), rows that are no multiple of 8 elements (its 16-byte loads), or inputs wider
-/// than its staging holds for [`LAYER_TOKENS`] tokens.
+/// product), rows that are no multiple of 8 elements (its 16-byte loads), a hidden size past
+/// [`LAYER_HIDDEN`] (a warp holds two such rows in registers), or inputs wider than its
+/// staging holds for [`LAYER_TOKENS`] tokens.
 fn layer_staging(shape: &LlamaShape, one_gpu: bool) -> Option<usize> {
     let (qw, kvw) = (
         shape.heads * shape.head_size,
@@ -658,7 +663,8 @@ fn layer_staging(shape: &LlamaShape, one_gpu: bool) -> Option<usize> {
     let rows_fit = [shape.hidden, qw, kvw, shape.ffn]
         .iter()
         .all(|&n| n % 8 == 0);
-    (one_gpu && rows_fit && staging <= LAYER_STAGING_BYTES).then_some(staging)
+    (one_gpu && rows_fit && shape.hidden <= LAYER_HIDDEN && staging <= LAYER_STAGING_BYTES)
+        .then_some(staging)
 }
 
 /// Whether [`LAYER_KERNEL_ENV`] turns `between_layers` on (`1`) or leaves it off (unset or
@@ -819,6 +825,7 @@ impl GpuLlama {
             down: layer.down.addr,
             act: acts.act.addr,
             attn_norm: next.map_or(0, |n| n.attn_norm.addr),
+            wo_next: next.map_or(0, |n| n.wo.addr),
             qkv: next.map_or(0, |n| n.qkv.addr),
             bias: next.and_then(|n| n.qkv_bias.as_ref()).map_or(0, |b| b.addr),
             q,
@@ -843,11 +850,6 @@ impl GpuLlama {
             .context()
             .bind_to_thread()
             .map_err(|e| gpu_error("between_layers", e))?;
-        // SAFETY: the counter is one u32 of device memory the model owns, zeroed on the
-        // model's stream before the launch that counts in it.
-        unsafe { sys::cuMemsetD32Async(kernel.barrier.addr, 0, 1, stream) }
-            .result()
-            .map_err(|e| gpu_error("zeroing between_layers' barrier", e))?;
         // SAFETY: a zeroed attribute value is valid (a union of plain values).
         let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
         value.cooperative = 1;
@@ -1474,12 +1476,18 @@ mod tests {
         .shape;
         assert_eq!(layer_staging(&small, true), Some(8 * 1536 * 2));
         assert_eq!(layer_staging(&small, false), None);
-        // Llama-3-8B's MLP (14,336) does not fit; nor rows that are no multiple of 8.
+        // Llama-3-8B's MLP (14,336) does not fit, nor a hidden size past 2,048, nor rows
+        // that are no multiple of 8.
         let wide = LlamaShape {
             ffn: 14_336,
             ..small.clone()
         };
         assert_eq!(layer_staging(&wide, true), None);
+        let broad = LlamaShape {
+            hidden: 2_056,
+            ..small.clone()
+        };
+        assert_eq!(layer_staging(&broad, true), None);
         let odd = LlamaShape {
             ffn: 1_540 - 2,
             ..small
