@@ -4,11 +4,11 @@
 # GPU's state and clocks weigh on both alike: the median decode step per batch size.
 #
 #   SYNTHETIC=smollm2 BATCHES=1,64 bash bench/step_ab.sh OLD_BINARY NEW_BINARY
-#   OLD_ENV=PAGEDATTN_LAYER_KERNEL=0 bash bench/step_ab.sh BINARY BINARY   (one build, a switch)
 #
 # SYNTHETIC names the shape (`pagedattn run --synthetic`; or MODEL a file), REPEATS (default
 # 3) the runs per build and batch, PP and TG (128, 128) the trace, OLD_ENV and NEW_ENV
-# variables (NAME=VALUE, space-separated) each side runs with. On the GPU machine.
+# variables (NAME=VALUE, space-separated) each side runs with (one build against itself with
+# an environment switch: pass the same binary twice). On the GPU machine.
 set -uo pipefail
 old=$1 new=$2
 if [ -n "${MODEL:-}" ]; then model=(--model "$MODEL"); else model=(--synthetic "${SYNTHETIC:-smollm2}"); fi

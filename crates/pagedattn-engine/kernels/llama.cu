@@ -21,20 +21,6 @@ __device__ __forceinline__ u16 f32_to_bf16(float x) {
     return bits;
 }
 
-// SwiGLU of one gate and up value (`swiglu`'s and `between_layers`' one formula).
-__device__ __forceinline__ float swiglu_of(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
-// The pair (x0, x1) rotated by RoPE at position `pos` with inverse frequency `freq`, as bf16:
-// the angle in f32, its cosine and sine in f64 rounded once (the host's `Rope`).
-__device__ __forceinline__ void rotate_pair(float x0, float x1, float pos, float freq, u16* a,
-                                            u16* b) {
-    double s, c;
-    sincos((double)(pos * freq), &s, &c);
-    const float cf = (float)c, sf = (float)s;
-    *a = f32_to_bf16(x0 * cf - x1 * sf);
-    *b = f32_to_bf16(x1 * cf + x0 * sf);
-}
-
 // The sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
 __device__ float block_sum(float v) {
     __shared__ float partial[32];
@@ -110,7 +96,12 @@ extern "C" __global__ void split_rope(const SplitRopeParams args) {
         const float* hb = bias ? bias + head * head_size : nullptr;
         const float x0 = bf16_to_f32(src[a]) + (hb ? hb[a] : 0.0f);
         const float x1 = bf16_to_f32(src[b]) + (hb ? hb[b] : 0.0f);
-        rotate_pair(x0, x1, pos, inv_freq[i], &dst[a], &dst[b]);
+        // The angle in f32, its cosine and sine in f64 rounded once: the host's `Rope`.
+        double s, c;
+        sincos((double)(pos * inv_freq[i]), &s, &c);
+        const float cf = (float)c, sf = (float)s;
+        dst[a] = f32_to_bf16(x0 * cf - x1 * sf);
+        dst[b] = f32_to_bf16(x1 * cf + x0 * sf);
     }
     // Everything not rotated: v, and each head's elements past rope_dim.
     for (int e = first; e < qw + 2 * kw; e += stride) {
@@ -134,7 +125,7 @@ extern "C" __global__ void swiglu(const SwigluParams args) {
         const size_t t = e / ffn, i = e % ffn;
         const float g = bf16_to_f32(gate_up[t * 2 * ffn + i]);
         const float u = bf16_to_f32(gate_up[t * 2 * ffn + ffn + i]);
-        out[e] = f32_to_bf16(swiglu_of(g, u));
+        out[e] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
     }
 }
 

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
-    sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
 use pagedattn::cuda::Cuda;
@@ -42,11 +42,8 @@ use crate::{Error, Result};
 
 pagedattn::kernel_params! {
     /// The model's kernels other than products and attention (CUDA C++ for NVRTC): their
-    /// argument structs' declarations, then `kernels/llama.cu` and `kernels/layer.cu`.
-    pub const KERNEL_SOURCE = concat!(
-        include_str!("../../kernels/llama.cu"),
-        include_str!("../../kernels/layer.cu")
-    );
+    /// argument structs' declarations, then `kernels/llama.cu`.
+    pub const KERNEL_SOURCE = include_str!("../../kernels/llama.cu");
 
     /// `embed`'s arguments (device addresses as u64).
     struct EmbedParams {
@@ -117,44 +114,6 @@ pagedattn::kernel_params! {
         unused: i32 => "int",
     }
 
-    /// `between_layers`' arguments: a decode step's work between layer l's attention and
-    /// layer l + 1's (bf16 weights `[rows, columns]`, f32 norms; device addresses).
-    struct LayerParams {
-        /// The f32 residual stream `[t, hidden]`, read and added to.
-        x: u64 => "float*",
-        /// Layer l's attention output `[t, heads · D]`.
-        o: u64 => "const unsigned short*",
-        wo: u64 => "const unsigned short*",
-        ffn_norm: u64 => "const float*",
-        gate_up: u64 => "const unsigned short*",
-        down: u64 => "const unsigned short*",
-        /// `[t, ffn]` bf16 scratch.
-        act: u64 => "unsigned short*",
-        /// Layer l + 1's norm, q/k/v product and biases (`qkv` 0: l is the last layer).
-        attn_norm: u64 => "const float*",
-        /// Layer l + 1's o product, asked of L2 for the next launch (0: none).
-        wo_next: u64 => "const unsigned short*",
-        qkv: u64 => "const unsigned short*",
-        bias: u64 => "const float*",
-        q: u64 => "unsigned short*",
-        k: u64 => "unsigned short*",
-        v: u64 => "unsigned short*",
-        positions: u64 => "const unsigned int*",
-        inv_freq: u64 => "const float*",
-        /// The grid barrier's counter: 0 at each launch (the kernel leaves it so).
-        barrier: u64 => "unsigned int*",
-        tokens: i32 => "int",
-        hidden: i32 => "int",
-        ffn: i32 => "int",
-        heads: i32 => "int",
-        kv_heads: i32 => "int",
-        head_size: i32 => "int",
-        rope_dim: i32 => "int",
-        adjacent: i32 => "int",
-        eps: f32 => "float",
-        unused: i32 => "int",
-    }
-
     /// `pick`'s arguments.
     struct PickParams {
         /// `[ranks, rows]` packed winners.
@@ -167,14 +126,13 @@ pagedattn::kernel_params! {
 }
 
 /// The kernels of [`KERNEL_SOURCE`].
-pub const KERNEL_NAMES: [&str; 7] = [
+pub const KERNEL_NAMES: [&str; 6] = [
     "embed",
     "rms_norm",
     "split_rope",
     "swiglu",
     "argmax",
     "pick",
-    "between_layers",
 ];
 
 /// Bytes of cuBLAS's workspace (what it asks for on Hopper).
@@ -197,20 +155,7 @@ struct Kernels {
     swiglu: CudaFunction,
     argmax: CudaFunction,
     pick: CudaFunction,
-    between_layers: CudaFunction,
 }
-
-/// The most tokens of a step `between_layers` runs (`LAYER_TOKENS` in layer.cu).
-const LAYER_TOKENS: usize = 8;
-/// Its threads per CTA (`LAYER_THREADS`).
-const LAYER_THREADS: u32 = 256;
-/// The widest hidden size it takes (`HIDDEN_PIECES` 16-byte pieces a lane).
-const LAYER_HIDDEN: usize = 8 * 8 * 32;
-/// Dynamic shared memory a CTA of it may take without opting in.
-const LAYER_STAGING_BYTES: usize = 48 << 10;
-/// Turns `between_layers` on (`1`) for steps of at most 8 tokens; off (`0`,
-/// the default) until it has been verified and measured on a GPU.
-pub const LAYER_KERNEL_ENV: &str = "PAGEDATTN_LAYER_KERNEL";
 
 /// Device memory and its address (which never changes while the memory lives).
 struct Buffer<T> {
@@ -326,10 +271,6 @@ pub struct GpuLlama {
     /// cuBLAS's workspace (`BLAS_WORKSPACE` bytes).
     _blas_workspace: Buffer<u8>,
     kernels: Kernels,
-    /// `between_layers`' launch where this model can run it.
-    between: Option<LayerKernel>,
-    /// Whether steps of at most [`LAYER_TOKENS`] tokens run it.
-    between_on: bool,
     embedding: Buffer<u16>,
     layers: Vec<Layer>,
     out_norm: Buffer<f32>,
@@ -486,10 +427,9 @@ impl GpuLlama {
         }
         let stream = cuda.stream().clone();
         let functions = cuda.load_kernels("llama", KERNEL_SOURCE, &KERNEL_NAMES)?;
-        let [embed, rms_norm, split_rope, swiglu, argmax, pick, between_layers]: [CudaFunction; 7] =
-            functions
-                .try_into()
-                .map_err(|_| Error::Model("llama.cu: a kernel is missing".into()))?;
+        let [embed, rms_norm, split_rope, swiglu, argmax, pick]: [CudaFunction; 6] = functions
+            .try_into()
+            .map_err(|_| Error::Model("llama.cu: a kernel is missing".into()))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| gpu_error("loading cuBLAS", e))?;
         // A workspace of our own: cuBLAS then allocates nothing inside a graph capture.
         let blas_workspace = Buffer::<u8>::zeros(&stream, BLAS_WORKSPACE)?;
@@ -582,8 +522,6 @@ impl GpuLlama {
             .iter()
             .map(|c| shard.attention(c))
             .collect::<Result<Vec<_>>>()?;
-        let between = LayerKernel::new(&model.shape, parallel.is_none(), &stream)?;
-        let between_on = between.is_some() && layer_kernel_setting()?;
         Ok(GpuLlama {
             shape: LlamaShape {
                 heads: shard.q_heads.len(),
@@ -607,10 +545,7 @@ impl GpuLlama {
                 swiglu,
                 argmax,
                 pick,
-                between_layers,
             },
-            between,
-            between_on,
             blas,
             _blas_workspace: blas_workspace,
             stream,
@@ -619,63 +554,6 @@ impl GpuLlama {
             attn: HashMap::new(),
             host_ids: Vec::new(),
         })
-    }
-}
-
-/// How `between_layers` is launched: one CTA per multiprocessor, cooperatively, its staging
-/// bytes, and the grid barrier's counter.
-struct LayerKernel {
-    grid: u32,
-    staging: u32,
-    barrier: Buffer<u32>,
-}
-
-impl LayerKernel {
-    /// The launch for a model of `shape`, or `None` where the kernel cannot run it
-    /// ([`layer_staging`]).
-    fn new(shape: &LlamaShape, one_gpu: bool, stream: &Arc<CudaStream>) -> Result<Option<Self>> {
-        let Some(staging) = layer_staging(shape, one_gpu) else {
-            return Ok(None);
-        };
-        let sms = stream
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| gpu_error("reading the multiprocessor count", e))?;
-        Ok(Some(LayerKernel {
-            grid: sms.max(1) as u32,
-            staging: staging as u32,
-            barrier: Buffer::zeros(stream, 1)?,
-        }))
-    }
-}
-
-/// The shared memory `between_layers` stages a step's inputs in, for a model of `shape`, or
-/// `None` where it cannot run the model: several GPUs (an all-reduce follows each residual
-/// product), rows that are no multiple of 8 elements (its 16-byte loads), a hidden size past
-/// [`LAYER_HIDDEN`] (a warp holds two such rows in registers), or inputs wider than its
-/// staging holds for [`LAYER_TOKENS`] tokens.
-fn layer_staging(shape: &LlamaShape, one_gpu: bool) -> Option<usize> {
-    let (qw, kvw) = (
-        shape.heads * shape.head_size,
-        shape.kv_heads * shape.head_size,
-    );
-    let staging = LAYER_TOKENS * shape.hidden.max(qw).max(shape.ffn) * 2;
-    let rows_fit = [shape.hidden, qw, kvw, shape.ffn]
-        .iter()
-        .all(|&n| n % 8 == 0);
-    (one_gpu && rows_fit && shape.hidden <= LAYER_HIDDEN && staging <= LAYER_STAGING_BYTES)
-        .then_some(staging)
-}
-
-/// Whether [`LAYER_KERNEL_ENV`] turns `between_layers` on (`1`) or leaves it off (unset or
-/// `0`).
-fn layer_kernel_setting() -> Result<bool> {
-    match std::env::var(LAYER_KERNEL_ENV).ok().as_deref() {
-        Some("1") => Ok(true),
-        None | Some("0") => Ok(false),
-        Some(other) => Err(Error::Model(format!(
-            "{LAYER_KERNEL_ENV}={other}: expected 0 (separate kernels) or 1"
-        ))),
     }
 }
 
@@ -774,118 +652,6 @@ impl GpuLlama {
             )
         }
         .map_err(|e| gpu_error("cublasGemmEx", e))
-    }
-
-    /// Whether steps of at most 8 tokens run the work between two attention calls as one
-    /// persistent kernel (`between_layers`) instead of eight; `false` runs the separate
-    /// kernels, as larger steps always do. The model can run it on one GPU with rows of
-    /// multiples of 8 elements and inputs of at most 3,072; it is off unless
-    /// `PAGEDATTN_LAYER_KERNEL=1` (not yet verified on a GPU). Set it before the engine
-    /// captures CUDA graphs (they keep the kernels they captured). Returns whether it is on.
-    pub fn use_layer_kernel(&mut self, on: bool) -> bool {
-        self.between_on = on && self.between.is_some();
-        self.between_on
-    }
-
-    /// RoPE's inverse frequencies, rotated dimensions and pairing (1: adjacent) as the
-    /// kernels take them: (0, 0, 0) without RoPE.
-    fn rope_args(&self) -> Result<(u64, i32, i32)> {
-        Ok(match &self.rope {
-            Some(r) => (
-                r.inv_freq.addr,
-                int(r.dim, "rope dim")?,
-                i32::from(r.adjacent),
-            ),
-            None => (0, 0, 0),
-        })
-    }
-
-    /// Queues `between_layers` after layer `l`'s attention in a step of `t` (at most
-    /// [`LAYER_TOKENS`]) tokens: `o` is the attention's output, `qkv` the next layer's q, k
-    /// and v tensors (not written after the last layer).
-    fn between_layers(
-        &self,
-        kernel: &LayerKernel,
-        l: usize,
-        t: usize,
-        o: u64,
-        [q, k, v]: [u64; 3],
-    ) -> Result<()> {
-        let s = &self.shape;
-        let acts = self.acts.as_ref().expect("loaded");
-        let layer = &self.layers[l];
-        let next = self.layers.get(l + 1);
-        let (inv_freq, rope_dim, adjacent) = self.rope_args()?;
-        let params = LayerParams {
-            x: acts.x.addr,
-            o,
-            wo: layer.wo.addr,
-            ffn_norm: layer.ffn_norm.addr,
-            gate_up: layer.gate_up.addr,
-            down: layer.down.addr,
-            act: acts.act.addr,
-            attn_norm: next.map_or(0, |n| n.attn_norm.addr),
-            wo_next: next.map_or(0, |n| n.wo.addr),
-            qkv: next.map_or(0, |n| n.qkv.addr),
-            bias: next.and_then(|n| n.qkv_bias.as_ref()).map_or(0, |b| b.addr),
-            q,
-            k,
-            v,
-            positions: acts.positions.addr,
-            inv_freq,
-            barrier: kernel.barrier.addr,
-            tokens: int(t, "tokens")?,
-            hidden: int(s.hidden, "hidden")?,
-            ffn: int(s.ffn, "ffn")?,
-            heads: int(s.heads, "heads")?,
-            kv_heads: int(s.kv_heads, "kv heads")?,
-            head_size: int(s.head_size, "head size")?,
-            rope_dim,
-            adjacent,
-            eps: self.eps,
-            unused: 0,
-        };
-        let stream = self.stream.cu_stream();
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| gpu_error("between_layers", e))?;
-        // SAFETY: a zeroed attribute value is valid (a union of plain values).
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.cooperative = 1;
-        let mut attribute = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
-            pad: [0; 4],
-            value,
-        };
-        let config = sys::CUlaunchConfig {
-            gridDimX: kernel.grid,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: LAYER_THREADS,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: kernel.staging,
-            hStream: stream,
-            attrs: &mut attribute,
-            numAttrs: 1,
-        };
-        let mut args = [(&params as *const LayerParams).cast_mut().cast::<c_void>()];
-        // SAFETY: the kernel's one parameter is `LayerParams`, by value. Its buffers hold `t`
-        // tokens (`reserve`; t <= LAYER_TOKENS, the kernel's bound), the weights the model's
-        // shape, and the kernel stays inside both; a cooperative launch is refused rather than
-        // started with CTAs that cannot all be resident, so its barrier cannot wait forever;
-        // `config`, `attribute` and `args` live through the call, which copies them.
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                self.kernels.between_layers.cu_function(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .map_err(|e| gpu_error("between_layers", e))
     }
 
     /// Makes room for `t` tokens and `rows` logit rows, and the attention tensors of `t`
@@ -1046,7 +812,14 @@ impl GpuLlama {
                 .launch(grid(t)?)
         }
         .map_err(|e| gpu_error("embed", e))?;
-        let (rope_freq, rope_dim, adjacent) = self.rope_args()?;
+        let (rope_freq, rope_dim, adjacent) = match &self.rope {
+            Some(r) => (
+                r.inv_freq.addr,
+                int(r.dim, "rope dim")?,
+                i32::from(r.adjacent),
+            ),
+            None => (0, 0, 0),
+        };
         let heads = (int(s.heads, "heads")?, int(s.kv_heads, "kv heads")?);
         let head_size = int(s.head_size, "head size")?;
         let ffn = int(s.ffn, "ffn")?;
@@ -1063,54 +836,44 @@ impl GpuLlama {
         let rope_blocks = ((s.heads + 2 * s.kv_heads) * s.head_size).div_ceil(THREADS as usize);
         let rope_blocks = u32::try_from(rope_blocks)
             .map_err(|_| Error::Model(format!("a launch of {rope_blocks} blocks per token")))?;
-        // Steps of few tokens run the work between attention calls as one kernel; layer 0's
-        // norm and q/k/v come first as separate kernels.
-        let between = (self.between.as_ref()).filter(|_| self.between_on && t <= LAYER_TOKENS);
         for (l, layer) in self.layers.iter().enumerate() {
-            // Past layer 0, `between_layers` made this layer's q, k and v.
-            if between.is_none() || l == 0 {
-                self.norm(&acts.x, 0, &layer.attn_norm, &acts.h, t, hidden, eps)?;
-                self.linear(
-                    acts.h.addr,
-                    layer.qkv.addr,
-                    acts.qkv.addr,
-                    bf16,
-                    (t, qw + 2 * kvw, s.hidden),
-                    false,
-                )?;
-                let split_rope = SplitRopeParams {
-                    qkv: acts.qkv.addr,
-                    q: qa,
-                    k: ka,
-                    v: va,
-                    positions: acts.positions.addr,
-                    inv_freq: rope_freq,
-                    bias: layer.qkv_bias.as_ref().map_or(0, |b| b.addr),
-                    heads: heads.0,
-                    kv_heads: heads.1,
-                    head_size,
-                    rope_dim,
-                    adjacent,
-                    unused: 0,
-                };
-                // SAFETY: as above; q, k and v are `[t, heads or kv_heads, D]` tensors.
-                unsafe {
-                    stream
-                        .launch_builder(&self.kernels.split_rope)
-                        .arg(&split_rope)
-                        .launch(LaunchConfig {
-                            // A token's elements over blocks of THREADS.
-                            grid_dim: (token_blocks.grid_dim.0, rope_blocks, 1),
-                            ..token_blocks
-                        })
-                }
-                .map_err(|e| gpu_error("split_rope", e))?;
+            self.norm(&acts.x, 0, &layer.attn_norm, &acts.h, t, hidden, eps)?;
+            self.linear(
+                acts.h.addr,
+                layer.qkv.addr,
+                acts.qkv.addr,
+                bf16,
+                (t, qw + 2 * kvw, s.hidden),
+                false,
+            )?;
+            let split_rope = SplitRopeParams {
+                qkv: acts.qkv.addr,
+                q: qa,
+                k: ka,
+                v: va,
+                positions: acts.positions.addr,
+                inv_freq: rope_freq,
+                bias: layer.qkv_bias.as_ref().map_or(0, |b| b.addr),
+                heads: heads.0,
+                kv_heads: heads.1,
+                head_size,
+                rope_dim,
+                adjacent,
+                unused: 0,
+            };
+            // SAFETY: as above; q, k and v are `[t, heads or kv_heads, D]` tensors.
+            unsafe {
+                stream
+                    .launch_builder(&self.kernels.split_rope)
+                    .arg(&split_rope)
+                    .launch(LaunchConfig {
+                        // A token's elements over blocks of THREADS.
+                        grid_dim: (token_blocks.grid_dim.0, rope_blocks, 1),
+                        ..token_blocks
+                    })
             }
+            .map_err(|e| gpu_error("split_rope", e))?;
             attend(l, q, k, v, o)?;
-            if let Some(kernel) = between {
-                self.between_layers(kernel, l, t, o.cuda_address()?, [qa, ka, va])?;
-                continue;
-            }
             self.linear(
                 o.cuda_address()?,
                 layer.wo.addr,
@@ -1460,50 +1223,12 @@ unsafe impl GraphStages for GpuLlama {
 mod tests {
     use super::*;
 
-    /// `between_layers` runs the models whose step inputs its staging holds, on one GPU.
-    #[test]
-    fn the_layer_kernel_takes_small_models_on_one_gpu() {
-        use crate::models::synthetic::SyntheticConfig;
-        // SmolLM2's shape (one layer, a small vocabulary: quick to draw): 8 tokens of its
-        // widest input, the MLP's 1,536, in 24 KiB.
-        let small = SyntheticConfig {
-            layers: 1,
-            vocab: 64,
-            ..SyntheticConfig::smollm2()
-        }
-        .build()
-        .unwrap()
-        .shape;
-        assert_eq!(layer_staging(&small, true), Some(8 * 1536 * 2));
-        assert_eq!(layer_staging(&small, false), None);
-        // Llama-3-8B's MLP (14,336) does not fit, nor a hidden size past 2,048, nor rows
-        // that are no multiple of 8.
-        let wide = LlamaShape {
-            ffn: 14_336,
-            ..small.clone()
-        };
-        assert_eq!(layer_staging(&wide, true), None);
-        let broad = LlamaShape {
-            hidden: 2_056,
-            ..small.clone()
-        };
-        assert_eq!(layer_staging(&broad, true), None);
-        let odd = LlamaShape {
-            ffn: 1_540 - 2,
-            ..small
-        };
-        assert_eq!(layer_staging(&odd, true), None);
-    }
-
-    /// Each kernel of llama.cu and layer.cu takes its struct, declared (by
-    /// `kernel_params!`, which also checks the layouts) ahead of the files. Whether the CUDA
-    /// side compiles is the NVRTC check's (`pagedattn compile-kernels --only llama`).
+    /// Each kernel of llama.cu takes its struct, declared (by `kernel_params!`, which also
+    /// checks the layouts) ahead of the file. Whether the CUDA side compiles is the NVRTC
+    /// check's (`pagedattn compile-kernels --only llama`).
     #[test]
     fn kernels_take_one_struct_declared_before_llama_cu() {
-        let body = concat!(
-            include_str!("../../kernels/llama.cu"),
-            include_str!("../../kernels/layer.cu")
-        );
+        let body = include_str!("../../kernels/llama.cu");
         assert!(KERNEL_SOURCE.ends_with(body));
         let prelude = &KERNEL_SOURCE[..KERNEL_SOURCE.len() - body.len()];
         for (declaration, kernel) in [
@@ -1519,14 +1244,10 @@ mod tests {
             (SwigluParams::DECLARATION, "swiglu(const SwigluParams args)"),
             (ArgmaxParams::DECLARATION, "argmax(const ArgmaxParams args)"),
             (PickParams::DECLARATION, "pick(const PickParams args)"),
-            (
-                LayerParams::DECLARATION,
-                "between_layers(const LayerParams args)",
-            ),
         ] {
             assert!(prelude.contains(declaration), "{kernel}");
             assert!(body.contains(kernel), "{kernel}");
         }
-        assert_eq!(KERNEL_NAMES.len(), 7);
+        assert_eq!(KERNEL_NAMES.len(), 6);
     }
 }
