@@ -82,6 +82,10 @@ pub struct BenchArgs {
     /// matches.
     #[arg(long)]
     pub rows: Option<String>,
+    /// Tokens per cache block of every row (default 16, vLLM's): the same rows over larger or
+    /// smaller pages.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub block_size: Option<u16>,
     /// Toy shapes (4 heads, D = 32, short sequences): a smoke test.
     #[arg(long, hide = true)]
     pub tiny: bool,
@@ -243,6 +247,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if let Some(l) = load_before {
         out.line(&format!("load before: {}", l.describe()));
     }
+    if let Some(b) = args.block_size {
+        out.line(&format!("cache blocks: {b} tokens"));
+    }
     let run_start = load::CpuTimes::now();
     let platform = args.platform(backend.device(), &machine)?;
     for l in platform.summary() {
@@ -275,10 +282,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 .as_ref()
                 .is_none_or(|text| group.iter().any(|w| w.name.contains(text.as_str())))
         };
-        for group in workloads::groups(suite, scale, platform.target())
+        for mut group in workloads::groups(suite, scale, platform.target())
             .into_iter()
             .filter(chosen)
         {
+            if let Some(b) = args.block_size {
+                group.iter_mut().for_each(|w| w.block_size = usize::from(b));
+            }
             if args.wait_quiet > 0.0 {
                 wait_quiet(args.wait_quiet, &out);
             }
@@ -514,6 +524,7 @@ mod tests {
             tiny: true,
             wait_quiet: 0.0,
             rows: None,
+            block_size: Some(8),
         };
         let machine_threads = 1;
         let platform = CpuPlatform::measure(
