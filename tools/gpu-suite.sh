@@ -54,6 +54,14 @@
 # the three binaries, each within it), GPU_SUITE_SANITIZERS (default "memcheck initcheck racecheck";
 # empty for none), GPU_SUITE_SANITIZER_CASES (random cases per setting or property under a
 # sanitizer, default 6; the plain runs use the tests' defaults).
+#
+# SmolLM2's GGUF (98 MB) is over the device tool's carry limit (64 MiB with the tree): carry
+# it in two calls on a machine kept warm (what the calls leave outside the tree stays there):
+# `split -b 50000000 models/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/part.`; call 1 carries
+# gpu-bin/part.aa and copies it to /tmp/keep/; call 2, within the idle release, carries
+# gpu-bin/part.ab and runs `cat /tmp/keep/part.aa gpu-bin/part.ab >
+# models/SmolLM2-135M-Instruct.Q4_1.gguf` before the `engine` part (or its golden and
+# gpu_model tests alone).
 
 set -uo pipefail
 
