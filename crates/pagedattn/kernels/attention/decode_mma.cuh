@@ -134,6 +134,103 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     const int g = lane / 4, t4 = lane % 4;
     const i64 pos = V::position(seq, unit[UNIT_TOKEN]);
 
+    // The warp's ring; the padding of its rows zeroed once (cp.async writes D elements).
+    u8* const ring = smem + warp * STAGES * S::STAGE_BYTES;
+    const u32 ring_at = smem_address(ring);
+    constexpr int PAD_WORDS = (RB - D * STORED) / 4;
+    if constexpr (PAD_WORDS > 0) {
+#pragma unroll 1
+        for (int x = lane; x < STAGES * 2 * KT * PAD_WORDS; x += 32) {
+            ((u32*)(ring + x / PAD_WORDS * RB + D * STORED))[x % PAD_WORDS] = 0;
+        }
+    }
+
+    // The unit's keys in tiles at positions that are multiples of KT (keys before key_start
+    // or at or past key_end in a tile are no keys: zeros, masked), so that a tile's 16-key
+    // segments each lie in one block wherever the block size is a multiple of 16. There
+    // (and for the call's own keys) one lookup gives a segment's first row, the others
+    // following `stride` elements apart: a lane looks up the segment of its index in a batch
+    // of 32 of the warp's segments, a batch ahead, and staging a tile takes SPT shuffles.
+    // Other block sizes look up a row per key (a lane per key), two tiles ahead.
+    constexpr int SPT = KT / 16;  // segments per tile
+    const i64 first = key_start - key_start % KT;
+    const int tiles = (int)((key_end - first + KT - 1) / KT);
+    // This warp's tiles, warp-uniform (a lane's broadcast: see decode.cuh).
+    const int count = __shfl_sync(FULL, tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0, 0);
+    const bool by_segment = !p.paged || p.block_size % 16 == 0;
+    const i64 stride = p.paged ? D : (i64)p.num_kv_heads * D;
+    auto tile_start = [&](int k) -> i64 { return first + (i64)(warp + k * WARPS) * KT; };
+    // The storage of key j (this lane's segment's first or its own key), or -1 where the
+    // segment (from j) or the key (t = 1) holds no key.
+    auto storage = [&](i64 j, int t) -> i64 {
+        return j + t > key_start && j < key_end
+                   ? key_offset<D>(p, seq, kv_head, key_end, block_div, j)
+                   : -1;
+    };
+    // By segment: this lane's segment of the warp's batch b. By key: this lane's key of the
+    // warp's k-th tile.
+    auto lookup = [&](int b) -> i64 {
+        if (by_segment) {
+            const int n = 32 * b + lane;
+            return n / SPT < count ? storage(tile_start(n / SPT) + 16 * (n % SPT), 16) : -1;
+        }
+        return b < count && lane < KT ? storage(tile_start(b) + lane, 1) : -1;
+    };
+    // `held` holds the lookups of the tile to stage (by segment: its batch) and `ahead` the
+    // next ones; called before staging tile k, in order.
+    i64 held = lookup(0), ahead = lookup(1);
+    auto advance = [&](int k) {
+        if (k > 0 && (!by_segment || k * SPT % 32 == 0)) {
+            held = ahead;
+            ahead = lookup(by_segment ? k * SPT / 32 + 1 : k + 1);
+        }
+    };
+    // The warp's k-th tile into stage k % STAGES (zeros for non-keys), as one commit group
+    // (empty past the warp's tiles). Returns the tile's keys that are keys, one bit each.
+    auto stage = [&](int k) -> u32 {
+        const i64 j0 = tile_start(k);
+        const int lo = (int)max((i64)0, min((i64)KT, key_start - j0));
+        const int hi = (int)max((i64)0, min((i64)KT, key_end - j0));
+        auto below = [](int n) { return n >= 32 ? FULL : (1u << n) - 1; };
+        if (k < count) {
+            i64 segment[SPT] = {};
+            if (by_segment) {
+#pragma unroll
+                for (int s = 0; s < SPT; ++s) {
+                    segment[s] = __shfl_sync(FULL, held, (k * SPT + s) % 32);
+                }
+            }
+            const u32 at = ring_at + (k % STAGES) * S::STAGE_BYTES;
+#pragma unroll
+            for (int x = 0; x < COPIES; ++x) {
+                const int c = lane + 32 * x;
+                const int t = min(c / CPR, KT - 1), col = c % CPR;
+                const i64 row = (t < 16 ? segment[0] : segment[SPT - 1]) + (t % 16) * stride;
+                const i64 off = !by_segment         ? __shfl_sync(FULL, held, t)
+                                : t >= lo && t < hi ? row
+                                                    : -1;
+                if (KT * CPR % 32 == 0 || c < KT * CPR) {
+                    const bool zeros = off < 0;
+                    const i64 src = (zeros ? 0 : off * STORED) + col * COPY;
+                    // (Swizzled rows take 16-byte copies: a copy is a unit.)
+                    const u32 dst = at + t * RB + (S::SWIZZLE ? col ^ (t % 8) : col) * COPY;
+                    cp_async<COPY>(dst, keys + src, zeros);
+                    cp_async<COPY>(dst + S::TILE_BYTES, values + src, zeros);
+                }
+            }
+        }
+        cp_async_commit();
+        return k < count ? below(hi) & ~below(lo) : 0;
+    };
+
+    u32 present[STAGES];  // the staged tiles' key bits, oldest first
+    // The first tiles are on their way before the queries are read.
+#pragma unroll
+    for (int k = 0; k + 1 < STAGES; ++k) {
+        advance(k);
+        present[k] = stage(k);
+    }
+
     // Q^T's B fragments: head g's dimensions (k-step kk) 2 t4, 2 t4 + 1 and 2 t4 + 8, 2 t4 + 9
     // (fp8 keys: 4 t4 .. 4 t4 + 3); zeros past D and for heads past the unit's.
     u32 qb[KS][2];
@@ -186,17 +283,6 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
         }
     }
 
-    // The warp's ring; the padding of its rows zeroed once (cp.async writes D elements).
-    u8* const ring = smem + warp * STAGES * S::STAGE_BYTES;
-    const u32 ring_at = smem_address(ring);
-    constexpr int PAD_WORDS = (RB - D * STORED) / 4;
-    if constexpr (PAD_WORDS > 0) {
-#pragma unroll 1
-        for (int x = lane; x < STAGES * 2 * KT * PAD_WORDS; x += 32) {
-            ((u32*)(ring + x / PAD_WORDS * RB + D * STORED))[x % PAD_WORDS] = 0;
-        }
-    }
-
     // The f32 state of heads 2 t4 + j (m agreed by the 8 lanes of a t4, l this lane's keys'),
     // O^T, and the f64 state: the base (m at the last fold), this lane's sums, and the
     // accumulators in shared memory, each element owned by the lane holding it in O^T.
@@ -243,53 +329,11 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
         }
     };
 
-    const int tiles = (int)((key_end - key_start + KT - 1) / KT);
-    // This warp's tiles, warp-uniform (a lane's broadcast: see decode.cuh).
-    const int count = __shfl_sync(FULL, tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0, 0);
-    // This lane's key of the warp's k-th tile (lanes < KT): its storage, or -1.
-    auto lookup = [&](int k) -> i64 {
-        const i64 j = key_start + (i64)(warp + k * WARPS) * KT + lane;
-        return k < count && lane < KT ? key_offset<D>(p, seq, kv_head, key_end, block_div, j)
-                                      : -1;
-    };
-    // The warp's k-th tile, whose keys' storage `mine` holds, into stage k % STAGES (zeros
-    // for non-keys), as one commit group (empty past the warp's tiles). Returns the tile's
-    // keys that are keys, one bit each.
-    auto stage = [&](int k, i64 mine) -> u32 {
-        const u32 present = __ballot_sync(FULL, mine >= 0);
-        if (k < count) {
-            const u32 at = ring_at + (k % STAGES) * S::STAGE_BYTES;
-#pragma unroll
-            for (int x = 0; x < COPIES; ++x) {
-                const int c = lane + 32 * x;
-                const int t = min(c / CPR, KT - 1), col = c % CPR;
-                const i64 off = __shfl_sync(FULL, mine, t);
-                if (KT * CPR % 32 == 0 || c < KT * CPR) {
-                    const bool zeros = off < 0;
-                    const i64 src = (zeros ? 0 : off * STORED) + col * COPY;
-                    // (Swizzled rows take 16-byte copies: a copy is a unit.)
-                    const u32 dst = at + t * RB + (S::SWIZZLE ? col ^ (t % 8) : col) * COPY;
-                    cp_async<COPY>(dst, keys + src, zeros);
-                    cp_async<COPY>(dst + S::TILE_BYTES, values + src, zeros);
-                }
-            }
-        }
-        cp_async_commit();
-        return present;
-    };
-
     bool attended = false;
-    u32 present[STAGES];  // the staged tiles' key bits, oldest first
-    i64 next = lookup(0);
-#pragma unroll
-    for (int k = 0; k + 1 < STAGES; ++k) {
-        present[k] = stage(k, next);
-        next = lookup(k + 1);
-    }
 #pragma unroll 1
     for (int k = 0; k < count; ++k) {
-        present[STAGES - 1] = stage(k + STAGES - 1, next);
-        next = lookup(k + STAGES);
+        advance(k + STAGES - 1);
+        present[STAGES - 1] = stage(k + STAGES - 1);
         cp_async_wait<STAGES - 1>();  // tile k has landed (this lane's copies of it)
         __syncwarp();                 // and every lane's
         const u32 keys_here = present[0];
@@ -300,7 +344,7 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
         attended |= keys_here != 0;
         const u32 k_tile = ring_at + (k % STAGES) * S::STAGE_BYTES;
         const u32 v_tile = k_tile + S::TILE_BYTES;
-        const i64 j0 = key_start + (i64)(warp + k * WARPS) * KT;
+        const i64 j0 = tile_start(k);
 
         // S^T = K Q^T, then the scores: element e of m-tile mk is key 16 mk + g + 8 (e / 2),
         // head 2 t4 + e % 2.
