@@ -112,7 +112,6 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     constexpr int MK = KT / 16;  // m-tiles of S^T, k-steps of O^T
     constexpr bool FP8 = sizeof(typename C::Type) == 1;
     constexpr int STORED = S::STORED, COPY = S::COPY, CPR = S::CPR, STAGES = S::STAGES;
-    constexpr int COPIES = (KT * CPR + 31) / 32;  // per lane, of each tile
     static_assert(KT % 16 == 0 && KT <= 32, "one lane per key of a tile");
     static_assert(ROWS <= 8, "the heads are the mma's 8 columns");
     __shared__ DecodeStates<ROWS> states;
@@ -147,21 +146,20 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
 
     // The unit's keys in tiles at positions that are multiples of KT (keys before key_start
     // or at or past key_end in a tile are no keys: zeros, masked), so that a tile's 16-key
-    // segments each lie in one block wherever the block size is a multiple of 16. There
-    // (and for the call's own keys) one lookup gives a segment's first row, the others
-    // following `stride` elements apart: a lane looks up the segment of its index in a batch
-    // of 32 of the warp's segments, a batch ahead, and staging a tile takes SPT shuffles.
-    // Other block sizes look up a row per key (a lane per key), two tiles ahead.
-    constexpr int SPT = KT / 16;  // segments per tile
+    // segments each lie in one block wherever the block size is a multiple of 16. There one
+    // lookup gives a segment's first row, the others following D elements apart: a lane
+    // looks up the segment of its index in a batch of 32 of the warp's segments, a batch
+    // ahead, and staging a tile takes SPT shuffles. Other block sizes, and the call's own
+    // keys, look up a row per key (a lane per key), two tiles ahead.
+    constexpr int SPT = KT / 16;  // segments per tile: 1 or 2
     const i64 first = key_start - key_start % KT;
     const int tiles = (int)((key_end - first + KT - 1) / KT);
     // This warp's tiles, warp-uniform (a lane's broadcast: see decode.cuh).
     const int count = __shfl_sync(FULL, tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0, 0);
-    const bool by_segment = !p.paged || p.block_size % 16 == 0;
-    const i64 stride = p.paged ? D : (i64)p.num_kv_heads * D;
+    const bool by_segment = p.paged && p.block_size % 16 == 0;
     auto tile_start = [&](int k) -> i64 { return first + (i64)(warp + k * WARPS) * KT; };
-    // The storage of key j (this lane's segment's first or its own key), or -1 where the
-    // segment (from j) or the key (t = 1) holds no key.
+    // The storage of key j, or -1 where none of the t keys from j is a key (a segment's 16
+    // keys, or this lane's own: t = 1).
     auto storage = [&](i64 j, int t) -> i64 {
         return j + t > key_start && j < key_end
                    ? key_offset<D>(p, seq, kv_head, key_end, block_div, j)
@@ -185,6 +183,20 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
             ahead = lookup(by_segment ? k * SPT / 32 + 1 : k + 1);
         }
     };
+    // A tile's copies: lane (r0, col) = (lane / CPR, lane % CPR) copies unit col of rows
+    // r0 + x RPI (x < NX); lanes past RPI x CPR copy nothing. Where RPI divides 16 (every
+    // power of two: CPR divides 32), a copy's rows lie in one segment, x RPI / 16, at
+    // r0 + x RPI % 16 in it, so that its address is this lane's part plus a constant of x.
+    constexpr int RPI = 32 / CPR, NX = (KT + RPI - 1) / RPI;
+    constexpr bool WHOLE = 16 % RPI == 0;
+    static_assert(CPR <= 32 && (!S::SWIZZLE || WHOLE), "swizzled rows: CPR divides 32");
+    const int r0 = lane / CPR, col = lane % CPR;
+    // Where copy x puts its unit in a stage: row r0 + x RPI; swizzled, unit col ^ (row % 8),
+    // where row % 8 = (r0 % 8) ^ (x RPI % 8) (r0 < RPI, a power of two).
+    const u32 lane_dst = r0 * RB + (S::SWIZZLE ? (col ^ (r0 % 8)) : col) * COPY;
+    auto dst_of = [&](int x) -> u32 {
+        return x * RPI * RB + (S::SWIZZLE ? lane_dst ^ (x * RPI % 8 * COPY) : lane_dst);
+    };
     // The warp's k-th tile into stage k % STAGES (zeros for non-keys), as one commit group
     // (empty past the warp's tiles). Returns the tile's keys that are keys, one bit each.
     auto stage = [&](int k) -> u32 {
@@ -192,35 +204,42 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
         const int lo = (int)max((i64)0, min((i64)KT, key_start - j0));
         const int hi = (int)max((i64)0, min((i64)KT, key_end - j0));
         auto below = [](int n) { return n >= 32 ? FULL : (1u << n) - 1; };
-        if (k < count) {
-            i64 segment[SPT] = {};
-            if (by_segment) {
-#pragma unroll
-                for (int s = 0; s < SPT; ++s) {
-                    segment[s] = __shfl_sync(FULL, held, (k * SPT + s) % 32);
-                }
+        const u32 present = k < count ? below(hi) & ~below(lo) : 0;
+        const u32 at = ring_at + (k % STAGES) * S::STAGE_BYTES;
+        // Unit col of row r0 + x RPI from byte `from` of the keys and the values (nothing
+        // read without a key).
+        auto copy = [&](int x, i64 from, bool key) {
+            if ((KT % RPI == 0 || r0 + x * RPI < KT) && lane < RPI * CPR) {
+                // (Swizzled rows take 16-byte copies: a copy is a unit.)
+                const u32 dst = at + dst_of(x);
+                cp_async<COPY>(dst, keys + from, !key);
+                cp_async<COPY>(dst + S::TILE_BYTES, values + from, !key);
             }
-            const u32 at = ring_at + (k % STAGES) * S::STAGE_BYTES;
+        };
+        if (k < count && by_segment) {
+            // The segments' first rows, from which their rows follow D elements apart.
+            const i64 first_row = max((i64)0, __shfl_sync(FULL, held, k * SPT % 32));
+            const i64 second_row =
+                SPT == 1 ? first_row : max((i64)0, __shfl_sync(FULL, held, (k * SPT + 1) % 32));
+            const u32 mine = present >> r0;  // bit x RPI: row r0 + x RPI holds a key
+            const int lane_from = (WHOLE ? r0 * D : 0) * STORED + col * COPY;
 #pragma unroll
-            for (int x = 0; x < COPIES; ++x) {
-                const int c = lane + 32 * x;
-                const int t = min(c / CPR, KT - 1), col = c % CPR;
-                const i64 row = (t < 16 ? segment[0] : segment[SPT - 1]) + (t % 16) * stride;
-                const i64 off = !by_segment         ? __shfl_sync(FULL, held, t)
-                                : t >= lo && t < hi ? row
-                                                    : -1;
-                if (KT * CPR % 32 == 0 || c < KT * CPR) {
-                    const bool zeros = off < 0;
-                    const i64 src = (zeros ? 0 : off * STORED) + col * COPY;
-                    // (Swizzled rows take 16-byte copies: a copy is a unit.)
-                    const u32 dst = at + t * RB + (S::SWIZZLE ? col ^ (t % 8) : col) * COPY;
-                    cp_async<COPY>(dst, keys + src, zeros);
-                    cp_async<COPY>(dst + S::TILE_BYTES, values + src, zeros);
-                }
+            for (int x = 0; x < NX; ++x) {
+                const int t = r0 + x * RPI;
+                const bool second = SPT > 1 && (WHOLE ? x * RPI >= 16 : t >= 16);
+                const int row = (WHOLE ? x * RPI % 16 : t % 16) * D;
+                const bool key = WHOLE ? (mine >> (x * RPI)) & 1 : t < 32 && (present >> t) & 1;
+                copy(x, ((second ? second_row : first_row) + row) * STORED + lane_from, key);
+            }
+        } else if (k < count) {
+#pragma unroll
+            for (int x = 0; x < NX; ++x) {
+                const i64 off = __shfl_sync(FULL, held, min(r0 + x * RPI, KT - 1));
+                copy(x, max((i64)0, off) * STORED + col * COPY, off >= 0);
             }
         }
         cp_async_commit();
-        return k < count ? below(hi) & ~below(lo) : 0;
+        return present;
     };
 
     u32 present[STAGES];  // the staged tiles' key bits, oldest first
