@@ -97,8 +97,9 @@ enum Command {
         #[arg(long)]
         cache: bool,
         /// Only the programs whose name contains this (e.g. `bf16_bf16_d128_causal`): a
-        /// quick check of a kernel edit. Not with `--cache`.
-        #[arg(long, conflicts_with = "cache")]
+        /// quick check of a kernel edit; with `--cache`, a cache of those programs (whose
+        /// entries are machine code after a 32-byte header: `nvdisasm` reads them without it).
+        #[arg(long)]
         only: Option<String>,
         /// Every program to machine code (`full`, as a GPU compiles it), or every program to
         /// PTX and to machine code only the fixed kernels and each dtype / storage / head
@@ -361,7 +362,7 @@ fn compile_kernels(
                 )
             }
             Some(disk) => {
-                let images = disk.fill(arch)?;
+                let images = disk.fill(arch, only)?;
                 let compiled = images
                     .iter()
                     .filter(|i| i.origin == ImageOrigin::Compiled)

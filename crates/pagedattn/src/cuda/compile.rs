@@ -475,11 +475,14 @@ impl DiskCache {
     }
 
     /// [`load_all`](Self::load_all) for every kernel source, every attention variant
-    /// included, in parallel (one thread per CPU): fills the cache ahead, so that no call
-    /// waits for NVRTC (`pagedattn compile-kernels --cache`).
-    pub fn fill(&self, arch: &str) -> Result<Vec<CachedImage>> {
+    /// included (or those whose program name contains `only`), in parallel (one thread per
+    /// CPU): fills the cache ahead, so that no call waits for NVRTC (`pagedattn
+    /// compile-kernels --cache`).
+    pub fn fill(&self, arch: &str, only: Option<&str>) -> Result<Vec<CachedImage>> {
         check_arch(arch)?;
-        in_parallel(&every_source(arch), |source| self.cached(source, arch))
+        let mut sources = every_source(arch);
+        sources.retain(|s| only.is_none_or(|o| s.name.contains(o)));
+        in_parallel(&sources, |source| self.cached(source, arch))
     }
 
     /// `source`'s image for `arch` from this cache, or compiled and stored.
