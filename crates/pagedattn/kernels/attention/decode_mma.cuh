@@ -36,6 +36,13 @@ __device__ __forceinline__ int unit(int u) {
     return SWIZZLE ? u ^ (threadIdx.x % 8) : u;
 }
 
+// The byte offset in a row of unit 2 v + b, where `lane_unit` is 16 unit<SW>(b) (b = 0 or 1,
+// this lane's): swizzled, the bits of 2 v and b do not overlap, so the offset is one XOR.
+template <bool SWIZZLE>
+__device__ __forceinline__ u32 unit_pair(u32 lane_unit, int v) {
+    return SWIZZLE ? lane_unit ^ (32 * v) : lane_unit + 32 * v;
+}
+
 // This lane's dimension of O^T's half hh (0: accumulators 0 and 1, 1: 2 and 3) of m-tile c.
 template <bool FP8>
 __device__ __forceinline__ int dim(int c, int hh) {
@@ -52,14 +59,15 @@ template <class C, int KS, int RB, bool SW>
 __device__ __forceinline__ void key_fragments(u32 (&a)[2][4], u32 tile, int mk, int kk) {
     const int lane = threadIdx.x % 32;
     const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 8 % 2)) * RB;
+    const u32 lane_unit = 16 * unit<SW>(lane / 16);
     if constexpr (sizeof(typename C::Type) == 2) {
 #pragma unroll
         for (int h = 0; h < 2 && kk + h < KS; ++h) {
-            ldmatrix_x4(a[h], at + 16 * unit<SW>(2 * (kk + h) + lane / 16));
+            ldmatrix_x4(a[h], at + unit_pair<SW>(lane_unit, kk + h));
         }
     } else {
         u32 r[4];
-        ldmatrix_x4(r, at + 16 * unit<SW>(kk + lane / 16));
+        ldmatrix_x4(r, at + unit_pair<SW>(lane_unit, kk / 2));
 #pragma unroll
         for (int h = 0; h < 2 && kk + h < KS; ++h) {
             a[h][0] = C::pair_to_f16x2((u16)r[2 * h]);
@@ -80,14 +88,15 @@ __device__ __forceinline__ void value_fragments(u32 (&a)[2][4], u32 tile, int mk
     const int lane = threadIdx.x % 32;
     if constexpr (sizeof(typename C::Type) == 2) {
         const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 16)) * RB;
+        const u32 lane_unit = 16 * unit<SW>(lane / 8 % 2);
 #pragma unroll
         for (int h = 0; h < 2 && c + h < KS; ++h) {
-            ldmatrix_x4_trans(a[h], at + 16 * unit<SW>(2 * (c + h) + lane / 8 % 2));
+            ldmatrix_x4_trans(a[h], at + unit_pair<SW>(lane_unit, c + h));
         }
     } else {
         const u32 at = tile + (16 * mk + lane % 8 + 8 * (lane / 8 % 2)) * RB;
         u32 r[4];
-        ldmatrix_x4_trans(r, at + 16 * unit<SW>(c + lane / 16));
+        ldmatrix_x4_trans(r, at + unit_pair<SW>(16 * unit<SW>(lane / 16), c / 2));
 #pragma unroll
         for (int h = 0; h < 2 && c + h < KS; ++h) {
             u32 x[2];
@@ -159,11 +168,9 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     const bool by_segment = p.paged && p.block_size % 16 == 0;
     auto tile_start = [&](int k) -> i64 { return first + (i64)(warp + k * WARPS) * KT; };
     // The storage of key j, or -1 where none of the t keys from j is a key (a segment's 16
-    // keys, or this lane's own: t = 1).
+    // keys, or this lane's own: t = 1); key_offset says -1 from key_end on.
     auto storage = [&](i64 j, int t) -> i64 {
-        return j + t > key_start && j < key_end
-                   ? key_offset<D>(p, seq, kv_head, key_end, block_div, j)
-                   : -1;
+        return j + t > key_start ? key_offset<D>(p, seq, kv_head, key_end, block_div, j) : -1;
     };
     // By segment: this lane's segment of the warp's batch b. By key: this lane's key of the
     // warp's k-th tile.
@@ -197,15 +204,22 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     auto dst_of = [&](int x) -> u32 {
         return x * RPI * RB + (S::SWIZZLE ? lane_dst ^ (x * RPI % 8 * COPY) : lane_dst);
     };
-    // The warp's k-th tile into stage k % STAGES (zeros for non-keys), as one commit group
+    // The stage after the one at `at` in the ring (a register carried through the loop: an
+    // address from k % STAGES is recomputed into every ldmatrix's address).
+    auto next_stage = [&](u32 at) -> u32 {
+        return at == ring_at + (STAGES - 1) * S::STAGE_BYTES ? ring_at : at + S::STAGE_BYTES;
+    };
+    // The warp's k-th tile into the stage at `at` (zeros for non-keys), as one commit group
     // (empty past the warp's tiles). Returns the tile's keys that are keys, one bit each.
-    auto stage = [&](int k) -> u32 {
+    auto stage = [&](int k, u32 at) -> u32 {
         const i64 j0 = tile_start(k);
-        const int lo = (int)max((i64)0, min((i64)KT, key_start - j0));
-        const int hi = (int)max((i64)0, min((i64)KT, key_end - j0));
         auto below = [](int n) { return n >= 32 ? FULL : (1u << n) - 1; };
-        const u32 present = k < count ? below(hi) & ~below(lo) : 0;
-        const u32 at = ring_at + (k % STAGES) * S::STAGE_BYTES;
+        u32 present = k < count ? below(KT) : 0;
+        if (k < count && (key_start > j0 || key_end < j0 + KT)) {  // the unit's first or last
+            const int lo = (int)max((i64)0, key_start - j0);
+            const int hi = (int)max((i64)0, min((i64)KT, key_end - j0));
+            present = below(hi) & ~below(lo);
+        }
         // Unit col of row r0 + x RPI from byte `from` of the keys and the values (nothing
         // read without a key).
         auto copy = [&](int x, i64 from, bool key) {
@@ -243,11 +257,13 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     };
 
     u32 present[STAGES];  // the staged tiles' key bits, oldest first
+    u32 fill_at = ring_at;  // the stage of the next tile staged (k % STAGES)
     // The first tiles are on their way before the queries are read.
 #pragma unroll
     for (int k = 0; k + 1 < STAGES; ++k) {
         advance(k);
-        present[k] = stage(k);
+        present[k] = stage(k, fill_at);
+        fill_at = next_stage(fill_at);
     }
 
     // Q^T's B fragments: head g's dimensions (k-step kk) 2 t4, 2 t4 + 1 and 2 t4 + 8, 2 t4 + 9
@@ -349,108 +365,113 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     };
 
     bool attended = false;
+    u32 k_tile = ring_at;  // tile k's stage
+    // Groups of FOLD tiles, each folded after its last: the inner loop keeps O^T in the same
+    // registers (with a fold inside it, ptxas copied every product back: 32 moves a tile).
 #pragma unroll 1
-    for (int k = 0; k < count; ++k) {
-        advance(k + STAGES - 1);
-        present[STAGES - 1] = stage(k + STAGES - 1);
-        cp_async_wait<STAGES - 1>();  // tile k has landed (this lane's copies of it)
-        __syncwarp();                 // and every lane's
-        const u32 keys_here = present[0];
+    for (int k0 = 0; k0 < count; k0 += S::FOLD) {
+        const int group_end = min(count, k0 + S::FOLD);
+#pragma unroll 1
+        for (int k = k0; k < group_end; ++k) {
+            advance(k + STAGES - 1);
+            present[STAGES - 1] = stage(k + STAGES - 1, fill_at);
+            fill_at = next_stage(fill_at);
+            cp_async_wait<STAGES - 1>();  // tile k has landed (this lane's copies of it)
+            __syncwarp();                 // and every lane's
+            const u32 keys_here = present[0];
 #pragma unroll
-        for (int x = 0; x + 1 < STAGES; ++x) {
-            present[x] = present[x + 1];
-        }
-        attended |= keys_here != 0;
-        const u32 k_tile = ring_at + (k % STAGES) * S::STAGE_BYTES;
-        const u32 v_tile = k_tile + S::TILE_BYTES;
-        const i64 j0 = tile_start(k);
+            for (int x = 0; x + 1 < STAGES; ++x) {
+                present[x] = present[x + 1];
+            }
+            attended |= keys_here != 0;
+            const u32 v_tile = k_tile + S::TILE_BYTES;
+            const i64 j0 = tile_start(k);
 
-        // S^T = K Q^T, then the scores: element e of m-tile mk is key 16 mk + g + 8 (e / 2),
-        // head 2 t4 + e % 2.
-        float s[MK][4];
-#pragma unroll
-        for (int mk = 0; mk < MK; ++mk) {
-            s[mk][0] = s[mk][1] = s[mk][2] = s[mk][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < KS; kk += 2) {
-                u32 a[2][4];
-                key_fragments<C, KS, RB, S::SWIZZLE>(a, k_tile, mk, kk);
-#pragma unroll
-                for (int h = 0; h < 2 && kk + h < KS; ++h) {
-                    M::mma(s[mk], a[h], qb[kk + h][0], qb[kk + h][1]);
-                }
-            }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int t = 16 * mk + g + 8 * (e / 2);
-                const float dot = S::SCALE_Q ? s[mk][e] * qfactor[e % 2] : s[mk][e];
-                s[mk][e] = (keys_here >> t) & 1
-                               ? V::logits(p, dot, j0 + t - pos, slope[e % 2])
-                               : -f32_inf();
-            }
-        }
-        // The online softmax per head: one new max per tile (over the 8 lanes of a t4).
-        float alpha[2], row_base[2];
-        bool changed = false;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            float tile_max = -f32_inf();
+            // S^T = K Q^T, then the scores: element e of m-tile mk is key 16 mk + g + 8 (e / 2),
+            // head 2 t4 + e % 2.
+            float s[MK][4];
 #pragma unroll
             for (int mk = 0; mk < MK; ++mk) {
-                tile_max = fmaxf(tile_max, fmaxf(s[mk][j], s[mk][j + 2]));
-            }
+                s[mk][0] = s[mk][1] = s[mk][2] = s[mk][3] = 0.0f;
 #pragma unroll
-            for (int x = 4; x < 32; x *= 2) {
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, x));
-            }
-            const float m_new = fmaxf(m[j], tile_max);
-            alpha[j] = rescale(m[j], m_new);
-            changed |= alpha[j] != 1.0f;
-            m[j] = m_new;
-            row_base[j] = softmax_base(m_new);
-            l[j] *= alpha[j];
-        }
-        // P^T's B fragments: the weights rounded to M, moved from S^T's layout (lane: key
-        // g, heads 2 t4, 2 t4 + 1) to B's (lane: head g, keys 2 t4, 2 t4 + 1).
-        u32 pb[MK][2];
+                for (int kk = 0; kk < KS; kk += 2) {
+                    u32 a[2][4];
+                    key_fragments<C, KS, RB, S::SWIZZLE>(a, k_tile, mk, kk);
 #pragma unroll
-        for (int mk = 0; mk < MK; ++mk) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[mk][e] = weight(s[mk][e], row_base[e % 2]);
-                l[e % 2] += s[mk][e];
-            }
-            pb[mk][0] = movmatrix_trans(M::pack2(s[mk][0], s[mk][1]));
-            pb[mk][1] = movmatrix_trans(M::pack2(s[mk][2], s[mk][3]));
-        }
-        if (__any_sync(FULL, changed)) {
-#pragma unroll
-            for (int c = 0; c < KS; ++c) {
+                    for (int h = 0; h < 2 && kk + h < KS; ++h) {
+                        M::mma(s[mk], a[h], qb[kk + h][0], qb[kk + h][1]);
+                    }
+                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    o[c][e] *= alpha[e % 2];
+                    const int t = 16 * mk + g + 8 * (e / 2);
+                    const float dot = S::SCALE_Q ? s[mk][e] * qfactor[e % 2] : s[mk][e];
+                    s[mk][e] = (keys_here >> t) & 1
+                                   ? V::logits(p, dot, j0 + t - pos, slope[e % 2])
+                                   : -f32_inf();
                 }
             }
-        }
-        // O^T += V^T P^T.
+            // The online softmax per head: one new max per tile (over the 8 lanes of a t4).
+            float alpha[2], row_base[2];
+            bool changed = false;
 #pragma unroll
-        for (int mk = 0; mk < MK; ++mk) {
+            for (int j = 0; j < 2; ++j) {
+                float tile_max = -f32_inf();
 #pragma unroll
-            for (int c = 0; c < KS; c += 2) {
-                u32 a[2][4];
-                value_fragments<C, KS, RB, S::SWIZZLE>(a, v_tile, mk, c);
+                for (int mk = 0; mk < MK; ++mk) {
+                    tile_max = fmaxf(tile_max, fmaxf(s[mk][j], s[mk][j + 2]));
+                }
 #pragma unroll
-                for (int h = 0; h < 2 && c + h < KS; ++h) {
-                    M::mma(o[c + h], a[h], pb[mk][0], pb[mk][1]);
+                for (int x = 4; x < 32; x *= 2) {
+                    tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, x));
+                }
+                const float m_new = fmaxf(m[j], tile_max);
+                alpha[j] = rescale(m[j], m_new);
+                changed |= alpha[j] != 1.0f;
+                m[j] = m_new;
+                row_base[j] = softmax_base(m_new);
+                l[j] *= alpha[j];
+            }
+            // P^T's B fragments: the weights rounded to M, moved from S^T's layout (lane: key
+            // g, heads 2 t4, 2 t4 + 1) to B's (lane: head g, keys 2 t4, 2 t4 + 1).
+            u32 pb[MK][2];
+#pragma unroll
+            for (int mk = 0; mk < MK; ++mk) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[mk][e] = weight(s[mk][e], row_base[e % 2]);
+                    l[e % 2] += s[mk][e];
+                }
+                pb[mk][0] = movmatrix_trans(M::pack2(s[mk][0], s[mk][1]));
+                pb[mk][1] = movmatrix_trans(M::pack2(s[mk][2], s[mk][3]));
+            }
+            if (__any_sync(FULL, changed)) {
+#pragma unroll
+                for (int c = 0; c < KS; ++c) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        o[c][e] *= alpha[e % 2];
+                    }
                 }
             }
+            // O^T += V^T P^T.
+#pragma unroll
+            for (int mk = 0; mk < MK; ++mk) {
+#pragma unroll
+                for (int c = 0; c < KS; c += 2) {
+                    u32 a[2][4];
+                    value_fragments<C, KS, RB, S::SWIZZLE>(a, v_tile, mk, c);
+#pragma unroll
+                    for (int h = 0; h < 2 && c + h < KS; ++h) {
+                        M::mma(o[c + h], a[h], pb[mk][0], pb[mk][1]);
+                    }
+                }
+            }
+            __syncwarp();  // every lane has read the stage that the next iteration refills
+            k_tile = next_stage(k_tile);
         }
-        __syncwarp();  // every lane has read the stage that the next iteration refills
-        if ((k + 1) % S::FOLD == 0) {
-            fold();
-        }
+        fold();
     }
-    fold();
     cp_async_wait<0>();
     // Each head's sum over the warp's lanes; lanes 0..3 hold heads 2 t4 + j.
 #pragma unroll
