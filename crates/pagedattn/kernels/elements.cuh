@@ -94,18 +94,25 @@ struct Plain {
 };
 
 #if __CUDA_ARCH__ >= 890
-// Two fp8 codes (the low byte in the low half), e4m3 or e5m2, as the f16 pair of their
-// values, exact (every value of both formats is an f16, NaN and infinities included): one
-// instruction on sm_89 and later. The formats' `pair_to_f16x2`.
+// Four fp8 codes, e4m3 or e5m2, as two f16 pairs of their values, exact (every value of both
+// formats is an f16, NaN and infinities included): bytes 0 and 1 into `lo`, 2 and 3 into
+// `hi`, one instruction a pair on sm_89 and later. The register's halves go to the
+// conversions as they are (`mov.b32 {l, h}`), which ptxas reads with a half selector: from
+// `(u16)(codes >> 16)` it shifted the high half down first, one more instruction a pair.
+// The formats' `quad_to_f16x2`.
 template <bool E4M3_CODES>
-__device__ __forceinline__ u32 fp8x2_to_f16x2(u16 pair) {
-    u32 r;
+__device__ __forceinline__ void fp8x4_to_f16x2(u32 codes, u32& lo, u32& hi) {
     if constexpr (E4M3_CODES) {
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(pair));
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2;"
+            " cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+            : "=r"(lo), "=r"(hi)
+            : "r"(codes));
     } else {
-        asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(pair));
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2;"
+            " cvt.rn.f16x2.e5m2x2 %0, l; cvt.rn.f16x2.e5m2x2 %1, h; }"
+            : "=r"(lo), "=r"(hi)
+            : "r"(codes));
     }
-    return r;
 }
 #endif
 
@@ -128,12 +135,14 @@ struct E4M3 {
         }
         return (code & 0x80) ? -magnitude : magnitude;
     }
-    // Two codes (the low byte in the low half) as the f16 pair of their values, exact.
-    static __device__ __forceinline__ u32 pair_to_f16x2(u16 pair) {
+    // Four codes as the f16 pairs of their values, exact: bytes 0, 1 into `lo` (byte 0 in
+    // its low half), bytes 2, 3 into `hi`.
+    static __device__ __forceinline__ void quad_to_f16x2(u32 codes, u32& lo, u32& hi) {
 #if __CUDA_ARCH__ >= 890
-        return fp8x2_to_f16x2<true>(pair);
+        fp8x4_to_f16x2<true>(codes, lo, hi);
 #else
-        return F16::pack2(read((u8)pair), read((u8)(pair >> 8)));
+        lo = F16::pack2(read((u8)codes), read((u8)(codes >> 8)));
+        hi = F16::pack2(read((u8)(codes >> 16)), read((u8)(codes >> 24)));
 #endif
     }
 };
@@ -145,12 +154,15 @@ struct E5M2 {
     static __device__ __forceinline__ float read(u8 code) {
         return F16::to_f32((u16)((u32)code << 8));
     }
-    // Two codes (the low byte in the low half) as the f16 pair of their values, exact.
-    static __device__ __forceinline__ u32 pair_to_f16x2(u16 pair) {
+    // Four codes as the f16 pairs of their values, exact: bytes 0, 1 into `lo` (byte 0 in
+    // its low half), bytes 2, 3 into `hi`.
+    static __device__ __forceinline__ void quad_to_f16x2(u32 codes, u32& lo, u32& hi) {
 #if __CUDA_ARCH__ >= 890
-        return fp8x2_to_f16x2<false>(pair);
+        fp8x4_to_f16x2<false>(codes, lo, hi);
 #else
-        return ((u32)(pair & 0xff) << 8) | ((u32)(pair & 0xff00) << 16);
+        // Each code is the high byte of its f16.
+        lo = ((codes & 0xff) << 8) | ((codes & 0xff00) << 16);
+        hi = ((codes >> 8) & 0xff00) | (codes & 0xff000000);
 #endif
     }
 };

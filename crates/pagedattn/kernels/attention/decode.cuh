@@ -35,10 +35,14 @@ __device__ __forceinline__ void elements(const u32 (&w)[W], float (&x)[8]) {
 #endif
     if constexpr (PAIRS) {
 #pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            const u32 pair = C::pair_to_f16x2((u16)(w[h / 2] >> (16 * (h % 2))));
-            x[2 * h] = F16::to_f32((u16)pair);
-            x[2 * h + 1] = F16::to_f32((u16)(pair >> 16));
+        for (int h = 0; h < 2; ++h) {
+            u32 pair[2];
+            C::quad_to_f16x2(w[h], pair[0], pair[1]);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                x[4 * h + 2 * i] = F16::to_f32((u16)pair[i]);
+                x[4 * h + 2 * i + 1] = F16::to_f32((u16)(pair[i] >> 16));
+            }
         }
     } else {
 #pragma unroll

@@ -70,10 +70,8 @@ __device__ __forceinline__ void key_fragments(u32 (&a)[2][4], u32 tile, int mk, 
         ldmatrix_x4(r, at + unit_pair<SW>(lane_unit, kk / 2));
 #pragma unroll
         for (int h = 0; h < 2 && kk + h < KS; ++h) {
-            a[h][0] = C::pair_to_f16x2((u16)r[2 * h]);
-            a[h][1] = C::pair_to_f16x2((u16)r[2 * h + 1]);
-            a[h][2] = C::pair_to_f16x2((u16)(r[2 * h] >> 16));
-            a[h][3] = C::pair_to_f16x2((u16)(r[2 * h + 1] >> 16));
+            C::quad_to_f16x2(r[2 * h], a[h][0], a[h][2]);
+            C::quad_to_f16x2(r[2 * h + 1], a[h][1], a[h][3]);
         }
     }
 }
@@ -106,10 +104,8 @@ __device__ __forceinline__ void value_fragments(u32 (&a)[2][4], u32 tile, int mk
                 // (dim 2 g: both keys; dim 2 g + 1: both keys).
                 asm("prmt.b32 %0, %1, 0, 0x3120;" : "=r"(x[i]) : "r"(r[2 * h + i]));
             }
-            a[h][0] = C::pair_to_f16x2((u16)x[0]);
-            a[h][1] = C::pair_to_f16x2((u16)(x[0] >> 16));
-            a[h][2] = C::pair_to_f16x2((u16)x[1]);
-            a[h][3] = C::pair_to_f16x2((u16)(x[1] >> 16));
+            C::quad_to_f16x2(x[0], a[h][0], a[h][1]);
+            C::quad_to_f16x2(x[1], a[h][2], a[h][3]);
         }
     }
 }
@@ -161,6 +157,7 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     // ahead, and staging a tile takes SPT shuffles. Other block sizes, and the call's own
     // keys, look up a row per key (a lane per key), two tiles ahead.
     constexpr int SPT = KT / 16;  // segments per tile: 1 or 2
+    constexpr u32 WHOLE_TILE = KT >= 32 ? FULL : (1u << KT) - 1;  // a tile's keys, a bit each
     const i64 first = key_start - key_start % KT;
     const int tiles = (int)((key_end - first + KT - 1) / KT);
     // This warp's tiles, warp-uniform (a lane's broadcast: see decode.cuh).
@@ -214,7 +211,7 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     auto stage = [&](int k, u32 at) -> u32 {
         const i64 j0 = tile_start(k);
         auto below = [](int n) { return n >= 32 ? FULL : (1u << n) - 1; };
-        u32 present = k < count ? below(KT) : 0;
+        u32 present = k < count ? WHOLE_TILE : 0;
         if (k < count && (key_start > j0 || key_end < j0 + KT)) {  // the unit's first or last
             const int lo = (int)max((i64)0, key_start - j0);
             const int hi = (int)max((i64)0, min((i64)KT, key_end - j0));
@@ -406,9 +403,20 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
                 for (int e = 0; e < 4; ++e) {
                     const int t = 16 * mk + g + 8 * (e / 2);
                     const float dot = S::SCALE_Q ? s[mk][e] * qfactor[e % 2] : s[mk][e];
-                    s[mk][e] = (keys_here >> t) & 1
-                                   ? V::logits(p, dot, j0 + t - pos, slope[e % 2])
-                                   : -f32_inf();
+                    s[mk][e] = V::logits(p, dot, j0 + t - pos, slope[e % 2]);
+                }
+            }
+            // The keys that are none (a unit's first or last tile only, a warp-uniform test):
+            // their rows are zeros, so the scores above are finite, and they weigh nothing.
+            if (keys_here != WHOLE_TILE) {
+#pragma unroll
+                for (int mk = 0; mk < MK; ++mk) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if (!((keys_here >> (16 * mk + g + 8 * (e / 2))) & 1)) {
+                            s[mk][e] = -f32_inf();
+                        }
+                    }
                 }
             }
             // The online softmax per head: one new max per tile (over the 8 lanes of a t4).

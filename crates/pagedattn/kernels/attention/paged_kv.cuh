@@ -78,8 +78,9 @@ struct StageRows {
     static __device__ __forceinline__ void widen(u8* tile, At at, int u) {
         static_assert(WIDEN, "only codes widen");
         auto pairs = [](u32 codes, u32& lo, u32& hi) {
-            lo = E::from_f16x2(C::pair_to_f16x2((u16)codes));
-            hi = E::from_f16x2(C::pair_to_f16x2((u16)(codes >> 16)));
+            C::quad_to_f16x2(codes, lo, hi);
+            lo = E::from_f16x2(lo);
+            hi = E::from_f16x2(hi);
         };
         U128 a, b;
         if constexpr (UNIT == 16) {

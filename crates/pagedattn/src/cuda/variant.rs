@@ -598,6 +598,12 @@ impl DecodeKernel {
 /// long decodes assumes.
 const DECODE_SHARED: usize = 112 * 1024;
 
+/// Tiles in each warp's ring of the tensor-core decode. Two (one tile in flight a warp while
+/// it computes another: 64 KiB an SM at D = 128) read as fast as three on an H200 in bf16 and
+/// 1.4% faster with fp8 codes (bench/results/cuda-2026-11-30-session39.md): the decode is
+/// bound by what the memory system delivers, not by the bytes asked for ahead.
+const DECODE_MMA_STAGES: usize = 2;
+
 /// The tensor-core decode's shape (`S` of `decode_mma.cuh`, which says what each field means).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DecodeMmaShape {
@@ -611,8 +617,6 @@ pub(crate) struct DecodeMmaShape {
     copy: usize,
     cpr: usize,
     tile_bytes: usize,
-    /// Tiles in a warp's ring: as many as fit [`DECODE_SHARED`], 2 to 4.
-    stages: usize,
     staging: usize,
     /// Tiles between folds of a warp's f32 state into its f64 one: 128 keys.
     fold: usize,
@@ -645,14 +649,11 @@ impl DecodeMmaShape {
             8
         };
         let tile_bytes = kt * row_bytes;
-        let ring = |stages: usize| WARPS * stages * 2 * tile_bytes;
+        let ring = WARPS * DECODE_MMA_STAGES * 2 * tile_bytes;
         let outer = |rows: usize| WARPS * rows * d * 8;
-        if ring(2) + outer(DECODE_ROWS) > DECODE_SHARED {
+        if ring + outer(DECODE_ROWS) > DECODE_SHARED {
             return None;
         }
-        let stages = (2..=4)
-            .rev()
-            .find(|&n| ring(n) + outer(rows) <= DECODE_SHARED)?;
         Some(DecodeMmaShape {
             d,
             dp,
@@ -663,12 +664,11 @@ impl DecodeMmaShape {
             copy,
             cpr: d * stored / copy,
             tile_bytes,
-            stages,
-            staging: ring(stages),
+            staging: ring,
             fold: 128 / kt,
             swizzle,
             scale_q,
-            bytes: ring(stages) + outer(rows),
+            bytes: ring + outer(rows),
         })
     }
 
@@ -686,7 +686,7 @@ impl DecodeMmaShape {
                 ("CPR", self.cpr),
                 ("TILE_BYTES", self.tile_bytes),
                 ("STAGE_BYTES", 2 * self.tile_bytes),
-                ("STAGES", self.stages),
+                ("STAGES", DECODE_MMA_STAGES),
                 ("STAGING", self.staging),
                 ("FOLD", self.fold),
                 ("BYTES", self.bytes),
@@ -1078,11 +1078,9 @@ mod tests {
         // eight rows, whose accumulators take 16 KiB more).
         let v = variant(DType::BF16, KvCacheDtype::Auto, 128);
         let bf16 = mma(v, 4);
-        assert_eq!((bf16.kt, bf16.row_bytes, bf16.stages), (16, 256, 3));
+        assert_eq!((bf16.kt, bf16.row_bytes), (16, 256));
         assert!(bf16.swizzle && !bf16.scale_q);
-        assert_eq!(bf16.bytes, 4 * 3 * 2 * 16 * 256 + outer(4, 128));
-        assert_eq!(bf16.bytes, DECODE_SHARED);
-        assert_eq!(mma(v, 8).stages, 2);
+        assert_eq!(bf16.bytes, 4 * 2 * 2 * 16 * 256 + outer(4, 128));
         // fp8 codes: tiles of 32 keys, swizzled 128-byte rows; bf16 queries scale into f16, f16
         // queries need not.
         let fp8 = mma(variant(DType::BF16, KvCacheDtype::Fp8E4m3, 128), 8);
