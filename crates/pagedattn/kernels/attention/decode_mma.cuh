@@ -157,7 +157,9 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     // ahead, and staging a tile takes SPT shuffles. Other block sizes, and the call's own
     // keys, look up a row per key (a lane per key), two tiles ahead.
     constexpr int SPT = KT / 16;  // segments per tile: 1 or 2
-    constexpr u32 WHOLE_TILE = KT >= 32 ? FULL : (1u << KT) - 1;  // a tile's keys, a bit each
+    // The first n keys of a tile, a bit each; WHOLE_TILE: all of them.
+    constexpr auto below = [](int n) { return n >= 32 ? FULL : (1u << n) - 1; };
+    constexpr u32 WHOLE_TILE = below(KT);
     const i64 first = key_start - key_start % KT;
     const int tiles = (int)((key_end - first + KT - 1) / KT);
     // This warp's tiles, warp-uniform (a lane's broadcast: see decode.cuh).
@@ -210,7 +212,6 @@ __device__ __forceinline__ void decode_mma(const Params& p) {
     // (empty past the warp's tiles). Returns the tile's keys that are keys, one bit each.
     auto stage = [&](int k, u32 at) -> u32 {
         const i64 j0 = tile_start(k);
-        auto below = [](int n) { return n >= 32 ? FULL : (1u << n) - 1; };
         u32 present = k < count ? WHOLE_TILE : 0;
         if (k < count && (key_start > j0 || key_end < j0 + KT)) {  // the unit's first or last
             const int lo = (int)max((i64)0, key_start - j0);

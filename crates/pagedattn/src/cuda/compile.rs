@@ -162,9 +162,7 @@ pub fn compile_check(
             .flat_map(move |output| v.sources(arch).into_iter().map(move |s| (s, output)))
     });
     let mut sources: Vec<(KernelSource, Output)> = fixed.chain(variants).collect();
-    if let Some(only) = only {
-        sources.retain(|(s, _)| s.name.contains(only));
-    }
+    sources.retain(|(s, _)| wanted(&s.name, only));
     let compiled = in_parallel(&sources, |(source, output)| {
         compile_to(source, arch, *output)
     })?;
@@ -316,6 +314,11 @@ fn every_source(arch: &str) -> Vec<KernelSource> {
         .cloned()
         .chain(Variant::all().flat_map(|v| v.sources(arch)))
         .collect()
+}
+
+/// Whether a program named `name` is among those `only` asks for (all without it).
+fn wanted(name: &str, only: Option<&str>) -> bool {
+    only.is_none_or(|o| name.contains(o))
 }
 
 /// `f` of every source, in order, run on one thread per CPU. Once one fails no further source
@@ -481,7 +484,7 @@ impl DiskCache {
     pub fn fill(&self, arch: &str, only: Option<&str>) -> Result<Vec<CachedImage>> {
         check_arch(arch)?;
         let mut sources = every_source(arch);
-        sources.retain(|s| only.is_none_or(|o| s.name.contains(o)));
+        sources.retain(|s| wanted(&s.name, only));
         in_parallel(&sources, |source| self.cached(source, arch))
     }
 
